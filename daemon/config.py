@@ -1,0 +1,153 @@
+"""Node configuration: pydantic model filled from defaults < TOML file < DILOCOX_* env < flags.
+
+Every field can come from ``--config FILE.toml`` (top-level keys), an environment variable
+``DILOCOX_<FIELD>`` (lists comma-separated) or a flag ``--field-name``. Unknown keys in the file
+and unknown ``DILOCOX_*`` variables are errors. Timeouts are seconds and must satisfy
+request_timeout < matchmaking_time < averaging_timeout < outer_round_deadline (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+import typing
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "DILOCOX_"
+ENV_EXTRA = {"DILOCOX_CONFIG"}  # names the config file itself
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the field, variable or file."""
+
+
+class NodeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # swarm and identity
+    run_id: str = Field("dilocox", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="swarm name; nodes with another run_id never average with us")
+    join: list[str] = Field(default_factory=list, description="multiaddr of a running peer (repeatable); none starts a new swarm")
+    listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="multiaddr to listen on (repeatable)")
+    announce: list[str] = Field(default_factory=list, description="multiaddr others should dial (repeatable)")
+    identity: Optional[Path] = Field(None, description="libp2p RSA key file; created if missing; pins the peer_id")
+    status_addr: str = Field("127.0.0.1:50051", pattern=r"^[^:\s]+:\d{1,5}$", description="gRPC HOST:PORT (port 0 picks a free one)")
+    # data and model
+    data: str = Field("builtin:shakespeare", description="text file, directory of .txt/.md, or builtin:shakespeare")
+    model: str = Field("small", description="preset (tiny, small) or a .json/.toml LlamaConfig file")
+    seed: int = Field(0, description="model initialisation seed (must match across the swarm)")
+    data_seed: Optional[int] = Field(None, description="this replica's data shard key (default: derived from peer_id)")
+    batch_size: Optional[int] = Field(None, ge=1, description="sequences per inner step (default: model preset)")
+    seq_len: Optional[int] = Field(None, ge=8, description="tokens per sequence (default: model preset)")
+    device: Literal["cpu", "cuda"] = "cpu"
+    # DiLoCo
+    inner_steps: int = Field(100, ge=1, description="H: inner steps per outer step")
+    max_outer_steps: Optional[int] = Field(None, ge=1, description="stop after this many outer steps")
+    inner_lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(100, ge=0)
+    total_steps: Optional[int] = Field(None, ge=1, description="cosine schedule length (default: max_outer_steps * H, else 10000)")
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, gt=0, lt=1)
+    outer_lr: float = Field(0.7, gt=0)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    # timeouts (seconds)
+    request_timeout: float = Field(5.0, gt=0)
+    matchmaking_time: float = Field(15.0, gt=0)
+    averaging_timeout: float = Field(60.0, gt=0)
+    outer_round_deadline: float = Field(300.0, gt=0)
+    startup_timeout: float = Field(60.0, gt=0, description="p2pd start-up and DHT bootstrap")
+    announce_period: float = Field(5.0, gt=0, description="membership record refresh interval")
+    # bookkeeping
+    checkpoint_dir: Optional[Path] = None
+    checkpoint_every: int = Field(5, ge=1, description="outer steps between checkpoints")
+    eval_batches: int = Field(4, ge=1, description="validation batches per outer step")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _check(self) -> "NodeConfig":
+        chain = ["request_timeout", "matchmaking_time", "averaging_timeout", "outer_round_deadline"]
+        values = [getattr(self, n) for n in chain]
+        for (a, va), (b, vb) in zip(zip(chain, values), zip(chain[1:], values[1:])):
+            if not va < vb:
+                raise ValueError(f"timeouts must satisfy {' < '.join(chain)}; got {a}={va} >= {b}={vb}")
+        if self.beta1**2 >= self.beta2:
+            raise ValueError(f"beta1^2 must be < beta2 (bounded AdamW update); got beta1={self.beta1}, beta2={self.beta2}")
+        return self
+
+
+def _is_list(name: str) -> bool:
+    return typing.get_origin(NodeConfig.model_fields[name].annotation) is list
+
+
+def _is_bool(name: str) -> bool:
+    return NodeConfig.model_fields[name].annotation is bool
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--field-name`` flag per config field; absent flags stay absent (argparse.SUPPRESS)."""
+    parser.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML file with config fields")
+    for name, field in NodeConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kwargs = dict(dest=name, default=argparse.SUPPRESS, help=field.description)
+        if _is_list(name):
+            parser.add_argument(flag, action="append", metavar="MULTIADDR", **kwargs)
+        elif _is_bool(name):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            parser.add_argument(flag, metavar=name.upper(), **kwargs)
+
+
+def _from_env(environ: typing.Mapping[str, str]) -> dict:
+    values = {}
+    for var, raw in environ.items():
+        if not var.startswith(ENV_PREFIX) or var in ENV_EXTRA:
+            continue
+        name = var[len(ENV_PREFIX):].lower()
+        if name not in NodeConfig.model_fields:
+            raise ConfigError(f"unknown environment variable {var} (no config field {name!r})")
+        values[name] = [v for v in raw.split(",") if v] if _is_list(name) else raw
+    return values
+
+
+def _from_file(path: Path) -> dict:
+    try:
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+    unknown = sorted(set(values) - set(NodeConfig.model_fields))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown field(s) {', '.join(unknown)}")
+    return values
+
+
+def load_config(flags: dict, environ: typing.Mapping[str, str] | None = None) -> NodeConfig:
+    """Merge sources (flag beats env beats file beats default) and validate; raises ConfigError."""
+    environ = os.environ if environ is None else environ
+    flags = dict(flags)
+    config_path = flags.pop("config", None) or environ.get("DILOCOX_CONFIG")
+    sources: dict[str, str] = {}
+    merged: dict = {}
+    layers = [(_from_file(Path(config_path)), f"file {config_path}")] if config_path else []
+    layers += [(_from_env(environ), "env"), (flags, "flag")]
+    for values, source in layers:
+        merged.update(values)
+        sources.update({k: source for k in values})
+    try:
+        return NodeConfig(**merged)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            name = str(err["loc"][0]) if err["loc"] else ""
+            where = sources.get(name, "")
+            label = {"flag": f"--{name.replace('_', '-')}", "env": f"{ENV_PREFIX}{name.upper()}"}.get(where, name or "config")
+            if where.startswith("file"):
+                label = f"{name} in {where}"
+            problems.append(f"{label}: {err['msg']}")
+        raise ConfigError("invalid configuration: " + "; ".join(problems)) from e

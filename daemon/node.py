@@ -1,0 +1,319 @@
+"""One dilocox node: joins the swarm, syncs state, runs DiLoCo rounds, drains on request.
+
+Runs in a worker thread (``Node.run``); the asyncio loop of daemon/main.py only reads the
+StatusBoard and sets ``leave_requested``. A background heartbeat thread refreshes this node's
+membership record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import pydantic.v1 as pydantic
+import torch
+
+import dilocox
+from daemon.config import NodeConfig
+from daemon.rounds import run_round
+from daemon.status import State, StatusBoard
+from dilocox import exact_mean
+from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
+from dilocox.data import Corpus, ReplicaShard, validation_batches
+from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, check_shapes, params_digest
+from dilocox.model import ModelSpec, build_model
+from peers.averaging import PseudoGradientAverager
+from peers.identity import load_or_create_identity
+from peers.swarm import MemberRecord, Swarm
+
+logger = logging.getLogger("dilocox.node")
+ACTIVE = (State.TRAINING.value, State.AVERAGING.value)
+
+
+class SyncError(RuntimeError):
+    """No peer served a usable state before the deadline."""
+
+
+class StateMeta(pydantic.BaseModel):
+    """Metadata a donor sends with its state (validated: it comes from another machine)."""
+
+    run_id: pydantic.StrictStr
+    outer_step: pydantic.conint(ge=0)
+    digest: pydantic.StrictStr
+    num_params: pydantic.conint(ge=1)
+    donor_state: pydantic.StrictStr
+    donor_inner_step: pydantic.conint(ge=0)
+
+
+class Node:
+    def __init__(self, cfg: NodeConfig, board: StatusBoard):
+        self.cfg, self.board = cfg, board
+        self.leave_requested = threading.Event()
+        self.finished = threading.Event()
+        self.exit_code = 0
+        self.spec = ModelSpec.resolve(cfg.model)
+        self.seq_len = cfg.seq_len or self.spec.seq_len
+        self.batch_size = cfg.batch_size or self.spec.batch_size
+        self.spec.llama["max_position_embeddings"] = max(self.seq_len, self.spec.llama["max_position_embeddings"])
+        self.corpus = Corpus.from_spec(cfg.data, self.seq_len)  # fails fast on bad data (DataError)
+        self.H = cfg.inner_steps
+        self.swarm: Optional[Swarm] = None
+        self.averager: Optional[PseudoGradientAverager] = None
+        self._served_lock = threading.Lock()
+        self._served = None
+        self._poke = threading.Event()
+        self._result = (0, "")  # (outer_step, digest) of the last averaged pseudo-gradient we hold
+        self._metrics = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def request_leave(self, reason: str = "requested") -> None:
+        if not self.leave_requested.is_set():
+            logger.info("leave requested (%s): draining", reason)
+            self.leave_requested.set()
+
+    def start(self) -> None:
+        """Join the DHT and build model, optimizers and averager. Main thread only: hivemind's
+        averager installs signal handlers while it forks. Raises on failure (after cleaning up)."""
+        try:
+            self._join()
+            self._init_training()
+        except BaseException:
+            self.exit_code = 1
+            self._drain()
+            raise
+        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+
+    def run(self) -> None:
+        """Thread target after ``start``: sync, train, drain. Sets exit_code (0 clean, 1 error)."""
+        try:
+            if self.cfg.join:
+                self.skip_steps = self._sync(initial=True)
+            self._train()
+        except Exception as e:
+            logger.error("node failed: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
+            self.board.update(last_error=str(e))
+            self.exit_code = 1
+        finally:
+            self._drain()
+            self.finished.set()
+
+    def _join(self) -> None:
+        identity_path, key = load_or_create_identity(self.cfg.identity)
+        self.swarm = Swarm(self.cfg.run_id, key, initial_peers=self.cfg.join, host_maddrs=self.cfg.listen,
+                           announce_maddrs=self.cfg.announce, identity_path=identity_path,
+                           startup_timeout_s=self.cfg.startup_timeout, ttl_s=3 * self.cfg.announce_period)
+        maddrs = self.swarm.visible_maddrs()
+        self.board.update(peer_id=self.swarm.peer_id, listen_maddrs=maddrs)
+        logger.info("joined DHT as %s, listening on %s", self.swarm.peer_id, ", ".join(maddrs))
+        print(f"join with: dilocox-node --join {maddrs[0]}", flush=True)
+
+    def _drain(self) -> None:
+        if self.board.snapshot().state != State.STOPPED:
+            self.board.update(state=State.DRAINING)
+        if self.averager is not None and self.exit_code == 0:
+            self._checkpoint(force=True)
+        self._poke.set()
+        if self.swarm is not None:
+            self.swarm.withdraw()
+        for closer in (self.averager, self.swarm):
+            try:
+                if closer is not None:
+                    closer.shutdown()
+            except Exception as e:
+                logger.warning("shutdown of %s: %s", type(closer).__name__, e)
+        if self._metrics:
+            self._metrics.close()
+        self.board.update(state=State.STOPPED)
+        logger.info("stopped (exit code %d)", self.exit_code)
+
+    def _heartbeat(self) -> None:
+        while not self.finished.is_set() and self.board.snapshot().state not in (State.DRAINING, State.STOPPED):
+            try:
+                self._publish()
+                self.board.update(swarm_size=len(self.swarm.members()))
+            except Exception as e:
+                logger.warning("membership refresh failed: %s", e)
+            self._poke.wait(self.cfg.announce_period)
+            self._poke.clear()
+
+    def _publish(self) -> None:
+        s = self.board.snapshot()
+        self.swarm.publish(MemberRecord(
+            peer_id=s.peer_id, run_id=self.cfg.run_id, state=s.state.value, outer_step=s.outer_step,
+            inner_step=s.inner_step, inner_steps=self.H, tokens_per_second=s.tokens_per_second,
+            loss=s.loss if math.isfinite(s.loss) else -1.0, global_params_digest=s.global_params_digest,
+            result_step=self._result[0], result_digest=self._result[1], maddrs=s.listen_maddrs))
+
+    def _set_state(self, state: State, **changes) -> None:
+        self.board.update(state=state, **changes)
+        self._poke.set()
+
+    def _others(self):
+        return [m for m, _ in self.swarm.members() if m.peer_id != self.swarm.peer_id]
+
+    # ---------------------------------------------------------------- state
+    def _init_training(self) -> None:
+        cfg = self.cfg
+        total = cfg.total_steps or (cfg.max_outer_steps * self.H if cfg.max_outer_steps else 10_000)
+        self.inner = InnerLoop(build_model(self.spec, cfg.seed), InnerConfig(
+            lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+            warmup_steps=cfg.warmup_steps, total_steps=total), device=cfg.device)
+        self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+        shard_key = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(
+            hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "little")
+        self.shard = ReplicaShard(self.corpus.train, self.seq_len, self.batch_size, cfg.seed, shard_key)
+        self.val_batches = validation_batches(self.corpus, self.seq_len, self.batch_size, cfg.eval_batches)
+        self.step_bound = exact_mean.adam_step_bound(cfg.beta1, cfg.beta2)
+        self.outer_step = 0
+        if cfg.checkpoint_dir:
+            self._resume(cfg.checkpoint_dir)
+            Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+            metrics_path = Path(cfg.checkpoint_dir) / "metrics.jsonl"
+            self._metrics = open(metrics_path, "a", encoding="utf-8")
+        self.digest = params_digest(self.outer.global_params)
+        self._serve_snapshot()
+        self.averager = PseudoGradientAverager(
+            self.outer.global_params, self.swarm.dht, cfg.run_id, self._serve_state,
+            matchmaking_time_s=cfg.matchmaking_time, request_timeout_s=cfg.request_timeout,
+            averaging_timeout_s=cfg.averaging_timeout)
+        self.averager.state_sharing_priority = float(self.outer_step)
+        self.board.update(outer_step=self.outer_step, inner_steps=self.H, global_params_digest=self.digest)
+        self.skip_steps = 0
+
+    def _serve_snapshot(self) -> None:
+        tensors = [p.clone() for p in self.outer.global_params] + self.outer.momentum_buffers()
+        meta = dict(run_id=self.cfg.run_id, outer_step=self.outer_step, digest=self.digest,
+                    num_params=len(self.outer.global_params))
+        with self._served_lock:
+            self._served = (meta, tensors)
+        if self.averager is not None:
+            self.averager.state_sharing_priority = float(self.outer_step)
+
+    def _serve_state(self):
+        """Called by hivemind (host process) when a joiner downloads our state."""
+        with self._served_lock:
+            meta, tensors = self._served
+        s = self.board.snapshot()
+        return dict(meta, donor_state=s.state.value, donor_inner_step=s.inner_step), tensors
+
+    def _sync(self, initial: bool) -> int:
+        """Download theta, outer momentum and outer_step from a peer; returns inner steps to skip.
+
+        A joiner must never average its random init into the swarm (issue 2): it trains only from
+        a downloaded state, except when no replica is training anywhere (then everyone starts from
+        the shared seed, which is the same state).
+        """
+        self._set_state(State.SYNCING)
+        deadline = time.monotonic() + self.cfg.outer_round_deadline
+        first_seen = time.monotonic()
+        while not self.leave_requested.is_set():
+            if time.monotonic() > deadline:
+                raise SyncError(f"no peer served a usable state within {self.cfg.outer_round_deadline:.0f}s")
+            active = [m for m in self._others() if m.state in ACTIVE]
+            if not active:
+                if initial and time.monotonic() - first_seen > 2 * self.cfg.announce_period + 2:
+                    logger.info("no replica is training yet: starting from seed %d", self.cfg.seed)
+                    return 0
+                time.sleep(0.3)
+                continue
+            got = self.averager.download_state(timeout_s=self.cfg.averaging_timeout)
+            if got is None:
+                time.sleep(0.5)
+                continue
+            try:
+                meta = StateMeta.parse_obj(got[0])
+                n = len(self.outer.global_params)
+                if meta.run_id != self.cfg.run_id or meta.num_params != n or len(got[1]) != 2 * n:
+                    raise ValueError(f"state for run {meta.run_id!r} with {len(got[1])} tensors does not fit ours")
+                check_shapes(self.outer.global_params, got[1][:n], "downloaded parameters")
+                check_shapes(self.outer.global_params, got[1][n:], "downloaded momentum")
+                if params_digest(got[1][:n]) != meta.digest:
+                    raise ValueError("downloaded parameters do not match the donor's digest")
+            except (pydantic.ValidationError, ValueError) as e:
+                logger.warning("rejected a downloaded state: %s", e)
+                time.sleep(0.5)
+                continue
+            if meta.donor_state == State.AVERAGING.value or meta.donor_inner_step >= self.H:
+                logger.info("donor is finishing round %d; waiting for the next outer step", meta.outer_step + 1)
+                self._wait(lambda: any(m.outer_step > meta.outer_step for m in self._others()), 3 * self.cfg.outer_round_deadline)
+                continue
+            self.outer.load_state(got[1][:n], got[1][n:])
+            self.inner.load_params(self.outer.global_params)
+            self.outer_step, self.digest = meta.outer_step, meta.digest
+            self._serve_snapshot()
+            resyncs = self.board.snapshot().resyncs + (0 if initial else 1)
+            self.board.update(outer_step=self.outer_step, global_params_digest=self.digest, resyncs=resyncs)
+            logger.info("synced state of outer step %d (digest %s); skipping %d inner steps of the current round",
+                        self.outer_step, self.digest, meta.donor_inner_step)
+            return meta.donor_inner_step
+        return 0
+
+    def _wait(self, predicate, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.leave_requested.is_set():
+            if predicate():
+                return True
+            time.sleep(0.2)
+        return False
+
+    # ---------------------------------------------------------------- training
+    def _train(self) -> None:
+        while not self.leave_requested.is_set():
+            if self.cfg.max_outer_steps is not None and self.outer_step >= self.cfg.max_outer_steps:
+                logger.info("reached max_outer_steps=%d", self.cfg.max_outer_steps)
+                return
+            skip, self.skip_steps = self.skip_steps, 0
+            self._round(skip)
+
+    def _round(self, skip: int) -> None:
+        run_round(self, skip)
+
+    def _resync(self, reason: str) -> None:
+        logger.warning("re-syncing from peers: %s", reason)
+        self.inner.load_params(self.outer.global_params)
+        self.skip_steps = self._sync(initial=False)
+
+    # ---------------------------------------------------------------- persistence
+    def _checkpoint(self, force: bool = False) -> None:
+        if not self.cfg.checkpoint_dir or self.outer_step == 0:
+            return
+        if not force and self.outer_step % self.cfg.checkpoint_every:
+            return
+        state = dict(run_id=self.cfg.run_id, model=self.cfg.model, outer_step=self.outer_step,
+                     global_params=self.outer.global_params, momentum=self.outer.momentum_buffers(),
+                     inner_optimizer=self.inner.inner_optimizer.state_dict(),
+                     shard_position=self.shard.position, shard_key=self.shard.shard_key,
+                     torch_rng=torch.get_rng_state(), version=dilocox.__version__)
+        path = save_checkpoint(Path(self.cfg.checkpoint_dir), self.outer_step, state)
+        logger.info("checkpoint written: %s", path)
+
+    def _resume(self, directory: Path) -> None:
+        found = load_latest_checkpoint(Path(directory))
+        if found is None:
+            return
+        path, state = found
+        try:
+            if state.get("run_id") != self.cfg.run_id or state.get("model") != self.cfg.model:
+                raise ValueError(f"it belongs to run {state.get('run_id')!r} / model {state.get('model')!r}")
+            self.outer.load_state(state["global_params"], state["momentum"])
+            self.inner.load_params(self.outer.global_params)
+            self.inner.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        except (KeyError, ValueError) as e:
+            logger.warning("ignoring checkpoint %s: %s", path, e)
+            return
+        self.shard.position = int(state["shard_position"])
+        torch.set_rng_state(state["torch_rng"])
+        self.outer_step = int(state["outer_step"])
+        logger.info("resumed from %s at outer step %d", path, self.outer_step)
+
+    def record_metrics(self, record: dict) -> None:
+        logger.info("round %s", json.dumps(record, sort_keys=True))
+        if self._metrics:
+            self._metrics.write(json.dumps(record, sort_keys=True) + "\n")
+            self._metrics.flush()

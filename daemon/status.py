@@ -1,0 +1,101 @@
+"""Thread-safe status board: the training thread writes, the gRPC service reads and watches."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+from proto.dilocox.v1 import node_pb2
+
+
+class State(str, Enum):
+    """Lifecycle: JOINING -> SYNCING -> TRAINING <-> AVERAGING -> DRAINING -> STOPPED (DESIGN.md)."""
+
+    JOINING = "JOINING"
+    SYNCING = "SYNCING"
+    TRAINING = "TRAINING"
+    AVERAGING = "AVERAGING"
+    DRAINING = "DRAINING"
+    STOPPED = "STOPPED"
+
+
+@dataclass
+class RoundInfo:
+    outer_step: int = 0
+    group_size: int = 0
+    payload_bytes: int = 0
+    duration_s: float = 0.0
+    compression_ratio: float = 0.0
+    rank: int = 0
+    compute_s: float = 0.0
+    outcome: str = ""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@dataclass
+class Status:
+    peer_id: str = ""
+    run_id: str = ""
+    version: str = ""
+    state: State = State.JOINING
+    listen_maddrs: list[str] = field(default_factory=list)
+    stage_index: int = 0
+    num_stages: int = 1
+    outer_step: int = 0
+    inner_step: int = 0
+    inner_steps: int = 0
+    loss: float = math.nan
+    initial_loss: float = math.nan
+    val_loss: float = math.nan
+    tokens_per_second: float = 0.0
+    tokens_total: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_round: RoundInfo = field(default_factory=RoundInfo)
+    global_params_digest: str = ""
+    swarm_size: int = 0
+    resyncs: int = 0
+    last_error: str = ""
+
+
+class StatusBoard:
+    """Holds the current Status; ``update`` bumps a version that watchers wait on."""
+
+    def __init__(self, **initial):
+        self._status = Status(**initial)
+        self._cond = threading.Condition()
+        self.version = 0
+        self.started = time.monotonic()
+
+    def update(self, **changes) -> None:
+        with self._cond:
+            for k, v in changes.items():
+                if not hasattr(self._status, k):
+                    raise AttributeError(f"Status has no field {k}")
+                setattr(self._status, k, v)
+            self.version += 1
+            self._cond.notify_all()
+
+    def snapshot(self) -> Status:
+        with self._cond:
+            s = Status(**{k: getattr(self._status, k) for k in Status.__dataclass_fields__})
+            s.last_round = RoundInfo(**asdict(self._status.last_round))
+            s.listen_maddrs = list(self._status.listen_maddrs)
+            return s
+
+    def wait_change(self, seen_version: int, timeout_s: float) -> int:
+        with self._cond:
+            self._cond.wait_for(lambda: self.version != seen_version, timeout=timeout_s)
+            return self.version
+
+    def to_proto(self) -> node_pb2.NodeStatus:
+        s = self.snapshot()
+        fields = asdict(s)
+        fields["state"] = s.state.value
+        fields["last_round"] = node_pb2.RoundInfo(**fields["last_round"])
+        fields["uptime_s"] = time.monotonic() - self.started
+        return node_pb2.NodeStatus(**fields)

@@ -1,0 +1,67 @@
+"""Atomic checkpoints: write to a temporary file, fsync, rename; a SHA-256 sidecar guards the payload.
+
+Layout under the checkpoint directory: ``step-<outer_step:08d>.pt`` and ``step-<outer_step:08d>.pt.sha256``.
+A file whose checksum does not match (truncated, corrupt) is reported and skipped in favour of
+the newest good one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+KEEP = 3
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(directory: Path, outer_step: int, state: dict[str, Any]) -> Path:
+    """Write ``state`` (torch.save-able) atomically; keep the newest KEEP checkpoints. Returns the path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    path = directory / f"step-{outer_step:08d}.pt"
+    # payload first, checksum last: a crash in between leaves a file without a checksum, which is skipped
+    _fsync_write(path, data)
+    _fsync_write(path.with_name(path.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
+    for old in sorted(directory.glob("step-*.pt"))[:-KEEP]:
+        old.unlink(missing_ok=True)
+        old.with_name(old.name + ".sha256").unlink(missing_ok=True)
+    return path
+
+
+def load_latest_checkpoint(directory: Path) -> Optional[tuple[Path, dict[str, Any]]]:
+    """Newest checkpoint whose checksum matches, or None; bad ones are logged and skipped."""
+    if not directory.is_dir():
+        return None
+    for path in sorted(directory.glob("step-*.pt"), reverse=True):
+        digest_file = path.with_name(path.name + ".sha256")
+        try:
+            data = path.read_bytes()
+            expected = digest_file.read_text().strip()
+        except OSError as e:
+            logger.warning("checkpoint %s unreadable (%s); trying an older one", path, e)
+            continue
+        if hashlib.sha256(data).hexdigest() != expected:
+            logger.warning("checkpoint %s is corrupt or truncated (checksum mismatch); trying an older one", path)
+            continue
+        try:
+            return path, torch.load(io.BytesIO(data), weights_only=False)
+        except Exception as e:
+            logger.warning("checkpoint %s cannot be loaded (%s); trying an older one", path, e)
+    return None

@@ -1,0 +1,145 @@
+"""DiLoCo (Douillard et al., arXiv 2311.08105): inner loop, pseudo-gradient, outer Nesterov step.
+
+For outer step t (REFERENCES.md, "DiLoCo"):
+  1. x_r <- theta_{t-1}; H inner AdamW steps on replica r's data;
+  2. pseudo_gradient delta_r = theta_{t-1} - x_r;
+  3. Delta_t = weighted mean over replicas of delta_r (done by peers/, not here);
+  4. theta_t = SGD(nesterov, outer_lr, outer_momentum) step on theta_{t-1} with gradient Delta_t.
+
+The global parameters theta and the outer optimizer's momentum live on the CPU in fp32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dilocox.model import causal_lm_loss
+
+
+@dataclass
+class InnerConfig:
+    """AdamW with linear warm-up then cosine decay to min_lr_ratio * lr, driven by the global step."""
+
+    lr: float = 4e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 100
+    total_steps: int = 10_000
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+
+    def lr_at(self, global_step: int) -> float:
+        if global_step < self.warmup_steps:
+            return self.lr * (global_step + 1) / self.warmup_steps
+        progress = min(1.0, (global_step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+
+
+class InnerLoop:
+    """One replica's model and inner_optimizer (AdamW; its state persists across rounds, as in DiLoCo)."""
+
+    def __init__(self, model: torch.nn.Module, config: InnerConfig, device: str = "cpu"):
+        self.model = model.to(device)
+        self.device = device
+        self.config = config
+        self.params = [p for p in self.model.parameters()]
+        self.inner_optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+
+    def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, global_step: int) -> float:
+        """One AdamW step at the learning rate of ``global_step``; returns the loss (nats/token)."""
+        lr = self.config.lr_at(global_step)
+        for group in self.inner_optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        loss = causal_lm_loss(self.model, inputs.to(self.device), targets.to(self.device))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        self.inner_optimizer.step()
+        self.inner_optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> float:
+        """Mean loss over (inputs, targets) batches, without touching optimizer state."""
+        self.model.eval()
+        losses = [float(causal_lm_loss(self.model, x.to(self.device), y.to(self.device))) for x, y in batches]
+        return sum(losses) / len(losses)
+
+    @torch.no_grad()
+    def load_params(self, tensors: list[torch.Tensor]) -> None:
+        for p, t in zip(self.params, tensors):
+            p.copy_(t)
+
+
+class OuterOptimizer:
+    """Global parameters theta (CPU fp32) and the outer SGD-Nesterov optimizer over them.
+
+    Source: DiLoCo, Algorithm 1 (outer_lr 0.7, outer_momentum 0.9, nesterov). The pseudo-gradient
+    is used as the gradient of theta, so ``torch.optim.SGD`` gives exactly the DiLoCo outer step.
+    """
+
+    def __init__(self, params: list[torch.Tensor], outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True):
+        self.global_params = [p.detach().to("cpu", torch.float32).clone() for p in params]
+        self.outer_optimizer = torch.optim.SGD(
+            self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
+        )
+
+    @torch.no_grad()
+    def pseudo_gradient(self, local_params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """delta = theta_{t-1} - x (DiLoCo step 2); same shapes as the parameters, CPU fp32."""
+        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, local_params)]
+
+    @torch.no_grad()
+    def step(self, averaged_pseudo_gradient: list[torch.Tensor]) -> None:
+        """theta_t = outer_optimizer(theta_{t-1}, Delta_t) (DiLoCo step 4)."""
+        for p, g in zip(self.global_params, averaged_pseudo_gradient):
+            p.grad = g.to(torch.float32).clone()
+        self.outer_optimizer.step()
+        for p in self.global_params:
+            p.grad = None
+
+    def momentum_buffers(self) -> list[torch.Tensor]:
+        """The Nesterov momentum buffer per parameter (zeros before the first outer step)."""
+        out = []
+        for p in self.global_params:
+            buf = self.outer_optimizer.state.get(p, {}).get("momentum_buffer")
+            out.append(buf.clone() if buf is not None else torch.zeros_like(p))
+        return out
+
+    @torch.no_grad()
+    def load_state(self, global_params: list[torch.Tensor], momentum: list[torch.Tensor] | None) -> None:
+        """Replace theta and the momentum buffers (shapes must match; raises ValueError otherwise)."""
+        check_shapes(self.global_params, global_params, "global parameters")
+        for p, t in zip(self.global_params, global_params):
+            p.copy_(t)
+        if momentum is not None:
+            check_shapes(self.global_params, momentum, "outer momentum")
+            for p, m in zip(self.global_params, momentum):
+                self.outer_optimizer.state[p]["momentum_buffer"] = m.to(torch.float32).clone()
+
+
+def check_shapes(reference: list[torch.Tensor], other: list[torch.Tensor], what: str) -> None:
+    """Raise ValueError naming ``what`` when tensor count, shape or finiteness disagrees with ``reference``."""
+    if len(reference) != len(other):
+        raise ValueError(f"{what}: expected {len(reference)} tensors, got {len(other)}")
+    for i, (r, o) in enumerate(zip(reference, other)):
+        if not isinstance(o, torch.Tensor) or tuple(r.shape) != tuple(o.shape):
+            raise ValueError(f"{what}: tensor {i} has shape {getattr(o, 'shape', None)}, expected {tuple(r.shape)}")
+        if not torch.isfinite(o).all():
+            raise ValueError(f"{what}: tensor {i} holds NaN or Inf")
+
+
+def params_digest(tensors: list[torch.Tensor]) -> str:
+    """Hex SHA-256 (first 16 hex digits) of the fp32 bytes of ``tensors`` in order: equal iff bit-identical."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

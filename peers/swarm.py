@@ -1,0 +1,144 @@
+"""DHT membership: join a swarm, publish this node's signed, expiring record, list live members.
+
+Records live under the DHT key ``{run_id}_members``, one subkey per node holding the node's RSA
+public key marker, so ``RSASignatureValidator`` lets only the owner write it, and
+``SchemaValidator`` rejects values that do not parse as ``MemberRecord`` (hivemind/dht/schema.py).
+A record expires ``ttl_s`` after it was stored; a node that stops refreshing drops out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Dict, List, Optional
+
+import hivemind
+import pydantic.v1 as pydantic
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+
+class MemberRecord(pydantic.BaseModel):
+    """What a node tells the swarm about itself (refreshed every few seconds)."""
+
+    peer_id: pydantic.StrictStr
+    run_id: pydantic.StrictStr
+    state: pydantic.StrictStr
+    outer_step: pydantic.conint(ge=0)
+    inner_step: pydantic.conint(ge=0)
+    inner_steps: pydantic.conint(ge=1)
+    tokens_per_second: pydantic.confloat(ge=0)
+    loss: float
+    global_params_digest: pydantic.StrictStr
+    # digest of the averaged pseudo-gradient of round `result_step` (consistency check, DESIGN.md)
+    result_step: pydantic.conint(ge=0) = 0
+    result_digest: pydantic.StrictStr = ""
+    maddrs: List[pydantic.StrictStr] = []
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class SwarmSchema(pydantic.BaseModel):
+    members: Dict[BytesWithPublicKey, Optional[MemberRecord]]
+
+
+class JoinError(RuntimeError):
+    """The DHT could not start or could not reach any --join address."""
+
+
+def parse_multiaddrs(addrs: List[str], what: str) -> List[Multiaddr]:
+    """Parse multiaddrs, raising ValueError that names the bad one."""
+    out = []
+    for a in addrs:
+        try:
+            out.append(Multiaddr(a))
+        except Exception as e:
+            raise ValueError(f"{what}: {a!r} is not a valid multiaddr ({e})") from e
+    return out
+
+
+class Swarm:
+    """One node's DHT and membership record. Blocking methods; call them off the event loop."""
+
+    def __init__(self, run_id: str, private_key: RSAPrivateKey, *, initial_peers: List[str],
+                 host_maddrs: List[str], announce_maddrs: List[str], identity_path: str,
+                 startup_timeout_s: float = 30.0, ttl_s: float = 15.0):
+        self.run_id, self.ttl_s = run_id, ttl_s
+        self.key = f"{run_id}_members"
+        signer = RSASignatureValidator(private_key)
+        self.public_key = signer.local_public_key
+        parse_multiaddrs(initial_peers, "--join")
+        parse_multiaddrs(host_maddrs, "--listen")
+        parse_multiaddrs(announce_maddrs, "--announce")
+        try:
+            self.dht = hivemind.DHT(
+                initial_peers=initial_peers or None,
+                start=True,
+                host_maddrs=host_maddrs,
+                announce_maddrs=announce_maddrs or None,
+                identity_path=identity_path,
+                record_validators=[SchemaValidator(SwarmSchema, prefix=run_id), signer],
+                nat_port_map=False,  # UPnP discovery would multicast off the machine
+                startup_timeout=startup_timeout_s,
+                await_ready=True,
+            )
+        except Exception as e:
+            raise JoinError(f"could not start or join the DHT ({', '.join(initial_peers) or 'new swarm'}): {e}") from e
+        self.peer_id = self.dht.peer_id.to_base58()
+        self._lock = threading.Lock()  # one DHT pipe shared by our threads
+
+    def visible_maddrs(self) -> List[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def publish(self, record: MemberRecord) -> bool:
+        with self._lock:
+            return bool(self.dht.store(self.key, subkey=self.public_key, value=record.dict(),
+                                       expiration_time=get_dht_time() + self.ttl_s))
+
+    def withdraw(self) -> None:
+        """Overwrite our record with None so peers stop counting us before it expires."""
+        try:
+            with self._lock:
+                self.dht.store(self.key, subkey=self.public_key, value=None,
+                               expiration_time=get_dht_time() + self.ttl_s)
+        except Exception as e:  # leaving must not fail because the DHT is already gone
+            logger.warning("could not withdraw membership record: %s", e)
+
+    def members(self) -> List[tuple[MemberRecord, float]]:
+        """Live members (ours included) with seconds until their record expires; invalid records are skipped."""
+        with self._lock:
+            found = self.dht.get(self.key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now, out = get_dht_time(), []
+        for item in found.value.values():
+            value = getattr(item, "value", None)
+            if value is None:
+                continue
+            try:
+                record = MemberRecord.parse_obj(value)
+            except pydantic.ValidationError:
+                continue
+            if record.run_id == self.run_id:
+                out.append((record, item.expiration_time - now))
+        return out
+
+    def shutdown(self) -> None:
+        self.dht.shutdown()
+
+
+def wait_for(predicate, timeout_s: float, poll_s: float = 0.2):
+    """Poll ``predicate()`` until it returns a truthy value or timeout_s passes; return the last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(poll_s)

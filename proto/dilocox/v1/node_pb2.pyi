@@ -1,0 +1,135 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchStatusRequest(_message.Message):
+    __slots__ = ("interval_s",)
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    interval_s: float
+    def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
+
+class ListPeersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ("accepted", "state")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    state: str
+    def __init__(self, accepted: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
+
+class RoundInfo(_message.Message):
+    __slots__ = ("outer_step", "group_size", "payload_bytes", "duration_s", "compression_ratio", "rank", "compute_s", "outcome", "bytes_sent", "bytes_received")
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_RATIO_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    outer_step: int
+    group_size: int
+    payload_bytes: int
+    duration_s: float
+    compression_ratio: float
+    rank: int
+    compute_s: float
+    outcome: str
+    bytes_sent: int
+    bytes_received: int
+    def __init__(self, outer_step: _Optional[int] = ..., group_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., compression_ratio: _Optional[float] = ..., rank: _Optional[int] = ..., compute_s: _Optional[float] = ..., outcome: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("peer_id", "run_id", "version", "state", "listen_maddrs", "stage_index", "num_stages", "outer_step", "inner_step", "inner_steps", "loss", "tokens_per_second", "tokens_total", "bytes_sent", "bytes_received", "last_round", "global_params_digest", "swarm_size", "uptime_s", "val_loss", "resyncs", "last_error", "initial_loss")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_MADDRS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SWARM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    run_id: str
+    version: str
+    state: str
+    listen_maddrs: _containers.RepeatedScalarFieldContainer[str]
+    stage_index: int
+    num_stages: int
+    outer_step: int
+    inner_step: int
+    inner_steps: int
+    loss: float
+    tokens_per_second: float
+    tokens_total: int
+    bytes_sent: int
+    bytes_received: int
+    last_round: RoundInfo
+    global_params_digest: str
+    swarm_size: int
+    uptime_s: float
+    val_loss: float
+    resyncs: int
+    last_error: str
+    initial_loss: float
+    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., listen_maddrs: _Optional[_Iterable[str]] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., tokens_total: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., last_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., global_params_digest: _Optional[str] = ..., swarm_size: _Optional[int] = ..., uptime_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., resyncs: _Optional[int] = ..., last_error: _Optional[str] = ..., initial_loss: _Optional[float] = ...) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("peer_id", "state", "outer_step", "inner_step", "tokens_per_second", "loss", "global_params_digest", "expires_in_s")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    state: str
+    outer_step: int
+    inner_step: int
+    tokens_per_second: float
+    loss: float
+    global_params_digest: str
+    expires_in_s: float
+    def __init__(self, peer_id: _Optional[str] = ..., state: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., global_params_digest: _Optional[str] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class ListPeersResponse(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
