@@ -45,6 +45,7 @@ class NodeConfig(BaseModel):
     device: Literal["cpu", "cuda"] = "cpu"
     # DiLoCo
     inner_steps: int = Field(100, ge=1, description="H: inner steps per outer step")
+    min_replicas: int = Field(1, ge=1, description="wait until this many replicas (us included) are live before the first round")
     max_outer_steps: Optional[int] = Field(None, ge=1, description="stop after this many outer steps")
     inner_lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(100, ge=0)

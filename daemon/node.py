@@ -92,6 +92,7 @@ class Node:
     def run(self) -> None:
         """Thread target after ``start``: sync, train, drain. Sets exit_code (0 clean, 1 error)."""
         try:
+            self._wait_for_replicas()
             if self.cfg.join:
                 self.skip_steps = self._sync(initial=True)
             self._train()
@@ -202,6 +203,15 @@ class Node:
         s = self.board.snapshot()
         return dict(meta, donor_state=s.state.value, donor_inner_step=s.inner_step), tensors
 
+    def _wait_for_replicas(self) -> None:
+        if self.cfg.min_replicas <= 1:
+            return
+        self._set_state(State.SYNCING)
+        logger.info("waiting for %d replicas to be live", self.cfg.min_replicas)
+        live = lambda: 1 + sum(m.state not in (State.DRAINING.value, State.STOPPED.value) for m in self._others())  # noqa: E731
+        while not self.leave_requested.is_set() and live() < self.cfg.min_replicas:
+            time.sleep(0.3)
+
     def _sync(self, initial: bool) -> int:
         """Download theta, outer momentum and outer_step from a peer; returns inner steps to skip.
 
@@ -217,7 +227,8 @@ class Node:
                 raise SyncError(f"no peer served a usable state within {self.cfg.outer_round_deadline:.0f}s")
             active = [m for m in self._others() if m.state in ACTIVE]
             if not active:
-                if initial and time.monotonic() - first_seen > 2 * self.cfg.announce_period + 2:
+                patience = 0 if self.cfg.min_replicas > 1 else 2 * self.cfg.announce_period + 2
+                if initial and time.monotonic() - first_seen >= patience:
                     logger.info("no replica is training yet: starting from seed %d", self.cfg.seed)
                     return 0
                 time.sleep(0.3)
