@@ -1,0 +1,84 @@
+"""Console script ``dilocox-ctl``: query or control a running node over gRPC (dilocox.v1.Node).
+
+``--json`` prints exactly one JSON value on stdout (an object for status, an array for peers).
+Exit codes: 0 ok, 1 the node could not be reached or answered an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from proto.dilocox.v1 import node_pb2, node_pb2_grpc
+
+
+def _print_status(status: node_pb2.NodeStatus) -> None:
+    r = status.last_round
+    lines = [
+        ("peer_id", status.peer_id), ("run_id", status.run_id), ("state", status.state),
+        ("listen", ", ".join(status.listen_maddrs)), ("outer_step", status.outer_step),
+        ("inner_step", f"{status.inner_step}/{status.inner_steps}"), ("loss", f"{status.loss:.4f}"),
+        ("val_loss", f"{status.val_loss:.4f}"), ("tokens/s", f"{status.tokens_per_second:.0f}"),
+        ("tokens_total", status.tokens_total), ("bytes sent/recv", f"{status.bytes_sent} / {status.bytes_received}"),
+        ("last round", f"step {r.outer_step} group {r.group_size} {r.outcome} compute {r.compute_s:.2f}s "
+                       f"comm {r.duration_s:.2f}s payload {r.payload_bytes} B"),
+        ("digest", status.global_params_digest), ("swarm_size", status.swarm_size),
+        ("resyncs", status.resyncs), ("uptime_s", f"{status.uptime_s:.0f}"),
+    ]
+    if status.last_error:
+        lines.append(("last_error", status.last_error))
+    for k, v in lines:
+        print(f"{k:>16}: {v}")
+
+
+def _as_dict(message) -> dict:
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dilocox-ctl", description="Query or control a running dilocox node.")
+    parser.add_argument("--addr", default="127.0.0.1:50051", help="node's status address HOST:PORT")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the node")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("status", "show this node's status"), ("peers", "list live swarm members")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--json", action="store_true", help="print one JSON value and nothing else")
+    sub.add_parser("watch", help="stream status changes until the node stops")
+    sub.add_parser("leave", help="ask the node to drain and exit")
+    args = parser.parse_args(argv)
+
+    with grpc.insecure_channel(args.addr) as channel:
+        stub = node_pb2_grpc.NodeStub(channel)
+        try:
+            if args.command == "status":
+                status = stub.GetStatus(node_pb2.GetStatusRequest(), timeout=args.timeout)
+                print(json.dumps(_as_dict(status))) if args.json else _print_status(status)
+            elif args.command == "peers":
+                peers = stub.ListPeers(node_pb2.ListPeersRequest(), timeout=args.timeout).peers
+                if args.json:
+                    print(json.dumps([_as_dict(p) for p in peers]))
+                for p in peers if not args.json else []:
+                    print(f"{p.peer_id}  {p.state:<9} outer {p.outer_step:<5} inner {p.inner_step:<5} "
+                          f"loss {p.loss:.3f}  {p.tokens_per_second:.0f} tok/s  digest {p.global_params_digest}")
+            elif args.command == "watch":
+                for status in stub.WatchStatus(node_pb2.WatchStatusRequest(interval_s=1.0)):
+                    print(f"{status.state:<9} outer {status.outer_step} inner {status.inner_step}/{status.inner_steps} "
+                          f"loss {status.loss:.4f} val {status.val_loss:.4f} {status.tokens_per_second:.0f} tok/s "
+                          f"group {status.last_round.group_size}", flush=True)
+            elif args.command == "leave":
+                reply = stub.Leave(node_pb2.LeaveRequest(reason="dilocox-ctl leave"), timeout=args.timeout)
+                print(f"leave accepted: {reply.accepted} ({reply.state})")
+        except grpc.RpcError as e:
+            print(f"dilocox-ctl: {args.addr}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
