@@ -1,0 +1,88 @@
+"""Bad input to dilocox-node: a clear message naming the problem and a non-zero exit, quickly."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import FAST, node_env
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def run_node(args, env_extra=None, timeout=90):
+    env = node_env()
+    env.update(env_extra or {})
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+    return proc.returncode, proc.stderr, time.monotonic() - start
+
+
+def test_missing_data_path(tmp_path):
+    code, err, _ = run_node(FAST + ["--data", str(tmp_path / "nope.txt")])
+    assert code == 2 and "nope.txt does not exist" in err
+
+
+def test_empty_data_file(tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    code, err, _ = run_node(FAST + ["--data", str(tmp_path / "empty.txt")])
+    assert code == 2 and "empty.txt is empty" in err
+
+
+def test_undecodable_data_file(tmp_path):
+    (tmp_path / "bin.txt").write_bytes(b"hello \xff\xfe\x00\x81 world" * 50)
+    code, err, _ = run_node(FAST + ["--data", str(tmp_path / "bin.txt")])
+    assert code == 2 and "bin.txt is not UTF-8" in err
+
+
+def test_unknown_config_field(tmp_path):
+    (tmp_path / "node.toml").write_text('inner_steps = 5\nbogus_field = 1\n')
+    code, err, _ = run_node(FAST + ["--config", str(tmp_path / "node.toml")])
+    assert code == 2 and "unknown field(s) bogus_field" in err
+
+
+def test_unknown_env_variable():
+    code, err, _ = run_node(FAST, {"DILOCOX_INNER_STEPZ": "5"})
+    assert code == 2 and "DILOCOX_INNER_STEPZ" in err
+
+
+def test_invalid_value_names_its_source():
+    code, err, _ = run_node(FAST, {"DILOCOX_OUTER_LR": "zero"})
+    assert code == 2 and "DILOCOX_OUTER_LR" in err
+    code, err, _ = run_node(FAST + ["--matchmaking-time", "50"])
+    assert code == 2 and "matchmaking_time" in err and "averaging_timeout" in err
+
+
+def test_bad_multiaddr():
+    code, err, _ = run_node(FAST + ["--join", "not-a-multiaddr"])
+    assert code != 0 and "not-a-multiaddr" in err
+
+
+def test_unreachable_join_address():
+    # a valid multiaddr on a closed loopback port: bootstrap must fail, not hang
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/QmPu7vZznbjWzqnHeV4eupKG9tWuiSr4cCVAtpVnegHXy9"
+    code, err, elapsed = run_node(FAST + ["--join", dead, "--startup-timeout", "20"])
+    assert code != 0 and "could not start or join the DHT" in err and dead in err
+    assert elapsed < 60
+
+
+def test_busy_status_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = [a for a in FAST]
+        args[args.index("--status-addr") + 1] = f"127.0.0.1:{port}"
+        code, err, _ = run_node(args)
+    assert code == 2 and f"127.0.0.1:{port} is not available" in err
+
+
+@pytest.mark.parametrize("model", ["huge", "missing.json"])
+def test_unknown_model(model):
+    code, err, _ = run_node(FAST + ["--model", model])
+    assert code == 2 and model in err

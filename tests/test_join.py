@@ -1,0 +1,49 @@
+"""A 2-node swarm trains; a third node joins after outer step 2 from the swarm's parameters."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.helpers import FAST, NodeProcess, digests_by_step
+
+pytestmark = pytest.mark.integration
+
+
+def test_two_nodes_then_late_joiner(tmp_path):
+    args = FAST + ["--run-id", "joiners"]
+    a = NodeProcess(tmp_path, "a", args + ["--min-replicas", "2"]).wait_started()
+    b = NodeProcess(tmp_path, "b", args + ["--min-replicas", "2", "--join", a.join_maddr]).wait_started()
+    nodes = [a, b]
+    try:
+        for n in nodes:
+            n.wait_for(lambda p: p.status().outer_step >= 2, 120, "outer step 2")
+        # two replicas: every round had both, and both hold the same parameters
+        for n in nodes:
+            assert [r["group_size"] for r in n.metrics()[:2]] == [2, 2]
+        first_loss = a.status().initial_loss
+
+        c = NodeProcess(tmp_path, "c", args + ["--join", b.join_maddr]).wait_started()
+        nodes.append(c)
+        c.wait_for(lambda p: p.metrics(), 120, "its first round")
+        joined = c.metrics()[0]
+        # it started from the swarm's parameters: first loss near the swarm's, far below a random init's
+        c_first = c.status().initial_loss
+        assert c_first < first_loss - 1.0, (c_first, first_loss)
+        # the round that produced the parameters c downloaded (theta of outer step joined - 1)
+        donor_round = next(r for r in a.metrics() if r["outer_step"] == joined["outer_step"] - 1)
+        assert abs(c_first - donor_round["loss"]) < 0.5, (c_first, donor_round)
+        # and it took part in the next round with everyone
+        assert joined["outcome"] == "applied" and joined["group_size"] == 3, joined
+        for n in (a, b):
+            row = next(r for r in n.metrics() if r["outer_step"] == joined["outer_step"])
+            assert row["group_size"] == 3 and row["digest"] == joined["digest"]
+        for n in nodes:
+            n.wait_for(lambda p: p.status().outer_step >= joined["outer_step"] + 1, 60, "one more round")
+        steps = digests_by_step(nodes)
+        assert all(len(d) == 1 for d in steps.values()), steps
+        assert a.status().loss < first_loss - 1.0
+    finally:
+        for n in nodes:
+            n.terminate(signal.SIGKILL)
