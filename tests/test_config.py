@@ -1,0 +1,53 @@
+"""Config precedence and validation (flag > env > file > default; unknown names are errors)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from daemon.config import ConfigError, add_flags, load_config
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    return vars(parser.parse_args(argv))
+
+
+def test_precedence(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('inner_steps = 7\nouter_lr = 0.5\nrun_id = "fromfile"\njoin = ["/ip4/127.0.0.1/tcp/1"]\n')
+    env = {"DILOCOX_OUTER_LR": "0.4", "DILOCOX_RUN_ID": "fromenv"}
+    cfg = load_config(parse(["--config", str(f), "--run-id", "fromflag"]), env)
+    assert (cfg.inner_steps, cfg.outer_lr, cfg.run_id) == (7, 0.4, "fromflag")
+    assert cfg.join == ["/ip4/127.0.0.1/tcp/1"] and cfg.outer_momentum == 0.9
+    cfg = load_config(parse(["--join", "/a", "--join", "/b", "--no-nesterov"]), {"DILOCOX_LISTEN": "/x,/y"})
+    assert cfg.join == ["/a", "/b"] and cfg.listen == ["/x", "/y"] and cfg.nesterov is False
+
+
+def test_config_file_from_env(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("inner_steps = 3\n")
+    assert load_config({}, {"DILOCOX_CONFIG": str(f)}).inner_steps == 3
+
+
+@pytest.mark.parametrize("flags,env,message", [
+    ({}, {"DILOCOX_NOPE": "1"}, "unknown environment variable DILOCOX_NOPE"),
+    ({"inner_steps": "0"}, {}, "--inner-steps"),
+    ({"request_timeout": "20"}, {}, "request_timeout"),
+    ({"beta1": "0.99", "beta2": "0.9"}, {}, "beta1"),
+    ({"status_addr": "nohost"}, {}, "--status-addr"),
+])
+def test_errors_name_the_problem(flags, env, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(flags, env)
+
+
+def test_bad_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("inner_steps = [\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config({"config": f}, {})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config({"config": tmp_path / "missing.toml"}, {})
