@@ -129,8 +129,8 @@ def run_round(node: "Node", skip: int) -> None:
     node.inner.load_params(node.outer.global_params)
     node.outer_step, node.digest = t + 1, params_digest(node.outer.global_params)
     node._serve_snapshot()
+    comm_s = time.monotonic() - comm_start  # communication + outer step; evaluation is not counted
     val_loss = node.inner.evaluate(node.val_batches)
-    comm_s = time.monotonic() - comm_start
     info = RoundInfo(outer_step=t + 1, group_size=group_size, payload_bytes=payload, duration_s=comm_s,
                      compression_ratio=1.0 if payload else 0.0, compute_s=compute_s, outcome=outcome,
                      bytes_sent=sent, bytes_received=received)

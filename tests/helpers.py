@@ -35,7 +35,8 @@ class NodeProcess:
         self.out_path, self.err_path = self.dir / "stdout", self.dir / "stderr"
         self.args = [sys.executable, "-m", "daemon.cli", *args, "--checkpoint-dir", str(self.dir / "ckpt")]
         self.proc = subprocess.Popen(self.args, stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"),
-                                     env=env or node_env(), cwd=Path(__file__).resolve().parents[1])
+                                     env=env or node_env(), cwd=Path(__file__).resolve().parents[1],
+                                     start_new_session=True)  # own process group: teardown reaches p2pd too
         self.addr = self.join_maddr = None
 
     def wait_started(self, timeout: float = 90.0) -> "NodeProcess":
@@ -80,13 +81,22 @@ class NodeProcess:
         raise TimeoutError(f"{self.name}: no {what} within {timeout}s:\n{self.err_path.read_text()[-4000:]}")
 
     def terminate(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send ``sig`` to the node; SIGKILL goes to its whole process group (DHT, averager, p2pd)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if sig == signal.SIGKILL:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            else:
+                self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            code = self.proc.wait()
+        try:  # children left behind by a killed parent
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return code
 
 
 def digests_by_step(nodes: list[NodeProcess]) -> dict[int, set[str]]:
