@@ -22,7 +22,7 @@ import torch
 import dilocox
 from daemon.config import NodeConfig
 from daemon.rounds import run_round
-from daemon.status import State, StatusBoard
+from daemon.status import ACTIVE_STATES, State, StatusBoard
 from dilocox import exact_mean
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from dilocox.data import Corpus, ReplicaShard, validation_batches
@@ -33,7 +33,6 @@ from peers.identity import load_or_create_identity
 from peers.swarm import MemberRecord, Swarm
 
 logger = logging.getLogger("dilocox.node")
-ACTIVE = (State.TRAINING.value, State.AVERAGING.value)
 
 
 class SyncError(RuntimeError):
@@ -116,7 +115,7 @@ class Node:
 
     def _drain(self) -> None:
         if self.board.snapshot().state != State.STOPPED:
-            self.board.update(state=State.DRAINING)
+            self._set_state(State.DRAINING)
         if self.averager is not None and self.exit_code == 0:
             self._checkpoint(force=True)
         self._poke.set()
@@ -130,7 +129,7 @@ class Node:
                 logger.warning("shutdown of %s: %s", type(closer).__name__, e)
         if self._metrics:
             self._metrics.close()
-        self.board.update(state=State.STOPPED)
+        self._set_state(State.STOPPED)
         logger.info("stopped (exit code %d)", self.exit_code)
 
     def _heartbeat(self) -> None:
@@ -152,7 +151,10 @@ class Node:
             result_step=self._result[0], result_digest=self._result[1], maddrs=s.listen_maddrs))
 
     def _set_state(self, state: State, **changes) -> None:
+        previous = self.board.snapshot().state
         self.board.update(state=state, **changes)
+        if previous != state:
+            logger.info("state %s -> %s (outer step %d)", previous.value, state.value, self.board.snapshot().outer_step)
         self._poke.set()
 
     def _others(self):
@@ -225,7 +227,7 @@ class Node:
         while not self.leave_requested.is_set():
             if time.monotonic() > deadline:
                 raise SyncError(f"no peer served a usable state within {self.cfg.outer_round_deadline:.0f}s")
-            active = [m for m in self._others() if m.state in ACTIVE]
+            active = [m for m in self._others() if m.state in ACTIVE_STATES]
             if not active:
                 patience = 0 if self.cfg.min_replicas > 1 else 2 * self.cfg.announce_period + 2
                 if initial and time.monotonic() - first_seen >= patience:

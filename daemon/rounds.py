@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from daemon.status import RoundInfo, State
+from daemon.status import ACTIVE_STATES, RoundInfo, State
 from dilocox import exact_mean
 from dilocox.diloco import params_digest
 from peers.averaging import RoundCancelled, RoundFailed, RoundGather, canonical_digest
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from daemon.node import Node
 
 logger = logging.getLogger("dilocox.node")
-ACTIVE = (State.TRAINING.value, State.AVERAGING.value)
 
 
 def _inner_steps(node: "Node", skip: int) -> tuple[list[float], float] | None:
@@ -51,7 +50,7 @@ def _inner_steps(node: "Node", skip: int) -> tuple[list[float], float] | None:
 
 
 def _others_in_round(node: "Node", t: int) -> list:
-    return [m for m in node._others() if m.state in ACTIVE and m.outer_step == t]
+    return [m for m in node._others() if m.state in ACTIVE_STATES and m.outer_step == t]
 
 
 def _exchange_result_digests(node: "Node", result_step: int, digest: str, peers: set[str]) -> dict[str, str]:
@@ -86,7 +85,14 @@ def run_round(node: "Node", skip: int) -> None:
     comm_start = time.monotonic()
     node._set_state(State.AVERAGING)
     payload = sent = received = 0
-    expected = _others_in_round(node, t)
+    others = node._others()
+    if any(m.state in ACTIVE_STATES and m.outer_step > t for m in others):
+        node._resync(f"round {t + 1} was already completed by others")
+        return
+    # Solo only when nobody else could take part: a replica in this round or one that is syncing
+    # (it may start this round). Deciding from possibly stale records is safe this way round.
+    expected = [m for m in others if (m.state in ACTIVE_STATES and m.outer_step == t)
+                or m.state in (State.SYNCING.value, State.JOINING.value)]
     outcome, group_size, averaged = "solo", 1, pseudo_gradient
     if expected:
         lr_sum = sum(node.inner.config.lr_at(t * node.H + i) for i in range(node.H))
@@ -104,7 +110,7 @@ def run_round(node: "Node", skip: int) -> None:
             node.inner.load_params(node.outer.global_params)
             return
         except RoundFailed as e:
-            if any(m.outer_step > t for m in node._others()):
+            if any(m.state in ACTIVE_STATES and m.outer_step > t for m in node._others()):
                 node._resync(f"round {t + 1} went on without us ({e})")
                 return
             logger.warning("round %d: %s; applying our own pseudo-gradient", t + 1, e)

@@ -27,13 +27,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
         interval = request.interval_s if request.interval_s > 0 else 1.0
         if interval > 3600:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "interval_s must be at most 3600")
-        board, seen = self.node.board, -1
-        loop = asyncio.get_running_loop()
+        board, loop = self.node.board, asyncio.get_running_loop()
         while True:
+            version = board.version
             yield board.to_proto()
             if board.snapshot().state == State.STOPPED:
                 return
-            seen = await loop.run_in_executor(None, board.wait_change, board.version, interval)
+            await loop.run_in_executor(None, board.wait_change, version, interval)
 
     async def ListPeers(self, request, context):
         swarm = self.node.swarm

@@ -22,6 +22,9 @@ class State(str, Enum):
     STOPPED = "STOPPED"
 
 
+ACTIVE_STATES = (State.TRAINING.value, State.AVERAGING.value)  # replicas that will average this round
+
+
 @dataclass
 class RoundInfo:
     outer_step: int = 0

@@ -37,7 +37,8 @@ def test_two_nodes_then_late_joiner(tmp_path):
         # and it took part in the next round with everyone
         assert joined["outcome"] == "applied" and joined["group_size"] == 3, joined
         for n in (a, b):
-            row = next(r for r in n.metrics() if r["outer_step"] == joined["outer_step"])
+            row = n.wait_for(lambda p: next((r for r in p.metrics() if r["outer_step"] == joined["outer_step"]), None),
+                             30, f"its record of outer step {joined['outer_step']}")
             assert row["group_size"] == 3 and row["digest"] == joined["digest"]
         for n in nodes:
             n.wait_for(lambda p: p.status().outer_step >= joined["outer_step"] + 1, 60, "one more round")
