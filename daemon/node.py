@@ -235,6 +235,13 @@ class Node:
                     return 0
                 time.sleep(0.3)
                 continue
+            same = [m for m in active if m.outer_step == self.outer_step and m.global_params_digest == self.digest]
+            if initial and same:
+                # e.g. a fresh swarm started from the same seed, or a restart whose checkpoint is current
+                skip = min(max(m.inner_step for m in same), self.H - 1)
+                logger.info("the swarm holds our parameters (outer step %d, digest %s): no download; "
+                            "joining the current round at inner step %d", self.outer_step, self.digest, skip)
+                return skip
             got = self.averager.download_state(timeout_s=self.cfg.averaging_timeout)
             if got is None:
                 time.sleep(0.5)

@@ -120,30 +120,47 @@ def run_round(node: "Node", skip: int) -> None:
             if canon != node.digest:
                 node._resync(f"round {t + 1}: we started from {node.digest}, the group from {canon}")
                 return
+            # every member that started from the same parameters contributed to this average
+            group_size = sum(d == canon for d in starts.values())
+            payload, sent, received = result.payload_bytes, result.bytes_sent, result.bytes_received
             result_digest = params_digest(result.tensors)
             results = _exchange_result_digests(node, t + 1, result_digest, set(starts))
-            canon, agreeing = canonical_digest(results)
+            canon, holders = canonical_digest(results)
+            if 2 * len(holders) <= len(results):
+                # e.g. two replicas, one with a partial average: nobody can tell which is right, so nobody applies
+                logger.warning("round %d: no majority among all-reduce results %s; skipped by the whole group",
+                               t + 1, sorted(set(results.values())))
+                node.inner.load_params(node.outer.global_params)
+                return
             if canon != result_digest:
+                # hivemind can return part of the average ("received 79% results") and still succeed
                 node._resync(f"round {t + 1}: all-reduce result {result_digest} differs from the group's {canon} "
                              f"(partial result?); not applied")
+                if node.outer_step == t + 1:  # the group's result of this round, downloaded instead
+                    _record(node, RoundInfo(outer_step=t + 1, group_size=group_size, payload_bytes=payload,
+                                            duration_s=time.monotonic() - comm_start, compression_ratio=1.0,
+                                            compute_s=compute_s, outcome="resynced", bytes_sent=sent,
+                                            bytes_received=received), losses)
                 return
             averaged = [exact_mean.decode(a, c) for a, c in zip(result.tensors, offsets)]
-            outcome, group_size = "applied", len(agreeing)
-            payload, sent, received = result.payload_bytes, result.bytes_sent, result.bytes_received
+            outcome = "applied"
 
     node.outer.step(averaged)
     node.inner.load_params(node.outer.global_params)
     node.outer_step, node.digest = t + 1, params_digest(node.outer.global_params)
     node._serve_snapshot()
-    comm_s = time.monotonic() - comm_start  # communication + outer step; evaluation is not counted
+    _record(node, RoundInfo(outer_step=t + 1, group_size=group_size, payload_bytes=payload,
+                            duration_s=time.monotonic() - comm_start, compression_ratio=1.0 if payload else 0.0,
+                            compute_s=compute_s, outcome=outcome, bytes_sent=sent, bytes_received=received), losses)
+
+
+def _record(node: "Node", info: RoundInfo, losses: list[float]) -> None:
+    """Publish the finished round in status, checkpoint, and metrics (duration_s excludes evaluation)."""
     val_loss = node.inner.evaluate(node.val_batches)
-    info = RoundInfo(outer_step=t + 1, group_size=group_size, payload_bytes=payload, duration_s=comm_s,
-                     compression_ratio=1.0 if payload else 0.0, compute_s=compute_s, outcome=outcome,
-                     bytes_sent=sent, bytes_received=received)
     s = node.board.snapshot()
-    node._set_state(State.TRAINING, outer_step=t + 1, inner_step=0, global_params_digest=node.digest,
-                    val_loss=val_loss, last_round=info, bytes_sent=s.bytes_sent + sent,
-                    bytes_received=s.bytes_received + received)
+    node._set_state(State.TRAINING, outer_step=node.outer_step, inner_step=node.skip_steps,
+                    global_params_digest=node.digest, val_loss=val_loss, last_round=info,
+                    bytes_sent=s.bytes_sent + info.bytes_sent, bytes_received=s.bytes_received + info.bytes_received)
     node._checkpoint()
     node.record_metrics(dict(asdict(info), peer_id=node.swarm.peer_id, digest=node.digest, val_loss=val_loss,
                              loss=sum(losses) / len(losses), tokens_total=s.tokens_total,

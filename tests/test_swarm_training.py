@@ -41,7 +41,8 @@ def test_three_nodes_train_together(swarm3):
     for n in swarm3:
         rounds = [r for r in n.metrics() if r["outer_step"] <= 4]
         assert [r["group_size"] for r in rounds] == [3, 3, 3, 3], rounds
-        assert all(r["outcome"] == "applied" for r in rounds)
+        # "resynced": hivemind returned a partial average to this node; it took the group's result instead
+        assert all(r["outcome"] in ("applied", "resynced") for r in rounds), rounds
         status = n.status()
         assert status.loss < status.initial_loss - 1.0, (status.loss, status.initial_loss)
         assert rounds[-1]["val_loss"] < rounds[0]["val_loss"]
