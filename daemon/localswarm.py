@@ -1,8 +1,9 @@
 """Run a local swarm of dilocox-node processes on loopback and watch it over gRPC.
 
-Used by ``make demo`` (daemon/demo.py) and ``make bench`` (bench/). Every node is a real
-``dilocox-node`` process; this module only starts them, polls ``GetStatus`` and asks them to
-``Leave``.
+Used by ``make demo`` (daemon/demo.py), ``make bench`` (bench/) and the integration tests.
+Every node is a real ``dilocox-node`` process in its own process group (so a SIGKILL reaches
+its DHT, averager and p2pd children too); this module only starts them, polls ``GetStatus``
+and asks them to ``Leave``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -23,61 +23,101 @@ from proto.dilocox.v1 import node_pb2, node_pb2_grpc
 REPO = Path(__file__).resolve().parents[1]
 
 
-@dataclass
-class LocalNode:
-    name: str
-    workdir: Path
-    proc: subprocess.Popen
-    addr: str = ""
-    join_maddr: str = ""
-    history: list = field(default_factory=list)
+def node_env(threads: int = 1) -> dict:
+    """This process's environment without DILOCOX_* variables, one torch thread per node."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCOX_")}
+    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    return env
 
-    def stub(self):
+
+class LocalNode:
+    """A dilocox-node subprocess; stdout, stderr and checkpoints live under ``workdir``."""
+
+    def __init__(self, name: str, workdir: Path, args: list[str], threads: int = 1):
+        self.name, self.workdir = name, workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.out_path, self.err_path = workdir / "stdout", workdir / "stderr"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", *args, "--checkpoint-dir", str(workdir / "ckpt")],
+            stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"), env=node_env(threads), cwd=REPO,
+            start_new_session=True)
+        self.addr = self.join_maddr = ""
+
+    def wait_started(self, timeout: float = 120.0) -> "LocalNode":
+        """Wait for the 'join with' and 'status' lines; raises RuntimeError/TimeoutError with the log tail."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.out_path.read_text().splitlines():
+                if line.startswith("join with:"):
+                    self.join_maddr = line.split()[-1]
+                elif line.startswith("status:"):
+                    self.addr = line.split("--addr", 1)[1].split()[0]
+            if self.addr and self.join_maddr:
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(0.1)
+        self.terminate(signal.SIGKILL)
+        raise TimeoutError(f"{self.name} did not start within {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.err_path.read_text()[-chars:]
+
+    def stub(self) -> node_pb2_grpc.NodeStub:
         return node_pb2_grpc.NodeStub(grpc.insecure_channel(self.addr))
 
-    def status(self, timeout: float = 3.0):
+    def status(self, timeout: float = 5.0) -> node_pb2.NodeStatus:
         return self.stub().GetStatus(node_pb2.GetStatusRequest(), timeout=timeout)
 
     def metrics(self) -> list[dict]:
+        """One record per outer step (daemon/rounds.py), from the node's metrics.jsonl."""
         path = self.workdir / "ckpt" / "metrics.jsonl"
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
+    def wait_for(self, predicate, timeout: float, what: str):
+        """Poll ``predicate(self)`` until truthy; raises if the node exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode} while waiting for {what}:\n"
+                                   f"{self.log_tail()}")
+            try:
+                value = predicate(self)
+            except grpc.RpcError:
+                value = None
+            if value:
+                return value
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name}: no {what} within {timeout}s:\n{self.log_tail()}")
 
-def start_node(name: str, workdir: Path, args: list[str], threads: int = 1, timeout: float = 120.0) -> LocalNode:
-    """Start one node and wait for its 'join with' and 'status' lines; raises RuntimeError if it dies."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCOX_")}
-    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    out = open(workdir / "stdout", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", *args, "--checkpoint-dir", str(workdir / "ckpt")],
-                            stdout=out, stderr=open(workdir / "stderr", "w"), env=env, cwd=REPO,
-                            start_new_session=True)  # Ctrl-C of the demo reaches nodes only via Leave
-    node = LocalNode(name, workdir, proc)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in (workdir / "stdout").read_text().splitlines():
-            if line.startswith("join with:"):
-                node.join_maddr = line.split()[-1]
-            elif line.startswith("status:"):
-                node.addr = line.split("--addr", 1)[1].split()[0]
-        if node.addr and node.join_maddr:
-            return node
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited {proc.returncode}:\n{(workdir / 'stderr').read_text()[-3000:]}")
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{name} did not start within {timeout}s")
+    def terminate(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send ``sig`` (SIGKILL goes to the whole process group); wait; clean up orphans; exit code."""
+        if self.proc.poll() is None:
+            if sig == signal.SIGKILL:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            else:
+                self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            code = self.proc.wait()
+        try:  # children a killed parent left behind
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return code
 
 
 def start_swarm(n: int, workdir: Path, args: list[str], threads: int = 1) -> list[LocalNode]:
     """n nodes, the first one bootstrapping, all waiting for each other (--min-replicas n)."""
     common = args + ["--min-replicas", str(n), "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0"]
-    first = start_node("node0", workdir / "node0", common, threads)
-    rest = [start_node(f"node{i}", workdir / f"node{i}", common + ["--join", first.join_maddr], threads)
+    first = LocalNode("node0", workdir / "node0", common, threads).wait_started()
+    rest = [LocalNode(f"node{i}", workdir / f"node{i}", common + ["--join", first.join_maddr], threads)
             for i in range(1, n)]
-    return [first, *rest]
+    return [first, *[node.wait_started() for node in rest]]
 
 
 def leave_all(nodes: list[LocalNode], timeout: float = 120.0) -> list[int]:
@@ -87,18 +127,27 @@ def leave_all(nodes: list[LocalNode], timeout: float = 120.0) -> list[int]:
             node.stub().Leave(node_pb2.LeaveRequest(reason="local swarm finished"), timeout=5)
         except grpc.RpcError:
             pass
-    codes = []
-    for node in nodes:
-        try:
-            codes.append(node.proc.wait(timeout))
-        except subprocess.TimeoutExpired:
-            os.killpg(node.proc.pid, signal.SIGKILL)
-            codes.append(node.proc.wait())
-    return codes
+    return [_wait(node, timeout) for node in nodes]
+
+
+def _wait(node: LocalNode, timeout: float) -> int:
+    try:
+        return node.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return node.terminate(signal.SIGKILL)
+
+
+def digests_by_step(nodes: list[LocalNode]) -> dict[int, set[str]]:
+    """outer_step -> the set of global_params_digest values the nodes recorded for it."""
+    out: dict[int, set[str]] = {}
+    for n in nodes:
+        for r in n.metrics():
+            out.setdefault(r["outer_step"], set()).add(r["digest"])
+    return out
 
 
 def summarize(nodes: list[LocalNode]) -> dict:
-    """Per-node and swarm figures from the nodes' metrics.jsonl (one record per outer step)."""
+    """Per-node figures from the nodes' metrics.jsonl (one record per outer step)."""
     import statistics
 
     per_node = {}
@@ -106,15 +155,14 @@ def summarize(nodes: list[LocalNode]) -> dict:
         rows = [r for r in node.metrics() if r["outcome"] in ("applied", "solo")]
         if not rows:
             continue
-        comm = [r["duration_s"] for r in rows]
-        compute = [r["compute_s"] for r in rows]
         per_node[node.name] = dict(
             outer_steps=rows[-1]["outer_step"], first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"],
             first_val_loss=rows[0]["val_loss"], last_val_loss=rows[-1]["val_loss"],
             tokens_per_second_compute=statistics.median(r["tokens_per_second"] for r in rows),
-            median_compute_s=statistics.median(compute), median_comm_s=statistics.median(comm),
+            median_compute_s=statistics.median(r["compute_s"] for r in rows),
+            median_comm_s=statistics.median(r["duration_s"] for r in rows),
             median_bytes_sent_per_outer_step=statistics.median(r["bytes_sent"] for r in rows),
             payload_bytes=rows[-1]["payload_bytes"], group_sizes=sorted({r["group_size"] for r in rows}),
-            digests_last=rows[-1]["digest"],
+            digest_last=rows[-1]["digest"],
         )
     return per_node

@@ -6,15 +6,15 @@ import signal
 
 import pytest
 
-from tests.helpers import FAST, NodeProcess, digests_by_step
+from tests.helpers import FAST, digests_by_step, start
 
 pytestmark = pytest.mark.integration
 
 
 def test_two_nodes_then_late_joiner(tmp_path):
     args = FAST + ["--run-id", "joiners"]
-    a = NodeProcess(tmp_path, "a", args + ["--min-replicas", "2"]).wait_started()
-    b = NodeProcess(tmp_path, "b", args + ["--min-replicas", "2", "--join", a.join_maddr]).wait_started()
+    a = start(tmp_path, "a", args + ["--min-replicas", "2"])
+    b = start(tmp_path, "b", args + ["--min-replicas", "2", "--join", a.join_maddr])
     nodes = [a, b]
     try:
         for n in nodes:
@@ -24,7 +24,7 @@ def test_two_nodes_then_late_joiner(tmp_path):
             assert [r["group_size"] for r in n.metrics()[:2]] == [2, 2]
         first_loss = a.status().initial_loss
 
-        c = NodeProcess(tmp_path, "c", args + ["--join", b.join_maddr]).wait_started()
+        c = start(tmp_path, "c", args + ["--join", b.join_maddr])
         nodes.append(c)
         c.wait_for(lambda p: p.metrics(), 120, "its first round")
         joined = c.metrics()[0]

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.dilocox.v1 import node_pb2
-from tests.helpers import FAST, NodeProcess, digests_by_step, node_env
+from tests.helpers import FAST, LocalNode, digests_by_step, node_env, start
 
 pytestmark = pytest.mark.integration
 
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.integration
 def swarm3(tmp_path_factory):
     work = tmp_path_factory.mktemp("swarm3")
     args = FAST + ["--run-id", "swarm3", "--min-replicas", "3"]
-    first = NodeProcess(work, "n0", args).wait_started()
-    nodes = [first] + [NodeProcess(work, f"n{i}", args + ["--join", first.join_maddr]) for i in (1, 2)]
+    first = start(work, "n0", args)
+    nodes = [first] + [LocalNode(f"n{i}", work / f"n{i}", args + ["--join", first.join_maddr]) for i in (1, 2)]
     for n in nodes[1:]:
         n.wait_started()
     yield nodes
@@ -107,7 +107,7 @@ def test_sigterm_during_round_leaves_cleanly(swarm3):
     leaver.wait_for(lambda p: p.status().state == "AVERAGING", 60, "an averaging phase")
     started = time.monotonic()
     code = leaver.terminate(signal.SIGTERM, timeout=40)
-    assert code == 0, leaver.err_path.read_text()[-3000:]
+    assert code == 0, leaver.log_tail()
     assert time.monotonic() - started < 8 + 5  # within averaging_timeout (+ process teardown)
     left_at = max(r["outer_step"] for r in stayers[0].metrics())
     for n in stayers:
