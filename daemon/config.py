@@ -56,6 +56,7 @@ class NodeConfig(BaseModel):
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
+    overlap: Literal["none", "delayed"] = Field("none", description="none: synchronous DiLoCo; delayed: DiLoCoX one-step delay")
     # timeouts (seconds)
     request_timeout: float = Field(5.0, gt=0)
     matchmaking_time: float = Field(15.0, gt=0)

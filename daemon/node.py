@@ -21,13 +21,14 @@ import torch
 
 import dilocox
 from daemon.config import NodeConfig
-from daemon.rounds import run_round
+from daemon.rounds import finish_on_leave, run_round
 from daemon.status import ACTIVE_STATES, State, StatusBoard
 from dilocox import exact_mean
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from dilocox.data import Corpus, ReplicaShard, validation_batches
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, check_shapes, params_digest
 from dilocox.model import ModelSpec, build_model
+from dilocox.overlap import OuterSchedule
 from peers.averaging import PseudoGradientAverager
 from peers.identity import load_or_create_identity
 from peers.swarm import MemberRecord, Swarm
@@ -48,6 +49,7 @@ class StateMeta(pydantic.BaseModel):
     num_params: pydantic.conint(ge=1)
     donor_state: pydantic.StrictStr
     donor_inner_step: pydantic.conint(ge=0)
+    donor_round: pydantic.conint(ge=0)
 
 
 class Node:
@@ -146,7 +148,7 @@ class Node:
         s = self.board.snapshot()
         self.swarm.publish(MemberRecord(
             peer_id=s.peer_id, run_id=self.cfg.run_id, state=s.state.value, outer_step=s.outer_step,
-            inner_step=s.inner_step, inner_steps=self.H, tokens_per_second=s.tokens_per_second,
+            round=self.round, inner_step=s.inner_step, inner_steps=self.H, tokens_per_second=s.tokens_per_second,
             loss=s.loss if math.isfinite(s.loss) else -1.0, global_params_digest=s.global_params_digest,
             result_step=self._result[0], result_digest=self._result[1], maddrs=s.listen_maddrs))
 
@@ -168,6 +170,8 @@ class Node:
             lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
             warmup_steps=cfg.warmup_steps, total_steps=total), device=cfg.device)
         self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+        self.schedule = OuterSchedule(self.outer, cfg.overlap)
+        self.pending = None  # delayed overlap: the all-reduce in flight
         shard_key = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(
             hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "little")
         self.shard = ReplicaShard(self.corpus.train, self.seq_len, self.batch_size, cfg.seed, shard_key)
@@ -180,6 +184,8 @@ class Node:
             metrics_path = Path(cfg.checkpoint_dir) / "metrics.jsonl"
             self._metrics = open(metrics_path, "a", encoding="utf-8")
         self.digest = params_digest(self.outer.global_params)
+        self.round = self.outer_step + 1
+        self.schedule.begin_round(self.inner.params)
         self._serve_snapshot()
         self.averager = PseudoGradientAverager(
             self.outer.global_params, self.swarm.dht, cfg.run_id, self._serve_state,
@@ -203,7 +209,7 @@ class Node:
         with self._served_lock:
             meta, tensors = self._served
         s = self.board.snapshot()
-        return dict(meta, donor_state=s.state.value, donor_inner_step=s.inner_step), tensors
+        return dict(meta, donor_state=s.state.value, donor_inner_step=s.inner_step, donor_round=self.round), tensors
 
     def _wait_for_replicas(self) -> None:
         if self.cfg.min_replicas <= 1:
@@ -214,7 +220,7 @@ class Node:
         while not self.leave_requested.is_set() and live() < self.cfg.min_replicas:
             time.sleep(0.3)
 
-    def _sync(self, initial: bool) -> int:
+    def _sync(self, initial: bool, keep_round: bool = False) -> int:
         """Download theta, outer momentum and outer_step from a peer; returns inner steps to skip.
 
         A joiner must never average its random init into the swarm (issue 2): it trains only from
@@ -239,6 +245,7 @@ class Node:
             if initial and same:
                 # e.g. a fresh swarm started from the same seed, or a restart whose checkpoint is current
                 skip = min(max(m.inner_step for m in same), self.H - 1)
+                self.round = max(m.round for m in same)
                 logger.info("the swarm holds our parameters (outer step %d, digest %s): no download; "
                             "joining the current round at inner step %d", self.outer_step, self.digest, skip)
                 return skip
@@ -259,19 +266,33 @@ class Node:
                 logger.warning("rejected a downloaded state: %s", e)
                 time.sleep(0.5)
                 continue
-            if meta.donor_state == State.AVERAGING.value or meta.donor_inner_step >= self.H:
+            if not keep_round and (meta.donor_state == State.AVERAGING.value or meta.donor_inner_step >= self.H):
                 logger.info("donor is finishing round %d; waiting for the next outer step", meta.outer_step + 1)
                 self._wait(lambda: any(m.outer_step > meta.outer_step for m in self._others()), 3 * self.cfg.outer_round_deadline)
                 continue
+            if keep_round and meta.outer_step < self.round - 1:
+                logger.info("donor holds outer step %d, round %d needs %d; waiting", meta.outer_step,
+                            self.round, self.round - 1)
+                self._wait(lambda: any(m.outer_step > meta.outer_step for m in self._others()), self.cfg.outer_round_deadline)
+                continue
             self.outer.load_state(got[1][:n], got[1][n:])
-            self.inner.load_params(self.outer.global_params)
+            keep_round = keep_round and meta.outer_step == self.round - 1
+            if keep_round:  # x <- theta + this round's local progress; its pseudo-gradient is still ours to send
+                self.schedule.rebase(self.inner.params)
+            else:
+                self.inner.load_params(self.outer.global_params)
+                self.schedule.begin_round(self.inner.params)
+                self.round = max(meta.donor_round, meta.outer_step + 1)
             self.outer_step, self.digest = meta.outer_step, meta.digest
+            if self.pending is not None and self.pending.control is not None:
+                self.pending.control.cancel()
+            self.pending = None  # its result is part of (or superseded by) the downloaded state
             self._serve_snapshot()
             resyncs = self.board.snapshot().resyncs + (0 if initial else 1)
             self.board.update(outer_step=self.outer_step, global_params_digest=self.digest, resyncs=resyncs)
             logger.info("synced state of outer step %d (digest %s); skipping %d inner steps of the current round",
                         self.outer_step, self.digest, meta.donor_inner_step)
-            return meta.donor_inner_step
+            return 0 if keep_round else meta.donor_inner_step
         return 0
 
     def _wait(self, predicate, timeout_s: float) -> bool:
@@ -290,14 +311,17 @@ class Node:
                 return
             skip, self.skip_steps = self.skip_steps, 0
             self._round(skip)
+        if self.pending is not None:
+            finish_on_leave(self, self.pending)
 
     def _round(self, skip: int) -> None:
         run_round(self, skip)
 
-    def _resync(self, reason: str) -> None:
+    def _resync(self, reason: str, keep_round: bool = False) -> None:
+        """Download the swarm's state. keep_round: we finished this round's compute and want the
+        parameters it starts from (delayed overlap), so no inner steps are skipped afterwards."""
         logger.warning("re-syncing from peers: %s", reason)
-        self.inner.load_params(self.outer.global_params)
-        self.skip_steps = self._sync(initial=False)
+        self.skip_steps = self._sync(initial=False, keep_round=keep_round)
 
     # ---------------------------------------------------------------- persistence
     def _checkpoint(self, force: bool = False) -> None:

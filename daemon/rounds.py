@@ -1,5 +1,9 @@
 """One DiLoCo round of a node: H inner steps, pseudo-gradient all-reduce, checks, outer step.
 
+overlap = "none": round r's all-reduce finishes before round r+1 starts. overlap = "delayed"
+(DiLoCoX): round r's all-reduce runs in hivemind's averager process while round r+1 computes;
+its outer step is applied at the end of round r+1 with the re-base rule of dilocox/overlap.py.
+
 Consistency (DESIGN.md): a round's averaged pseudo-gradient is applied only if
   1. this node started the round from the parameters most of its group started from
      (``start_digest`` in the all-gathered metadata), and
@@ -13,8 +17,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -31,7 +35,7 @@ logger = logging.getLogger("dilocox.node")
 
 def _inner_steps(node: "Node", skip: int) -> tuple[list[float], float] | None:
     """Run inner steps skip..H-1; None if the node was asked to leave mid-round."""
-    t, losses, start = node.outer_step, [], time.monotonic()
+    t, losses, start = node.round - 1, [], time.monotonic()
     node._set_state(State.TRAINING, inner_step=skip)
     for i in range(skip, node.H):
         if node.leave_requested.is_set():
@@ -49,8 +53,14 @@ def _inner_steps(node: "Node", skip: int) -> tuple[list[float], float] | None:
     return losses, time.monotonic() - start
 
 
-def _others_in_round(node: "Node", t: int) -> list:
-    return [m for m in node._others() if m.state in ACTIVE_STATES and m.outer_step == t]
+def _in_round(node: "Node", r: int) -> list:
+    """Other replicas that take part in the all-reduce of round r (delayed: some already compute r+1)."""
+    window = (r,) if node.cfg.overlap == "none" else (r, r + 1)
+    return [m for m in node._others() if m.state in ACTIVE_STATES and m.round in window]
+
+
+def _someone_applied(node: "Node", r: int) -> bool:
+    return any(m.state in ACTIVE_STATES and m.outer_step >= r for m in node._others())
 
 
 def _exchange_result_digests(node: "Node", result_step: int, digest: str, peers: set[str]) -> dict[str, str]:
@@ -69,93 +79,157 @@ def _exchange_result_digests(node: "Node", result_step: int, digest: str, peers:
     return found
 
 
+@dataclass
+class PendingRound:
+    """An all-reduce of round ``index`` in flight (hivemind StepControl), or a solo round (control None)."""
+
+    index: int
+    pseudo_gradient: list
+    offsets: list
+    control: Optional[object]
+    compute_s: float
+    losses: list[float]
+    started: float
+
+
 def run_round(node: "Node", skip: int) -> None:
-    t, cfg = node.outer_step, node.cfg
+    """Compute round r = node.round, then average it (none) or start averaging it (delayed)."""
+    r = node.round
     done = _inner_steps(node, skip)
     if done is None:
-        node.inner.load_params(node.outer.global_params)  # abandon the round: nothing leaves this node
+        node.schedule.rebase(node.inner.params) if node.cfg.overlap == "delayed" else node.inner.load_params(
+            node.outer.global_params)  # abandon the round: nothing leaves this node
         return
     losses, compute_s = done
-    steps_done = node.H - skip
-    pseudo_gradient = node.outer.pseudo_gradient(node.inner.params)
+    pseudo_gradient = node.schedule.pseudo_gradient(node.inner.params)  # before any re-base
     if not all(torch.isfinite(g).all() for g in pseudo_gradient):
         node._resync("pseudo-gradient holds NaN/Inf (diverged replica); not sent")
         return
-
-    comm_start = time.monotonic()
-    node._set_state(State.AVERAGING)
-    payload = sent = received = 0
-    others = node._others()
-    if any(m.state in ACTIVE_STATES and m.outer_step > t for m in others):
-        node._resync(f"round {t + 1} was already completed by others")
+    if node.pending is not None:  # delayed: apply round r-1 (normally finished long ago)
+        previous, node.pending = node.pending, None
+        _finish(node, previous)
+    if node.outer_step != r - 1:  # we missed theta_{r-1} (joined late, failed round): fetch it
+        node._resync(f"round {r} needs the parameters of outer step {r - 1}", keep_round=True)
+        if node.outer_step != r - 1:
+            return
+    pending = _start(node, r, pseudo_gradient, node.H - skip, compute_s, losses)
+    if pending is None:
         return
+    if node.cfg.overlap == "none":
+        _finish(node, pending)
+    else:
+        node.pending = pending
+        node.round = r + 1
+        node.schedule.begin_round(node.inner.params)
+
+
+def _start(node: "Node", r: int, pseudo_gradient, weight: int, compute_s: float, losses) -> Optional[PendingRound]:
+    cfg = node.cfg
+    node._set_state(State.AVERAGING)
+    started = time.monotonic()
+    if _someone_applied(node, r):
+        node._resync(f"round {r} was already completed by others")
+        return None
     # Solo only when nobody else could take part: a replica in this round or one that is syncing
     # (it may start this round). Deciding from possibly stale records is safe this way round.
-    expected = [m for m in others if (m.state in ACTIVE_STATES and m.outer_step == t)
-                or m.state in (State.SYNCING.value, State.JOINING.value)]
-    outcome, group_size, averaged = "solo", 1, pseudo_gradient
-    if expected:
-        lr_sum = sum(node.inner.config.lr_at(t * node.H + i) for i in range(node.H))
-        offsets = [exact_mean.offset_for(exact_mean.pseudo_gradient_bound(
-            lr_sum, cfg.weight_decay, float(p.abs().max()), node.step_bound)) for p in node.outer.global_params]
-        encoded, clipped = zip(*(exact_mean.encode(g, c) for g, c in zip(pseudo_gradient, offsets)))
-        if sum(clipped):
-            logger.warning("%d pseudo-gradient entries exceeded the AdamW bound and were clipped", sum(clipped))
-        gather = RoundGather(outer_step=t, start_digest=node.digest, weight=float(steps_done))
+    expected = _in_round(node, r) + [m for m in node._others() if m.state in (State.SYNCING.value, State.JOINING.value)]
+    if not expected:
+        return PendingRound(r, pseudo_gradient, [], None, compute_s, losses, started)
+    lr_sum = sum(node.inner.config.lr_at((r - 1) * node.H + i) for i in range(node.H))
+    offsets = [exact_mean.offset_for(exact_mean.pseudo_gradient_bound(
+        lr_sum, cfg.weight_decay, float(p.abs().max()), node.step_bound)) for p in node.outer.global_params]
+    encoded, clipped = zip(*(exact_mean.encode(g, c) for g, c in zip(pseudo_gradient, offsets)))
+    if sum(clipped):
+        logger.warning("%d pseudo-gradient entries exceeded the AdamW bound and were clipped", sum(clipped))
+    gather = RoundGather(outer_step=r - 1, start_digest=node.digest, weight=float(weight))
+    try:
+        control = node.averager.start_round(r, encoded, gather, cfg.outer_round_deadline - cfg.averaging_timeout)
+    except RoundFailed as e:
+        logger.warning("round %d: %s; applying our own pseudo-gradient", r, e)
+        control = None
+    return PendingRound(r, pseudo_gradient, offsets, control, compute_s, losses, started)
+
+
+def _finish(node: "Node", p: PendingRound) -> bool:
+    """Wait for round p.index, check it, apply it; False if nothing was applied."""
+    waited_from = time.monotonic()
+    node._set_state(State.AVERAGING)
+    outcome, group_size, averaged = "solo", 1, p.pseudo_gradient
+    payload = sent = received = 0
+    if p.control is not None:
         try:
-            result = node.averager.run_round(
-                t, encoded, gather, deadline_s=cfg.outer_round_deadline - cfg.averaging_timeout,
-                cancel=node.leave_requested, abandon=lambda: not _others_in_round(node, t))
+            result = node.averager.finish_round(p.control, cancel=node.leave_requested,
+                                                abandon=lambda: not _in_round(node, p.index))
         except RoundCancelled:
-            node.inner.load_params(node.outer.global_params)
-            return
+            return False
         except RoundFailed as e:
-            if any(m.state in ACTIVE_STATES and m.outer_step > t for m in node._others()):
-                node._resync(f"round {t + 1} went on without us ({e})")
-                return
-            logger.warning("round %d: %s; applying our own pseudo-gradient", t + 1, e)
+            if _someone_applied(node, p.index):
+                node._resync(f"round {p.index} went on without us ({e})")
+                return False
+            logger.warning("round %d: %s; applying our own pseudo-gradient", p.index, e)
         else:
-            starts = {p: g.start_digest for p, g in result.gathered.items() if g is not None and g.outer_step == t}
+            starts = {q: g.start_digest for q, g in result.gathered.items()
+                      if g is not None and g.outer_step == p.index - 1}
             canon, _ = canonical_digest(starts)
             if canon != node.digest:
-                node._resync(f"round {t + 1}: we started from {node.digest}, the group from {canon}")
-                return
+                node._resync(f"round {p.index}: we started from {node.digest}, the group from {canon}")
+                return False
             # every member that started from the same parameters contributed to this average
             group_size = sum(d == canon for d in starts.values())
             payload, sent, received = result.payload_bytes, result.bytes_sent, result.bytes_received
             result_digest = params_digest(result.tensors)
-            results = _exchange_result_digests(node, t + 1, result_digest, set(starts))
+            results = _exchange_result_digests(node, p.index, result_digest, set(starts))
             canon, holders = canonical_digest(results)
             if 2 * len(holders) <= len(results):
                 # e.g. two replicas, one with a partial average: nobody can tell which is right, so nobody applies
                 logger.warning("round %d: no majority among all-reduce results %s; skipped by the whole group",
-                               t + 1, sorted(set(results.values())))
-                node.inner.load_params(node.outer.global_params)
-                return
+                               p.index, sorted(set(results.values())))
+                return False
             if canon != result_digest:
                 # hivemind can return part of the average ("received 79% results") and still succeed
-                node._resync(f"round {t + 1}: all-reduce result {result_digest} differs from the group's {canon} "
+                node._resync(f"round {p.index}: all-reduce result {result_digest} differs from the group's {canon} "
                              f"(partial result?); not applied")
-                if node.outer_step == t + 1:  # the group's result of this round, downloaded instead
-                    _record(node, RoundInfo(outer_step=t + 1, group_size=group_size, payload_bytes=payload,
-                                            duration_s=time.monotonic() - comm_start, compression_ratio=1.0,
-                                            compute_s=compute_s, outcome="resynced", bytes_sent=sent,
-                                            bytes_received=received), losses)
-                return
-            averaged = [exact_mean.decode(a, c) for a, c in zip(result.tensors, offsets)]
+                if node.outer_step == p.index:  # the group's result of this round, downloaded instead
+                    _record(node, _info(p, group_size, "resynced", payload, sent, received, waited_from), p.losses)
+                return False
+            averaged = [exact_mean.decode(a, c) for a, c in zip(result.tensors, p.offsets)]
             outcome = "applied"
-
-    node.outer.step(averaged)
-    node.inner.load_params(node.outer.global_params)
-    node.outer_step, node.digest = t + 1, params_digest(node.outer.global_params)
+    node.schedule.apply(averaged, node.inner.params)
+    node.schedule.begin_round(node.inner.params)
+    node.outer_step, node.digest = p.index, params_digest(node.outer.global_params)
+    if node.cfg.overlap == "none":
+        node.round = p.index + 1
     node._serve_snapshot()
-    _record(node, RoundInfo(outer_step=t + 1, group_size=group_size, payload_bytes=payload,
-                            duration_s=time.monotonic() - comm_start, compression_ratio=1.0 if payload else 0.0,
-                            compute_s=compute_s, outcome=outcome, bytes_sent=sent, bytes_received=received), losses)
+    _record(node, _info(p, group_size, outcome, payload, sent, received, waited_from), p.losses)
+    return True
 
 
-def _record(node: "Node", info: RoundInfo, losses: list[float]) -> None:
+def finish_on_leave(node: "Node", p: PendingRound) -> None:
+    """Leaving with an all-reduce in flight (delayed): let a started all-reduce finish so the group
+    is not left with a partial average, and apply it so the checkpoint holds it; else cancel."""
+    node.pending = None
+    control = p.control
+    if control is not None and not control.done() and control.began_allreduce:
+        deadline = time.monotonic() + node.cfg.averaging_timeout
+        while not control.done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if control is None or control.done():
+        _finish(node, p)
+    else:
+        control.cancel()
+
+
+def _info(p: PendingRound, group_size: int, outcome: str, payload: int, sent: int, received: int,
+          waited_from: float) -> RoundInfo:
+    now = time.monotonic()
+    return RoundInfo(outer_step=p.index, group_size=group_size, payload_bytes=payload, duration_s=now - p.started,
+                     compression_ratio=1.0 if payload else 0.0, compute_s=p.compute_s, outcome=outcome,
+                     bytes_sent=sent, bytes_received=received, wait_s=now - waited_from)
+
+
+def _record(node: "Node", info: RoundInfo, losses: list[float] | None = None) -> None:
     """Publish the finished round in status, checkpoint, and metrics (duration_s excludes evaluation)."""
+    losses = losses or [math.nan]
     val_loss = node.inner.evaluate(node.val_batches)
     s = node.board.snapshot()
     node._set_state(State.TRAINING, outer_step=node.outer_step, inner_step=node.skip_steps,
@@ -164,4 +238,4 @@ def _record(node: "Node", info: RoundInfo, losses: list[float]) -> None:
     node._checkpoint()
     node.record_metrics(dict(asdict(info), peer_id=node.swarm.peer_id, digest=node.digest, val_loss=val_loss,
                              loss=sum(losses) / len(losses), tokens_total=s.tokens_total,
-                             tokens_per_second=s.tokens_per_second, time=time.time()))
+                             tokens_per_second=s.tokens_per_second, overlap=node.cfg.overlap, time=time.time()))

@@ -37,6 +37,7 @@ class RoundInfo:
     outcome: str = ""
     bytes_sent: int = 0
     bytes_received: int = 0
+    wait_s: float = 0.0  # time the training thread was blocked on this round's communication
 
 
 @dataclass

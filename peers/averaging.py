@@ -1,7 +1,7 @@
 """Pseudo-gradient all-reduce and state download over hivemind's DecentralizedAverager.
 
-* Matchmaking: every round uses the group key ``{run_id}_pseudo_gradient.0b<outer_step as 16 bits>``
-  (``set_group_bits``), so only replicas finishing the same outer step average together.
+* Matchmaking: every round uses the group key ``{run_id}_pseudo_gradient.0b<round index as 16 bits>``
+  (``set_group_bits``), so only replicas finishing the same round average together.
 * Transport: butterfly all-reduce of fp32 offset-encoded tensors (dilocox.exact_mean), so every
   member of a group gets the bit-identical mean; the caller checks that with digests.
 * State: ``get_current_state`` (the documented override point) serves the node's global
@@ -39,8 +39,8 @@ class RoundCancelled(RuntimeError):
 class RoundGather(pydantic.BaseModel):
     """Metadata every member sends with its pseudo-gradient (all-gathered by hivemind)."""
 
-    outer_step: pydantic.conint(ge=0)
-    start_digest: pydantic.StrictStr  # digest of theta_{t-1} this pseudo-gradient was computed from
+    outer_step: pydantic.conint(ge=0)  # version of theta the sender holds (round index - 1)
+    start_digest: pydantic.StrictStr  # digest of that theta
     weight: pydantic.confloat(gt=0)
 
 
@@ -53,8 +53,8 @@ class RoundResult:
     bytes_received: int
 
 
-def group_bits(outer_step: int) -> str:
-    return format(outer_step % (1 << GROUP_BITS), f"0{GROUP_BITS}b")
+def group_bits(round_index: int) -> str:
+    return format(round_index % (1 << GROUP_BITS), f"0{GROUP_BITS}b")
 
 
 def canonical_digest(digests: Dict[str, str]) -> Tuple[Optional[str], List[str]]:
@@ -101,24 +101,31 @@ class PseudoGradientAverager(DecentralizedAverager):
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
 
-    def run_round(self, outer_step: int, encoded: Sequence[torch.Tensor], gather: RoundGather,
-                  deadline_s: float, cancel: threading.Event,
-                  abandon: Optional[Callable[[], bool]] = None, check_every_s: float = 1.0) -> RoundResult:
-        """Average ``encoded`` with the replicas at the same outer step; raises RoundFailed / RoundCancelled.
+    def start_round(self, round_index: int, encoded: Sequence[torch.Tensor], gather: RoundGather,
+                    deadline_s: float):
+        """Begin averaging ``encoded`` with the replicas of the same round; returns hivemind's StepControl.
 
-        ``abandon()`` is polled every ``check_every_s`` once the matchmaking window has passed; when it
-        returns True (e.g. no other replica is still in this round) the step is cancelled early.
+        The all-reduce runs in the averager process; ``finish_round`` waits for it.
         """
-        self.set_group_bits(group_bits(outer_step))
+        self.set_group_bits(group_bits(round_index))
         with self.get_tensors() as tensors:
             for dst, src in zip(tensors, encoded):
                 dst.copy_(src)
         try:
-            control = self.step(gather=gather.dict(), weight=gather.weight, timeout=deadline_s,
-                                allow_retries=True, wait=False)
+            return self.step(gather=gather.dict(), weight=gather.weight, timeout=deadline_s,
+                             allow_retries=True, wait=False)
         except Exception as e:
             raise RoundFailed(f"could not start averaging: {e!r}") from e
-        started, next_check = time.monotonic(), time.monotonic() + self.matchmaking_kwargs["min_matchmaking_time"]
+
+    def finish_round(self, control, cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None,
+                     check_every_s: float = 1.0) -> RoundResult:
+        """Wait for ``control``; raises RoundFailed (no group, failure, abandoned) or RoundCancelled.
+
+        ``abandon()`` is polled every ``check_every_s`` while no all-reduce has begun; when it returns
+        True (e.g. no other replica is still in this round) the step is cancelled early.
+        """
+        started = time.monotonic()
+        next_check = started + self.matchmaking_kwargs["min_matchmaking_time"]
         while not control.done():
             if cancel.is_set():
                 control.cancel()

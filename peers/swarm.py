@@ -30,7 +30,8 @@ class MemberRecord(pydantic.BaseModel):
     peer_id: pydantic.StrictStr
     run_id: pydantic.StrictStr
     state: pydantic.StrictStr
-    outer_step: pydantic.conint(ge=0)
+    outer_step: pydantic.conint(ge=0)  # outer updates applied (version of theta)
+    round: pydantic.conint(ge=0) = 0  # round being computed (its all-reduce has this group key)
     inner_step: pydantic.conint(ge=0)
     inner_steps: pydantic.conint(ge=1)
     tokens_per_second: pydantic.confloat(ge=0)
