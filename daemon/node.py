@@ -21,7 +21,7 @@ import torch
 
 import dilocox
 from daemon.config import NodeConfig
-from daemon.rounds import finish_on_leave, run_round
+from daemon.rounds import finish_on_leave, finish_round, run_round
 from daemon.status import ACTIVE_STATES, State, StatusBoard
 from dilocox import exact_mean
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
@@ -290,9 +290,10 @@ class Node:
             self._serve_snapshot()
             resyncs = self.board.snapshot().resyncs + (0 if initial else 1)
             self.board.update(outer_step=self.outer_step, global_params_digest=self.digest, resyncs=resyncs)
-            logger.info("synced state of outer step %d (digest %s); skipping %d inner steps of the current round",
-                        self.outer_step, self.digest, meta.donor_inner_step)
-            return 0 if keep_round else meta.donor_inner_step
+            skip = 0 if keep_round else meta.donor_inner_step
+            logger.info("synced state of outer step %d (digest %s); round %d, skipping %d inner steps",
+                        self.outer_step, self.digest, self.round, skip)
+            return skip
         return 0
 
     def _wait(self, predicate, timeout_s: float) -> bool:
@@ -306,7 +307,10 @@ class Node:
     # ---------------------------------------------------------------- training
     def _train(self) -> None:
         while not self.leave_requested.is_set():
-            if self.cfg.max_outer_steps is not None and self.outer_step >= self.cfg.max_outer_steps:
+            if self.cfg.max_outer_steps is not None and self.round > self.cfg.max_outer_steps:
+                if self.pending is not None:  # delayed: the last round's all-reduce is still in flight
+                    pending, self.pending = self.pending, None
+                    finish_round(self, pending)
                 logger.info("reached max_outer_steps=%d", self.cfg.max_outer_steps)
                 return
             skip, self.skip_steps = self.skip_steps, 0

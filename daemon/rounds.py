@@ -25,7 +25,7 @@ import torch
 from daemon.status import ACTIVE_STATES, RoundInfo, State
 from dilocox import exact_mean
 from dilocox.diloco import params_digest
-from peers.averaging import RoundCancelled, RoundFailed, RoundGather, canonical_digest
+from peers.averaging import RoundCancelled, RoundFailed, RoundGather, canonical_digest, judge_result
 
 if TYPE_CHECKING:
     from daemon.node import Node
@@ -107,7 +107,7 @@ def run_round(node: "Node", skip: int) -> None:
         return
     if node.pending is not None:  # delayed: apply round r-1 (normally finished long ago)
         previous, node.pending = node.pending, None
-        _finish(node, previous)
+        finish_round(node, previous)
     if node.outer_step != r - 1:  # we missed theta_{r-1} (joined late, failed round): fetch it
         node._resync(f"round {r} needs the parameters of outer step {r - 1}", keep_round=True)
         if node.outer_step != r - 1:
@@ -116,7 +116,7 @@ def run_round(node: "Node", skip: int) -> None:
     if pending is None:
         return
     if node.cfg.overlap == "none":
-        _finish(node, pending)
+        finish_round(node, pending)
     else:
         node.pending = pending
         node.round = r + 1
@@ -150,7 +150,7 @@ def _start(node: "Node", r: int, pseudo_gradient, weight: int, compute_s: float,
     return PendingRound(r, pseudo_gradient, offsets, control, compute_s, losses, started)
 
 
-def _finish(node: "Node", p: PendingRound) -> bool:
+def finish_round(node: "Node", p: PendingRound) -> bool:
     """Wait for round p.index, check it, apply it; False if nothing was applied."""
     waited_from = time.monotonic()
     node._set_state(State.AVERAGING)
@@ -179,13 +179,13 @@ def _finish(node: "Node", p: PendingRound) -> bool:
             payload, sent, received = result.payload_bytes, result.bytes_sent, result.bytes_received
             result_digest = params_digest(result.tensors)
             results = _exchange_result_digests(node, p.index, result_digest, set(starts))
-            canon, holders = canonical_digest(results)
-            if 2 * len(holders) <= len(results):
-                # e.g. two replicas, one with a partial average: nobody can tell which is right, so nobody applies
+            verdict = judge_result(result_digest, results)
+            if verdict == "skip":
                 logger.warning("round %d: no majority among all-reduce results %s; skipped by the whole group",
                                p.index, sorted(set(results.values())))
                 return False
-            if canon != result_digest:
+            if verdict == "resync":
+                canon, _ = canonical_digest(results)
                 # hivemind can return part of the average ("received 79% results") and still succeed
                 node._resync(f"round {p.index}: all-reduce result {result_digest} differs from the group's {canon} "
                              f"(partial result?); not applied")
@@ -214,7 +214,7 @@ def finish_on_leave(node: "Node", p: PendingRound) -> None:
         while not control.done() and time.monotonic() < deadline:
             time.sleep(0.05)
     if control is None or control.done():
-        _finish(node, p)
+        finish_round(node, p)
     else:
         control.cancel()
 

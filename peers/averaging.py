@@ -71,12 +71,26 @@ def canonical_digest(digests: Dict[str, str]) -> Tuple[Optional[str], List[str]]
     return winner, sorted(p for p, d in digests.items() if d == winner)
 
 
+def judge_result(mine: str, results: Dict[str, str]) -> str:
+    """What to do with our all-reduce result given every member's result digest (ours included).
+
+    'apply' if ours is held by a strict majority, 'resync' if another digest is, 'skip' if no
+    digest has a strict majority (e.g. two members with a partial average each): then no member
+    applies, so a partial average is never adopted by a tie-break.
+    """
+    canon, holders = canonical_digest(results)
+    if 2 * len(holders) <= len(results):
+        return "skip"
+    return "apply" if canon == mine else "resync"
+
+
 class PseudoGradientAverager(DecentralizedAverager):
     """hivemind averager for one stage's pseudo-gradient. Blocking calls; run them off the event loop."""
 
     def __init__(self, templates: Sequence[torch.Tensor], dht: DHT, run_id: str,
                  state_provider: Callable[[], Tuple[dict, List[torch.Tensor]]], *,
-                 matchmaking_time_s: float, request_timeout_s: float, averaging_timeout_s: float):
+                 matchmaking_time_s: float, request_timeout_s: float, averaging_timeout_s: float,
+                 **averager_kwargs):
         self._state_provider = state_provider
         super().__init__(
             [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in templates],
@@ -93,6 +107,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             compression=NoCompression(),
             allow_state_sharing=True,
             declare_state_period=max(2.0, matchmaking_time_s),
+            **averager_kwargs,
         )
         self.payload_bytes = sum(t.numel() * 4 for t in templates)
 

@@ -1,0 +1,39 @@
+"""overlap=delayed on real peers: rounds overlap, replicas agree per outer step, a joiner catches up."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.helpers import FAST, digests_by_step, start
+
+pytestmark = pytest.mark.integration
+
+
+def test_delayed_overlap_two_nodes_and_a_joiner(tmp_path):
+    args = FAST + ["--run-id", "delayed", "--overlap", "delayed"]
+    a = start(tmp_path, "a", args + ["--min-replicas", "2"])
+    b = start(tmp_path, "b", args + ["--min-replicas", "2", "--join", a.join_maddr])
+    nodes = [a, b]
+    try:
+        for n in nodes:
+            n.wait_for(lambda p: p.status().outer_step >= 3, 120, "outer step 3")
+        for n in nodes:
+            rows = n.metrics()[:3]
+            assert [r["group_size"] for r in rows] == [2, 2, 2], rows
+            assert all(r["overlap"] == "delayed" for r in rows)
+            # the all-reduce of round t ran during round t+1's ~0.3 s of compute: part of it was not waited for
+            assert all(r["duration_s"] - r["wait_s"] > 0.1 for r in rows), rows
+        c = start(tmp_path, "c", args + ["--join", a.join_maddr])
+        nodes.append(c)
+        first = c.wait_for(lambda p: p.metrics(), 120, "its first applied round")[0]
+        assert first["outcome"] == "applied" and first["group_size"] == 3, first
+        for n in nodes:
+            n.wait_for(lambda p: p.status().outer_step >= first["outer_step"] + 1, 60, "one more round")
+        steps = digests_by_step(nodes)
+        assert all(len(d) == 1 for d in steps.values()), steps
+        assert a.status().loss < a.status().initial_loss - 1.0
+    finally:
+        for n in nodes:
+            n.terminate(signal.SIGKILL)

@@ -1,0 +1,83 @@
+"""A reducer that returns only part of its results (ENVIRONMENT.md's hazard) is detected, never applied.
+
+Three real hivemind peers on loopback average offset-encoded pseudo-gradients; one of them, as a
+reducer, stops streaming averaged parts after the first one. hivemind then reports success with
+'received N% results' on the others; the result digests disagree and ``judge_result`` tells
+every member not to apply it.
+"""
+
+import threading
+from typing import AsyncIterator
+
+import hivemind
+import pytest
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+
+from dilocox import exact_mean
+from dilocox.diloco import params_digest
+from peers.averaging import PseudoGradientAverager, RoundGather, judge_result
+
+pytestmark = pytest.mark.integration
+
+
+class TruncatingAverager(PseudoGradientAverager):
+    """A faulty peer: as a reducer it streams back only the first averaged part, then hangs up."""
+
+    async def rpc_aggregate_part(  # hivemind registers RPC handlers by their annotations
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        sent = 0
+        async for message in super().rpc_aggregate_part(stream, context):
+            if sent >= 1:
+                return
+            yield message
+            sent += 1
+
+
+# hivemind names RPC protocols after the servicer class: the faulty peer must look like an honest one
+FaultyPeer = type("PseudoGradientAverager", (TruncatingAverager,), {})
+
+
+def test_partial_result_is_detected_and_not_applied():
+    template = [torch.zeros(64, 1024)]  # 256 KiB of fp32: several 16 KiB parts per reducer
+    dhts, averagers = [], []
+    try:
+        for i in range(3):
+            dht = hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs() if dhts else None, start=True,
+                               host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, startup_timeout=60)
+            dhts.append(dht)
+            cls = FaultyPeer if i == 2 else PseudoGradientAverager
+            averagers.append(cls(template, dht, "partial", lambda: ({}, []), matchmaking_time_s=3.0,
+                                 request_timeout_s=1.0, averaging_timeout_s=20.0, part_size_bytes=16 * 1024,
+                                 ))
+        offset = exact_mean.offset_for(1.0)
+        inputs = [exact_mean.encode(torch.randn(64, 1024) * 0.1, offset)[0] for _ in range(3)]
+        results = [None] * 3
+
+        def run(i):
+            gather = RoundGather(outer_step=0, start_digest="same", weight=1.0)
+            control = averagers[i].start_round(1, [inputs[i]], gather, deadline_s=30)
+            results[i] = averagers[i].finish_round(control, threading.Event())
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(r is not None for r in results), "hivemind reported the round as a success on every peer"
+        assert all(len(r.gathered) == 3 for r in results)
+        digests = {str(i): params_digest(r.tensors) for i, r in enumerate(results)}
+        honest = [params_digest(r.tensors) for r in results[:2]]
+        assert honest[0] != honest[1], "the honest peers should each have missed the faulty reducer's parts"
+        verdicts = [judge_result(digests[str(i)], digests) for i in range(3)]
+        assert verdicts == ["skip", "skip", "skip"], (verdicts, digests)
+        # and without the fault the same machinery agrees bit for bit
+        assert judge_result("x", {"0": "x", "1": "x", "2": "x"}) == "apply"
+        assert judge_result("y", {"0": "x", "1": "x", "2": "y"}) == "resync"
+    finally:
+        for a in averagers:
+            a.shutdown()
+        for d in dhts:
+            d.shutdown()
