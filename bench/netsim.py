@@ -87,6 +87,10 @@ class NetSim:
             self._shape(ns, host_dev)             # host -> network
             self._shape(self.bridge_ns, br_dev)   # network -> host
 
+    def wrapper(self, i: int) -> list[str]:
+        """Command prefix that runs a program inside host i."""
+        return ["ip", "netns", "exec", self.hosts[i]]
+
     def popen(self, i: int, argv: list[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` inside host i (own process group; killed on close)."""
         proc = subprocess.Popen(["ip", "netns", "exec", self.hosts[i], *argv], start_new_session=True, **kwargs)

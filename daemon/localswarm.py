@@ -33,12 +33,13 @@ def node_env(threads: int = 1) -> dict:
 class LocalNode:
     """A dilocox-node subprocess; stdout, stderr and checkpoints live under ``workdir``."""
 
-    def __init__(self, name: str, workdir: Path, args: list[str], threads: int = 1):
+    def __init__(self, name: str, workdir: Path, args: list[str], threads: int = 1, wrapper: list[str] = ()):
+        """``wrapper`` prefixes the command, e.g. ``ip netns exec HOST`` (bench/netsim.py)."""
         self.name, self.workdir = name, workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = workdir / "stdout", workdir / "stderr"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", *args, "--checkpoint-dir", str(workdir / "ckpt")],
+            [*wrapper, sys.executable, "-m", "daemon.cli", *args, "--checkpoint-dir", str(workdir / "ckpt")],
             stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"), env=node_env(threads), cwd=REPO,
             start_new_session=True)
         self.addr = self.join_maddr = ""

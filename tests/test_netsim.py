@@ -52,3 +52,29 @@ def test_link_rate_and_cleanup(rate_mbit):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="rate_mbit"):
         NetSim(2, 0)
+
+
+def test_two_nodes_train_over_a_10_mbit_link(tmp_path):
+    """The whole stack over shaped links: delayed overlap, equal digests, payload crosses the bridge."""
+    from tests.helpers import FAST, LocalNode, digests_by_step
+
+    with NetSim(2, 10, prefix="dlxn") as net:
+        args = FAST + ["--overlap", "delayed", "--min-replicas", "2", "--max-outer-steps", "4", "--run-id", "slow"]
+        nodes = []
+        for i in range(2):
+            a = list(args)
+            a[a.index("--listen") + 1] = f"/ip4/{net.address(i)}/tcp/0"
+            if nodes:
+                a += ["--join", nodes[0].join_maddr]
+            nodes.append(LocalNode(f"h{i}", tmp_path / f"h{i}", a, wrapper=net.wrapper(i)).wait_started())
+        assert nodes[0].join_maddr.startswith(f"/ip4/{net.address(0)}/tcp/")
+        try:
+            codes = [n.proc.wait(180) for n in nodes]
+        finally:
+            for n in nodes:
+                n.terminate()
+        assert codes == [0, 0], [n.log_tail() for n in nodes]
+        rows = [n.metrics() for n in nodes]
+        assert [r["group_size"] for r in rows[0]] == [2, 2, 2, 2]
+        assert all(len(d) == 1 for d in digests_by_step(nodes).values())
+        assert all(r["bytes_sent"] == 533_760 for r in rows[0])  # fp32 tiny model, 2 peers: one payload each way
