@@ -26,6 +26,7 @@ def _print_status(status: node_pb2.NodeStatus) -> None:
         ("tokens_total", status.tokens_total), ("bytes sent/recv", f"{status.bytes_sent} / {status.bytes_received}"),
         ("last round", f"step {r.outer_step} group {r.group_size} {r.outcome} compute {r.compute_s:.2f}s "
                        f"comm {r.duration_s:.2f}s payload {r.payload_bytes} B"),
+        ("utilization", f"{status.compute_utilization:.0%} compute ({status.overlap} overlap)"),
         ("digest", status.global_params_digest), ("swarm_size", status.swarm_size),
         ("resyncs", status.resyncs), ("uptime_s", f"{status.uptime_s:.0f}"),
     ]

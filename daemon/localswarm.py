@@ -153,7 +153,7 @@ def summarize(nodes: list[LocalNode]) -> dict:
 
     per_node = {}
     for node in nodes:
-        rows = [r for r in node.metrics() if r["outcome"] in ("applied", "solo")]
+        rows = node.metrics()
         if not rows:
             continue
         per_node[node.name] = dict(
@@ -162,6 +162,8 @@ def summarize(nodes: list[LocalNode]) -> dict:
             tokens_per_second_compute=statistics.median(r["tokens_per_second"] for r in rows),
             median_compute_s=statistics.median(r["compute_s"] for r in rows),
             median_comm_s=statistics.median(r["duration_s"] for r in rows),
+            median_wait_s=statistics.median(r.get("wait_s", r["duration_s"]) for r in rows),
+            compute_utilization=rows[-1].get("compute_utilization", 0.0),
             median_bytes_sent_per_outer_step=statistics.median(r["bytes_sent"] for r in rows),
             payload_bytes=rows[-1]["payload_bytes"], group_sizes=sorted({r["group_size"] for r in rows}),
             digest_last=rows[-1]["digest"],

@@ -172,6 +172,7 @@ class Node:
         self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
         self.schedule = OuterSchedule(self.outer, cfg.overlap)
         self.pending = None  # delayed overlap: the all-reduce in flight
+        self.round_log: list[tuple[float, float]] = []  # (monotonic time a round was applied, its compute_s)
         shard_key = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(
             hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "little")
         self.shard = ReplicaShard(self.corpus.train, self.seq_len, self.batch_size, cfg.seed, shard_key)
@@ -192,7 +193,8 @@ class Node:
             matchmaking_time_s=cfg.matchmaking_time, request_timeout_s=cfg.request_timeout,
             averaging_timeout_s=cfg.averaging_timeout)
         self.averager.state_sharing_priority = float(self.outer_step)
-        self.board.update(outer_step=self.outer_step, inner_steps=self.H, global_params_digest=self.digest)
+        self.board.update(outer_step=self.outer_step, inner_steps=self.H, global_params_digest=self.digest,
+                          overlap=cfg.overlap)
         self.skip_steps = 0
 
     def _serve_snapshot(self) -> None:

@@ -181,10 +181,12 @@ def finish_round(node: "Node", p: PendingRound) -> bool:
             results = _exchange_result_digests(node, p.index, result_digest, set(starts))
             verdict = judge_result(result_digest, results)
             if verdict == "skip":
+                # e.g. two replicas, one with a partial average: nobody can tell which is right, so every
+                # member consumes the round without an update (theta_r = theta_{r-1}) and all stay aligned
                 logger.warning("round %d: no majority among all-reduce results %s; skipped by the whole group",
                                p.index, sorted(set(results.values())))
-                return False
-            if verdict == "resync":
+                averaged, outcome = None, "skipped"
+            elif verdict == "resync":
                 canon, _ = canonical_digest(results)
                 # hivemind can return part of the average ("received 79% results") and still succeed
                 node._resync(f"round {p.index}: all-reduce result {result_digest} differs from the group's {canon} "
@@ -192,9 +194,13 @@ def finish_round(node: "Node", p: PendingRound) -> bool:
                 if node.outer_step == p.index:  # the group's result of this round, downloaded instead
                     _record(node, _info(p, group_size, "resynced", payload, sent, received, waited_from), p.losses)
                 return False
-            averaged = [exact_mean.decode(a, c) for a, c in zip(result.tensors, p.offsets)]
-            outcome = "applied"
-    node.schedule.apply(averaged, node.inner.params)
+            else:
+                averaged = [exact_mean.decode(a, c) for a, c in zip(result.tensors, p.offsets)]
+                outcome = "applied"
+    if averaged is None:
+        node.schedule.rebase(node.inner.params)  # no outer step: only the local trajectory is re-based
+    else:
+        node.schedule.apply(averaged, node.inner.params)
     node.schedule.begin_round(node.inner.params)
     node.outer_step, node.digest = p.index, params_digest(node.outer.global_params)
     if node.cfg.overlap == "none":
@@ -231,11 +237,19 @@ def _record(node: "Node", info: RoundInfo, losses: list[float] | None = None) ->
     """Publish the finished round in status, checkpoint, and metrics (duration_s excludes evaluation)."""
     losses = losses or [math.nan]
     val_loss = node.inner.evaluate(node.val_batches)
+    node.round_log.append((time.monotonic(), info.compute_s))
+    del node.round_log[:-11]
+    utilization = 0.0
+    if len(node.round_log) >= 2:  # compute of the rounds completed in the window / the window's wall time
+        window = node.round_log[-1][0] - node.round_log[0][0]
+        utilization = min(1.0, sum(c for _, c in node.round_log[1:]) / window) if window > 0 else 0.0
     s = node.board.snapshot()
     node._set_state(State.TRAINING, outer_step=node.outer_step, inner_step=node.skip_steps,
+                    compute_utilization=utilization,
                     global_params_digest=node.digest, val_loss=val_loss, last_round=info,
                     bytes_sent=s.bytes_sent + info.bytes_sent, bytes_received=s.bytes_received + info.bytes_received)
     node._checkpoint()
     node.record_metrics(dict(asdict(info), peer_id=node.swarm.peer_id, digest=node.digest, val_loss=val_loss,
                              loss=sum(losses) / len(losses), tokens_total=s.tokens_total,
-                             tokens_per_second=s.tokens_per_second, overlap=node.cfg.overlap, time=time.time()))
+                             tokens_per_second=s.tokens_per_second, overlap=node.cfg.overlap,
+                             compute_utilization=utilization, time=time.time()))

@@ -64,6 +64,8 @@ class Status:
     swarm_size: int = 0
     resyncs: int = 0
     last_error: str = ""
+    compute_utilization: float = 0.0
+    overlap: str = "none"
 
 
 class StatusBoard:
