@@ -69,7 +69,7 @@ class Node:
         self._served_lock = threading.Lock()
         self._served = None
         self._poke = threading.Event()
-        self._result = (0, "")  # (outer_step, digest) of the last averaged pseudo-gradient we hold
+        self._result = (0, "")  # (round, digest) of the last averaged pseudo-gradient we hold
         self._metrics = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -316,12 +316,9 @@ class Node:
                 logger.info("reached max_outer_steps=%d", self.cfg.max_outer_steps)
                 return
             skip, self.skip_steps = self.skip_steps, 0
-            self._round(skip)
+            run_round(self, skip)
         if self.pending is not None:
             finish_on_leave(self, self.pending)
-
-    def _round(self, skip: int) -> None:
-        run_round(self, skip)
 
     def _resync(self, reason: str, keep_round: bool = False) -> None:
         """Download the swarm's state. keep_round: we finished this round's compute and want the

@@ -97,8 +97,7 @@ def run_round(node: "Node", skip: int) -> None:
     r = node.round
     done = _inner_steps(node, skip)
     if done is None:
-        node.schedule.rebase(node.inner.params) if node.cfg.overlap == "delayed" else node.inner.load_params(
-            node.outer.global_params)  # abandon the round: nothing leaves this node
+        node.schedule.rebase(node.inner.params)  # abandon the round: nothing leaves this node
         return
     losses, compute_s = done
     pseudo_gradient = node.schedule.pseudo_gradient(node.inner.params)  # before any re-base
