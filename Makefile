@@ -29,7 +29,7 @@ bench: install
 	$(PY) -m bench.run
 
 proto: install
-	$(PIP) install -q '.[proto]'
+	$(PIP) install -q -e '.[proto]'
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. proto/dilocox/v1/node.proto
 
 clean:

@@ -56,7 +56,14 @@ class NodeConfig(BaseModel):
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
-    overlap: Literal["none", "delayed"] = Field("none", description="none: synchronous DiLoCo; delayed: DiLoCoX one-step delay")
+    overlap: Literal["none", "delayed"] = Field("delayed", description="none: synchronous DiLoCo; delayed: DiLoCoX one-step delay")
+    compression: Literal["none", "fp16", "int8", "adaptive"] = Field(
+        "adaptive", description="pseudo-gradient codes: none (fp32), fp16 (16-bit), int8 (8-bit), adaptive (low rank + 8-bit)")
+    rank_min: int = Field(1, ge=1, description="adaptive: lowest PowerSGD rank")
+    rank_max: int = Field(8, ge=1, description="adaptive: highest PowerSGD rank (also the first round's)")
+    rank_energy: float = Field(0.5, gt=0, le=1, description="adaptive: fraction of pseudo-gradient energy the rank must keep")
+    bandwidth_mbps: Optional[float] = Field(None, gt=0, description="link rate for the rank cap (default: measured)")
+    quant_block: int = Field(256, ge=8, description="values per quantization scale")
     # timeouts (seconds)
     request_timeout: float = Field(5.0, gt=0)
     matchmaking_time: float = Field(15.0, gt=0)
@@ -77,6 +84,8 @@ class NodeConfig(BaseModel):
         for (a, va), (b, vb) in zip(zip(chain, values), zip(chain[1:], values[1:])):
             if not va < vb:
                 raise ValueError(f"timeouts must satisfy {' < '.join(chain)}; got {a}={va} >= {b}={vb}")
+        if self.rank_min > self.rank_max:
+            raise ValueError(f"rank_min={self.rank_min} must be <= rank_max={self.rank_max}")
         if self.beta1**2 >= self.beta2:
             raise ValueError(f"beta1^2 must be < beta2 (bounded AdamW update); got beta1={self.beta1}, beta2={self.beta2}")
         return self

@@ -13,6 +13,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +26,7 @@ from daemon.rounds import finish_on_leave, finish_round, run_round
 from daemon.status import ACTIVE_STATES, State, StatusBoard
 from dilocox import exact_mean
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
+from dilocox.compression import CompressionConfig, Compressor
 from dilocox.data import Corpus, ReplicaShard, validation_batches
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, check_shapes, params_digest
 from dilocox.model import ModelSpec, build_model
@@ -50,6 +52,12 @@ class StateMeta(pydantic.BaseModel):
     donor_state: pydantic.StrictStr
     donor_inner_step: pydantic.conint(ge=0)
     donor_round: pydantic.conint(ge=0)
+    compression_rank: pydantic.conint(ge=0) = 0
+    compression_digest: pydantic.StrictStr = ""
+
+
+def cfg_ladder(compressor: Compressor) -> list[int]:
+    return compressor.cfg.ladder if compressor.cfg.mode == "adaptive" else [compressor.rank]
 
 
 class Node:
@@ -65,7 +73,9 @@ class Node:
         self.corpus = Corpus.from_spec(cfg.data, self.seq_len)  # fails fast on bad data (DataError)
         self.H = cfg.inner_steps
         self.swarm: Optional[Swarm] = None
-        self.averager: Optional[PseudoGradientAverager] = None
+        self.averager: Optional[PseudoGradientAverager] = None  # serves state; also averages its buffer size
+        self.averagers: dict[int, PseudoGradientAverager] = {}  # buffer size -> averager (one per rank)
+        self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
         self._served_lock = threading.Lock()
         self._served = None
         self._poke = threading.Event()
@@ -123,7 +133,8 @@ class Node:
         self._poke.set()
         if self.swarm is not None:
             self.swarm.withdraw()
-        for closer in (self.averager, self.swarm):
+        self.comm.shutdown(wait=False, cancel_futures=True)
+        for closer in (*self.averagers.values(), self.swarm):
             try:
                 if closer is not None:
                     closer.shutdown()
@@ -170,6 +181,10 @@ class Node:
             lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
             warmup_steps=cfg.warmup_steps, total_steps=total), device=cfg.device)
         self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+        self.compressor = Compressor([tuple(p.shape) for p in self.outer.global_params], CompressionConfig(
+            mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
+            block=cfg.quant_block, seed=cfg.seed))
+        self.measured_bps = 0.0
         self.schedule = OuterSchedule(self.outer, cfg.overlap)
         self.pending = None  # delayed overlap: the all-reduce in flight
         self.round_log: list[tuple[float, float]] = []  # (monotonic time a round was applied, its compute_s)
@@ -188,19 +203,40 @@ class Node:
         self.round = self.outer_step + 1
         self.schedule.begin_round(self.inner.params)
         self._serve_snapshot()
-        self.averager = PseudoGradientAverager(
-            self.outer.global_params, self.swarm.dht, cfg.run_id, self._serve_state,
-            matchmaking_time_s=cfg.matchmaking_time, request_timeout_s=cfg.request_timeout,
-            averaging_timeout_s=cfg.averaging_timeout)
+        # one averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors);
+        # the largest also serves our state to joiners
+        sizes = sorted({self.compressor.buffer_size(r) for r in cfg_ladder(self.compressor)}, reverse=True)
+        for size in sizes:
+            self.averagers[size] = PseudoGradientAverager(
+                size, self.swarm.dht, f"{cfg.run_id}_pseudo_gradient_{cfg.compression}{size}",
+                self._serve_state if size == sizes[0] else None,
+                matchmaking_time_s=cfg.matchmaking_time, request_timeout_s=cfg.request_timeout,
+                averaging_timeout_s=cfg.averaging_timeout)
+        self.averager = self.averagers[sizes[0]]
         self.averager.state_sharing_priority = float(self.outer_step)
         self.board.update(outer_step=self.outer_step, inner_steps=self.H, global_params_digest=self.digest,
-                          overlap=cfg.overlap)
+                          overlap=cfg.overlap, compression=cfg.compression)
         self.skip_steps = 0
 
+    def start_digest(self) -> str:
+        """Digest of everything a round must start from on every replica: theta and the shared
+        compression state (rank, warm-start Q, scales)."""
+        return f"{self.digest}/{self.compressor.digest()}"
+
+    def bandwidth_bps(self, result) -> float:
+        """Bandwidth for the rank cap: configured, else bytes/s of the last all-reduce (a lower bound)."""
+        if self.cfg.bandwidth_mbps:
+            return self.cfg.bandwidth_mbps * 1e6
+        if result.allreduce_s > 0:
+            self.measured_bps = 8 * result.bytes_sent / result.allreduce_s
+        return self.measured_bps
+
     def _serve_snapshot(self) -> None:
-        tensors = [p.clone() for p in self.outer.global_params] + self.outer.momentum_buffers()
+        tensors = ([p.clone() for p in self.outer.global_params] + self.outer.momentum_buffers()
+                   + [t.clone() for t in self.compressor.shared_tensors()])
         meta = dict(run_id=self.cfg.run_id, outer_step=self.outer_step, digest=self.digest,
-                    num_params=len(self.outer.global_params))
+                    num_params=len(self.outer.global_params), compression_rank=self.compressor.rank,
+                    compression_digest=self.compressor.digest())
         with self._served_lock:
             self._served = (meta, tensors)
         if self.averager is not None:
@@ -258,12 +294,16 @@ class Node:
             try:
                 meta = StateMeta.parse_obj(got[0])
                 n = len(self.outer.global_params)
-                if meta.run_id != self.cfg.run_id or meta.num_params != n or len(got[1]) != 2 * n:
+                if meta.run_id != self.cfg.run_id or meta.num_params != n or len(got[1]) < 2 * n:
                     raise ValueError(f"state for run {meta.run_id!r} with {len(got[1])} tensors does not fit ours")
                 check_shapes(self.outer.global_params, got[1][:n], "downloaded parameters")
-                check_shapes(self.outer.global_params, got[1][n:], "downloaded momentum")
+                check_shapes(self.outer.global_params, got[1][n:2 * n], "downloaded momentum")
                 if params_digest(got[1][:n]) != meta.digest:
                     raise ValueError("downloaded parameters do not match the donor's digest")
+                shared = Compressor(self.compressor.shapes, self.compressor.cfg)
+                shared.load_shared(meta.compression_rank, got[1][2 * n:])
+                if shared.digest() != meta.compression_digest:
+                    raise ValueError("downloaded compression state does not match the donor's digest")
             except (pydantic.ValidationError, ValueError) as e:
                 logger.warning("rejected a downloaded state: %s", e)
                 time.sleep(0.5)
@@ -277,7 +317,8 @@ class Node:
                             self.round, self.round - 1)
                 self._wait(lambda: any(m.outer_step > meta.outer_step for m in self._others()), self.cfg.outer_round_deadline)
                 continue
-            self.outer.load_state(got[1][:n], got[1][n:])
+            self.outer.load_state(got[1][:n], got[1][n:2 * n])
+            self.compressor.load_shared(meta.compression_rank, got[1][2 * n:])
             keep_round = keep_round and meta.outer_step == self.round - 1
             if keep_round:  # x <- theta + this round's local progress; its pseudo-gradient is still ours to send
                 self.schedule.rebase(self.inner.params)
@@ -286,8 +327,8 @@ class Node:
                 self.schedule.begin_round(self.inner.params)
                 self.round = max(meta.donor_round, meta.outer_step + 1)
             self.outer_step, self.digest = meta.outer_step, meta.digest
-            if self.pending is not None and self.pending.control is not None:
-                self.pending.control.cancel()
+            if self.pending is not None:
+                self.pending.cancel.set()
             self.pending = None  # its result is part of (or superseded by) the downloaded state
             self._serve_snapshot()
             resyncs = self.board.snapshot().resyncs + (0 if initial else 1)
@@ -335,6 +376,7 @@ class Node:
         state = dict(run_id=self.cfg.run_id, model=self.cfg.model, outer_step=self.outer_step,
                      global_params=self.outer.global_params, momentum=self.outer.momentum_buffers(),
                      inner_optimizer=self.inner.inner_optimizer.state_dict(),
+                     compression=self.compressor.state_dict(),
                      shard_position=self.shard.position, shard_key=self.shard.shard_key,
                      torch_rng=torch.get_rng_state(), version=dilocox.__version__)
         path = save_checkpoint(Path(self.cfg.checkpoint_dir), self.outer_step, state)
@@ -351,6 +393,8 @@ class Node:
             self.outer.load_state(state["global_params"], state["momentum"])
             self.inner.load_params(self.outer.global_params)
             self.inner.inner_optimizer.load_state_dict(state["inner_optimizer"])
+            if "compression" in state:
+                self.compressor.load_state_dict(state["compression"])
         except (KeyError, ValueError) as e:
             logger.warning("ignoring checkpoint %s: %s", path, e)
             return

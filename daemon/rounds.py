@@ -1,8 +1,10 @@
 """One DiLoCo round of a node: H inner steps, pseudo-gradient all-reduce, checks, outer step.
 
 overlap = "none": round r's all-reduce finishes before round r+1 starts. overlap = "delayed"
-(DiLoCoX): round r's all-reduce runs in hivemind's averager process while round r+1 computes;
-its outer step is applied at the end of round r+1 with the re-base rule of dilocox/overlap.py.
+(DiLoCoX): round r's all-reduce runs on the node's communication thread (and hivemind's averager
+process) while round r+1 computes; its outer step is applied at the end of round r+1 with the
+re-base rule of dilocox/overlap.py. Every round's pseudo-gradient goes through the node's
+Compressor (dilocox/compression.py): one all-reduce phase, or two for PowerSGD low rank.
 
 Consistency (DESIGN.md): a round's averaged pseudo-gradient is applied only if
   1. this node started the round from the parameters most of its group started from
@@ -16,16 +18,20 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
-from dataclasses import asdict, dataclass
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from daemon.status import ACTIVE_STATES, RoundInfo, State
 from dilocox import exact_mean
+from dilocox.compression import CompressionRound
 from dilocox.diloco import params_digest
-from peers.averaging import RoundCancelled, RoundFailed, RoundGather, canonical_digest, judge_result
+from peers.averaging import (RoundCancelled, RoundFailed, RoundGather, RoundResult, canonical_digest, exchange,
+                             judge_result)
 
 if TYPE_CHECKING:
     from daemon.node import Node
@@ -81,15 +87,17 @@ def _exchange_result_digests(node: "Node", result_step: int, digest: str, peers:
 
 @dataclass
 class PendingRound:
-    """An all-reduce of round ``index`` in flight (hivemind StepControl), or a solo round (control None)."""
+    """Round ``index`` being averaged: ``future`` runs peers.averaging.exchange on the node's
+    communication thread (None: a solo round)."""
 
     index: int
     pseudo_gradient: list
-    offsets: list
-    control: Optional[object]
+    compression: Optional[CompressionRound]
+    future: Optional[Future]
     compute_s: float
     losses: list[float]
     started: float
+    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 def run_round(node: "Node", skip: int) -> None:
@@ -133,32 +141,32 @@ def _start(node: "Node", r: int, pseudo_gradient, weight: int, compute_s: float,
     # (it may start this round). Deciding from possibly stale records is safe this way round.
     expected = _in_round(node, r) + [m for m in node._others() if m.state in (State.SYNCING.value, State.JOINING.value)]
     if not expected:
-        return PendingRound(r, pseudo_gradient, [], None, compute_s, losses, started)
+        return PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started)
     lr_sum = sum(node.inner.config.lr_at((r - 1) * node.H + i) for i in range(node.H))
-    offsets = [exact_mean.offset_for(exact_mean.pseudo_gradient_bound(
-        lr_sum, cfg.weight_decay, float(p.abs().max()), node.step_bound)) for p in node.outer.global_params]
-    encoded, clipped = zip(*(exact_mean.encode(g, c) for g, c in zip(pseudo_gradient, offsets)))
-    if sum(clipped):
-        logger.warning("%d pseudo-gradient entries exceeded the AdamW bound and were clipped", sum(clipped))
-    gather = RoundGather(outer_step=r - 1, start_digest=node.digest, weight=float(weight))
-    try:
-        control = node.averager.start_round(r, encoded, gather, cfg.outer_round_deadline - cfg.averaging_timeout)
-    except RoundFailed as e:
-        logger.warning("round %d: %s; applying our own pseudo-gradient", r, e)
-        control = None
-    return PendingRound(r, pseudo_gradient, offsets, control, compute_s, losses, started)
+    bounds = [exact_mean.pseudo_gradient_bound(lr_sum, cfg.weight_decay, float(p.abs().max()), node.step_bound)
+              for p in node.outer.global_params]  # shared: offsets of values sent in fp32
+    compression = node.compressor.begin(pseudo_gradient, bounds, r)
+    gather = RoundGather(outer_step=r - 1, start_digest=node.start_digest(), weight=float(weight))
+    averager = node.averagers[node.compressor.buffer_size()]
+    p = PendingRound(r, pseudo_gradient, compression, None, compute_s, losses, started)
+    p.future = node.comm.submit(exchange, averager, compression, r, gather,
+                                cfg.outer_round_deadline - cfg.averaging_timeout, p.cancel,
+                                lambda: not _in_round(node, r))
+    return p
 
 
 def finish_round(node: "Node", p: PendingRound) -> bool:
     """Wait for round p.index, check it, apply it; False if nothing was applied."""
     waited_from = time.monotonic()
     node._set_state(State.AVERAGING)
-    outcome, group_size, averaged = "solo", 1, p.pseudo_gradient
-    payload = sent = received = 0
-    if p.control is not None:
+    outcome, group_size, averaged, result = "solo", 1, p.pseudo_gradient, None
+    if p.future is not None:
         try:
-            result = node.averager.finish_round(p.control, cancel=node.leave_requested,
-                                                abandon=lambda: not _in_round(node, p.index))
+            while not p.future.done():  # poll so a leave request cancels the exchange
+                if node.leave_requested.is_set():
+                    p.cancel.set()
+                time.sleep(0.02)
+            result = p.future.result()
         except RoundCancelled:
             return False
         except RoundFailed as e:
@@ -170,12 +178,11 @@ def finish_round(node: "Node", p: PendingRound) -> bool:
             starts = {q: g.start_digest for q, g in result.gathered.items()
                       if g is not None and g.outer_step == p.index - 1}
             canon, _ = canonical_digest(starts)
-            if canon != node.digest:
-                node._resync(f"round {p.index}: we started from {node.digest}, the group from {canon}")
+            if canon != node.start_digest():
+                node._resync(f"round {p.index}: we started from {node.start_digest()}, the group from {canon}")
                 return False
             # every member that started from the same parameters contributed to this average
             group_size = sum(d == canon for d in starts.values())
-            payload, sent, received = result.payload_bytes, result.bytes_sent, result.bytes_received
             result_digest = params_digest(result.tensors)
             results = _exchange_result_digests(node, p.index, result_digest, set(starts))
             verdict = judge_result(result_digest, results)
@@ -191,11 +198,13 @@ def finish_round(node: "Node", p: PendingRound) -> bool:
                 node._resync(f"round {p.index}: all-reduce result {result_digest} differs from the group's {canon} "
                              f"(partial result?); not applied")
                 if node.outer_step == p.index:  # the group's result of this round, downloaded instead
-                    _record(node, _info(p, group_size, "resynced", payload, sent, received, waited_from), p.losses)
+                    _record(node, _info(p, group_size, "resynced", result, waited_from), p.losses)
                 return False
             else:
-                averaged = [exact_mean.decode(a, c) for a, c in zip(result.tensors, p.offsets)]
-                outcome = "applied"
+                averaged, outcome = result.tensors, "applied"
+                # shared: every member sees the same gathered bandwidth/compute figures
+                p.compression.decide_rank(node.bandwidth_bps(result), p.compute_s, group_size)
+                node.compressor.commit(p.compression)
     if averaged is None:
         node.schedule.rebase(node.inner.params)  # no outer step: only the local trajectory is re-based
     else:
@@ -205,31 +214,35 @@ def finish_round(node: "Node", p: PendingRound) -> bool:
     if node.cfg.overlap == "none":
         node.round = p.index + 1
     node._serve_snapshot()
-    _record(node, _info(p, group_size, outcome, payload, sent, received, waited_from), p.losses)
+    _record(node, _info(p, group_size, outcome, result, waited_from), p.losses)
     return True
 
 
 def finish_on_leave(node: "Node", p: PendingRound) -> None:
-    """Leaving with an all-reduce in flight (delayed): let a started all-reduce finish so the group
-    is not left with a partial average, and apply it so the checkpoint holds it; else cancel."""
+    """Leaving with an all-reduce in flight (delayed): let it finish (bounded by averaging_timeout) so
+    the group is not left with a partial average, and apply it so the checkpoint holds it."""
     node.pending = None
-    control = p.control
-    if control is not None and not control.done() and control.began_allreduce:
-        deadline = time.monotonic() + node.cfg.averaging_timeout
-        while not control.done() and time.monotonic() < deadline:
-            time.sleep(0.05)
-    if control is None or control.done():
-        finish_round(node, p)
-    else:
-        control.cancel()
+    if p.future is not None and not p.future.done():
+        try:
+            p.future.result(timeout=node.cfg.averaging_timeout)
+        except Exception:
+            p.cancel.set()
+            return
+    finish_round(node, p)
 
 
-def _info(p: PendingRound, group_size: int, outcome: str, payload: int, sent: int, received: int,
+def _info(p: PendingRound, group_size: int, outcome: str, result: Optional[RoundResult],
           waited_from: float) -> RoundInfo:
     now = time.monotonic()
-    return RoundInfo(outer_step=p.index, group_size=group_size, payload_bytes=payload, duration_s=now - p.started,
-                     compression_ratio=1.0 if payload else 0.0, compute_s=p.compute_s, outcome=outcome,
-                     bytes_sent=sent, bytes_received=received, wait_s=now - waited_from)
+    info = RoundInfo(outer_step=p.index, group_size=group_size, duration_s=now - p.started, compute_s=p.compute_s,
+                     outcome=outcome, wait_s=now - waited_from)
+    if result is not None:
+        stats = p.compression.stats
+        info.payload_bytes, info.bytes_sent, info.bytes_received = result.payload_bytes, result.bytes_sent, result.bytes_received
+        info.compression_ratio = result.fp32_bytes_sent / max(result.bytes_sent, 1)
+        info.rank, info.bits, info.compression_error = stats.rank, stats.bits, stats.relative_error
+        info.allreduce_s = result.allreduce_s
+    return info
 
 
 def _record(node: "Node", info: RoundInfo, losses: list[float] | None = None) -> None:

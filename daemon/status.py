@@ -38,6 +38,9 @@ class RoundInfo:
     bytes_sent: int = 0
     bytes_received: int = 0
     wait_s: float = 0.0  # time the training thread was blocked on this round's communication
+    bits: int = 0  # bits per value of the codes sent (32 = fp32 exact)
+    compression_error: float = 0.0  # ||M - C(M)|| / ||M|| of this node's contribution (before feedback)
+    allreduce_s: float = 0.0  # time in the all-reduce itself (no matchmaking), all phases
 
 
 @dataclass
@@ -65,7 +68,8 @@ class Status:
     resyncs: int = 0
     last_error: str = ""
     compute_utilization: float = 0.0
-    overlap: str = "none"
+    overlap: str = "delayed"
+    compression: str = "adaptive"
 
 
 class StatusBoard:

@@ -2,8 +2,10 @@
 
 * Matchmaking: every round uses the group key ``{run_id}_pseudo_gradient.0b<round index as 16 bits>``
   (``set_group_bits``), so only replicas finishing the same round average together.
-* Transport: butterfly all-reduce of fp32 offset-encoded tensors (dilocox.exact_mean), so every
-  member of a group gets the bit-identical mean; the caller checks that with digests.
+* Transport: butterfly all-reduce of one flat buffer of codes (dilocox.quantize / exact_mean),
+  shipped losslessly by peers/codec.py, so every member of a group gets the bit-identical mean;
+  the caller checks that with digests. A compressed round runs one all-reduce per phase
+  (``exchange``): PowerSGD's P, then Q, each with its own group key.
 * State: ``get_current_state`` (the documented override point) serves the node's global
   parameters, outer momentum and metadata to joiners; ``state_sharing_priority`` is the donor's
   outer_step so joiners download from the most advanced peer.
@@ -22,7 +24,11 @@ import pydantic.v1 as pydantic
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import NoCompression
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+
+from dilocox.compression import CompressionRound
+from dilocox.diloco import params_digest
+from peers.codec import NarrowingCompression, narrowest_dtype
 
 logger = logging.getLogger(__name__)
 GROUP_BITS = 16
@@ -45,12 +51,23 @@ class RoundGather(pydantic.BaseModel):
 
 
 @dataclass
+class PhaseResult:
+    mean: torch.Tensor                # the group's weighted mean of the codes (bit-identical on every member)
+    gathered: Dict[str, Any]          # peer_id -> the gather dict it sent with this phase
+    allreduce_s: float                # time from the start of the all-reduce to its end (no matchmaking)
+    bytes_sent: int                   # estimate: (n-1)/n of our buffer as encoded + fp32 deltas we return as a
+    bytes_received: int               # reducer; received mirrors it (hivemind headers not counted)
+
+
+@dataclass
 class RoundResult:
-    tensors: List[torch.Tensor]      # the averaged (still offset-encoded) tensors
-    gathered: Dict[str, Optional[RoundGather]]  # peer_id -> metadata (None if malformed)
-    payload_bytes: int               # bytes of our contribution on the wire
-    bytes_sent: int                  # butterfly estimate: 2 (n-1)/n payload
+    tensors: List[torch.Tensor]      # the averaged, decompressed pseudo-gradient
+    gathered: Dict[str, Optional[RoundGather]]  # peer_id -> metadata of phase 1 (None if malformed)
+    payload_bytes: int               # our encoded contribution, all phases (what one reducer would receive)
+    bytes_sent: int
     bytes_received: int
+    allreduce_s: float
+    fp32_bytes_sent: int             # what the same round would send uncompressed (fp32 both ways)
 
 
 def group_bits(round_index: int) -> str:
@@ -85,18 +102,23 @@ def judge_result(mine: str, results: Dict[str, str]) -> str:
 
 
 class PseudoGradientAverager(DecentralizedAverager):
-    """hivemind averager for one stage's pseudo-gradient. Blocking calls; run them off the event loop."""
+    """A flat fp32 buffer averaged with hivemind's butterfly all-reduce, phase by phase.
 
-    def __init__(self, templates: Sequence[torch.Tensor], dht: DHT, run_id: str,
-                 state_provider: Callable[[], Tuple[dict, List[torch.Tensor]]], *,
+    Blocking calls; run them off the event loop. ``state_provider`` (on one averager per node)
+    serves the node's state to joiners (``get_current_state``, hivemind's documented override).
+    """
+
+    def __init__(self, size: int, dht: DHT, prefix: str,
+                 state_provider: Optional[Callable[[], Tuple[dict, List[torch.Tensor]]]] = None, *,
                  matchmaking_time_s: float, request_timeout_s: float, averaging_timeout_s: float,
-                 **averager_kwargs):
+                 part_size_bytes: int = DEFAULT_PART_SIZE_BYTES, **averager_kwargs):
         self._state_provider = state_provider
+        self.size, self.part_elements = size, max(1, part_size_bytes // 4)
         super().__init__(
-            [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in templates],
+            [torch.zeros(max(size, 1), dtype=torch.float32)],
             dht,
             start=True,
-            prefix=f"{run_id}_pseudo_gradient",
+            prefix=prefix,
             target_group_size=None,
             min_group_size=2,
             initial_group_bits=group_bits(0),
@@ -104,71 +126,116 @@ class PseudoGradientAverager(DecentralizedAverager):
             request_timeout=request_timeout_s,
             allreduce_timeout=averaging_timeout_s,
             next_chunk_timeout=request_timeout_s * 2,
-            compression=NoCompression(),
-            allow_state_sharing=True,
+            compression=NarrowingCompression(),
+            part_size_bytes=part_size_bytes,
+            allow_state_sharing=state_provider is not None,
             declare_state_period=max(2.0, matchmaking_time_s),
             **averager_kwargs,
         )
-        self.payload_bytes = sum(t.numel() * 4 for t in templates)
 
     def get_current_state(self):
         """Serve (metadata, tensors) to a joiner; runs in this (host) process (hivemind contract)."""
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
 
-    def start_round(self, round_index: int, encoded: Sequence[torch.Tensor], gather: RoundGather,
-                    deadline_s: float):
-        """Begin averaging ``encoded`` with the replicas of the same round; returns hivemind's StepControl.
+    def run_phase(self, bits: str, codes: torch.Tensor, gather: dict, weight: float, deadline_s: float,
+                  cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None,
+                  check_every_s: float = 1.0) -> PhaseResult:
+        """All-reduce ``codes`` (fp32, at most ``size`` values; the rest of the buffer is zeros) with the
+        peers matched under group key ``prefix.0b{bits}``.
 
-        The all-reduce runs in the averager process; ``finish_round`` waits for it.
+        Raises RoundCancelled when ``cancel`` is set, RoundFailed on no group / failure / deadline, or
+        when ``abandon()`` (polled every ``check_every_s`` before the all-reduce begins) returns True.
         """
-        self.set_group_bits(group_bits(round_index))
+        if codes.numel() > self.size:
+            raise ValueError(f"{codes.numel()} codes do not fit the {self.size}-value buffer")
+        self.set_group_bits(bits)
         with self.get_tensors() as tensors:
-            for dst, src in zip(tensors, encoded):
-                dst.copy_(src)
+            tensors[0].zero_()
+            tensors[0][: codes.numel()].copy_(codes)
+            encoded = sum(c.numel() * narrowest_dtype(c).itemsize for c in tensors[0].split(self.part_elements))
         try:
-            return self.step(gather=gather.dict(), weight=gather.weight, timeout=deadline_s,
-                             allow_retries=True, wait=False)
+            control = self.step(gather=gather, weight=weight, timeout=deadline_s, allow_retries=True, wait=False)
         except Exception as e:
             raise RoundFailed(f"could not start averaging: {e!r}") from e
-
-    def finish_round(self, control, cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None,
-                     check_every_s: float = 1.0) -> RoundResult:
-        """Wait for ``control``; raises RoundFailed (no group, failure, abandoned) or RoundCancelled.
-
-        ``abandon()`` is polled every ``check_every_s`` while no all-reduce has begun; when it returns
-        True (e.g. no other replica is still in this round) the step is cancelled early.
-        """
         started = time.monotonic()
         next_check = started + self.matchmaking_kwargs["min_matchmaking_time"]
+        began = None
         while not control.done():
             if cancel.is_set():
                 control.cancel()
                 raise RoundCancelled("left during averaging")
-            if abandon is not None and time.monotonic() >= next_check and not control.began_allreduce:
+            if began is None and control.began_allreduce:
+                began = time.monotonic()
+            if abandon is not None and began is None and time.monotonic() >= next_check:
                 next_check = time.monotonic() + check_every_s
                 if abandon():
                     control.cancel()
                     raise RoundFailed(f"abandoned after {time.monotonic() - started:.1f}s: no replica left in this round")
-            time.sleep(0.02)
+            time.sleep(0.01)
         try:
             gathered_raw = control.result()
         except BaseException as e:  # hivemind reports failures as exceptions on the StepControl
             raise RoundFailed(f"averaging failed: {e!r}") from e
         if not gathered_raw:
             raise RoundFailed("averaging returned no group")
-        gathered = {}
-        for peer, data in gathered_raw.items():
-            try:
-                gathered[peer.to_base58()] = RoundGather.parse_obj(data)
-            except (pydantic.ValidationError, TypeError):
-                gathered[peer.to_base58()] = None  # a peer sent malformed metadata: it cannot vote
         with self.get_tensors() as tensors:
-            out = [t.clone() for t in tensors]
-        n = len(gathered)
-        moved = int(2 * (n - 1) / n * self.payload_bytes)
-        return RoundResult(out, gathered, self.payload_bytes, moved, moved)
+            mean = tensors[0][: codes.numel()].clone()
+        n = len(gathered_raw)
+        sent = int((n - 1) / n * (encoded + 4 * self.size))  # our parts + fp32 deltas we return as a reducer
+        return PhaseResult(mean, {p.to_base58(): d for p, d in gathered_raw.items()},
+                           time.monotonic() - (began or started), sent, sent)
 
     def download_state(self, timeout_s: float) -> Optional[Tuple[Any, List[torch.Tensor]]]:
         """(metadata, tensors) from the highest-priority donor, or None if nobody served a state."""
         return self.load_state_from_peers(wait=True, timeout=timeout_s)
+
+
+def _stats(data: Any) -> dict:
+    """A peer's compression statistics, or {} if malformed (every member drops the same ones)."""
+    stats = data.get("stats") if isinstance(data, dict) else None
+    if not isinstance(stats, dict) or not isinstance(stats.get("absmax", {}), dict):
+        return {}
+    try:
+        absmax = {str(k): torch.tensor(v, dtype=torch.float32) for k, v in stats.get("absmax", {}).items()}
+        if not all(torch.isfinite(t).all() and (t >= 0).all() for t in absmax.values()):
+            return {}
+        out = dict(absmax={k: t.tolist() for k, t in absmax.items()})
+        if "captured" in stats:
+            out["captured"] = {str(k): [float(x) for x in v] for k, v in stats["captured"].items()}
+            out["total"] = float(stats["total"])
+        return out
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError):
+        return {}
+
+
+def exchange(averager: PseudoGradientAverager, rnd: CompressionRound, round_index: int, meta: RoundGather,
+             deadline_s: float, cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None) -> RoundResult:
+    """Average one round's compressed pseudo-gradient, phase by phase (PowerSGD: P, then Q).
+
+    Phase k's group key is ``<round as 16 bits><k>`` plus, from phase 1 on, 15 bits of the digest of
+    the previous phase's mean, so a phase only ever mixes peers that hold the same earlier result.
+    """
+    extra, sent, received, allreduce_s, payload = "", 0, 0, 0.0, 0
+    metas: Dict[str, Optional[RoundGather]] = {}
+    for phase in range(rnd.num_phases):
+        before = rnd.stats.payload_bytes
+        codes, stats = rnd.phase_payload()
+        payload += rnd.stats.payload_bytes - before
+        gather = dict(meta.dict(), stats=stats) if phase == 0 else dict(stats=stats)
+        res = averager.run_phase(group_bits(round_index) + str(phase) + extra, codes, gather, meta.weight,
+                                 deadline_s, cancel, abandon if phase == 0 else None)
+        if phase == 0:
+            for peer, data in res.gathered.items():
+                try:
+                    metas[peer] = RoundGather.parse_obj({k: v for k, v in data.items() if k != "stats"})
+                except (pydantic.ValidationError, TypeError, AttributeError):
+                    metas[peer] = None  # a peer sent malformed metadata: it cannot vote
+        peers = sorted(res.gathered)
+        weights = [metas[p].weight if metas.get(p) is not None else 1.0 for p in peers]
+        rnd.phase_done(res.mean, [_stats(res.gathered[p]) for p in peers], weights)
+        extra = format(int(params_digest([res.mean])[:4], 16) >> 1, "015b")
+        sent, received, allreduce_s = sent + res.bytes_sent, received + res.bytes_received, allreduce_s + res.allreduce_s
+    n = max(len(metas), 1)
+    fp32 = int(2 * (n - 1) / n * 4 * sum(t.numel() for t in rnd.m))
+    return RoundResult(rnd.result(), metas, payload, sent, received, allreduce_s, fp32)

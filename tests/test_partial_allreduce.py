@@ -1,7 +1,8 @@
 """A reducer that returns only part of its results (ENVIRONMENT.md's hazard) is detected, never applied.
 
-Three real hivemind peers on loopback average offset-encoded pseudo-gradients; one of them, as a
-reducer, stops streaming averaged parts after the first one. hivemind then reports success with
+Three real hivemind peers on loopback average 8-bit integer codes (the wire form of compressed
+pseudo-gradients, sent as uint8 by peers/codec.py); one of them, as a reducer, stops streaming
+averaged parts after the first one. hivemind then reports success with
 'received N% results' on the others; the result digests disagree and ``judge_result`` tells
 every member not to apply it.
 """
@@ -15,7 +16,6 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
-from dilocox import exact_mean
 from dilocox.diloco import params_digest
 from peers.averaging import PseudoGradientAverager, RoundGather, judge_result
 
@@ -41,7 +41,7 @@ FaultyPeer = type("PseudoGradientAverager", (TruncatingAverager,), {})
 
 
 def test_partial_result_is_detected_and_not_applied():
-    template = [torch.zeros(64, 1024)]  # 256 KiB of fp32: several 16 KiB parts per reducer
+    size = 64 * 1024  # 256 KiB of fp32 buffer: several 16 KiB parts per reducer
     dhts, averagers = [], []
     try:
         for i in range(3):
@@ -49,17 +49,14 @@ def test_partial_result_is_detected_and_not_applied():
                                host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, startup_timeout=60)
             dhts.append(dht)
             cls = FaultyPeer if i == 2 else PseudoGradientAverager
-            averagers.append(cls(template, dht, "partial", lambda: ({}, []), matchmaking_time_s=3.0,
-                                 request_timeout_s=1.0, averaging_timeout_s=20.0, part_size_bytes=16 * 1024,
-                                 ))
-        offset = exact_mean.offset_for(1.0)
-        inputs = [exact_mean.encode(torch.randn(64, 1024) * 0.1, offset)[0] for _ in range(3)]
+            averagers.append(cls(size, dht, "partial", matchmaking_time_s=3.0, request_timeout_s=1.0,
+                                 averaging_timeout_s=20.0, part_size_bytes=16 * 1024))
+        inputs = [128.0 + torch.randint(-63, 64, (size,)).float() for _ in range(3)]
         results = [None] * 3
 
         def run(i):
-            gather = RoundGather(outer_step=0, start_digest="same", weight=1.0)
-            control = averagers[i].start_round(1, [inputs[i]], gather, deadline_s=30)
-            results[i] = averagers[i].finish_round(control, threading.Event())
+            gather = RoundGather(outer_step=0, start_digest="same", weight=1.0).dict()
+            results[i] = averagers[i].run_phase("0" * 17, inputs[i], gather, 1.0, 30, threading.Event())
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
         for t in threads:
@@ -68,8 +65,9 @@ def test_partial_result_is_detected_and_not_applied():
             t.join(60)
         assert all(r is not None for r in results), "hivemind reported the round as a success on every peer"
         assert all(len(r.gathered) == 3 for r in results)
-        digests = {str(i): params_digest(r.tensors) for i, r in enumerate(results)}
-        honest = [params_digest(r.tensors) for r in results[:2]]
+        assert all(r.bytes_sent < 0.7 * 2 * 2 / 3 * 4 * size for r in results)  # uint8 up, fp32 back
+        digests = {str(i): params_digest([r.mean]) for i, r in enumerate(results)}
+        honest = [params_digest([r.mean]) for r in results[:2]]
         assert honest[0] != honest[1], "the honest peers should each have missed the faulty reducer's parts"
         verdicts = [judge_result(digests[str(i)], digests) for i in range(3)]
         assert verdicts == ["skip", "skip", "skip"], (verdicts, digests)
