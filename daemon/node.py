@@ -223,13 +223,14 @@ class Node:
         compression state (rank, warm-start Q, scales)."""
         return f"{self.digest}/{self.compressor.digest()}"
 
-    def bandwidth_bps(self, result) -> float:
-        """Bandwidth for the rank cap: configured, else bytes/s of the last all-reduce (a lower bound)."""
-        if self.cfg.bandwidth_mbps:
-            return self.cfg.bandwidth_mbps * 1e6
+    def bandwidth_bps(self) -> float:
+        """Our link rate for the rank cap: configured, else the best all-reduce throughput seen
+        (bytes sent / time in the all-reduce: a lower bound, as latency counts against it)."""
+        return self.cfg.bandwidth_mbps * 1e6 if self.cfg.bandwidth_mbps else self.measured_bps
+
+    def measure_bandwidth(self, result) -> None:
         if result.allreduce_s > 0:
-            self.measured_bps = 8 * result.bytes_sent / result.allreduce_s
-        return self.measured_bps
+            self.measured_bps = max(self.measured_bps, 8 * result.bytes_sent / result.allreduce_s)
 
     def _serve_snapshot(self) -> None:
         tensors = ([p.clone() for p in self.outer.global_params] + self.outer.momentum_buffers()

@@ -31,7 +31,7 @@ from dilocox import exact_mean
 from dilocox.compression import CompressionRound
 from dilocox.diloco import params_digest
 from peers.averaging import (RoundCancelled, RoundFailed, RoundGather, RoundResult, canonical_digest, exchange,
-                             judge_result)
+                             group_limits, judge_result)
 
 if TYPE_CHECKING:
     from daemon.node import Node
@@ -146,7 +146,8 @@ def _start(node: "Node", r: int, pseudo_gradient, weight: int, compute_s: float,
     bounds = [exact_mean.pseudo_gradient_bound(lr_sum, cfg.weight_decay, float(p.abs().max()), node.step_bound)
               for p in node.outer.global_params]  # shared: offsets of values sent in fp32
     compression = node.compressor.begin(pseudo_gradient, bounds, r)
-    gather = RoundGather(outer_step=r - 1, start_digest=node.start_digest(), weight=float(weight))
+    gather = RoundGather(outer_step=r - 1, start_digest=node.start_digest(), weight=float(weight),
+                         bandwidth_bps=node.bandwidth_bps(), compute_s=compute_s)
     averager = node.averagers[node.compressor.buffer_size()]
     p = PendingRound(r, pseudo_gradient, compression, None, compute_s, losses, started)
     p.future = node.comm.submit(exchange, averager, compression, r, gather,
@@ -202,8 +203,9 @@ def finish_round(node: "Node", p: PendingRound) -> bool:
                 return False
             else:
                 averaged, outcome = result.tensors, "applied"
-                # shared: every member sees the same gathered bandwidth/compute figures
-                p.compression.decide_rank(node.bandwidth_bps(result), p.compute_s, group_size)
+                node.measure_bandwidth(result)
+                # from all-gathered figures only, so every member picks the same rank (and averager)
+                p.compression.decide_rank(*group_limits(result.gathered), group_size)
                 node.compressor.commit(p.compression)
     if averaged is None:
         node.schedule.rebase(node.inner.params)  # no outer step: only the local trajectory is re-based

@@ -48,6 +48,17 @@ class RoundGather(pydantic.BaseModel):
     outer_step: pydantic.conint(ge=0)  # version of theta the sender holds (round index - 1)
     start_digest: pydantic.StrictStr  # digest of that theta
     weight: pydantic.confloat(gt=0)
+    # for the adaptive rank's bandwidth cap, which every member must compute from the same figures
+    bandwidth_bps: pydantic.confloat(ge=0) = 0.0  # the sender's measured link rate (0: unknown)
+    compute_s: pydantic.confloat(ge=0) = 0.0      # the sender's compute time for one round
+
+
+def group_limits(gathered: Dict[str, Optional[RoundGather]]) -> Tuple[float, float]:
+    """(slowest known bandwidth in bit/s, shortest round compute time in s) over the group; 0 = unknown."""
+    metas = [g for g in gathered.values() if g is not None]
+    rates = [g.bandwidth_bps for g in metas if g.bandwidth_bps > 0]
+    times = [g.compute_s for g in metas if g.compute_s > 0]
+    return (min(rates) if rates else 0.0), (min(times) if times else 0.0)
 
 
 @dataclass

@@ -1,0 +1,208 @@
+"""``make bench``: vanilla AllReduce vs DiLoCo vs DiLoCoX on shaped links (issue: DiLoCoX communication).
+
+Two hosts in network namespaces (bench/netsim.py), both directions of each link limited with tbf
+to 10, 100 and 1000 Mbit/s. On the same data, model (``small`` preset), lr schedule and token
+budget per replica (outer_steps x H inner steps of batch x seq tokens):
+  (a) ddp        torch DDP over gloo, all-reduce every step (bench/ddp.py)
+  (b) diloco     DiLoCo, synchronous, fp32            (--overlap none --compression none)
+  (c) diloco16   DiLoCo, 16-bit codes (as OpenDiLoCo) (--overlap none --compression fp16)
+  (d) dilocox    one-step delay + adaptive low rank   (--overlap delayed --compression adaptive)
+Per run: tokens/s per replica (steady state), compute utilization, bytes on the wire per token
+(tx bytes of the hosts' interfaces, read from sysfs inside the namespaces: everything, DHT
+included), validation loss of the final parameters, and the speedup of (d) over (a).
+DDP at the slow rates runs for ``--ddp-seconds`` only (its loss at equal tokens is the same math
+at every rate, so it comes from the full run at the fastest rate).
+Results: runs/bench/compare.{json,csv,png} and a printed table with a projection to the paper's
+setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.netsim import NetSim
+from daemon.localswarm import REPO, LocalNode, node_env
+
+VARIANTS = {
+    "b_diloco_fp32": ["--overlap", "none", "--compression", "none"],
+    "c_diloco_fp16": ["--overlap", "none", "--compression", "fp16"],
+    "d_dilocox": ["--overlap", "delayed", "--compression", "adaptive"],
+}
+
+
+def tx_bytes(net: NetSim, i: int) -> int:
+    return int(net.run(i, ["cat", f"/sys/class/net/dlxh{i}/statistics/tx_bytes"]).stdout)
+
+
+def run_ddp(net: NetSim, args, steps: int, max_seconds: float) -> dict:
+    before = [tx_bytes(net, i) for i in range(2)]
+    cmd = [sys.executable, "-m", "bench.ddp", "--world", "2", "--master", f"{net.address(0)}:29511",
+           "--steps", str(steps), "--total-steps", str(args.outer_steps * args.inner_steps),
+           "--max-seconds", str(max_seconds), "--inner-lr", args.inner_lr]
+    procs = [net.popen(i, cmd + ["--rank", str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                       env=node_env()) for i in range(2)]
+    outs = [p.communicate(timeout=max_seconds + 900) for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"ddp failed: {[o[1].decode()[-2000:] for o in outs]}")
+    res = [json.loads(o[0].decode().strip().splitlines()[-1]) for o in outs]
+    sent = sum(tx_bytes(net, i) - b for i, b in enumerate(before))
+    r0 = res[0]
+    return dict(tokens=r0["tokens"], tokens_per_s=r0["timed_tokens"] / r0["wall_s"],
+                compute_utilization=min(1.0, r0["compute_s_per_step"] * (r0["steps"] - 3) / r0["wall_s"]),
+                bytes_per_token=sent / sum(r["tokens"] for r in res), val_loss=r0["val_loss"],
+                steps=r0["steps"], full=r0["steps"] >= steps)
+
+
+def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path) -> dict:
+    common = ["--model", "small", "--inner-steps", str(args.inner_steps), "--inner-lr", args.inner_lr,
+              "--warmup-steps", "20", "--total-steps", str(args.outer_steps * args.inner_steps),
+              "--max-outer-steps", str(args.outer_steps), "--min-replicas", "2", "--request-timeout", "2",
+              "--matchmaking-time", "4", "--averaging-timeout", "120", "--outer-round-deadline", "400",
+              "--announce-period", "2", "--eval-batches", "8", "--status-addr", "127.0.0.1:0",
+              "--run-id", name.replace("_", "-"), *extra]
+    before = [tx_bytes(net, i) for i in range(2)]
+    nodes = []
+    for i in range(2):
+        a = common + ["--listen", f"/ip4/{net.address(i)}/tcp/0", "--data-seed", str(i)]
+        if nodes:
+            a += ["--join", nodes[0].join_maddr]
+        nodes.append(LocalNode(f"h{i}", out / name / f"h{i}", a, wrapper=net.wrapper(i)).wait_started())
+    try:
+        codes = [n.proc.wait(args.outer_steps * 600) for n in nodes]
+    finally:
+        for n in nodes:
+            n.terminate()
+    if codes != [0, 0]:
+        raise RuntimeError(f"{name}: exit codes {codes}\n{nodes[0].log_tail()}\n{nodes[1].log_tail()}")
+    sent = sum(tx_bytes(net, i) - b for i, b in enumerate(before))
+    rows = nodes[0].metrics()
+    steady = rows[1:-1] if len(rows) > 3 else rows  # the first round warms up, the last drains
+    span = steady[-1]["time"] - rows[0]["time"]
+    tokens = rows[-1]["tokens_total"]
+    per_round_tokens = tokens / len(rows)
+    return dict(tokens=tokens, tokens_per_s=per_round_tokens * len(steady) / span,
+                compute_utilization=min(1.0, sum(r["compute_s"] for r in steady) / span),
+                bytes_per_token=sent / (tokens + nodes[1].metrics()[-1]["tokens_total"]),
+                val_loss=rows[-1]["val_loss"], ranks=[r["rank"] for r in rows],
+                compression_ratio=statistics.median(r["compression_ratio"] for r in rows[1:] or rows),
+                payload_bytes=statistics.median(r["payload_bytes"] for r in rows[1:] or rows),
+                outcomes=[r["outcome"] for r in rows], group_sizes=[r["group_size"] for r in rows],
+                digests_agree=all(a["digest"] == b["digest"] for a, b in zip(rows, nodes[1].metrics())),
+                val_losses=[r["val_loss"] for r in rows])
+
+
+def projection(ratio: float, tokens_per_gpu_s: float, gpus_per_replica: int, h: int) -> dict:
+    """Paper setting: 107B parameters, 1 Gbit/s between replicas, fp32 pseudo-gradients/gradients.
+
+    Per outer step a replica computes H steps of ``batch_tokens`` and the swarm moves one model's
+    worth of fp32 (ring all-reduce ~ 2x the model per node) per step for AllReduce, or once per H
+    steps divided by ``ratio`` for DiLoCoX, hidden behind compute by the one-step delay.
+    """
+    params, link = 107e9, 1e9 / 8
+    batch_tokens = 4 * 1024 * 1024 / 16  # tokens per step per replica (assumption: 4M global, 16 replicas)
+    compute_s = batch_tokens / (tokens_per_gpu_s * gpus_per_replica)
+    allreduce_s = 2 * 4 * params / link / gpus_per_replica  # each GPU of a replica holds 1/M of the model
+    ddp_step = compute_s + allreduce_s
+    dilocox_step = max(compute_s, allreduce_s / ratio / h)
+    return dict(params=params, link_gbps=1, tokens_per_gpu_s=tokens_per_gpu_s, gpus_per_replica=gpus_per_replica,
+                inner_steps=h, compression_ratio=ratio, compute_s_per_step=compute_s,
+                allreduce_s_per_step=allreduce_s, speedup=ddp_step / dilocox_step, paper_speedup=357)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    rates = sorted({r["rate_mbit"] for r in rows})
+    names = [n for n in ["a_ddp", *VARIANTS] if any(r["run"] == n for r in rows)]
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        sel = {r["rate_mbit"]: r for r in rows if r["run"] == name}
+        xs = [i + k * width for i in range(len(rates))]
+        axes[0].bar(xs, [sel[x]["tokens_per_s"] if x in sel else 0 for x in rates], width, label=name)
+        axes[1].bar(xs, [sel[x]["bytes_per_token"] if x in sel else 0 for x in rates], width, label=name)
+        axes[2].bar(xs, [sel[x]["compute_utilization"] if x in sel else 0 for x in rates], width, label=name)
+    for ax, title in zip(axes, ["tokens/s per replica", "bytes on the wire per token (log)", "compute utilization"]):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rates))], [f"{r:g} Mbit/s" for r in rates])
+        ax.set_title(title)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rates", type=float, nargs="+", default=[10, 100, 1000])
+    p.add_argument("--runs", nargs="+", default=["a_ddp", *VARIANTS], choices=["a_ddp", *VARIANTS])
+    p.add_argument("--outer-steps", type=int, default=6)
+    p.add_argument("--inner-steps", type=int, default=50)
+    p.add_argument("--inner-lr", default="2e-3")
+    p.add_argument("--ddp-seconds", type=float, default=60, help="DDP wall-time cap below the fastest rate")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
+    args = p.parse_args(argv)
+    ok, why = NetSim.available()
+    if not ok:
+        print(f"make bench needs network namespaces: {why}", file=sys.stderr)
+        return 2
+    shutil.rmtree(args.out / "compare", ignore_errors=True)
+    (args.out / "compare").mkdir(parents=True)
+    rows = []
+    for rate in sorted(args.rates, reverse=True):
+        with NetSim(2, rate, prefix="dlxc") as net:
+            for name in args.runs:
+                started = time.monotonic()
+                if name == "a_ddp":
+                    full = rate == max(args.rates)
+                    res = run_ddp(net, args, args.outer_steps * args.inner_steps, 0 if full else args.ddp_seconds)
+                else:
+                    res = run_swarm(net, args, name, VARIANTS[name], args.out / "compare" / f"{rate:g}")
+                res.update(run=name, rate_mbit=rate, bench_s=time.monotonic() - started)
+                rows.append(res)
+                print(json.dumps({k: v for k, v in res.items() if k not in ("val_losses",)}), flush=True)
+                (args.out / "compare.json").write_text(json.dumps(dict(rows=rows), indent=2))
+    full_ddp = next((r for r in rows if r["run"] == "a_ddp" and r.get("full")), None)
+    for r in rows:
+        r["val_loss_equal_tokens"] = full_ddp["val_loss"] if r["run"] == "a_ddp" and full_ddp else r["val_loss"]
+        ddp = next((x for x in rows if x["run"] == "a_ddp" and x["rate_mbit"] == r["rate_mbit"]), None)
+        if ddp:
+            r["speedup_vs_ddp"] = r["tokens_per_s"] / ddp["tokens_per_s"]
+            r["bytes_per_token_reduction_vs_ddp"] = ddp["bytes_per_token"] / r["bytes_per_token"]
+    d = [r for r in rows if r["run"] == "d_dilocox"]
+    proj = projection(statistics.median(r["compression_ratio"] for r in d), 400.0, 8, args.inner_steps) if d else {}
+    (args.out / "compare.json").write_text(json.dumps(dict(rows=rows, projection=proj, args=vars(args)), indent=2,
+                                                      default=str))
+    with open(args.out / "compare.csv", "w", newline="") as f:
+        keys = ["run", "rate_mbit", "tokens", "tokens_per_s", "compute_utilization", "bytes_per_token",
+                "val_loss_equal_tokens", "speedup_vs_ddp", "bytes_per_token_reduction_vs_ddp", "compression_ratio"]
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, args.out / "compare.png")
+    print(f"\n{'run':>14} {'Mbit/s':>7} {'tok/s':>7} {'util':>5} {'B/token':>10} {'val loss':>8} "
+          f"{'speedup':>7} {'B/tok red.':>10} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['run']:>14} {r['rate_mbit']:>7g} {r['tokens_per_s']:>7.0f} {r['compute_utilization']:>5.0%} "
+              f"{r['bytes_per_token']:>10.1f} {r['val_loss_equal_tokens']:>8.4f} {r.get('speedup_vs_ddp', 0):>7.2f} "
+              f"{r.get('bytes_per_token_reduction_vs_ddp', 0):>10.0f} {r.get('compression_ratio', 1):>6.1f}")
+    if proj:
+        print(f"\nprojection to 107B @ 1 Gbit/s (assumed {proj['tokens_per_gpu_s']:g} tokens/s per GPU, "
+              f"{proj['gpus_per_replica']} GPUs per replica, H={proj['inner_steps']}, measured compression "
+              f"{proj['compression_ratio']:.1f}x): speedup {proj['speedup']:.0f}x over AllReduce (paper: 357x)")
+    print(f"results: {args.out}/compare.json, compare.csv, compare.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
