@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 # torch first and pinned: a bare `torch` requirement pulls a 5.5 GB CUDA build (ENVIRONMENT.md)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test bench proto clean
+.PHONY: install demo test bench bench-swarm proto clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests
 
 bench: install
+	$(PY) -m bench.compare
+
+bench-swarm: install
 	$(PY) -m bench.run
 
 proto: install

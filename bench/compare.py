@@ -47,16 +47,22 @@ def run_ddp(net: NetSim, args, steps: int, max_seconds: float) -> dict:
     cmd = [sys.executable, "-m", "bench.ddp", "--world", "2", "--master", f"{net.address(0)}:29511",
            "--steps", str(steps), "--total-steps", str(args.outer_steps * args.inner_steps),
            "--max-seconds", str(max_seconds), "--inner-lr", args.inner_lr]
+    # gloo would resolve the hostname to loopback: pin each rank to its namespace's link
     procs = [net.popen(i, cmd + ["--rank", str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
-                       env=node_env()) for i in range(2)]
-    outs = [p.communicate(timeout=max_seconds + 900) for p in procs]
+                       env=dict(node_env(), GLOO_SOCKET_IFNAME=f"dlxh{i}")) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=max_seconds + 1200) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError("ddp timed out") from None
     if any(p.returncode for p in procs):
         raise RuntimeError(f"ddp failed: {[o[1].decode()[-2000:] for o in outs]}")
     res = [json.loads(o[0].decode().strip().splitlines()[-1]) for o in outs]
     sent = sum(tx_bytes(net, i) - b for i, b in enumerate(before))
     r0 = res[0]
-    return dict(tokens=r0["tokens"], tokens_per_s=r0["timed_tokens"] / r0["wall_s"],
-                compute_utilization=min(1.0, r0["compute_s_per_step"] * (r0["steps"] - 3) / r0["wall_s"]),
+    return dict(tokens=r0["tokens"], tokens_per_s=r0["tokens"] / r0["wall_s"],
+                compute_utilization=min(1.0, r0["compute_s_per_step"] * r0["steps"] / r0["wall_s"]),
                 bytes_per_token=sent / sum(r["tokens"] for r in res), val_loss=r0["val_loss"],
                 steps=r0["steps"], full=r0["steps"] >= steps)
 

@@ -3,8 +3,8 @@
 The paper's "vanilla AllReduce": torch DistributedDataParallel over gloo, one process per host
 (run inside bench/netsim.py namespaces), the same model, data shards, AdamW schedule and batch as
 a dilocox replica, so tokens per replica and validation loss compare at equal tokens.
-Prints one JSON line: steps, tokens (per replica), wall_s, compute_s (forward+backward+step
-time measured under ``no_sync`` on calibration steps), val_loss, loss curve.
+Prints one JSON line: steps, tokens (per replica), wall_s, compute_s_per_step (forward+backward
+measured under ``no_sync`` on calibration batches, plus the optimizer step), val_loss, losses.
 """
 
 from __future__ import annotations
@@ -53,35 +53,33 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.inner_lr, betas=schedule.betas,
                             weight_decay=schedule.weight_decay)
 
-    def step(i: int, sync: bool) -> float:
+    def step(i: int) -> float:
         for g in opt.param_groups:
             g["lr"] = schedule.lr_at(i)
         x, y = shard.next_batch()
-        if sync:
-            loss = causal_lm_loss(ddp, x, y)
-            loss.backward()
-        else:
-            with ddp.no_sync():
-                loss = causal_lm_loss(ddp, x, y)
-                loss.backward()
+        loss = causal_lm_loss(ddp, x, y)
+        loss.backward()  # DDP all-reduces the gradients here
         torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.max_grad_norm)
+        t = time.perf_counter()
         opt.step()
+        opt_times.append(time.perf_counter() - t)
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    # calibration: the same step without the all-reduce (local compute only); it trains, so count it
-    losses, compute_times = [], []
-    for i in range(3):
+    # calibration: forward + backward without the all-reduce, on batches no replica trains on
+    calib = ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, args.seed + 1, shard_key=1000 + args.rank)
+    compute_times, opt_times = [], []
+    for _ in range(3):
+        x, y = calib.next_batch()
         t = time.perf_counter()
-        losses.append(step(i, sync=False))
+        with ddp.no_sync():
+            causal_lm_loss(ddp, x, y).backward()
         compute_times.append(time.perf_counter() - t)
-    # replicas drifted apart during calibration: restart both from rank 0's parameters
-    for prm in model.parameters():
-        dist.broadcast(prm.data, 0)
+        opt.zero_grad(set_to_none=True)
     dist.barrier()
-    start, done = time.perf_counter(), 3
-    for i in range(3, args.steps):
-        losses.append(step(i, sync=True))
+    losses, start, done = [], time.perf_counter(), 0
+    for i in range(args.steps):
+        losses.append(step(i))
         done = i + 1
         if args.max_seconds and time.perf_counter() - start > args.max_seconds:
             break
@@ -91,9 +89,8 @@ def main(argv=None) -> int:
         val = [float(causal_lm_loss(model, x, y)) for x, y in validation_batches(corpus, spec.seq_len,
                                                                                  spec.batch_size, args.eval_batches)]
     tokens_per_step = spec.batch_size * spec.seq_len
-    print(json.dumps(dict(rank=args.rank, steps=done, timed_steps=done - 3, tokens=done * tokens_per_step,
-                          timed_tokens=(done - 3) * tokens_per_step, wall_s=wall,
-                          compute_s_per_step=statistics.median(compute_times),
+    print(json.dumps(dict(rank=args.rank, steps=done, tokens=done * tokens_per_step, wall_s=wall,
+                          compute_s_per_step=statistics.median(compute_times) + statistics.median(opt_times),
                           val_loss=sum(val) / len(val), losses=losses)), flush=True)
     dist.destroy_process_group()
     return 0

@@ -308,9 +308,9 @@ class CompressionRound:
         return quantize.exact_offset(bound)
 
     def phase_payload(self) -> tuple[torch.Tensor, dict]:
-        """(flat fp32 codes of this phase, gather dict: per-slot block absmax for next round's scales,
-        and, in the last low-rank phase, this replica's energy statistics for the rank rule)."""
-        c, codes, absmax = self.comp, [], {}
+        """(flat fp32 codes of this phase, gather dict: in the last low-rank phase, this replica's
+        energy statistics for the rank rule; else empty)."""
+        c, codes = self.comp, []
         for slot in self.plan[self.phase]:
             x = self._values(slot)
             scale = c.scales[(slot.param, slot.kind)]
@@ -322,10 +322,9 @@ class CompressionRound:
                 self.new_error[slot.param] = self.m[slot.param] - sent
             elif slot.kind == "Q":
                 self.local_q[slot.param] = sent.T  # what our codes carry: the error feedback keeps the rest
-            absmax[f"{slot.param}{slot.kind}"] = quantize.block_absmax(x, c.cfg.block).tolist()
             codes.append(code)
         flat = torch.cat(codes) if codes else torch.zeros(0)
-        gather = dict(absmax=absmax)
+        gather: dict = {}  # small: it rides hivemind's control pipe and matchmaking messages
         if self.captured:
             gather.update(captured={str(k): v for k, v in self.captured.items()},
                           total=float(sum(float((x * x).sum()) for i, x in enumerate(self.m) if c.low_rank[i])))
@@ -341,10 +340,9 @@ class CompressionRound:
             mean = quantize.decode(mean_codes[offset:offset + n], scale, c.wire_bits, c.cfg.block,
                                    self._exact_offset(slot), slot.shape)
             offset += n
-            key = f"{slot.param}{slot.kind}"
-            reported = [torch.tensor(g["absmax"][key]) for g in gathered if key in g.get("absmax", {})]
-            if c.bits < 32 and reported and all(tuple(t.shape) == tuple(scale.shape) for t in reported):
-                self.new_scales[(slot.param, slot.kind)] = quantize.next_scale(reported, c.bits, c.cfg.margin)
+            if c.bits < 32:  # from the shared mean: a saturated block still grows by ``margin`` per round
+                self.new_scales[(slot.param, slot.kind)] = quantize.next_scale(
+                    [quantize.block_absmax(mean, c.cfg.block)], c.bits, c.cfg.margin)
             i = slot.param
             if slot.kind == "whole":
                 self.averaged[i] = mean

@@ -8,9 +8,9 @@ integer codes ``y = OFFSET + q`` with |q| <= QMAX and OFFSET a power of two (so 
 int16, and Sterbenz' lemma makes ``y_i + (mean - y_i) == mean`` exactly, as in exact_mean.py.
 
 Scales are per block of ``block`` consecutive values in a row; they must be equal on every peer,
-so they come from shared data: the largest pre-quantization |value| each peer reported for that
-block in the previous round (all-gathered), times ``margin``. A block with no scale yet (scale
-0: first round, new rank column) is sent in fp32 with exact_mean's offset encoding.
+so they come from shared data: the largest |value| of that block in the previous round's
+all-reduced mean, times ``margin`` (compression.py). A block with no scale yet (scale 0: first
+round, new rank column) is sent in fp32 with exact_mean's offset encoding.
 Values beyond the scale's range are clamped; error feedback (compression.py) carries the rest.
 """
 
@@ -93,10 +93,10 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, bits: int, block: int, exac
     return out.reshape(rows, -1)[:, : codes.numel() // rows].reshape(shape)
 
 
-def next_scale(gathered_absmax: list[torch.Tensor], bits: int, margin: float) -> torch.Tensor:
-    """Shared scale for the next round: margin * max over peers of the reported block absmax / QMAX."""
+def next_scale(absmax: list[torch.Tensor], bits: int, margin: float) -> torch.Tensor:
+    """Scale for the next round: margin * max over ``absmax`` (block maxima of shared values) / QMAX."""
     _, qmax = LEVELS[bits]
-    top = torch.stack([a.float() for a in gathered_absmax]).amax(dim=0)
+    top = torch.stack([a.float() for a in absmax]).amax(dim=0)
     return (top * margin / qmax).clamp_min(TINY_SCALE)
 
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -124,6 +125,7 @@ class PseudoGradientAverager(DecentralizedAverager):
                  matchmaking_time_s: float, request_timeout_s: float, averaging_timeout_s: float,
                  part_size_bytes: int = DEFAULT_PART_SIZE_BYTES, **averager_kwargs):
         self._state_provider = state_provider
+        self._allreduce_timeout = averaging_timeout_s
         self.size, self.part_elements = size, max(1, part_size_bytes // 4)
         super().__init__(
             [torch.zeros(max(size, 1), dtype=torch.float32)],
@@ -171,11 +173,15 @@ class PseudoGradientAverager(DecentralizedAverager):
             raise RoundFailed(f"could not start averaging: {e!r}") from e
         started = time.monotonic()
         next_check = started + self.matchmaking_kwargs["min_matchmaking_time"]
+        give_up = started + deadline_s + self._allreduce_timeout + 5.0  # hivemind's own deadline, plus slack
         began = None
         while not control.done():
             if cancel.is_set():
                 control.cancel()
                 raise RoundCancelled("left during averaging")
+            if time.monotonic() > give_up:  # e.g. the averager process stopped answering
+                control.cancel()
+                raise RoundFailed(f"no answer from the averager within {give_up - started:.0f}s")
             if began is None and control.began_allreduce:
                 began = time.monotonic()
             if abandon is not None and began is None and time.monotonic() >= next_check:
@@ -203,21 +209,19 @@ class PseudoGradientAverager(DecentralizedAverager):
 
 
 def _stats(data: Any) -> dict:
-    """A peer's compression statistics, or {} if malformed (every member drops the same ones)."""
+    """A peer's energy statistics for the rank rule, or {} if malformed (every member drops the same)."""
     stats = data.get("stats") if isinstance(data, dict) else None
-    if not isinstance(stats, dict) or not isinstance(stats.get("absmax", {}), dict):
+    if not isinstance(stats, dict) or "captured" not in stats:
         return {}
     try:
-        absmax = {str(k): torch.tensor(v, dtype=torch.float32) for k, v in stats.get("absmax", {}).items()}
-        if not all(torch.isfinite(t).all() and (t >= 0).all() for t in absmax.values()):
-            return {}
-        out = dict(absmax={k: t.tolist() for k, t in absmax.items()})
-        if "captured" in stats:
-            out["captured"] = {str(k): [float(x) for x in v] for k, v in stats["captured"].items()}
-            out["total"] = float(stats["total"])
-        return out
-    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError):
+        captured = {str(k): [float(x) for x in v] for k, v in stats["captured"].items()}
+        total = float(stats["total"])
+    except (TypeError, ValueError, KeyError, AttributeError):
         return {}
+    values = [x for v in captured.values() for x in v] + [total]
+    if not all(math.isfinite(x) and x >= 0 for x in values):
+        return {}
+    return dict(captured=captured, total=total)
 
 
 def exchange(averager: PseudoGradientAverager, rnd: CompressionRound, round_index: int, meta: RoundGather,
