@@ -156,6 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--inner-lr", default="2e-3")
     p.add_argument("--ddp-seconds", type=float, default=60, help="DDP wall-time cap below the fastest rate")
+    p.add_argument("--dilocox-args", default="", help="extra dilocox-node flags for (d), e.g. '--rank-max 32'")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     args = p.parse_args(argv)
     ok, why = NetSim.available()
@@ -173,7 +174,8 @@ def main(argv=None) -> int:
                     full = rate == max(args.rates)
                     res = run_ddp(net, args, args.outer_steps * args.inner_steps, 0 if full else args.ddp_seconds)
                 else:
-                    res = run_swarm(net, args, name, VARIANTS[name], args.out / "compare" / f"{rate:g}")
+                    extra = VARIANTS[name] + (args.dilocox_args.split() if name == "d_dilocox" else [])
+                    res = run_swarm(net, args, name, extra, args.out / "compare" / f"{rate:g}")
                 res.update(run=name, rate_mbit=rate, bench_s=time.monotonic() - started)
                 rows.append(res)
                 print(json.dumps({k: v for k, v in res.items() if k not in ("val_losses",)}), flush=True)

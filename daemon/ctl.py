@@ -25,7 +25,9 @@ def _print_status(status: node_pb2.NodeStatus) -> None:
         ("val_loss", f"{status.val_loss:.4f}"), ("tokens/s", f"{status.tokens_per_second:.0f}"),
         ("tokens_total", status.tokens_total), ("bytes sent/recv", f"{status.bytes_sent} / {status.bytes_received}"),
         ("last round", f"step {r.outer_step} group {r.group_size} {r.outcome} compute {r.compute_s:.2f}s "
-                       f"comm {r.duration_s:.2f}s payload {r.payload_bytes} B"),
+                       f"comm {r.duration_s:.2f}s (blocked {r.wait_s:.2f}s) payload {r.payload_bytes} B"),
+        ("compression", f"{status.compression}: rank {r.rank} bits {r.bits} ratio {r.compression_ratio:.1f}x "
+                        f"error {r.compression_error:.2f}"),
         ("utilization", f"{status.compute_utilization:.0%} compute ({status.overlap} overlap)"),
         ("digest", status.global_params_digest), ("swarm_size", status.swarm_size),
         ("resyncs", status.resyncs), ("uptime_s", f"{status.uptime_s:.0f}"),

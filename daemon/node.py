@@ -56,10 +56,6 @@ class StateMeta(pydantic.BaseModel):
     compression_digest: pydantic.StrictStr = ""
 
 
-def cfg_ladder(compressor: Compressor) -> list[int]:
-    return compressor.cfg.ladder if compressor.cfg.mode == "adaptive" else [compressor.rank]
-
-
 class Node:
     def __init__(self, cfg: NodeConfig, board: StatusBoard):
         self.cfg, self.board = cfg, board
@@ -205,7 +201,7 @@ class Node:
         self._serve_snapshot()
         # one averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors);
         # the largest also serves our state to joiners
-        sizes = sorted({self.compressor.buffer_size(r) for r in cfg_ladder(self.compressor)}, reverse=True)
+        sizes = sorted({self.compressor.buffer_size(r) for r in self.compressor.cfg.ladder}, reverse=True)
         for size in sizes:
             self.averagers[size] = PseudoGradientAverager(
                 size, self.swarm.dht, f"{cfg.run_id}_pseudo_gradient_{cfg.compression}{size}",

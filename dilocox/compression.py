@@ -18,6 +18,12 @@ Everything that must be equal on every replica (rank, Q_prev, block scales) is "
 it only changes from all-reduced or all-gathered data, is digested with theta, served to joiners
 and checkpointed. The error-feedback buffers are local.
 
+Not hivemind's ``PowerSGDGradientAverager``: its rank is fixed, it accumulates a model's ``.grad``
+rather than a pseudo-gradient, and its lossy return path gives each peer a different mean (see
+quantize.py), so replicas would drift. The two phases here use the plain averager API with one
+group key per phase. Bits: 8 (uint8 on the wire) is the narrowest; hivemind's reducer treats each
+wire element as one value, so two 4-bit codes cannot share a byte and 4-bit would only lose precision.
+
 Usage per round: ``r = compressor.begin(pseudo_gradient, bounds)``; for each phase
 ``codes, gather = r.phase_payload()``, all-reduce codes, ``r.phase_done(mean_codes, gathered)``;
 then ``r.result()`` is the averaged pseudo-gradient and ``compressor.commit(r)`` advances the

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_delayed_overlap_two_nodes_and_a_joiner(tmp_path):
-    args = FAST + ["--run-id", "delayed", "--overlap", "delayed"]
+    """The defaults (delayed overlap, adaptive compression) on loopback."""
+    args = FAST + ["--run-id", "delayed", "--overlap", "delayed", "--compression", "adaptive"]
     a = start(tmp_path, "a", args + ["--min-replicas", "2"])
     b = start(tmp_path, "b", args + ["--min-replicas", "2", "--join", a.join_maddr])
     nodes = [a, b]
@@ -25,6 +26,9 @@ def test_delayed_overlap_two_nodes_and_a_joiner(tmp_path):
             assert all(r["overlap"] == "delayed" for r in rows)
             # the all-reduce of round t ran during round t+1's ~0.3 s of compute: part of it was not waited for
             assert all(r["duration_s"] - r["wait_s"] > 0.1 for r in rows), rows
+            # 8-bit low-rank codes once the first round set the shared scales: >= 10x below fp32
+            assert all(r["bits"] == 8 and 1 <= r["rank"] <= 8 for r in rows)
+            assert all(10 * r["payload_bytes"] <= 133_440 * 4 for r in rows[1:]), rows
         c = start(tmp_path, "c", args + ["--join", a.join_maddr])
         nodes.append(c)
         first = c.wait_for(lambda p: p.metrics(), 120, "its first applied round")[0]
