@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_two_nodes_then_late_joiner(tmp_path):
-    args = FAST + ["--run-id", "joiners"]
+    args = FAST + ["--run-id", "joiners", "--overlap", "none"]  # delayed joiners: tests/test_delayed.py
     a = start(tmp_path, "a", args + ["--min-replicas", "2"])
     b = start(tmp_path, "b", args + ["--min-replicas", "2", "--join", a.join_maddr])
     nodes = [a, b]
