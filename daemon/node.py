@@ -209,7 +209,7 @@ class Node:
                 matchmaking_time_s=cfg.matchmaking_time, request_timeout_s=cfg.request_timeout,
                 averaging_timeout_s=cfg.averaging_timeout)
         self.averager = self.averagers[sizes[0]]
-        self.averager.state_sharing_priority = float(self.outer_step)
+        self.averager.set_priority(float(self.outer_step))
         self.board.update(outer_step=self.outer_step, inner_steps=self.H, global_params_digest=self.digest,
                           overlap=cfg.overlap, compression=cfg.compression)
         self.skip_steps = 0
@@ -237,7 +237,7 @@ class Node:
         with self._served_lock:
             self._served = (meta, tensors)
         if self.averager is not None:
-            self.averager.state_sharing_priority = float(self.outer_step)
+            self.averager.set_priority(float(self.outer_step))
 
     def _serve_state(self):
         """Called by hivemind (host process) when a joiner downloads our state."""

@@ -125,6 +125,9 @@ class PseudoGradientAverager(DecentralizedAverager):
                  matchmaking_time_s: float, request_timeout_s: float, averaging_timeout_s: float,
                  part_size_bytes: int = DEFAULT_PART_SIZE_BYTES, **averager_kwargs):
         self._state_provider = state_provider
+        # hivemind's control pipe is not thread-safe: the comm thread (step, set_group_bits) and the
+        # training thread (priority, state download) must not write to it at once (it corrupts the stream)
+        self._pipe_lock = threading.Lock()
         self._allreduce_timeout = averaging_timeout_s
         self.size, self.part_elements = size, max(1, part_size_bytes // 4)
         super().__init__(
@@ -162,13 +165,15 @@ class PseudoGradientAverager(DecentralizedAverager):
         """
         if codes.numel() > self.size:
             raise ValueError(f"{codes.numel()} codes do not fit the {self.size}-value buffer")
-        self.set_group_bits(bits)
+        with self._pipe_lock:
+            self.set_group_bits(bits)
         with self.get_tensors() as tensors:
             tensors[0].zero_()
             tensors[0][: codes.numel()].copy_(codes)
             encoded = sum(c.numel() * narrowest_dtype(c).itemsize for c in tensors[0].split(self.part_elements))
         try:
-            control = self.step(gather=gather, weight=weight, timeout=deadline_s, allow_retries=True, wait=False)
+            with self._pipe_lock:
+                control = self.step(gather=gather, weight=weight, timeout=deadline_s, allow_retries=True, wait=False)
         except Exception as e:
             raise RoundFailed(f"could not start averaging: {e!r}") from e
         started = time.monotonic()
@@ -205,7 +210,14 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     def download_state(self, timeout_s: float) -> Optional[Tuple[Any, List[torch.Tensor]]]:
         """(metadata, tensors) from the highest-priority donor, or None if nobody served a state."""
-        return self.load_state_from_peers(wait=True, timeout=timeout_s)
+        with self._pipe_lock:
+            future = self.load_state_from_peers(wait=False, timeout=timeout_s)
+        return future.result(timeout=timeout_s)
+
+    def set_priority(self, value: float) -> None:
+        """``state_sharing_priority`` (joiners download from the highest), under the pipe lock."""
+        with self._pipe_lock:
+            self.state_sharing_priority = value
 
 
 def _stats(data: Any) -> dict:
