@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
 import torch
@@ -273,7 +273,6 @@ class CompressionRound:
     pseudo_gradient: Sequence[torch.Tensor]
     bounds: Sequence[float]
     phase: int = 0
-    stats: RoundStats = field(default_factory=RoundStats)
 
     def __post_init__(self):
         c = self.comp
