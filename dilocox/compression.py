@@ -230,8 +230,8 @@ class Compressor:
             for (i, kind), s in list(self.scales.items()):
                 if kind == "Q":  # Q column j of the next round follows P_hat column order[j]
                     s = s[order][:new_rank]
-                    if new_rank > s.shape[0]:
-                        s = torch.cat([s, torch.zeros(new_rank - s.shape[0], s.shape[1])])
+                    if new_rank > s.shape[0]:  # new columns start at the largest known scale (8-bit, not fp32)
+                        s = torch.cat([s, s.amax(dim=0, keepdim=True).expand(new_rank - s.shape[0], -1)])
                 elif kind == "P":
                     s = self._predicted_p_scale(i, rnd.averaged[i])
                 self.scales[(i, kind)] = s.contiguous()
