@@ -82,5 +82,11 @@ def build_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
 
 def causal_lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-byte cross-entropy (nats/token); inputs and targets are int64 [batch, seq]."""
-    logits = model(input_ids=inputs).logits
+    out = model(inputs)
+    logits = out if isinstance(out, torch.Tensor) else out.logits  # StageModule or LlamaForCausalLM
+    return lm_loss(logits, targets)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits [batch, seq, vocab] against int64 targets [batch, seq]."""
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
