@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dilocox.data import Corpus, ReplicaShard, validation_batches
 from dilocox.diloco import InnerConfig
-from dilocox.model import ModelSpec, build_model, causal_lm_loss
+from dilocox.model import ModelSpec, causal_lm_loss
+from dilocox.stages import build_stage
 
 
 def main(argv=None) -> int:
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     spec = ModelSpec.resolve(args.model)
     corpus = Corpus.from_spec(args.data, spec.seq_len)
     shard = ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, args.seed, shard_key=args.rank)
-    model = build_model(spec, args.seed)
+    model = build_stage(spec, args.seed)  # the whole model, initialised as the nodes do
     ddp = DistributedDataParallel(model)
     schedule = InnerConfig(lr=args.inner_lr, warmup_steps=args.warmup_steps, total_steps=args.total_steps)
     opt = torch.optim.AdamW(model.parameters(), lr=args.inner_lr, betas=schedule.betas,

@@ -28,6 +28,14 @@ class ConfigError(ValueError):
 class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    @property
+    def stage_index(self) -> int:
+        return int(self.stage.split("/")[0])
+
+    @property
+    def num_stages(self) -> int:
+        return int(self.stage.split("/")[1])
+
     # swarm and identity
     run_id: str = Field("dilocox", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="swarm name; nodes with another run_id never average with us")
     join: list[str] = Field(default_factory=list, description="multiaddr of a running peer (repeatable); none starts a new swarm")
@@ -43,6 +51,13 @@ class NodeConfig(BaseModel):
     batch_size: Optional[int] = Field(None, ge=1, description="sequences per inner step (default: model preset)")
     seq_len: Optional[int] = Field(None, ge=8, description="tokens per sequence (default: model preset)")
     device: Literal["cpu", "cuda"] = "cpu"
+    # pipeline stages (DiLoCoX): a replica spans num_stages nodes on a fast local link
+    stage: str = Field("0/1", pattern=r"^\d+/\d+$", description="K/S: hold pipeline stage K of S (0/1: the whole model)")
+    pipeline_addr: str = Field("127.0.0.1:0", pattern=r"^[^\s]+:\d{1,5}$",
+                               description="HOST:PORT on the replica's local link: stage 0 hosts the rendezvous there, "
+                                           "every stage binds its pipeline traffic to HOST (unauthenticated: trusted link only)")
+    microbatches: int = Field(4, ge=1, description="pipeline microbatches per inner step (must divide batch_size)")
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     # DiLoCo
     inner_steps: int = Field(100, ge=1, description="H: inner steps per outer step")
     min_replicas: int = Field(1, ge=1, description="wait until this many replicas (us included) are live before the first round")
@@ -84,6 +99,9 @@ class NodeConfig(BaseModel):
         for (a, va), (b, vb) in zip(zip(chain, values), zip(chain[1:], values[1:])):
             if not va < vb:
                 raise ValueError(f"timeouts must satisfy {' < '.join(chain)}; got {a}={va} >= {b}={vb}")
+        k, num = (int(v) for v in self.stage.split("/"))
+        if num < 1 or k >= num:
+            raise ValueError(f"stage {self.stage!r}: need K < S (stages are numbered 0 .. S-1)")
         if self.rank_min > self.rank_max:
             raise ValueError(f"rank_min={self.rank_min} must be <= rank_max={self.rank_max}")
         if self.beta1**2 >= self.beta2:

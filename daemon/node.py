@@ -22,6 +22,7 @@ import torch
 
 import dilocox
 from daemon.config import NodeConfig
+from daemon import staging
 from daemon.rounds import finish_on_leave, finish_round, run_round
 from daemon.status import ACTIVE_STATES, State, StatusBoard
 from dilocox import exact_mean
@@ -29,10 +30,13 @@ from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from dilocox.compression import CompressionConfig, Compressor
 from dilocox.data import Corpus, ReplicaShard, validation_batches
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, check_shapes, params_digest
-from dilocox.model import ModelSpec, build_model
+from dilocox.model import ModelSpec, ModelSpecError
+from dilocox.pipeline import PipelineBroken, PipelinedInnerLoop
+from dilocox.stages import build_stage, layer_range
 from dilocox.overlap import OuterSchedule
 from peers.averaging import PseudoGradientAverager
 from peers.identity import load_or_create_identity
+from peers.replica import ReplicaRendezvous
 from peers.swarm import MemberRecord, Swarm
 
 logger = logging.getLogger("dilocox.node")
@@ -67,6 +71,12 @@ class Node:
         self.batch_size = cfg.batch_size or self.spec.batch_size
         self.spec.llama["max_position_embeddings"] = max(self.seq_len, self.spec.llama["max_position_embeddings"])
         self.corpus = Corpus.from_spec(cfg.data, self.seq_len)  # fails fast on bad data (DataError)
+        self.stage_index, self.num_stages = cfg.stage_index, cfg.num_stages
+        layer_range(self.spec.llama["num_hidden_layers"], self.stage_index, self.num_stages)  # ModelSpecError
+        if self.num_stages > 1 and self.batch_size % cfg.microbatches:
+            raise ModelSpecError(f"microbatches={cfg.microbatches} must divide batch_size={self.batch_size}")
+        self.rendezvous: Optional[ReplicaRendezvous] = None
+        self.replica = None  # peers.replica.ReplicaGroup once our replica has all its stages
         self.H = cfg.inner_steps
         self.swarm: Optional[Swarm] = None
         self.averager: Optional[PseudoGradientAverager] = None  # serves state; also averages its buffer size
@@ -130,7 +140,7 @@ class Node:
         if self.swarm is not None:
             self.swarm.withdraw()
         self.comm.shutdown(wait=False, cancel_futures=True)
-        for closer in (*self.averagers.values(), self.swarm):
+        for closer in (self.rendezvous, *self.averagers.values(), self.swarm):
             try:
                 if closer is not None:
                     closer.shutdown()
@@ -157,7 +167,9 @@ class Node:
             peer_id=s.peer_id, run_id=self.cfg.run_id, state=s.state.value, outer_step=s.outer_step,
             round=self.round, inner_step=s.inner_step, inner_steps=self.H, tokens_per_second=s.tokens_per_second,
             loss=s.loss if math.isfinite(s.loss) else -1.0, global_params_digest=s.global_params_digest,
-            result_step=self._result[0], result_digest=self._result[1], maddrs=s.listen_maddrs))
+            result_step=self._result[0], result_digest=self._result[1], maddrs=s.listen_maddrs,
+            stage_index=self.stage_index, num_stages=self.num_stages, replica_id=s.replica_id,
+            rendezvous=self.rendezvous.rendezvous if self.rendezvous else "", replica_members=s.replica_members))
 
     def _set_state(self, state: State, **changes) -> None:
         previous = self.board.snapshot().state
@@ -167,15 +179,21 @@ class Node:
         self._poke.set()
 
     def _others(self):
-        return [m for m, _ in self.swarm.members() if m.peer_id != self.swarm.peer_id]
+        """Other live members holding our stage (of other replicas): the ones we average with."""
+        return [m for m, _ in self.swarm.members() if m.peer_id != self.swarm.peer_id
+                and m.stage_index == self.stage_index and m.num_stages == self.num_stages]
 
     # ---------------------------------------------------------------- state
     def _init_training(self) -> None:
         cfg = self.cfg
         total = cfg.total_steps or (cfg.max_outer_steps * self.H if cfg.max_outer_steps else 10_000)
-        self.inner = InnerLoop(build_model(self.spec, cfg.seed), InnerConfig(
-            lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
-            warmup_steps=cfg.warmup_steps, total_steps=total), device=cfg.device)
+        module = build_stage(self.spec, cfg.seed, self.stage_index, self.num_stages)  # only our layers
+        inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+                                warmup_steps=cfg.warmup_steps, total_steps=total)
+        if self.num_stages == 1:
+            self.inner = InnerLoop(module, inner_cfg, device=cfg.device)
+        else:  # attached to the replica's process group once the replica is formed (daemon/staging.py)
+            self.inner = PipelinedInnerLoop(module, inner_cfg, cfg.microbatches, cfg.pipeline_schedule, cfg.device)
         self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
         self.compressor = Compressor([tuple(p.shape) for p in self.outer.global_params], CompressionConfig(
             mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
@@ -187,6 +205,9 @@ class Node:
         shard_key = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(
             hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "little")
         self.shard = ReplicaShard(self.corpus.train, self.seq_len, self.batch_size, cfg.seed, shard_key)
+        if self.num_stages > 1:
+            self.rendezvous = ReplicaRendezvous(self.swarm.peer_id, self.stage_index, self.num_stages,
+                                                cfg.pipeline_addr, cfg.outer_round_deadline, shard_key)
         self.val_batches = validation_batches(self.corpus, self.seq_len, self.batch_size, cfg.eval_batches)
         self.step_bound = exact_mean.adam_step_bound(cfg.beta1, cfg.beta2)
         self.outer_step = 0
@@ -204,14 +225,15 @@ class Node:
         sizes = sorted({self.compressor.buffer_size(r) for r in self.compressor.cfg.ladder}, reverse=True)
         for size in sizes:
             self.averagers[size] = PseudoGradientAverager(
-                size, self.swarm.dht, f"{cfg.run_id}_pseudo_gradient_{cfg.compression}{size}",
+                size, self.swarm.dht, f"{cfg.run_id}_{staging.stage_tag(self)}pseudo_gradient_{cfg.compression}{size}",
                 self._serve_state if size == sizes[0] else None,
                 matchmaking_time_s=cfg.matchmaking_time, request_timeout_s=cfg.request_timeout,
                 averaging_timeout_s=cfg.averaging_timeout)
         self.averager = self.averagers[sizes[0]]
         self.averager.set_priority(float(self.outer_step))
         self.board.update(outer_step=self.outer_step, inner_steps=self.H, global_params_digest=self.digest,
-                          overlap=cfg.overlap, compression=cfg.compression)
+                          overlap=cfg.overlap, compression=cfg.compression, stage_index=self.stage_index,
+                          num_stages=self.num_stages, memory=staging.stage_memory(self))
         self.skip_steps = 0
 
     def start_digest(self) -> str:
@@ -353,8 +375,13 @@ class Node:
                     finish_round(self, pending)
                 logger.info("reached max_outer_steps=%d", self.cfg.max_outer_steps)
                 return
+            if self.num_stages > 1 and self.replica is None and not staging.form_replica(self):
+                break  # asked to leave while our replica was incomplete
             skip, self.skip_steps = self.skip_steps, 0
-            run_round(self, skip)
+            try:
+                run_round(self, skip)
+            except PipelineBroken as e:
+                staging.replica_broken(self, str(e))
         if self.pending is not None:
             finish_on_leave(self, self.pending)
 
@@ -370,7 +397,7 @@ class Node:
             return
         if not force and self.outer_step % self.cfg.checkpoint_every:
             return
-        state = dict(run_id=self.cfg.run_id, model=self.cfg.model, outer_step=self.outer_step,
+        state = dict(run_id=self.cfg.run_id, model=self.cfg.model, stage=self.cfg.stage, outer_step=self.outer_step,
                      global_params=self.outer.global_params, momentum=self.outer.momentum_buffers(),
                      inner_optimizer=self.inner.inner_optimizer.state_dict(),
                      compression=self.compressor.state_dict(),
@@ -385,8 +412,10 @@ class Node:
             return
         path, state = found
         try:
-            if state.get("run_id") != self.cfg.run_id or state.get("model") != self.cfg.model:
-                raise ValueError(f"it belongs to run {state.get('run_id')!r} / model {state.get('model')!r}")
+            if (state.get("run_id"), state.get("model"), state.get("stage", "0/1")) != (
+                    self.cfg.run_id, self.cfg.model, self.cfg.stage):
+                raise ValueError(f"it belongs to run {state.get('run_id')!r} / model {state.get('model')!r} / "
+                                 f"stage {state.get('stage', '0/1')!r}")
             self.outer.load_state(state["global_params"], state["momentum"])
             self.inner.load_params(self.outer.global_params)
             self.inner.inner_optimizer.load_state_dict(state["inner_optimizer"])

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from daemon import staging
 from daemon.status import ACTIVE_STATES, RoundInfo, State
 from dilocox import exact_mean
 from dilocox.compression import CompressionRound
@@ -39,16 +40,31 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dilocox.node")
 
 
-def _inner_steps(node: "Node", skip: int) -> tuple[list[float], float] | None:
-    """Run inner steps skip..H-1; None if the node was asked to leave mid-round."""
+def _inner_steps(node: "Node", skip: int) -> tuple[list[float], float, int] | None:
+    """Run inner steps skip..H-1; None if the node was asked to leave mid-round.
+
+    A stage node first agrees with its replica on round, skip and data position and measures the
+    replica's validation loss (pipeline collectives happen only here, in the same order on every
+    stage). Raises PipelineBroken if a stage fails or another stage leaves."""
+    staged = node.num_stages > 1
+    if staged:
+        skip = staging.agree_round(node, skip)
+        node.board.update(val_loss=node.inner.evaluate(node.val_batches))
     t, losses, start = node.round - 1, [], time.monotonic()
     node._set_state(State.TRAINING, inner_step=skip)
     for i in range(skip, node.H):
-        if node.leave_requested.is_set():
+        if node.leave_requested.is_set() and not staged:
             return None
         x, y = node.shard.next_batch()
         step_start = time.monotonic()
-        loss = node.inner.inner_step(x, y, global_step=t * node.H + i)
+        if staged:  # a leave request travels with the step so every stage stops after the same step
+            loss = node.inner.inner_step(x, y, global_step=t * node.H + i, stop=node.leave_requested.is_set())
+            if node.inner.stop_requested:
+                if node.leave_requested.is_set():
+                    return None
+                raise staging.PipelineBroken("another stage of the replica is leaving")
+        else:
+            loss = node.inner.inner_step(x, y, global_step=t * node.H + i)
         tokens_per_s = x.numel() / max(time.monotonic() - step_start, 1e-9)
         losses.append(loss)
         s = node.board.snapshot()
@@ -56,7 +72,7 @@ def _inner_steps(node: "Node", skip: int) -> tuple[list[float], float] | None:
         node.board.update(inner_step=i + 1, loss=sum(losses[-10:]) / len(losses[-10:]),
                           tokens_total=s.tokens_total + x.numel(), tokens_per_second=ema,
                           initial_loss=loss if math.isnan(s.initial_loss) else s.initial_loss)
-    return losses, time.monotonic() - start
+    return losses, time.monotonic() - start, skip
 
 
 def _in_round(node: "Node", r: int) -> list:
@@ -102,12 +118,12 @@ class PendingRound:
 
 def run_round(node: "Node", skip: int) -> None:
     """Compute round r = node.round, then average it (none) or start averaging it (delayed)."""
-    r = node.round
     done = _inner_steps(node, skip)
     if done is None:
         node.schedule.rebase(node.inner.params)  # abandon the round: nothing leaves this node
         return
-    losses, compute_s = done
+    losses, compute_s, skip = done
+    r = node.round  # a stage node may have adopted its replica's round
     pseudo_gradient = node.schedule.pseudo_gradient(node.inner.params)  # before any re-base
     if not all(torch.isfinite(g).all() for g in pseudo_gradient):
         node._resync("pseudo-gradient holds NaN/Inf (diverged replica); not sent")
@@ -139,7 +155,9 @@ def _start(node: "Node", r: int, pseudo_gradient, weight: int, compute_s: float,
         return None
     # Solo only when nobody else could take part: a replica in this round or one that is syncing
     # (it may start this round). Deciding from possibly stale records is safe this way round.
-    expected = _in_round(node, r) + [m for m in node._others() if m.state in (State.SYNCING.value, State.JOINING.value)]
+    # (a syncing stage node waits for its replica's other stages, so it is not counted on)
+    expected = _in_round(node, r) + [m for m in node._others() if m.num_stages == 1
+                                     and m.state in (State.SYNCING.value, State.JOINING.value)]
     if not expected:
         return PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started)
     lr_sum = sum(node.inner.config.lr_at((r - 1) * node.H + i) for i in range(node.H))
@@ -250,7 +268,8 @@ def _info(p: PendingRound, group_size: int, outcome: str, result: Optional[Round
 def _record(node: "Node", info: RoundInfo, losses: list[float] | None = None) -> None:
     """Publish the finished round in status, checkpoint, and metrics (duration_s excludes evaluation)."""
     losses = losses or [math.nan]
-    val_loss = node.inner.evaluate(node.val_batches)
+    # a stage node measures its replica's val loss at round start (pipeline collectives stay in lockstep)
+    val_loss = node.inner.evaluate(node.val_batches) if node.num_stages == 1 else node.board.snapshot().val_loss
     node.round_log.append((time.monotonic(), info.compute_s))
     del node.round_log[:-11]
     utilization = 0.0
@@ -260,7 +279,7 @@ def _record(node: "Node", info: RoundInfo, losses: list[float] | None = None) ->
     s = node.board.snapshot()
     node._set_state(State.TRAINING, outer_step=node.outer_step, inner_step=node.skip_steps,
                     compute_utilization=utilization,
-                    global_params_digest=node.digest, val_loss=val_loss, last_round=info,
+                    global_params_digest=node.digest, val_loss=val_loss, last_round=info, memory=staging.stage_memory(node),
                     bytes_sent=s.bytes_sent + info.bytes_sent, bytes_received=s.bytes_received + info.bytes_received)
     node._checkpoint()
     node.record_metrics(dict(asdict(info), peer_id=node.swarm.peer_id, digest=node.digest, val_loss=val_loss,

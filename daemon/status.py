@@ -44,6 +44,15 @@ class RoundInfo:
 
 
 @dataclass
+class StageMemory:
+    params_bytes: int = 0
+    inner_optimizer_bytes: int = 0
+    outer_optimizer_bytes: int = 0
+    error_feedback_bytes: int = 0
+    total_bytes: int = 0
+
+
+@dataclass
 class Status:
     peer_id: str = ""
     run_id: str = ""
@@ -70,6 +79,9 @@ class Status:
     compute_utilization: float = 0.0
     overlap: str = "delayed"
     compression: str = "adaptive"
+    replica_id: str = ""
+    replica_members: list[str] = field(default_factory=list)
+    memory: StageMemory = field(default_factory=StageMemory)
 
 
 class StatusBoard:
@@ -95,6 +107,8 @@ class StatusBoard:
             s = Status(**{k: getattr(self._status, k) for k in Status.__dataclass_fields__})
             s.last_round = RoundInfo(**asdict(self._status.last_round))
             s.listen_maddrs = list(self._status.listen_maddrs)
+            s.replica_members = list(self._status.replica_members)
+            s.memory = StageMemory(**asdict(self._status.memory))
             return s
 
     def wait_change(self, seen_version: int, timeout_s: float) -> int:
@@ -107,5 +121,6 @@ class StatusBoard:
         fields = asdict(s)
         fields["state"] = s.state.value
         fields["last_round"] = node_pb2.RoundInfo(**fields["last_round"])
+        fields["memory"] = node_pb2.StageMemory(**fields["memory"])
         fields["uptime_s"] = time.monotonic() - self.started
         return node_pb2.NodeStatus(**fields)

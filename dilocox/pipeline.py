@@ -38,17 +38,32 @@ class PipelinedInnerLoop(InnerLoop):
     batch size. Any failure of a collective raises PipelineBroken; the caller tears the group down.
     """
 
-    def __init__(self, module: StageModule, config: InnerConfig, group: dist.ProcessGroup, microbatches: int,
-                 schedule: PipelineSchedule = "1f1b", device: str = "cpu"):
+    def __init__(self, module: StageModule, config: InnerConfig, microbatches: int,
+                 schedule: PipelineSchedule = "1f1b", device: str = "cpu", group: dist.ProcessGroup | None = None):
         super().__init__(module, config, device)
-        self.group, self.microbatches = group, microbatches
-        self.stage = PipelineStage(module, module.stage_index, module.num_stages, torch.device(device), group=group)
-        schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-        self.schedule = schedule_class(self.stage, microbatches, loss_fn=lm_loss)
+        self.microbatches, self.schedule_name = microbatches, schedule
+        self.group = self.stage = self.schedule = None
         self.stop_requested = False  # set when any stage asked to stop in the last inner_step
+        if group is not None:
+            self.attach(group)
+
+    def attach(self, group: dist.ProcessGroup) -> None:
+        """Use ``group`` (the replica's, rank = stage index) for the pipeline; optimizer state is kept."""
+        module: StageModule = self.model
+        self.group = group
+        self.stage = PipelineStage(module, module.stage_index, module.num_stages, torch.device(self.device), group=group)
+        schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[self.schedule_name]
+        self.schedule = schedule_class(self.stage, self.microbatches, loss_fn=lm_loss)
+
+    def detach(self) -> None:
+        """Drop the pipeline after a failure; gradients of a half-done step are discarded."""
+        self.group = self.stage = self.schedule = None
+        self.inner_optimizer.zero_grad(set_to_none=True)
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
         """One schedule step; returns the sum of microbatch losses on the last stage, else 0."""
+        if self.schedule is None:
+            raise PipelineBroken("no replica: the pipeline is not attached")
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
         module: StageModule = self.model
@@ -65,6 +80,8 @@ class PipelinedInnerLoop(InnerLoop):
 
     def all_reduce(self, values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """All-reduce a small fp64 tensor across the replica's stages (in place; returned)."""
+        if self.group is None:
+            raise PipelineBroken("no replica: the pipeline is not attached")
         try:
             dist.all_reduce(values, op=op, group=self.group)
         except Exception as e:

@@ -41,6 +41,12 @@ class MemberRecord(pydantic.BaseModel):
     result_step: pydantic.conint(ge=0) = 0
     result_digest: pydantic.StrictStr = ""
     maddrs: List[pydantic.StrictStr] = []
+    # pipeline stages (peers/replica.py): our stage, the replica we are in, and (stage 0) its rendezvous
+    stage_index: pydantic.conint(ge=0) = 0
+    num_stages: pydantic.conint(ge=1) = 1
+    replica_id: pydantic.StrictStr = ""
+    rendezvous: pydantic.StrictStr = ""
+    replica_members: List[pydantic.StrictStr] = []
 
     class Config:
         extra = pydantic.Extra.forbid

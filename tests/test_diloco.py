@@ -8,7 +8,8 @@ import torch
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from dilocox.data import Corpus, DataError, ReplicaShard, load_documents
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, params_digest
-from dilocox.model import ModelSpec, build_model
+from dilocox.model import ModelSpec
+from dilocox.stages import build_stage
 
 
 def test_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
@@ -37,7 +38,7 @@ def test_schedule_warms_up_then_decays():
 
 def test_tiny_model_learns_and_same_seed_same_weights():
     spec = ModelSpec.resolve("tiny")
-    m1, m2 = build_model(spec, seed=3), build_model(spec, seed=3)
+    m1, m2 = build_stage(spec, seed=3), build_stage(spec, seed=3)
     assert params_digest(list(m1.parameters())) == params_digest(list(m2.parameters()))
     corpus = Corpus.from_spec("builtin:shakespeare", spec.seq_len)
     shard = ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, seed=0, shard_key=1)

@@ -68,7 +68,7 @@ def _stage_worker(rank: int, world: int, store_path: str, out_path: str, tokens)
         spec = ModelSpec.resolve("tiny")
         spec.seq_len = 32
         inner = PipelinedInnerLoop(build_stage(spec, SEED, rank, world), InnerConfig(lr=3e-3, warmup_steps=2),
-                                   dist.group.WORLD, microbatches=2)
+                                   microbatches=2, group=dist.group.WORLD)
         losses = _diloco_rounds(inner, tokens, None)
         with open(out_path, "w") as f:
             json.dump(losses, f)

@@ -67,7 +67,7 @@ class RoundInfo(_message.Message):
     def __init__(self, outer_step: _Optional[int] = ..., group_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., compression_ratio: _Optional[float] = ..., rank: _Optional[int] = ..., compute_s: _Optional[float] = ..., outcome: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., wait_s: _Optional[float] = ..., bits: _Optional[int] = ..., compression_error: _Optional[float] = ..., allreduce_s: _Optional[float] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("peer_id", "run_id", "version", "state", "listen_maddrs", "stage_index", "num_stages", "outer_step", "inner_step", "inner_steps", "loss", "tokens_per_second", "tokens_total", "bytes_sent", "bytes_received", "last_round", "global_params_digest", "swarm_size", "uptime_s", "val_loss", "resyncs", "last_error", "initial_loss", "compute_utilization", "overlap", "compression")
+    __slots__ = ("peer_id", "run_id", "version", "state", "listen_maddrs", "stage_index", "num_stages", "outer_step", "inner_step", "inner_steps", "loss", "tokens_per_second", "tokens_total", "bytes_sent", "bytes_received", "last_round", "global_params_digest", "swarm_size", "uptime_s", "val_loss", "resyncs", "last_error", "initial_loss", "compute_utilization", "overlap", "compression", "replica_id", "replica_members", "memory")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,9 @@ class NodeStatus(_message.Message):
     COMPUTE_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     run_id: str
     version: str
@@ -120,7 +123,24 @@ class NodeStatus(_message.Message):
     compute_utilization: float
     overlap: str
     compression: str
-    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., listen_maddrs: _Optional[_Iterable[str]] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., tokens_total: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., last_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., global_params_digest: _Optional[str] = ..., swarm_size: _Optional[int] = ..., uptime_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., resyncs: _Optional[int] = ..., last_error: _Optional[str] = ..., initial_loss: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., overlap: _Optional[str] = ..., compression: _Optional[str] = ...) -> None: ...
+    replica_id: str
+    replica_members: _containers.RepeatedScalarFieldContainer[str]
+    memory: StageMemory
+    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., listen_maddrs: _Optional[_Iterable[str]] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., tokens_total: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., last_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., global_params_digest: _Optional[str] = ..., swarm_size: _Optional[int] = ..., uptime_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., resyncs: _Optional[int] = ..., last_error: _Optional[str] = ..., initial_loss: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., overlap: _Optional[str] = ..., compression: _Optional[str] = ..., replica_id: _Optional[str] = ..., replica_members: _Optional[_Iterable[str]] = ..., memory: _Optional[_Union[StageMemory, _Mapping]] = ...) -> None: ...
+
+class StageMemory(_message.Message):
+    __slots__ = ("params_bytes", "inner_optimizer_bytes", "outer_optimizer_bytes", "error_feedback_bytes", "total_bytes")
+    PARAMS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INNER_OPTIMIZER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OUTER_OPTIMIZER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FEEDBACK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    params_bytes: int
+    inner_optimizer_bytes: int
+    outer_optimizer_bytes: int
+    error_feedback_bytes: int
+    total_bytes: int
+    def __init__(self, params_bytes: _Optional[int] = ..., inner_optimizer_bytes: _Optional[int] = ..., outer_optimizer_bytes: _Optional[int] = ..., error_feedback_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("peer_id", "state", "outer_step", "inner_step", "tokens_per_second", "loss", "global_params_digest", "expires_in_s")

@@ -1,0 +1,83 @@
+"""Pipeline stages across real nodes: 2 replicas x 2 stages on loopback, a stage node killed and replaced."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.helpers import FAST, digests_by_step, start
+
+pytestmark = pytest.mark.integration
+
+# 1 decoder layer per stage of the tiny model; delayed overlap and 8-bit low-rank codes per stage
+STAGED = FAST + ["--run-id", "staged", "--overlap", "delayed", "--compression", "adaptive", "--rank-min", "4",
+                 "--rank-max", "4", "--microbatches", "2", "--pipeline-addr", "127.0.0.1:0", "--min-replicas", "2",
+                 "--outer-round-deadline", "20"]
+
+
+def _stage_digests(nodes, stage):
+    return digests_by_step([n for n in nodes if n.status().stage_index == stage])
+
+
+def test_two_replicas_of_two_stages_train_agree_and_survive_a_dead_stage(tmp_path):
+    a0 = start(tmp_path, "a0", STAGED + ["--stage", "0/2"])
+    join = ["--join", a0.join_maddr]
+    a1 = start(tmp_path, "a1", STAGED + ["--stage", "1/2"] + join)
+    b0 = start(tmp_path, "b0", STAGED + ["--stage", "0/2"] + join)
+    b1 = start(tmp_path, "b1", STAGED + ["--stage", "1/2"] + join)
+    nodes = [a0, a1, b0, b1]
+    try:
+        for n in nodes:
+            n.wait_for(lambda p: p.status().outer_step >= 3, 180, "outer step 3")
+        for n in nodes:
+            s = n.status()
+            assert s.num_stages == 2 and len(s.replica_members) == 2 and s.replica_id == s.replica_members[0], s
+            assert s.memory.total_bytes > 0 and s.memory.params_bytes > 0
+            rows = n.metrics()[:3]
+            assert [r["group_size"] for r in rows] == [2, 2, 2], rows  # stage k averaged with stage k
+            assert all(r["bits"] == 8 and r["rank"] == 4 for r in rows), rows
+        # both stages of a replica report the replica's loss per round, and it fell
+        by_peer = {n.status().peer_id: n for n in nodes}
+        for first in (a0, b0):
+            partner = by_peer[first.status().replica_members[1]]
+            losses = [[r["loss"] for r in n.metrics()[:3]] for n in (first, partner)]
+            assert losses[0] == pytest.approx(losses[1], abs=1e-6), losses
+            assert partner.status().loss < partner.status().initial_loss - 0.5
+        for stage in (0, 1):
+            steps = _stage_digests(nodes, stage)
+            assert steps and all(len(d) == 1 for d in steps.values()), (stage, steps)
+        # the two stages hold different halves of the model
+        assert a0.status().global_params_digest != a1.status().global_params_digest
+
+        # SIGKILL a stage node: its replica pauses, the other replica goes on
+        survivor = b0
+        victim = next(n for n in (a1, b1) if n.status().peer_id == b0.status().replica_members[1])
+        others = [n for n in nodes if n not in (victim, survivor)]
+        victim.terminate(signal.SIGKILL)
+        survivor.wait_for(lambda p: p.status().state == "SYNCING" and not p.status().replica_members,
+                          60, "its replica to pause")
+        step_paused = survivor.status().outer_step
+        before = {id(n): n.status().outer_step for n in others}
+        for n in others:
+            n.wait_for(lambda p: p.status().outer_step >= before[id(p)] + 2, 120, "two more rounds without the dead stage")
+        assert survivor.status().outer_step <= step_paused + 1  # at most the all-reduce it had in flight
+
+        # a replacement with the dead node's stage restores the replica
+        c1 = start(tmp_path, "c1", STAGED + ["--stage", "1/2"] + join)
+        nodes = others + [survivor, c1]
+        for n in (survivor, c1):
+            n.wait_for(lambda p: len(p.status().replica_members) == 2 and p.status().state in ("TRAINING", "AVERAGING"),
+                       120, "the replica to re-form")
+        assert c1.status().replica_members == survivor.status().replica_members
+        target = max(n.status().outer_step for n in nodes) + 2
+        for n in nodes:
+            n.wait_for(lambda p: p.status().outer_step >= target, 180, f"outer step {target}")
+        for stage in (0, 1):
+            steps = _stage_digests(nodes, stage)
+            assert all(len(d) == 1 for d in steps.values()), (stage, steps)
+        late = [r for r in c1.metrics() if r["outcome"] == "applied"]
+        assert late and late[-1]["group_size"] == 2, late
+    finally:
+        for n in nodes:
+            n.terminate(signal.SIGKILL)
