@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 # torch first and pinned: a bare `torch` requirement pulls a 5.5 GB CUDA build (ENVIRONMENT.md)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test bench bench-swarm proto clean
+.PHONY: install demo test bench bench-swarm bench-stages proto clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ bench: install
 
 bench-swarm: install
 	$(PY) -m bench.run
+
+bench-stages: install
+	$(PY) -m bench.stages
 
 proto: install
 	$(PIP) install -q -e '.[proto]'

@@ -207,7 +207,7 @@ class Node:
         self.shard = ReplicaShard(self.corpus.train, self.seq_len, self.batch_size, cfg.seed, shard_key)
         if self.num_stages > 1:
             self.rendezvous = ReplicaRendezvous(self.swarm.peer_id, self.stage_index, self.num_stages,
-                                                cfg.pipeline_addr, cfg.outer_round_deadline, shard_key)
+                                                cfg.pipeline_addr, cfg.outer_round_deadline, shard_key, cfg.device)
         self.val_batches = validation_batches(self.corpus, self.seq_len, self.batch_size, cfg.eval_batches)
         self.step_bound = exact_mean.adam_step_bound(cfg.beta1, cfg.beta2)
         self.outer_step = 0

@@ -76,7 +76,7 @@ class PipelinedInnerLoop(InnerLoop):
                 run()
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with the transport's message
             raise PipelineBroken(f"pipeline step failed: {e}") from e
-        return torch.stack([loss.detach() for loss in losses]).sum() if losses else torch.zeros(())
+        return torch.stack([loss.detach() for loss in losses]).sum().cpu() if losses else torch.zeros(())
 
     def all_reduce(self, values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """All-reduce a small fp64 tensor across the replica's stages (in place; returned)."""
@@ -100,7 +100,7 @@ class PipelinedInnerLoop(InnerLoop):
         self.model.train()
         loss_sum = self._run(inputs, targets, train=True)
         grads = [p.grad for p in self.params if p.grad is not None]
-        local_sq = torch.nn.utils.get_total_norm(grads).double() ** 2 if grads else torch.zeros((), dtype=torch.float64)
+        local_sq = torch.nn.utils.get_total_norm(grads).double().cpu() ** 2 if grads else torch.zeros((), dtype=torch.float64)
         stats = self.all_reduce(torch.stack([local_sq, loss_sum.double(), torch.tensor(float(stop), dtype=torch.float64)]))
         torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, stats[0].sqrt().float())
         self.inner_optimizer.step()

@@ -78,12 +78,14 @@ class ReplicaRendezvous:
     """
 
     def __init__(self, peer_id: str, stage_index: int, num_stages: int, pipeline_addr: str, timeout_s: float,
-                 shard_key: int):
+                 shard_key: int, device: str = "cpu"):
         self.peer_id, self.stage_index, self.num_stages = peer_id, stage_index, num_stages
         self.timeout = timedelta(seconds=timeout_s)
         self.host, port = split_addr(pipeline_addr)
         use_interface_of(self.host)
         self.shard_key = shard_key
+        # pipeline tensors on the GPU go through NCCL; the small CPU collectives through gloo
+        self.backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
         self.store: Optional[dist.TCPStore] = None
         self.epoch = 0
         self.last: Optional[tuple[str, int]] = None  # (replica_id, epoch) we were last part of
@@ -138,7 +140,7 @@ class ReplicaRendezvous:
 
     def _init_group(self, replica: ReplicaGroup, store) -> Optional[ReplicaGroup]:
         try:
-            dist.init_process_group("gloo", store=dist.PrefixStore(f"e{replica.epoch}/pg", store),
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"e{replica.epoch}/pg", store),
                                     rank=self.stage_index, world_size=self.num_stages, timeout=self.timeout)
         except Exception as e:
             logger.warning("replica %s epoch %d: process group failed (%s)", replica.replica_id, replica.epoch, e)

@@ -99,3 +99,31 @@ def test_two_stages_follow_the_one_stage_trajectory(tmp_path):
     assert len(got[0]) == len(expected) == ROUNDS * H
     assert max(abs(a - b) for a, b in zip(got[0], expected)) < 1e-3, (got[0], expected)
     assert expected[-1] < expected[0] - 0.5  # it learns, so the comparison is not between two flat lines
+
+
+def _node_memory(num_stages: int, stage_index: int) -> int:
+    """What NodeStatus.memory reports for a node of this stage after one inner and one outer step."""
+    from types import SimpleNamespace
+
+    from daemon.staging import stage_memory
+    from dilocox.compression import CompressionConfig, Compressor
+    from dilocox.overlap import OuterSchedule
+
+    module = build_stage(ModelSpec.resolve("tiny"), SEED, stage_index, num_stages)
+    inner = InnerLoop(module, InnerConfig())
+    for p in inner.params:  # a step allocates AdamW's state
+        p.grad = torch.zeros_like(p)
+    inner.inner_optimizer.step()
+    outer = OuterOptimizer(inner.params)
+    outer.step([torch.zeros_like(p) for p in outer.global_params])
+    node = SimpleNamespace(inner=inner, outer=outer, schedule=OuterSchedule(outer, "delayed"),
+                           compressor=Compressor([tuple(p.shape) for p in outer.global_params], CompressionConfig()))
+    return stage_memory(node).total_bytes
+
+
+def test_two_stages_hold_half_the_memory_per_node():
+    whole = _node_memory(1, 0)
+    halves = [_node_memory(2, k) for k in range(2)]
+    # params 4 B + AdamW 8 B + theta, momentum, round start 12 B + error feedback 4 B per parameter
+    assert whole == 28 * 133_440
+    assert sum(halves) == whole and 0.49 < max(halves) / whole < 0.51, (halves, whole)
