@@ -78,6 +78,12 @@ def test_two_replicas_of_two_stages_train_agree_and_survive_a_dead_stage(tmp_pat
             assert all(len(d) == 1 for d in steps.values()), (stage, steps)
         late = [r for r in c1.metrics() if r["outcome"] == "applied"]
         assert late and late[-1]["group_size"] == 2, late
+
+        # a stage node that leaves (SIGTERM) drains cleanly; its replica pauses again, at a step boundary
+        assert c1.terminate(signal.SIGTERM) == 0, c1.log_tail()
+        survivor.wait_for(lambda p: p.status().state == "SYNCING" and not p.status().replica_members,
+                          60, "its replica to pause after the leave")
+        assert (survivor.workdir / "stderr").read_text().count(" paused: ") == 2
     finally:
         for n in nodes:
             n.terminate(signal.SIGKILL)
