@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import math
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 import pydantic.v1 as pydantic
+import numpy as np
 import torch
 
 import dilocox
@@ -84,6 +86,7 @@ class Node:
         self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
         self._served_lock = threading.Lock()
         self._served = None
+        self._donor_busy_until = 0.0  # monotonic time until which we serve no other joiner
         self._poke = threading.Event()
         self._result = (0, "")  # (round, digest) of the last averaged pseudo-gradient we hold
         self._metrics = None
@@ -211,6 +214,7 @@ class Node:
         self.val_batches = validation_batches(self.corpus, self.seq_len, self.batch_size, cfg.eval_batches)
         self.step_bound = exact_mean.adam_step_bound(cfg.beta1, cfg.beta2)
         self.outer_step = 0
+        self.resumed_from = 0  # outer step of the checkpoint we resumed from (0: none)
         if cfg.checkpoint_dir:
             self._resume(cfg.checkpoint_dir)
             Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -262,9 +266,20 @@ class Node:
             self.averager.set_priority(float(self.outer_step))
 
     def _serve_state(self):
-        """Called by hivemind (host process) when a joiner downloads our state."""
+        """Called by hivemind (host process) when a joiner downloads our state.
+
+        A donor serves one joiner per transfer window (request_timeout + the state's bytes at our
+        link rate); a joiner that asks meanwhile gets no state and hivemind moves it on to the next
+        donor, so joiners arriving together spread over the donors (hivemind breaks priority ties at
+        random, and skips a donor that fails mid-download)."""
         with self._served_lock:
             meta, tensors = self._served
+            now = time.monotonic()
+            if now < self._donor_busy_until:
+                logger.info("state requested while serving another joiner: redirecting it to other donors")
+                return None, []
+            size = sum(t.numel() * t.element_size() for t in tensors)
+            self._donor_busy_until = now + self.cfg.request_timeout + 8 * size / (self.bandwidth_bps() or 100e6)
         s = self.board.snapshot()
         return dict(meta, donor_state=s.state.value, donor_inner_step=s.inner_step, donor_round=self.round), tensors
 
@@ -306,6 +321,12 @@ class Node:
                 logger.info("the swarm holds our parameters (outer step %d, digest %s): no download; "
                             "joining the current round at inner step %d", self.outer_step, self.digest, skip)
                 return skip
+            if initial and self.resumed_from and not same:
+                ahead = max(m.outer_step for m in active)
+                if ahead > self.outer_step:
+                    logger.warning("our checkpoint holds outer step %d, the swarm is at %d: catching up from peers",
+                                   self.outer_step, ahead)
+                    self.resumed_from = 0  # say it once
             got = self.averager.download_state(timeout_s=self.cfg.averaging_timeout)
             if got is None:
                 time.sleep(0.5)
@@ -401,8 +422,9 @@ class Node:
                      global_params=self.outer.global_params, momentum=self.outer.momentum_buffers(),
                      inner_optimizer=self.inner.inner_optimizer.state_dict(),
                      compression=self.compressor.state_dict(),
-                     shard_position=self.shard.position, shard_key=self.shard.shard_key,
-                     torch_rng=torch.get_rng_state(), version=dilocox.__version__)
+                     shard_position=self.shard.position, shard_key=self.shard.shard_key, round=self.round,
+                     rng=dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state()),
+                     version=dilocox.__version__)
         path = save_checkpoint(Path(self.cfg.checkpoint_dir), self.outer_step, state)
         logger.info("checkpoint written: %s", path)
 
@@ -425,8 +447,13 @@ class Node:
             logger.warning("ignoring checkpoint %s: %s", path, e)
             return
         self.shard.position = int(state["shard_position"])
-        torch.set_rng_state(state["torch_rng"])
+        rng = state.get("rng", dict(torch=state.get("torch_rng")))
+        torch.set_rng_state(rng["torch"])
+        if "python" in rng:
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
         self.outer_step = int(state["outer_step"])
+        self.resumed_from = self.outer_step
         logger.info("resumed from %s at outer step %d", path, self.outer_step)
 
     def record_metrics(self, record: dict) -> None:

@@ -39,6 +39,9 @@ def save_checkpoint(directory: Path, outer_step: int, state: dict[str, Any]) -> 
     # payload first, checksum last: a crash in between leaves a file without a checksum, which is skipped
     _fsync_write(path, data)
     _fsync_write(path.with_name(path.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
+    for torn in directory.glob(".step-*.tmp-*"):  # left by a writer killed mid-write
+        if not torn.name.endswith(f".tmp-{os.getpid()}"):
+            torn.unlink(missing_ok=True)
     for old in sorted(directory.glob("step-*.pt"))[:-KEEP]:
         old.unlink(missing_ok=True)
         old.with_name(old.name + ".sha256").unlink(missing_ok=True)
