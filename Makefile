@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 # torch first and pinned: a bare `torch` requirement pulls a 5.5 GB CUDA build (ENVIRONMENT.md)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test bench bench-swarm bench-stages proto clean
+.PHONY: install demo test bench bench-swarm bench-stages bench-faults compose-test proto clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ bench-swarm: install
 
 bench-stages: install
 	$(PY) -m bench.stages
+
+bench-faults: install
+	$(PY) -m bench.faults
+
+# builds the image, runs docker/compose.yaml (bootstrap + 2 peers), checks outer step 2 with a full group
+compose-test: install
+	PY=$(PY) bash docker/compose_test.sh
 
 proto: install
 	$(PIP) install -q -e '.[proto]'

@@ -1,7 +1,7 @@
 """Console script ``dilocox-ctl``: query or control a running node over gRPC (dilocox.v1.Node).
 
 ``--json`` prints exactly one JSON value on stdout (an object for status, an array for peers).
-Exit codes: 0 ok, 1 the node could not be reached or answered an error.
+Exit codes: 0 ok, 1 the node could not be reached or answered an error (``health``: or is not SERVING).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", action="store_true", help="print one JSON value and nothing else")
     sub.add_parser("watch", help="stream status changes until the node stops")
     sub.add_parser("leave", help="ask the node to drain and exit")
+    sub.add_parser("health", help="exit 0 if the node's grpc.health.v1 service says SERVING (for healthchecks)")
     args = parser.parse_args(argv)
 
     with grpc.insecure_channel(args.addr) as channel:
@@ -77,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{status.state:<9} outer {status.outer_step} inner {status.inner_step}/{status.inner_steps} "
                           f"loss {status.loss:.4f} val {status.val_loss:.4f} {status.tokens_per_second:.0f} tok/s "
                           f"group {status.last_round.group_size}", flush=True)
+            elif args.command == "health":
+                from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+                print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+                return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
             elif args.command == "leave":
                 reply = stub.Leave(node_pb2.LeaveRequest(reason="dilocox-ctl leave"), timeout=args.timeout)
                 print(f"leave accepted: {reply.accepted} ({reply.state})")
