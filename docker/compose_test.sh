@@ -17,6 +17,7 @@ if ! docker info >/dev/null 2>&1; then
     fi
     export DOCKER_HOST="unix://$WORK/docker.sock"
     if ! docker info >/dev/null 2>&1; then
+        STARTED_DOCKERD=1
         dockerd --iptables=false --ip6tables=false --ip-masq=false --data-root "$WORK/data" \
             --exec-root "$WORK/exec" --pidfile "$WORK/dockerd.pid" -H "$DOCKER_HOST" >"$WORK/dockerd.log" 2>&1 &
         for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
@@ -47,19 +48,26 @@ fi
 
 # 4. build, up, assert, down
 export BASE_IMAGE DILOCOX_IMAGE=dilocox:compose-test
-cleanup() { $COMPOSE -p $PROJECT -f docker/compose.yaml down -v --remove-orphans >/dev/null 2>&1 || true; }
+cleanup() {
+    $COMPOSE -p $PROJECT -f docker/compose.yaml down -v --remove-orphans >/dev/null 2>&1 || true
+    if [ -n "${STARTED_DOCKERD:-}" ]; then kill "$(cat "$WORK/dockerd.pid")" 2>/dev/null || true; fi
+}
 trap cleanup EXIT
 docker build -q -f docker/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" -t "$DILOCOX_IMAGE" . >/dev/null
 $COMPOSE -p $PROJECT -f docker/compose.yaml up -d --scale peer=2
 $PY - "$PROJECT" <<'PYEOF'
 import json, subprocess, sys, time
 project = sys.argv[1]
-ids = subprocess.run(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={project}"],
+ids = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"],
                      capture_output=True, text=True, check=True).stdout.split()
 assert len(ids) == 3, f"expected 3 containers, found {len(ids)}"
 deadline, seen = time.monotonic() + 600, {}
 while time.monotonic() < deadline:
     for cid in ids:
+        running = subprocess.run(["docker", "inspect", "-f", "{{.State.Running}}", cid], capture_output=True, text=True)
+        if running.stdout.strip() != "true":
+            deadline = 0  # a node exited: report it with the logs below
+            break
         out = subprocess.run(["docker", "exec", cid, "dilocox-ctl", "status", "--json"], capture_output=True, text=True)
         health = subprocess.run(["docker", "inspect", "-f", "{{.State.Health.Status}}", cid],
                                 capture_output=True, text=True).stdout.strip()
