@@ -22,7 +22,6 @@ import resource
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as mp
@@ -60,9 +59,8 @@ def _stage_node(rank: int, world: int, store: str, out: str, args: dict) -> None
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         inner = PipelinedInnerLoop(module, config, args["microbatches"], "1f1b", group=dist.group.WORLD)
     outer = OuterOptimizer(inner.params)
-    node = SimpleNamespace(inner=inner, outer=outer, schedule=OuterSchedule(outer, "delayed"),
-                           compressor=Compressor([tuple(p.shape) for p in outer.global_params],
-                                                 CompressionConfig(mode="adaptive")))
+    schedule = OuterSchedule(outer, "delayed")
+    compressor = Compressor([tuple(p.shape) for p in outer.global_params], CompressionConfig(mode="adaptive"))
     rates = []
     for step in range(args["warmup"] + args["steps"]):
         x, y = shard.next_batch()
@@ -70,8 +68,8 @@ def _stage_node(rank: int, world: int, store: str, out: str, args: dict) -> None
         inner.inner_step(x, y, global_step=step)
         if step >= args["warmup"]:
             rates.append(x.numel() / (time.perf_counter() - start))
-    outer.step(node.schedule.pseudo_gradient(inner.params))  # momentum buffers now exist
-    memory = stage_memory(node)
+    outer.step(schedule.pseudo_gradient(inner.params))  # momentum buffers now exist
+    memory = stage_memory(inner, outer, schedule, compressor)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(out, "w") as f:
         json.dump(dict(stage=rank, memory=memory.__dict__, rss_growth_bytes=peak - baseline,

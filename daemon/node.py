@@ -237,8 +237,12 @@ class Node:
         self.averager.set_priority(float(self.outer_step))
         self.board.update(outer_step=self.outer_step, inner_steps=self.H, global_params_digest=self.digest,
                           overlap=cfg.overlap, compression=cfg.compression, stage_index=self.stage_index,
-                          num_stages=self.num_stages, memory=staging.stage_memory(self))
+                          num_stages=self.num_stages, memory=self.stage_memory())
         self.skip_steps = 0
+
+    def stage_memory(self):
+        """NodeStatus.memory: tensor bytes this node holds for its stage (daemon/staging.py)."""
+        return staging.stage_memory(self.inner, self.outer, self.schedule, self.compressor)
 
     def start_digest(self) -> str:
         """Digest of everything a round must start from on every replica: theta and the shared

@@ -30,6 +30,7 @@ from daemon import staging
 from daemon.status import ACTIVE_STATES, RoundInfo, State
 from dilocox import exact_mean
 from dilocox.compression import CompressionRound
+from dilocox.pipeline import PipelineBroken
 from dilocox.diloco import params_digest
 from peers.averaging import (RoundCancelled, RoundFailed, RoundGather, RoundResult, canonical_digest, exchange,
                              group_limits, judge_result)
@@ -57,14 +58,12 @@ def _inner_steps(node: "Node", skip: int) -> tuple[list[float], float, int] | No
             return None
         x, y = node.shard.next_batch()
         step_start = time.monotonic()
-        if staged:  # a leave request travels with the step so every stage stops after the same step
-            loss = node.inner.inner_step(x, y, global_step=t * node.H + i, stop=node.leave_requested.is_set())
-            if node.inner.stop_requested:
-                if node.leave_requested.is_set():
-                    return None
-                raise staging.PipelineBroken("another stage of the replica is leaving")
-        else:
-            loss = node.inner.inner_step(x, y, global_step=t * node.H + i)
+        # a stage node's leave request travels with the step, so every stage stops after the same step
+        loss = node.inner.inner_step(x, y, global_step=t * node.H + i, stop=node.leave_requested.is_set())
+        if node.inner.stop_requested:
+            if node.leave_requested.is_set():
+                return None
+            raise PipelineBroken("another stage of the replica is leaving")
         tokens_per_s = x.numel() / max(time.monotonic() - step_start, 1e-9)
         losses.append(loss)
         s = node.board.snapshot()
@@ -279,7 +278,7 @@ def _record(node: "Node", info: RoundInfo, losses: list[float] | None = None) ->
     s = node.board.snapshot()
     node._set_state(State.TRAINING, outer_step=node.outer_step, inner_step=node.skip_steps,
                     compute_utilization=utilization,
-                    global_params_digest=node.digest, val_loss=val_loss, last_round=info, memory=staging.stage_memory(node),
+                    global_params_digest=node.digest, val_loss=val_loss, last_round=info, memory=node.stage_memory(),
                     bytes_sent=s.bytes_sent + info.bytes_sent, bytes_received=s.bytes_received + info.bytes_received)
     node._checkpoint()
     node.record_metrics(dict(asdict(info), peer_id=node.swarm.peer_id, digest=node.digest, val_loss=val_loss,

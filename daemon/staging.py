@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from daemon.status import StageMemory, State
-from dilocox.pipeline import PipelineBroken  # noqa: F401 (raised by rounds through this module)
 from dilocox.stages import tensor_bytes
 from peers.replica import Founder
 
@@ -36,15 +35,19 @@ def stage_tag(node: "Node") -> str:
     return "" if node.num_stages == 1 else f"stage{node.stage_index}of{node.num_stages}_"
 
 
-def stage_memory(node: "Node") -> StageMemory:
-    """Tensor bytes held for our stage: parameters, AdamW state, outer state, error feedback."""
-    inner_state = [t for st in node.inner.inner_optimizer.state.values() for t in st.values()
+def stage_memory(inner, outer, schedule, compressor) -> StageMemory:
+    """Tensor bytes held for a stage: parameters, AdamW state, outer state, error feedback.
+
+    ``inner``: InnerLoop, ``outer``: OuterOptimizer, ``schedule``: OuterSchedule, ``compressor``:
+    Compressor. Counts storage without copying anything (called once per round)."""
+    inner_state = [t for st in inner.inner_optimizer.state.values() for t in st.values()
                    if isinstance(t, torch.Tensor) and t.dim() > 0]
     if not inner_state:  # AdamW allocates lazily at the first step: exp_avg + exp_avg_sq, fp32
-        inner_state = [p for p in node.inner.params for _ in range(2)]
-    outer = node.outer.global_params + node.outer.momentum_buffers() + node.schedule.round_start
-    m = StageMemory(params_bytes=tensor_bytes(node.inner.params), inner_optimizer_bytes=tensor_bytes(inner_state),
-                    outer_optimizer_bytes=tensor_bytes(outer), error_feedback_bytes=tensor_bytes(node.compressor.error))
+        inner_state = [p for p in inner.params for _ in range(2)]
+    theta = tensor_bytes(outer.global_params)  # the momentum buffer has theta's shapes (fp32), once allocated or not
+    m = StageMemory(params_bytes=tensor_bytes(inner.params), inner_optimizer_bytes=tensor_bytes(inner_state),
+                    outer_optimizer_bytes=2 * theta + tensor_bytes(schedule.round_start),
+                    error_feedback_bytes=tensor_bytes(compressor.error))
     m.total_bytes = m.params_bytes + m.inner_optimizer_bytes + m.outer_optimizer_bytes + m.error_feedback_bytes
     return m
 

@@ -52,8 +52,12 @@ class InnerLoop:
             self.params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
 
-    def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, global_step: int) -> float:
-        """One AdamW step at the learning rate of ``global_step``; returns the loss (nats/token)."""
+    stop_requested = False  # a whole model has no other stages to hear a stop from (see PipelinedInnerLoop)
+
+    def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, global_step: int, stop: bool = False) -> float:
+        """One AdamW step at the learning rate of ``global_step``; returns the loss (nats/token).
+
+        ``stop`` matters only to a pipelined stage, which tells its other stages."""
         lr = self.config.lr_at(global_step)
         for group in self.inner_optimizer.param_groups:
             group["lr"] = lr

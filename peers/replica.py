@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Optional
 
 import psutil
-import socket
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,6 @@ def split_addr(addr: str) -> tuple[str, int]:
 def use_interface_of(host: str) -> None:
     """Make gloo bind to the interface that holds ``host`` (GLOO_SOCKET_IFNAME); raises ValueError
     naming the address if no local interface has it."""
-    import os
-
     if host in ("0.0.0.0", "", "::"):
         return
     for name, addrs in psutil.net_if_addrs().items():

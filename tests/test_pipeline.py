@@ -103,8 +103,6 @@ def test_two_stages_follow_the_one_stage_trajectory(tmp_path):
 
 def _node_memory(num_stages: int, stage_index: int) -> int:
     """What NodeStatus.memory reports for a node of this stage after one inner and one outer step."""
-    from types import SimpleNamespace
-
     from daemon.staging import stage_memory
     from dilocox.compression import CompressionConfig, Compressor
     from dilocox.overlap import OuterSchedule
@@ -116,9 +114,8 @@ def _node_memory(num_stages: int, stage_index: int) -> int:
     inner.inner_optimizer.step()
     outer = OuterOptimizer(inner.params)
     outer.step([torch.zeros_like(p) for p in outer.global_params])
-    node = SimpleNamespace(inner=inner, outer=outer, schedule=OuterSchedule(outer, "delayed"),
-                           compressor=Compressor([tuple(p.shape) for p in outer.global_params], CompressionConfig()))
-    return stage_memory(node).total_bytes
+    compressor = Compressor([tuple(p.shape) for p in outer.global_params], CompressionConfig())
+    return stage_memory(inner, outer, OuterSchedule(outer, "delayed"), compressor).total_bytes
 
 
 def test_two_stages_hold_half_the_memory_per_node():
