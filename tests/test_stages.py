@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import signal
+from collections import Counter
 
 import pytest
 
-from tests.helpers import FAST, digests_by_step, start
+from tests.helpers import FAST, start
 
 pytestmark = pytest.mark.integration
 
@@ -21,8 +22,19 @@ STAGED = FAST + ["--run-id", "staged", "--overlap", "none", "--compression", "ad
                  "--matchmaking-time", "4", "--averaging-timeout", "10"]
 
 
-def _stage_digests(nodes, stage):
-    return digests_by_step([n for n in nodes if n.status().stage_index == stage])
+def _joint(node) -> list[dict]:
+    """Rounds the node applied together with the other replica's same stage."""
+    return [r for r in node.metrics() if r["outcome"] == "applied" and r["group_size"] == 2]
+
+
+def _assert_groups_agree(members) -> set[int]:
+    """Every update a group of this stage applied is held by both members of the group (a lone digest
+    would be a partial or wrong average). A round whose all-reduce failed for everybody is applied solo
+    by each replica (hivemind's behaviour too); the next joint round re-syncs the minority (DESIGN.md
+    consistency), so solo rows may differ. Returns the outer steps applied jointly."""
+    applied = Counter((r["outer_step"], r["digest"]) for n in members for r in _joint(n))
+    assert applied and all(count == 2 for count in applied.values()), applied
+    return {step for step, _ in applied}
 
 
 def test_two_replicas_of_two_stages_train_agree_and_survive_a_dead_stage(tmp_path):
@@ -33,25 +45,24 @@ def test_two_replicas_of_two_stages_train_agree_and_survive_a_dead_stage(tmp_pat
     b1 = start(tmp_path, "b1", STAGED + ["--stage", "1/2"] + join)
     nodes = [a0, a1, b0, b1]
     try:
-        for n in nodes:
-            n.wait_for(lambda p: p.status().outer_step >= 3, 180, "outer step 3")
+        for n in nodes:  # stage k averages with stage k of the other replica
+            n.wait_for(lambda p: len(_joint(p)) >= 3, 240, "three rounds averaged with the other replica")
         for n in nodes:
             s = n.status()
             assert s.num_stages == 2 and len(s.replica_members) == 2 and s.replica_id == s.replica_members[0], s
             assert s.memory.total_bytes > 0 and s.memory.params_bytes > 0
-            rows = n.metrics()[:3]
-            assert [r["group_size"] for r in rows] == [2, 2, 2], rows  # stage k averaged with stage k
-            assert all(r["bits"] == 8 and r["rank"] == 4 for r in rows), rows
+            assert all(r["bits"] == 8 and r["rank"] == 4 for r in _joint(n)), n.metrics()
         # both stages of a replica report the replica's loss per round, and it fell
         by_peer = {n.status().peer_id: n for n in nodes}
         for first in (a0, b0):
             partner = by_peer[first.status().replica_members[1]]
-            losses = [[r["loss"] for r in n.metrics()[:3]] for n in (first, partner)]
-            assert losses[0] == pytest.approx(losses[1], abs=1e-6), losses
+            losses = [{r["outer_step"]: r["loss"] for r in n.metrics()} for n in (first, partner)]
+            common = sorted(set(losses[0]) & set(losses[1]))
+            assert len(common) >= 3, losses
+            assert [losses[0][t] for t in common] == pytest.approx([losses[1][t] for t in common], abs=1e-6), losses
             assert partner.status().loss < partner.status().initial_loss - 0.5
         for stage in (0, 1):
-            steps = _stage_digests(nodes, stage)
-            assert steps and all(len(d) == 1 for d in steps.values()), (stage, steps)
+            assert len(_assert_groups_agree([n for n in nodes if n.status().stage_index == stage])) >= 3
         # the two stages hold different halves of the model
         assert a0.status().global_params_digest != a1.status().global_params_digest
 
@@ -84,8 +95,10 @@ def test_two_replicas_of_two_stages_train_agree_and_survive_a_dead_stage(tmp_pat
         for n in nodes:
             n.wait_for(lambda p: p.status().outer_step >= target, 120, f"outer step {target}")
         for stage in (0, 1):
-            steps = _stage_digests(nodes, stage)
-            assert all(len(d) == 1 for d in steps.values()), (stage, steps)
+            # while b0 was paused the other replica applied its rounds solo; after the restore the two replicas
+            # apply rounds together again, on the same parameters
+            members = [n for n in nodes if n.status().stage_index == stage] + [victim] * (stage == 1)
+            assert max(_assert_groups_agree(members)) > step_paused + 1, stage
         # a stage node that leaves (SIGTERM) drains cleanly; its replica pauses again, at a step boundary
         assert c1.terminate(signal.SIGTERM) == 0, c1.log_tail()
         survivor.wait_for(lambda p: p.status().state == "SYNCING" and not p.status().replica_members,
