@@ -100,15 +100,18 @@ def canonical_digest(digests: Dict[str, str]) -> Tuple[Optional[str], List[str]]
     return winner, sorted(p for p, d in digests.items() if d == winner)
 
 
-def judge_result(mine: str, results: Dict[str, str]) -> str:
-    """What to do with our all-reduce result given every member's result digest (ours included).
+def judge_result(mine: str, results: Dict[str, str], members: Optional[int] = None) -> str:
+    """What to do with our all-reduce result given the members' result digests (ours included).
 
-    'apply' if ours is held by a strict majority, 'resync' if another digest is, 'skip' if no
-    digest has a strict majority (e.g. two members with a partial average each): then no member
-    applies, so a partial average is never adopted by a tie-break.
+    ``members``: the group's size (default: ``len(results)``); a member that reported no digest
+    counts against every digest. 'apply' if ours is held by a strict majority of the members,
+    'resync' if another digest is, 'skip' if no digest has one: e.g. two members with a partial
+    average each, or two members of which one failed and never reported (the other's result is
+    then partial: hivemind's "received 50% of input tensors"). Then no member applies, so a partial
+    average is never adopted by a tie-break or by default.
     """
     canon, holders = canonical_digest(results)
-    if 2 * len(holders) <= len(results):
+    if 2 * len(holders) <= max(len(results), members or 0):
         return "skip"
     return "apply" if canon == mine else "resync"
 
@@ -209,10 +212,18 @@ class PseudoGradientAverager(DecentralizedAverager):
                            time.monotonic() - (began or started), sent, sent)
 
     def download_state(self, timeout_s: float) -> Optional[Tuple[Any, List[torch.Tensor]]]:
-        """(metadata, tensors) from the highest-priority donor, or None if nobody served a state."""
+        """(metadata, tensors) from the highest-priority donor that serves one, or None if nobody did
+        within ``timeout_s`` (seconds).
+
+        hivemind tries the donors in priority order (ties broken at random) and moves on when one
+        fails or stops sending for ``next_chunk_timeout``, e.g. a donor that dies mid-download."""
         with self._pipe_lock:
             future = self.load_state_from_peers(wait=False, timeout=timeout_s)
-        return future.result(timeout=timeout_s)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            logger.warning("no donor finished sending its state within %.0fs", timeout_s)
+            return None
 
     def set_priority(self, value: float) -> None:
         """``state_sharing_priority`` (joiners download from the highest), under the pipe lock."""

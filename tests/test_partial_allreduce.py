@@ -74,6 +74,9 @@ def test_partial_result_is_detected_and_not_applied():
         # and without the fault the same machinery agrees bit for bit
         assert judge_result("x", {"0": "x", "1": "x", "2": "x"}) == "apply"
         assert judge_result("y", {"0": "x", "1": "x", "2": "y"}) == "resync"
+        # a member that never reported its digest counts against ours: two members, one silent
+        assert judge_result("x", {"0": "x"}, members=2) == "skip"
+        assert judge_result("x", {"0": "x", "1": "x"}, members=3) == "apply"
     finally:
         for a in averagers:
             a.shutdown()
