@@ -34,7 +34,7 @@ from dilocox.data import Corpus, ReplicaShard, validation_batches
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, check_shapes, params_digest
 from dilocox.model import ModelSpec, ModelSpecError
 from dilocox.pipeline import PipelineBroken, PipelinedInnerLoop
-from dilocox.stages import build_stage, layer_range
+from dilocox.stages import build_stage, layer_range, tensor_bytes
 from dilocox.overlap import OuterSchedule
 from peers.averaging import PseudoGradientAverager
 from peers.identity import load_or_create_identity
@@ -60,6 +60,7 @@ class StateMeta(pydantic.BaseModel):
     donor_round: pydantic.conint(ge=0)
     compression_rank: pydantic.conint(ge=0) = 0
     compression_digest: pydantic.StrictStr = ""
+    donor_peer_id: pydantic.StrictStr = ""
 
 
 class Node:
@@ -285,7 +286,8 @@ class Node:
             size = sum(t.numel() * t.element_size() for t in tensors)
             self._donor_busy_until = now + self.cfg.request_timeout + 8 * size / (self.bandwidth_bps() or 100e6)
         s = self.board.snapshot()
-        return dict(meta, donor_state=s.state.value, donor_inner_step=s.inner_step, donor_round=self.round), tensors
+        return dict(meta, donor_state=s.state.value, donor_inner_step=s.inner_step, donor_round=self.round,
+                    donor_peer_id=self.swarm.peer_id), tensors
 
     def _wait_for_replicas(self) -> None:
         if self.cfg.min_replicas <= 1:
@@ -304,8 +306,8 @@ class Node:
         the shared seed, which is the same state).
         """
         self._set_state(State.SYNCING)
-        deadline = time.monotonic() + self.cfg.outer_round_deadline
-        first_seen = time.monotonic()
+        deadline = time.monotonic() + self.cfg.outer_round_deadline + self._state_transfer_s()
+        first_seen, waited_for_result = time.monotonic(), False
         while not self.leave_requested.is_set():
             if time.monotonic() > deadline:
                 raise SyncError(f"no peer served a usable state within {self.cfg.outer_round_deadline:.0f}s")
@@ -331,15 +333,21 @@ class Node:
                     logger.warning("our checkpoint holds outer step %d, the swarm is at %d: catching up from peers",
                                    self.outer_step, ahead)
                     self.resumed_from = 0  # say it once
-            got = self.averager.download_state(timeout_s=self.cfg.averaging_timeout)
+            # hivemind fails a donor that stalls for next_chunk_timeout and tries the next one; this
+            # bound only guards against a hang, so it allows the whole state at the slowest link
+            got = self.averager.download_state(timeout_s=self.cfg.averaging_timeout + self._state_transfer_s())
             if got is None:
                 time.sleep(0.5)
                 continue
             try:
                 meta = StateMeta.parse_obj(got[0])
                 n = len(self.outer.global_params)
-                if meta.run_id != self.cfg.run_id or meta.num_params != n or len(got[1]) < 2 * n:
-                    raise ValueError(f"state for run {meta.run_id!r} with {len(got[1])} tensors does not fit ours")
+                if meta.run_id != self.cfg.run_id or meta.num_params != n:
+                    raise ValueError(f"state for run {meta.run_id!r} with {meta.num_params} parameter tensors "
+                                     f"does not fit ours ({self.cfg.run_id!r}, {n})")
+                if len(got[1]) < 2 * n:  # hivemind returns what arrived when a donor's stream ends early
+                    raise ValueError(f"truncated state: {len(got[1])} of at least {2 * n} tensors arrived "
+                                     f"(the donor stopped mid-transfer?)")
                 check_shapes(self.outer.global_params, got[1][:n], "downloaded parameters")
                 check_shapes(self.outer.global_params, got[1][n:2 * n], "downloaded momentum")
                 if params_digest(got[1][:n]) != meta.digest:
@@ -353,17 +361,34 @@ class Node:
                 time.sleep(0.5)
                 continue
             if not keep_round and (meta.donor_state == State.AVERAGING.value or meta.donor_inner_step >= self.H):
-                logger.info("donor is finishing round %d; waiting for the next outer step", meta.outer_step + 1)
-                self._wait(lambda: any(m.outer_step > meta.outer_step for m in self._others()), 3 * self.cfg.outer_round_deadline)
+                logger.info("donor is finishing round %d; waiting for the next round", meta.donor_round)
+                # the next round has begun once a member trains in it (its outer_step may advance before:
+                # rounds.finish_early applies a result mid-round)
+                self._wait(lambda: any(m.round > meta.donor_round and m.state == State.TRAINING.value
+                                       for m in self._others()), 3 * self.cfg.outer_round_deadline)
+                continue
+            if not keep_round and self.cfg.overlap == "delayed" and self.num_stages == 1 \
+                    and meta.outer_step < meta.donor_round - 1 and not waited_for_result:
+                # The donor applies round donor_round-1 as soon as its all-reduce is in (rounds.finish_early).
+                # Joining round donor_round needs those parameters: on a slow link, waiting for them beats
+                # fetching them again at the round's end (too late for matchmaking). Once only: with short
+                # rounds the all-reduce ends with the round, and a fast link catches up at the round's end.
+                waited_for_result = True
+                logger.info("donor still averages round %d; waiting for its result", meta.outer_step + 1)
+                self._wait(lambda: any(m.outer_step > meta.outer_step for m in self._others()), self.cfg.outer_round_deadline)
                 continue
             if keep_round and meta.outer_step < self.round - 1:
                 logger.info("donor holds outer step %d, round %d needs %d; waiting", meta.outer_step,
                             self.round, self.round - 1)
                 self._wait(lambda: any(m.outer_step > meta.outer_step for m in self._others()), self.cfg.outer_round_deadline)
                 continue
+            keep_round = keep_round and meta.outer_step == self.round - 1
+            skip = 0 if keep_round else self._donor_progress(meta)
+            if skip is None:
+                logger.info("the donor finished round %d during the download; fetching a newer state", meta.donor_round)
+                continue
             self.outer.load_state(got[1][:n], got[1][n:2 * n])
             self.compressor.load_shared(meta.compression_rank, got[1][2 * n:])
-            keep_round = keep_round and meta.outer_step == self.round - 1
             if keep_round:  # x <- theta + this round's local progress; its pseudo-gradient is still ours to send
                 self.schedule.rebase(self.inner.params)
             else:
@@ -377,11 +402,27 @@ class Node:
             self._serve_snapshot()
             resyncs = self.board.snapshot().resyncs + (0 if initial else 1)
             self.board.update(outer_step=self.outer_step, global_params_digest=self.digest, resyncs=resyncs)
-            skip = 0 if keep_round else meta.donor_inner_step
             logger.info("synced state of outer step %d (digest %s); round %d, skipping %d inner steps",
                         self.outer_step, self.digest, self.round, skip)
             return skip
         return 0
+
+    def _donor_progress(self, meta: StateMeta) -> Optional[int]:
+        """Inner steps to skip to join the donor's round where the donor is now, not where it was
+        when the transfer began (a slow link can take several inner steps); None if the donor has
+        left that round meanwhile (the state would be stale)."""
+        live = next((m for m in self._others() if m.peer_id == meta.donor_peer_id), None)
+        if live is None or live.round < meta.donor_round:
+            return meta.donor_inner_step
+        if live.round > meta.donor_round:
+            return None
+        return min(max(meta.donor_inner_step, live.inner_step), self.H - 1)
+
+    def _state_transfer_s(self) -> float:
+        """Seconds to move our state (theta, momentum, shared compression state) at the slowest link
+        this project supports (100 Mbit/s), or at ``bandwidth_mbps`` when that is lower."""
+        rate = min(100e6, self.cfg.bandwidth_mbps * 1e6) if self.cfg.bandwidth_mbps else 100e6
+        return 8 * 2 * tensor_bytes(self.outer.global_params) / rate
 
     def _wait(self, predicate, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

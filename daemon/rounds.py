@@ -66,6 +66,8 @@ def _inner_steps(node: "Node", skip: int) -> tuple[list[float], float, int] | No
             raise PipelineBroken("another stage of the replica is leaving")
         tokens_per_s = x.numel() / max(time.monotonic() - step_start, 1e-9)
         losses.append(loss)
+        if node.pending is not None and not staged:
+            finish_early(node, node.pending)
         s = node.board.snapshot()
         ema = tokens_per_s if s.tokens_per_second == 0 else 0.9 * s.tokens_per_second + 0.1 * tokens_per_s
         node.board.update(inner_step=i + 1, loss=sum(losses[-10:]) / len(losses[-10:]),
@@ -113,6 +115,8 @@ class PendingRound:
     losses: list[float]
     started: float
     cancel: threading.Event = field(default_factory=threading.Event)
+    early: Optional[RoundInfo] = None  # theta already updated mid-round (delayed); the local part is due
+    early_tried: bool = False
 
 
 def run_round(node: "Node", skip: int) -> None:
@@ -173,10 +177,30 @@ def _start(node: "Node", r: int, pseudo_gradient, weight: int, compute_s: float,
     return p
 
 
-def finish_round(node: "Node", p: PendingRound) -> bool:
-    """Wait for round p.index, check it, apply it; False if nothing was applied."""
+def finish_early(node: "Node", p: PendingRound) -> None:
+    """Delayed overlap, between inner steps of round p.index + 1: once round p.index's all-reduce
+    is in (or it was solo), check it and update theta now rather than at the round's end, so that
+    this node serves theta_{p.index} to joiners during the round. A joiner then starts round
+    p.index + 1 from the parameters its all-reduce needs instead of chasing them (issue 4/5 note).
+    A failed all-reduce is applied as at the round's end (our own pseudo-gradient, if nobody else
+    applied the round). Tried once per round; a round that needs a re-sync is left to the round's end."""
+    if p.early_tried or (p.future is not None and (not p.future.done()
+                                                   or isinstance(p.future.exception(), RoundCancelled))):
+        return
+    p.early_tried = True
+    finish_round(node, p, early=True)
+
+
+def finish_round(node: "Node", p: PendingRound, early: bool = False) -> bool:
+    """Wait for round p.index, check it, apply it; False if nothing was applied.
+
+    early (see finish_early): update theta, outer_step and the served state only, or do nothing
+    if the round needs a re-sync; a later call does the local re-base and records the round."""
+    if p.early is not None:
+        return _finish_locally(node, p, p.early)
     waited_from = time.monotonic()
-    node._set_state(State.AVERAGING)
+    if not early:
+        node._set_state(State.AVERAGING)
     outcome, group_size, averaged, result = "solo", 1, p.pseudo_gradient, None
     if p.future is not None:
         try:
@@ -189,6 +213,8 @@ def finish_round(node: "Node", p: PendingRound) -> bool:
             return False
         except RoundFailed as e:
             if _someone_applied(node, p.index):
+                if early:
+                    return False
                 node._resync(f"round {p.index} went on without us ({e})")
                 return False
             logger.warning("round %d: %s; applying our own pseudo-gradient", p.index, e)
@@ -197,13 +223,15 @@ def finish_round(node: "Node", p: PendingRound) -> bool:
                       if g is not None and g.outer_step == p.index - 1}
             canon, _ = canonical_digest(starts)
             if canon != node.start_digest():
+                if early:
+                    return False
                 node._resync(f"round {p.index}: we started from {node.start_digest()}, the group from {canon}")
                 return False
             # every member that started from the same parameters contributed to this average
             group_size = sum(d == canon for d in starts.values())
             result_digest = params_digest(result.tensors)
             results = _exchange_result_digests(node, p.index, result_digest, set(starts))
-            verdict = judge_result(result_digest, results)
+            verdict = judge_result(result_digest, results, members=len(starts))
             if verdict == "skip":
                 # e.g. two replicas, one with a partial average: nobody can tell which is right, so every
                 # member consumes the round without an update (theta_r = theta_{r-1}) and all stay aligned
@@ -211,6 +239,8 @@ def finish_round(node: "Node", p: PendingRound) -> bool:
                                p.index, sorted(set(results.values())))
                 averaged, outcome = None, "skipped"
             elif verdict == "resync":
+                if early:
+                    return False
                 canon, _ = canonical_digest(results)
                 # hivemind can return part of the average ("received 79% results") and still succeed
                 node._resync(f"round {p.index}: all-reduce result {result_digest} differs from the group's {canon} "
@@ -224,16 +254,26 @@ def finish_round(node: "Node", p: PendingRound) -> bool:
                 # from all-gathered figures only, so every member picks the same rank (and averager)
                 p.compression.decide_rank(*group_limits(result.gathered), group_size)
                 node.compressor.commit(p.compression)
-    if averaged is None:
-        node.schedule.rebase(node.inner.params)  # no outer step: only the local trajectory is re-based
-    else:
-        node.schedule.apply(averaged, node.inner.params)
-    node.schedule.begin_round(node.inner.params)
+    if averaged is not None:  # else no outer step (skipped): only the local trajectory is re-based
+        node.schedule.update_theta(averaged)
     node.outer_step, node.digest = p.index, params_digest(node.outer.global_params)
+    node._serve_snapshot()
+    info = _info(p, group_size, outcome, result, waited_from)
+    if early:
+        p.early = info
+        node.board.update(outer_step=node.outer_step, global_params_digest=node.digest)
+        node._poke.set()  # publish the new outer_step: joiners waiting for it download now
+        return True
+    return _finish_locally(node, p, info)
+
+
+def _finish_locally(node: "Node", p: PendingRound, info: RoundInfo) -> bool:
+    """Re-base the local parameters on theta (already updated) and record the round."""
+    node.schedule.rebase(node.inner.params)
+    node.schedule.begin_round(node.inner.params)
     if node.cfg.overlap == "none":
         node.round = p.index + 1
-    node._serve_snapshot()
-    _record(node, _info(p, group_size, outcome, result, waited_from), p.losses)
+    _record(node, info, p.losses)
     return True
 
 

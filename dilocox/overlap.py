@@ -49,8 +49,15 @@ class OuterSchedule:
     @torch.no_grad()
     def apply(self, averaged_pseudo_gradient: list[torch.Tensor], local_params: list[torch.Tensor]) -> None:
         """theta <- outer_optimizer(theta, Delta), then re-base the local parameters (``rebase``)."""
-        self.outer.step(averaged_pseudo_gradient)
+        self.update_theta(averaged_pseudo_gradient)
         self.rebase(local_params)
+
+    @torch.no_grad()
+    def update_theta(self, averaged_pseudo_gradient: list[torch.Tensor]) -> None:
+        """theta <- outer_optimizer(theta, Delta) only. Delayed overlap may do this as soon as the
+        all-reduce is in, mid-round (the outer step does not read the local parameters), and
+        ``rebase`` at the round's end: the result is the same as ``apply`` at the round's end."""
+        self.outer.step(averaged_pseudo_gradient)
 
     @torch.no_grad()
     def rebase(self, local_params: list[torch.Tensor]) -> None:
