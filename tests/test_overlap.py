@@ -69,3 +69,27 @@ def test_delayed_tracks_synchronous_with_an_instant_network():
     assert sync_excess < 0.2 * init_excess  # synchronous DiLoCo closes >80% of the gap
     assert delayed_excess < 0.2 * init_excess  # so does the delayed schedule
     assert abs(delayed_excess - sync_excess) < 0.05 * init_excess, (delayed_excess, sync_excess, init_excess)
+
+
+def test_theta_updated_mid_round_then_rebased_equals_apply_at_round_end():
+    """rounds.finish_early: the outer step may run while the next round computes; the local re-base
+    waits for the round's end. Same theta, same momentum, same local parameters as ``apply``."""
+    g = torch.Generator().manual_seed(1)
+    start, steps, delta = torch.randn(5, generator=g), torch.randn(2, 5, generator=g), torch.randn(5, generator=g)
+    results = []
+    for early in (False, True):
+        schedule = OuterSchedule(OuterOptimizer([torch.zeros(5)], 0.7, 0.9, True), "delayed")
+        x = [start.clone()]
+        schedule.begin_round(x)
+        x[0] -= steps[0]  # the first half of the round
+        if early:
+            schedule.update_theta([delta])
+        x[0] -= steps[1]  # the second half
+        if early:
+            schedule.rebase(x)
+        else:
+            schedule.apply([delta], x)
+        results.append((schedule.outer.global_params[0].clone(), schedule.outer.momentum_buffers()[0].clone(), x[0]))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert not torch.equal(results[0][0], torch.zeros(5))  # the outer step happened
