@@ -317,6 +317,9 @@ class Node:
                 if initial and time.monotonic() - first_seen >= patience:
                     logger.info("no replica is training yet: starting from seed %d", self.cfg.seed)
                     return 0
+                if not initial and time.monotonic() - first_seen >= 2 * self.cfg.announce_period + 2:
+                    self._continue_alone(keep_round)
+                    return 0
                 time.sleep(0.3)
                 continue
             same = [m for m in active if m.outer_step == self.outer_step and m.global_params_digest == self.digest]
@@ -406,6 +409,20 @@ class Node:
                         self.outer_step, self.digest, self.round, skip)
             return skip
         return 0
+
+    def _continue_alone(self, keep_round: bool) -> None:
+        """No other live member holds our stage (e.g. the only other copy died): ours are the newest
+        parameters there are. A round that needs outer step round-1 takes ours as that step (a
+        stage that joined a replica ahead of it, after that replica's stage-0 node died)."""
+        what = f"stage {self.stage_index}/{self.num_stages}" if self.num_stages > 1 else "the model"
+        if keep_round and self.outer_step < self.round - 1:
+            logger.warning("no other replica holds %s: continuing from our parameters of outer step %d as step %d",
+                           what, self.outer_step, self.round - 1)
+            self.outer_step = self.round - 1
+            self._serve_snapshot()
+            self.board.update(outer_step=self.outer_step)
+        else:
+            logger.warning("no other replica holds %s: continuing from our parameters", what)
 
     def _donor_progress(self, meta: StateMeta) -> Optional[int]:
         """Inner steps to skip to join the donor's round where the donor is now, not where it was
