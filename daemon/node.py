@@ -18,23 +18,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-import pydantic.v1 as pydantic
 import numpy as np
 import torch
 
 import dilocox
 from daemon.config import NodeConfig
-from daemon import staging
+from daemon import staging, sync
 from daemon.rounds import finish_on_leave, finish_round, run_round
-from daemon.status import ACTIVE_STATES, State, StatusBoard
+from daemon.status import State, StatusBoard
 from dilocox import exact_mean
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from dilocox.compression import CompressionConfig, Compressor
 from dilocox.data import Corpus, ReplicaShard, validation_batches
-from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, check_shapes, params_digest
+from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, params_digest
 from dilocox.model import ModelSpec, ModelSpecError
 from dilocox.pipeline import PipelineBroken, PipelinedInnerLoop
-from dilocox.stages import build_stage, layer_range, tensor_bytes
+from dilocox.stages import build_stage, layer_range
 from dilocox.overlap import OuterSchedule
 from peers.averaging import PseudoGradientAverager
 from peers.identity import load_or_create_identity
@@ -42,25 +41,6 @@ from peers.replica import ReplicaRendezvous
 from peers.swarm import MemberRecord, Swarm
 
 logger = logging.getLogger("dilocox.node")
-
-
-class SyncError(RuntimeError):
-    """No peer served a usable state before the deadline."""
-
-
-class StateMeta(pydantic.BaseModel):
-    """Metadata a donor sends with its state (validated: it comes from another machine)."""
-
-    run_id: pydantic.StrictStr
-    outer_step: pydantic.conint(ge=0)
-    digest: pydantic.StrictStr
-    num_params: pydantic.conint(ge=1)
-    donor_state: pydantic.StrictStr
-    donor_inner_step: pydantic.conint(ge=0)
-    donor_round: pydantic.conint(ge=0)
-    compression_rank: pydantic.conint(ge=0) = 0
-    compression_digest: pydantic.StrictStr = ""
-    donor_peer_id: pydantic.StrictStr = ""
 
 
 class Node:
@@ -299,155 +279,8 @@ class Node:
             time.sleep(0.3)
 
     def _sync(self, initial: bool, keep_round: bool = False) -> int:
-        """Download theta, outer momentum and outer_step from a peer; returns inner steps to skip.
-
-        A joiner must never average its random init into the swarm (issue 2): it trains only from
-        a downloaded state, except when no replica is training anywhere (then everyone starts from
-        the shared seed, which is the same state).
-        """
-        self._set_state(State.SYNCING)
-        deadline = time.monotonic() + self.cfg.outer_round_deadline + self._state_transfer_s()
-        first_seen, waited_for_result = time.monotonic(), False
-        while not self.leave_requested.is_set():
-            if time.monotonic() > deadline:
-                raise SyncError(f"no peer served a usable state within {self.cfg.outer_round_deadline:.0f}s")
-            active = [m for m in self._others() if m.state in ACTIVE_STATES]
-            if not active:
-                patience = 0 if self.cfg.min_replicas > 1 else 2 * self.cfg.announce_period + 2
-                if initial and time.monotonic() - first_seen >= patience:
-                    logger.info("no replica is training yet: starting from seed %d", self.cfg.seed)
-                    return 0
-                if not initial and time.monotonic() - first_seen >= 2 * self.cfg.announce_period + 2:
-                    self._continue_alone(keep_round)
-                    return 0
-                time.sleep(0.3)
-                continue
-            same = [m for m in active if m.outer_step == self.outer_step and m.global_params_digest == self.digest]
-            if initial and same:
-                # e.g. a fresh swarm started from the same seed, or a restart whose checkpoint is current
-                skip = min(max(m.inner_step for m in same), self.H - 1)
-                self.round = max(m.round for m in same)
-                logger.info("the swarm holds our parameters (outer step %d, digest %s): no download; "
-                            "joining the current round at inner step %d", self.outer_step, self.digest, skip)
-                return skip
-            if initial and self.resumed_from and not same:
-                ahead = max(m.outer_step for m in active)
-                if ahead > self.outer_step:
-                    logger.warning("our checkpoint holds outer step %d, the swarm is at %d: catching up from peers",
-                                   self.outer_step, ahead)
-                    self.resumed_from = 0  # say it once
-            # hivemind fails a donor that stalls for next_chunk_timeout and tries the next one; this
-            # bound only guards against a hang, so it allows the whole state at the slowest link
-            got = self.averager.download_state(timeout_s=self.cfg.averaging_timeout + self._state_transfer_s())
-            if got is None:
-                time.sleep(0.5)
-                continue
-            try:
-                meta = StateMeta.parse_obj(got[0])
-                n = len(self.outer.global_params)
-                if meta.run_id != self.cfg.run_id or meta.num_params != n:
-                    raise ValueError(f"state for run {meta.run_id!r} with {meta.num_params} parameter tensors "
-                                     f"does not fit ours ({self.cfg.run_id!r}, {n})")
-                if len(got[1]) < 2 * n:  # hivemind returns what arrived when a donor's stream ends early
-                    raise ValueError(f"truncated state: {len(got[1])} of at least {2 * n} tensors arrived "
-                                     f"(the donor stopped mid-transfer?)")
-                check_shapes(self.outer.global_params, got[1][:n], "downloaded parameters")
-                check_shapes(self.outer.global_params, got[1][n:2 * n], "downloaded momentum")
-                if params_digest(got[1][:n]) != meta.digest:
-                    raise ValueError("downloaded parameters do not match the donor's digest")
-                shared = Compressor(self.compressor.shapes, self.compressor.cfg)
-                shared.load_shared(meta.compression_rank, got[1][2 * n:])
-                if shared.digest() != meta.compression_digest:
-                    raise ValueError("downloaded compression state does not match the donor's digest")
-            except (pydantic.ValidationError, ValueError) as e:
-                logger.warning("rejected a downloaded state: %s", e)
-                time.sleep(0.5)
-                continue
-            if not keep_round and (meta.donor_state == State.AVERAGING.value or meta.donor_inner_step >= self.H):
-                logger.info("donor is finishing round %d; waiting for the next round", meta.donor_round)
-                # the next round has begun once a member trains in it (its outer_step may advance before:
-                # rounds.finish_early applies a result mid-round)
-                self._wait(lambda: any(m.round > meta.donor_round and m.state == State.TRAINING.value
-                                       for m in self._others()), 3 * self.cfg.outer_round_deadline)
-                continue
-            if not keep_round and self.cfg.overlap == "delayed" and self.num_stages == 1 \
-                    and meta.outer_step < meta.donor_round - 1 and not waited_for_result:
-                # The donor applies round donor_round-1 as soon as its all-reduce is in (rounds.finish_early).
-                # Joining round donor_round needs those parameters: on a slow link, waiting for them beats
-                # fetching them again at the round's end (too late for matchmaking). Once only: with short
-                # rounds the all-reduce ends with the round, and a fast link catches up at the round's end.
-                waited_for_result = True
-                logger.info("donor still averages round %d; waiting for its result", meta.outer_step + 1)
-                self._wait(lambda: any(m.outer_step > meta.outer_step for m in self._others()), self.cfg.outer_round_deadline)
-                continue
-            if keep_round and meta.outer_step < self.round - 1:
-                logger.info("donor holds outer step %d, round %d needs %d; waiting", meta.outer_step,
-                            self.round, self.round - 1)
-                self._wait(lambda: any(m.outer_step > meta.outer_step for m in self._others()), self.cfg.outer_round_deadline)
-                continue
-            keep_round = keep_round and meta.outer_step == self.round - 1
-            skip = 0 if keep_round else self._donor_progress(meta)
-            if skip is None:
-                logger.info("the donor finished round %d during the download; fetching a newer state", meta.donor_round)
-                continue
-            self.outer.load_state(got[1][:n], got[1][n:2 * n])
-            self.compressor.load_shared(meta.compression_rank, got[1][2 * n:])
-            if keep_round:  # x <- theta + this round's local progress; its pseudo-gradient is still ours to send
-                self.schedule.rebase(self.inner.params)
-            else:
-                self.inner.load_params(self.outer.global_params)
-                self.schedule.begin_round(self.inner.params)
-                self.round = max(meta.donor_round, meta.outer_step + 1)
-            self.outer_step, self.digest = meta.outer_step, meta.digest
-            if self.pending is not None:
-                self.pending.cancel.set()
-            self.pending = None  # its result is part of (or superseded by) the downloaded state
-            self._serve_snapshot()
-            resyncs = self.board.snapshot().resyncs + (0 if initial else 1)
-            self.board.update(outer_step=self.outer_step, global_params_digest=self.digest, resyncs=resyncs)
-            logger.info("synced state of outer step %d (digest %s); round %d, skipping %d inner steps",
-                        self.outer_step, self.digest, self.round, skip)
-            return skip
-        return 0
-
-    def _continue_alone(self, keep_round: bool) -> None:
-        """No other live member holds our stage (e.g. the only other copy died): ours are the newest
-        parameters there are. A round that needs outer step round-1 takes ours as that step (a
-        stage that joined a replica ahead of it, after that replica's stage-0 node died)."""
-        what = f"stage {self.stage_index}/{self.num_stages}" if self.num_stages > 1 else "the model"
-        if keep_round and self.outer_step < self.round - 1:
-            logger.warning("no other replica holds %s: continuing from our parameters of outer step %d as step %d",
-                           what, self.outer_step, self.round - 1)
-            self.outer_step = self.round - 1
-            self._serve_snapshot()
-            self.board.update(outer_step=self.outer_step)
-        else:
-            logger.warning("no other replica holds %s: continuing from our parameters", what)
-
-    def _donor_progress(self, meta: StateMeta) -> Optional[int]:
-        """Inner steps to skip to join the donor's round where the donor is now, not where it was
-        when the transfer began (a slow link can take several inner steps); None if the donor has
-        left that round meanwhile (the state would be stale)."""
-        live = next((m for m in self._others() if m.peer_id == meta.donor_peer_id), None)
-        if live is None or live.round < meta.donor_round:
-            return meta.donor_inner_step
-        if live.round > meta.donor_round:
-            return None
-        return min(max(meta.donor_inner_step, live.inner_step), self.H - 1)
-
-    def _state_transfer_s(self) -> float:
-        """Seconds to move our state (theta, momentum, shared compression state) at the slowest link
-        this project supports (100 Mbit/s), or at ``bandwidth_mbps`` when that is lower."""
-        rate = min(100e6, self.cfg.bandwidth_mbps * 1e6) if self.cfg.bandwidth_mbps else 100e6
-        return 8 * 2 * tensor_bytes(self.outer.global_params) / rate
-
-    def _wait(self, predicate, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not self.leave_requested.is_set():
-            if predicate():
-                return True
-            time.sleep(0.2)
-        return False
+        """Download the swarm's state (daemon/sync.py); returns inner steps to skip."""
+        return sync.sync(self, initial, keep_round)
 
     # ---------------------------------------------------------------- training
     def _train(self) -> None:
