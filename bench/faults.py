@@ -21,9 +21,10 @@ import random
 import shutil
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
-from daemon.localswarm import LocalNode
+from daemon.localswarm import LocalNode, group_applied
 
 ARGS = ["--model", "tiny", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0",
         "--request-timeout", "1", "--matchmaking-time", "2", "--averaging-timeout", "8",
@@ -82,12 +83,8 @@ def trial(seed: int, events: int, workdir: Path) -> dict:
 def _count(nodes, log, unclean, target) -> dict:
     by_dir = {n.workdir: n for n in nodes}  # a restarted node shares its metrics file with its first life
     rows = {d: list({r["outer_step"]: r for r in n.metrics()}.values()) for d, n in by_dir.items()}
-    applied: dict[int, dict[str, int]] = {}
-    for rs in rows.values():
-        for r in rs:
-            if r["outcome"] == "applied" and r["group_size"] >= 2 and r["outer_step"] <= target:
-                applied.setdefault(r["outer_step"], {}).setdefault(r["digest"], 0)
-                applied[r["outer_step"]][r["digest"]] += 1
+    held = group_applied(list(by_dir.values()), upto=target)
+    digests_at = Counter(step for step, _ in held)
     all_rows = [r for rs in rows.values() for r in rs]
     live = [n for n in nodes if n.proc.poll() is None]
     finals = {n.status().outer_step: set() for n in live}
@@ -101,8 +98,8 @@ def _count(nodes, log, unclean, target) -> dict:
         longest_stall_s=round(max((r["wait_s"] for r in all_rows), default=0.0), 2),
         resyncs=sum(f.read_text().count("re-syncing from peers") for d in by_dir for f in d.glob("stderr*")),
         skipped=sum(r["outcome"] == "skipped" for r in all_rows),
-        splits=sum(len(d) > 1 for d in applied.values()),
-        lone_results=sum(c == 1 for d in applied.values() for c in d.values()),
+        splits=sum(n > 1 for n in digests_at.values()),
+        lone_results=sum(c == 1 for c in held.values()),
         unclean_leaves=unclean, converged=len(finals[top]) == 1, live_nodes=len(live))
 
 

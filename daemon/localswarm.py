@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -145,6 +146,18 @@ def digests_by_step(nodes: list[LocalNode]) -> dict[int, set[str]]:
         for r in n.metrics():
             out.setdefault(r["outer_step"], set()).add(r["digest"])
     return out
+
+
+def group_applied(nodes: list[LocalNode], upto: float = float("inf")) -> Counter:
+    """(outer_step, digest) -> how many nodes hold that update, over rounds applied by a group of 2 or
+    more up to ``upto``. Each node counts once per step (a restarted node re-records steps). An update
+    held by a single node would be a partial average; two digests at one step are two groups."""
+    held: Counter = Counter()
+    for n in nodes:
+        for r in {r["outer_step"]: r for r in n.metrics()}.values():
+            if r["outcome"] == "applied" and r["group_size"] >= 2 and r["outer_step"] <= upto:
+                held[r["outer_step"], r["digest"]] += 1
+    return held
 
 
 def summarize(nodes: list[LocalNode]) -> dict:

@@ -52,12 +52,13 @@ def sync(node: "Node", initial: bool, keep_round: bool = False) -> int:
     the shared seed, which is the same state).
     """
     node._set_state(State.SYNCING)
-    deadline = time.monotonic() + node.cfg.outer_round_deadline + state_transfer_s(node)
+    transfer_s = state_transfer_s(node)
+    deadline = time.monotonic() + node.cfg.outer_round_deadline + transfer_s
     first_seen, waited_for_result = time.monotonic(), False
     while not node.leave_requested.is_set():
         if time.monotonic() > deadline:
             raise SyncError(f"no peer served a usable state within "
-                            f"{node.cfg.outer_round_deadline + state_transfer_s(node):.0f}s")
+                            f"{node.cfg.outer_round_deadline + transfer_s:.0f}s")
         active = [m for m in node._others() if m.state in ACTIVE_STATES]
         if not active:
             patience = 0 if node.cfg.min_replicas > 1 else 2 * node.cfg.announce_period + 2
@@ -85,7 +86,7 @@ def sync(node: "Node", initial: bool, keep_round: bool = False) -> int:
                 node.resumed_from = 0  # say it once
         # hivemind fails a donor that stalls for next_chunk_timeout and tries the next one; this
         # bound only guards against a hang, so it allows the whole state at the slowest link
-        got = node.averager.download_state(timeout_s=node.cfg.averaging_timeout + state_transfer_s(node))
+        got = node.averager.download_state(timeout_s=node.cfg.averaging_timeout + transfer_s)
         if got is None:
             time.sleep(0.5)
             continue

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from daemon.localswarm import LocalNode
+from daemon.localswarm import LocalNode, group_applied
 from tests.helpers import FAST, start
 
 pytestmark = pytest.mark.integration
@@ -58,11 +58,7 @@ def test_joins_crash_leave_and_restart_never_corrupt_or_stall_the_swarm(tmp_path
         # member of that group too (a lone digest would be a partial average), and a node whose all-reduce
         # was cut short applied nothing ("skipped"/"resynced"). hivemind's matchmaking may split one
         # round into two groups (two different, complete averages); the next mixed round re-syncs them.
-        applied: dict[tuple[int, str], int] = {}
-        for n in (a, b, c2, d):
-            for r in {r["outer_step"]: r for r in n.metrics()}.values():  # c's history once
-                if r["outcome"] == "applied" and r["group_size"] >= 2 and r["outer_step"] <= target:
-                    applied[r["outer_step"], r["digest"]] = applied.get((r["outer_step"], r["digest"]), 0) + 1
+        applied = group_applied([a, b, c2, d], upto=target)  # c2 shares c's metrics file: c's history once
         assert all(count >= 2 for count in applied.values()), applied
         # every replica ends on the same parameters: c2's first applied round after its restart
         joint = min(r["outer_step"] for r in c2.metrics() if r["outer_step"] >= target and r["outcome"] == "applied")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import signal
-from collections import Counter
 
 import pytest
 
+from daemon.localswarm import group_applied
 from tests.helpers import FAST, start
 
 pytestmark = pytest.mark.integration
@@ -32,7 +32,7 @@ def _assert_groups_agree(members, upto: int) -> set[int]:
     would be a partial or wrong average). A round whose all-reduce failed for everybody is applied solo
     by each replica (hivemind's behaviour too); the next joint round re-syncs the minority (DESIGN.md
     consistency), so solo rows may differ. Returns the outer steps applied jointly."""
-    applied = Counter((r["outer_step"], r["digest"]) for n in members for r in _joint(n) if r["outer_step"] <= upto)
+    applied = group_applied(members, upto)
     assert applied and all(count == 2 for count in applied.values()), applied
     return {step for step, _ in applied}
 
