@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) -m daemon.demo --nodes 3 --minutes 3
+	$(PY) -m bench.demo --nodes 3 --minutes 3
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests

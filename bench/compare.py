@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.localswarm import REPO, LocalNode, node_env
 from bench.netsim import NetSim
-from daemon.localswarm import REPO, LocalNode, node_env
 
 VARIANTS = {
     "b_diloco_fp32": ["--overlap", "none", "--compression", "none"],

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from daemon.localswarm import LocalNode, group_applied
+from bench.localswarm import LocalNode, group_applied
 
 ARGS = ["--model", "tiny", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0",
         "--request-timeout", "1", "--matchmaking-time", "2", "--averaging-timeout", "8",

@@ -1,10 +1,10 @@
-"""Test settings for real dilocox-node processes on loopback (launcher: daemon/localswarm.py)."""
+"""Test settings for real dilocox-node processes on loopback (launcher: bench/localswarm.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from daemon.localswarm import LocalNode, digests_by_step, node_env  # noqa: F401 (re-exported for tests)
+from bench.localswarm import LocalNode, digests_by_step, node_env  # noqa: F401 (re-exported for tests)
 
 # Seconds-scale timeouts and a tiny model so a round takes ~2 s (matchmaking window dominates).
 FAST = ["--model", "tiny", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0",

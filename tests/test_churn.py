@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from daemon.localswarm import LocalNode, group_applied
+from bench.localswarm import LocalNode, group_applied
 from tests.helpers import FAST, start
 
 pytestmark = pytest.mark.integration

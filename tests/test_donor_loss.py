@@ -14,8 +14,8 @@ import time
 
 import pytest
 
+from bench.localswarm import LocalNode
 from bench.netsim import NetSim
-from daemon.localswarm import LocalNode
 
 ok, why = NetSim.available()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not ok, reason=why)]

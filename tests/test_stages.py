@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from daemon.localswarm import group_applied
+from bench.localswarm import group_applied
 from tests.helpers import FAST, start
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
 """Run a local swarm of dilocox-node processes on loopback and watch it over gRPC.
 
-Used by ``make demo`` (daemon/demo.py), ``make bench`` (bench/) and the integration tests.
+Used by ``make demo`` (bench/demo.py), ``make bench`` (bench/) and the integration tests.
 Every node is a real ``dilocox-node`` process in its own process group (so a SIGKILL reaches
 its DHT, averager and p2pd children too); this module only starts them, polls ``GetStatus``
 and asks them to ``Leave``.
