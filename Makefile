@@ -1,12 +1,13 @@
-# dilocox: make install | demo | test | bench | proto
+# dilocox: make install | demo | lint | test | bench | compose-test | proto
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
-# torch first and pinned: a bare `torch` requirement pulls a 5.5 GB CUDA build (ENVIRONMENT.md)
+# torch first and pinned: a bare `torch` requirement can resolve to the CUDA build (about 5.5 GB with its
+# nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test bench bench-swarm bench-stages bench-faults compose-test proto clean
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults compose-test proto clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +22,10 @@ install: $(VENV)/.installed
 
 demo: install
 	$(PY) -m bench.demo --nodes 3 --minutes 3
+
+# ruff: pyflakes, pycodestyle and import order ([tool.ruff] in pyproject.toml)
+lint: install
+	$(VENV)/bin/ruff check .
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests

@@ -103,7 +103,8 @@ def main(argv=None) -> int:
     for name, s in summary.items():
         if "outer_steps" not in s:
             continue
-        console.print(f"{name}: outer steps {s['outer_steps']}, first-step loss {s.get('initial_loss', float('nan')):.3f}, "
+        initial = s.get("initial_loss", float("nan"))
+        console.print(f"{name}: outer steps {s['outer_steps']}, first-step loss {initial:.3f}, "
                       f"round-mean loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}, "
                       f"val {s['first_val_loss']:.3f} -> {s['last_val_loss']:.3f}, "
                       f"{s['tokens_per_second_compute']:.0f} tok/s, compute {s['median_compute_s']:.1f}s + "

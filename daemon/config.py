@@ -37,12 +37,16 @@ class NodeConfig(BaseModel):
         return int(self.stage.split("/")[1])
 
     # swarm and identity
-    run_id: str = Field("dilocox", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="swarm name; nodes with another run_id never average with us")
-    join: list[str] = Field(default_factory=list, description="multiaddr of a running peer (repeatable); none starts a new swarm")
-    listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="multiaddr to listen on (repeatable)")
+    run_id: str = Field("dilocox", pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                        description="swarm name; nodes with another run_id never average with us")
+    join: list[str] = Field(default_factory=list,
+                            description="multiaddr of a running peer (repeatable); none starts a new swarm")
+    listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
+                              description="multiaddr to listen on (repeatable)")
     announce: list[str] = Field(default_factory=list, description="multiaddr others should dial (repeatable)")
     identity: Optional[Path] = Field(None, description="libp2p RSA key file; created if missing; pins the peer_id")
-    status_addr: str = Field("127.0.0.1:50051", pattern=r"^[^:\s]+:\d{1,5}$", description="gRPC HOST:PORT (port 0 picks a free one)")
+    status_addr: str = Field("127.0.0.1:50051", pattern=r"^[^:\s]+:\d{1,5}$",
+                             description="gRPC HOST:PORT (port 0 picks a free one)")
     # data and model
     data: str = Field("builtin:shakespeare", description="text file, directory of .txt/.md, or builtin:shakespeare")
     model: str = Field("small", description="preset (tiny, small) or a .json/.toml LlamaConfig file")
@@ -52,31 +56,38 @@ class NodeConfig(BaseModel):
     seq_len: Optional[int] = Field(None, ge=8, description="tokens per sequence (default: model preset)")
     device: Literal["cpu", "cuda"] = "cpu"
     # pipeline stages (DiLoCoX): a replica spans num_stages nodes on a fast local link
-    stage: str = Field("0/1", pattern=r"^\d+/\d+$", description="K/S: hold pipeline stage K of S (0/1: the whole model)")
+    stage: str = Field("0/1", pattern=r"^\d+/\d+$",
+                       description="K/S: hold pipeline stage K of S (0/1: the whole model)")
     pipeline_addr: str = Field("127.0.0.1:0", pattern=r"^[^\s]+:\d{1,5}$",
                                description="HOST:PORT on the replica's local link: stage 0 hosts the rendezvous there, "
-                                           "every stage binds its pipeline traffic to HOST (unauthenticated: trusted link only)")
+                                           "every stage binds its pipeline traffic to HOST "
+                                           "(unauthenticated: trusted link only)")
     microbatches: int = Field(4, ge=1, description="pipeline microbatches per inner step (must divide batch_size)")
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     # DiLoCo
     inner_steps: int = Field(100, ge=1, description="H: inner steps per outer step")
-    min_replicas: int = Field(1, ge=1, description="wait until this many replicas (us included) are live before the first round")
+    min_replicas: int = Field(1, ge=1,
+                              description="wait until this many replicas (us included) are live before the first round")
     max_outer_steps: Optional[int] = Field(None, ge=1, description="stop after this many outer steps")
     inner_lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(100, ge=0)
-    total_steps: Optional[int] = Field(None, ge=1, description="cosine schedule length (default: max_outer_steps * H, else 10000)")
+    total_steps: Optional[int] = Field(None, ge=1,
+                                       description="cosine schedule length (default: max_outer_steps * H, else 10000)")
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, gt=0, lt=1)
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
-    overlap: Literal["none", "delayed"] = Field("delayed", description="none: synchronous DiLoCo; delayed: DiLoCoX one-step delay")
+    overlap: Literal["none", "delayed"] = Field(
+        "delayed", description="none: synchronous DiLoCo; delayed: DiLoCoX one-step delay")
     compression: Literal["none", "fp16", "int8", "adaptive"] = Field(
-        "adaptive", description="pseudo-gradient codes: none (fp32), fp16 (16-bit), int8 (8-bit), adaptive (low rank + 8-bit)")
+        "adaptive",
+        description="pseudo-gradient codes: none (fp32), fp16 (16-bit), int8 (8-bit), adaptive (low rank + 8-bit)")
     rank_min: int = Field(1, ge=1, description="adaptive: lowest PowerSGD rank")
     rank_max: int = Field(8, ge=1, description="adaptive: highest PowerSGD rank (also the first round's)")
-    rank_energy: float = Field(0.5, gt=0, le=1, description="adaptive: fraction of pseudo-gradient energy the rank must keep")
+    rank_energy: float = Field(0.5, gt=0, le=1,
+                               description="adaptive: fraction of pseudo-gradient energy the rank must keep")
     bandwidth_mbps: Optional[float] = Field(None, gt=0, description="link rate for the rank cap (default: measured)")
     quant_block: int = Field(256, ge=8, description="values per quantization scale")
     # timeouts (seconds)
@@ -105,7 +116,8 @@ class NodeConfig(BaseModel):
         if self.rank_min > self.rank_max:
             raise ValueError(f"rank_min={self.rank_min} must be <= rank_max={self.rank_max}")
         if self.beta1**2 >= self.beta2:
-            raise ValueError(f"beta1^2 must be < beta2 (bounded AdamW update); got beta1={self.beta1}, beta2={self.beta2}")
+            raise ValueError(f"beta1^2 must be < beta2 (bounded AdamW update); "
+                             f"got beta1={self.beta1}, beta2={self.beta2}")
         return self
 
 
@@ -175,7 +187,8 @@ def load_config(flags: dict, environ: typing.Mapping[str, str] | None = None) ->
         for err in e.errors():
             name = str(err["loc"][0]) if err["loc"] else ""
             where = sources.get(name, "")
-            label = {"flag": f"--{name.replace('_', '-')}", "env": f"{ENV_PREFIX}{name.upper()}"}.get(where, name or "config")
+            labels = {"flag": f"--{name.replace('_', '-')}", "env": f"{ENV_PREFIX}{name.upper()}"}
+            label = labels.get(where, name or "config")
             if where.startswith("file"):
                 label = f"{name} in {where}"
             problems.append(f"{label}: {err['msg']}")

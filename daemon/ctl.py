@@ -32,7 +32,8 @@ def _print_status(status: node_pb2.NodeStatus) -> None:
         ("stage", f"{status.stage_index}/{status.num_stages}" + (
             f" of replica {status.replica_id} ({', '.join(status.replica_members)})" if status.num_stages > 1 else "")),
         ("memory", f"{status.memory.total_bytes / 2**20:.1f} MiB: params {status.memory.params_bytes / 2**20:.1f}, "
-                   f"inner opt {status.memory.inner_optimizer_bytes / 2**20:.1f}, outer {status.memory.outer_optimizer_bytes / 2**20:.1f}, "
+                   f"inner opt {status.memory.inner_optimizer_bytes / 2**20:.1f}, "
+                   f"outer {status.memory.outer_optimizer_bytes / 2**20:.1f}, "
                    f"error feedback {status.memory.error_feedback_bytes / 2**20:.1f}"),
         ("digest", status.global_params_digest), ("swarm_size", status.swarm_size),
         ("resyncs", status.resyncs), ("uptime_s", f"{status.uptime_s:.0f}"),

@@ -141,7 +141,8 @@ class Compressor:
         self.low_rank = [cfg.mode == "adaptive" and is_low_rank(s, cfg.rank_max) for s in self.shapes]
         self.rank = cfg.rank_max if cfg.mode == "adaptive" else 0
         self.error = [torch.zeros(s) for s in self.shapes]
-        self.q_prev: dict[int, torch.Tensor] = {i: self._random_q(i, 0, self.rank) for i, lr in enumerate(self.low_rank) if lr}
+        self.q_prev: dict[int, torch.Tensor] = {
+            i: self._random_q(i, 0, self.rank) for i, lr in enumerate(self.low_rank) if lr}
         self.scales: dict[tuple, torch.Tensor] = {}
         self._reset_scales()
 

@@ -51,7 +51,8 @@ class PipelinedInnerLoop(InnerLoop):
         """Use ``group`` (the replica's, rank = stage index) for the pipeline; optimizer state is kept."""
         module: StageModule = self.model
         self.group = group
-        self.stage = PipelineStage(module, module.stage_index, module.num_stages, torch.device(self.device), group=group)
+        self.stage = PipelineStage(module, module.stage_index, module.num_stages, torch.device(self.device),
+                                   group=group)
         schedule_class = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[self.schedule_name]
         self.schedule = schedule_class(self.stage, self.microbatches, loss_fn=lm_loss)
 
@@ -100,8 +101,9 @@ class PipelinedInnerLoop(InnerLoop):
         self.model.train()
         loss_sum = self._run(inputs, targets, train=True)
         grads = [p.grad for p in self.params if p.grad is not None]
-        local_sq = torch.nn.utils.get_total_norm(grads).double().cpu() ** 2 if grads else torch.zeros((), dtype=torch.float64)
-        stats = self.all_reduce(torch.stack([local_sq, loss_sum.double(), torch.tensor(float(stop), dtype=torch.float64)]))
+        f64 = torch.float64
+        local_sq = torch.nn.utils.get_total_norm(grads).double().cpu() ** 2 if grads else torch.zeros((), dtype=f64)
+        stats = self.all_reduce(torch.stack([local_sq, loss_sum.double(), torch.tensor(float(stop), dtype=f64)]))
         torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, stats[0].sqrt().float())
         self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)

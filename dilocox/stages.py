@@ -39,7 +39,8 @@ def layer_range(num_layers: int, stage_index: int, num_stages: int) -> range:
     Raises ModelSpecError if there are fewer layers than stages.
     """
     if num_stages > num_layers:
-        raise ModelSpecError(f"{num_stages} stages need at least {num_stages} decoder layers, the model has {num_layers}")
+        raise ModelSpecError(f"{num_stages} stages need at least {num_stages} decoder layers, "
+                             f"the model has {num_layers}")
     return range(stage_index * num_layers // num_stages, (stage_index + 1) * num_layers // num_stages)
 
 

@@ -92,7 +92,8 @@ def test_unknown_model(model):
     (["--stage", "2/2"], "stage '2/2': need K < S"),
     (["--stage", "0/3"], "3 stages need at least 3 decoder layers"),
     (["--stage", "0/2", "--microbatches", "3"], "microbatches=3 must divide batch_size=8"),
-    (["--stage", "0/2", "--pipeline-addr", "192.0.2.7:0"], "pipeline address 192.0.2.7 is not an address of this machine"),
+    (["--stage", "0/2", "--pipeline-addr", "192.0.2.7:0"],
+     "pipeline address 192.0.2.7 is not an address of this machine"),
 ])
 def test_bad_stage_arguments(args, message):
     code, err, _ = run_node(FAST + args)

@@ -38,7 +38,8 @@ def test_sigkill_during_checkpoint_writes_leaves_a_loadable_one(tmp_path):
         found = load_latest_checkpoint(tmp_path)
         assert found is not None, f"trial {trial}: nothing loadable"
         path, state = found
-        assert state["outer_step"] >= step and torch.equal(state["w"], torch.full((4_000_000,), float(state["outer_step"])))
+        assert state["outer_step"] >= step
+        assert torch.equal(state["w"], torch.full((4_000_000,), float(state["outer_step"])))
         assert path.name == f"step-{state['outer_step']:08d}.pt"
         step = state["outer_step"] + 1
     # torn temporary files were never picked up; the next good write removes them

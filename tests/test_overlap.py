@@ -41,7 +41,8 @@ def run(overlap: str, rounds: int = 40, replicas: int = 4, inner_steps: int = 10
             sched.begin_round([x])
     thetas = [s.outer.global_params[0] for s in schedules]
     assert all(torch.equal(t, thetas[0]) for t in thetas)
-    best = torch.linalg.lstsq(torch.cat([a for a, _ in problems]), torch.cat([b for _, b in problems])[:, None]).solution
+    a_all, b_all = torch.cat([a for a, _ in problems]), torch.cat([b for _, b in problems])
+    best = torch.linalg.lstsq(a_all, b_all[:, None]).solution
     # excess loss over the optimum of the pooled problem: now, and at the start
     return global_loss(thetas[0]) - global_loss(best[:, 0]), global_loss(torch.zeros(dim)) - global_loss(best[:, 0])
 

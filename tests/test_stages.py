@@ -78,7 +78,8 @@ def test_two_replicas_of_two_stages_train_agree_and_survive_a_dead_stage(tmp_pat
         step_paused = survivor.status().outer_step
         before = {id(n): n.status().outer_step for n in others}
         for n in others:
-            n.wait_for(lambda p: p.status().outer_step >= before[id(p)] + 2, 120, "two more rounds without the dead stage")
+            n.wait_for(lambda p: p.status().outer_step >= before[id(p)] + 2, 120,
+                       "two more rounds without the dead stage")
         assert survivor.status().outer_step <= step_paused + 1  # at most the all-reduce it had in flight
 
         # a replacement with the dead node's stage restores the replica
@@ -114,9 +115,11 @@ def test_two_replicas_of_two_stages_train_agree_and_survive_a_dead_stage(tmp_pat
         last = {id(n): max(r["outer_step"] for r in n.metrics()) for n in (survivor, x1)}
         for n in (survivor, x1):
             n.wait_for(lambda p: p.status().replica_members == [survivor.status().peer_id, x1.status().peer_id]
-                       and p.status().state in ("TRAINING", "AVERAGING"), 120, "a replica of b0 and the orphaned stage 1")
+                       and p.status().state in ("TRAINING", "AVERAGING"), 120,
+                       "a replica of b0 and the orphaned stage 1")
         for n in (survivor, x1):
-            n.wait_for(lambda p: max(r["outer_step"] for r in p.metrics()) > last[id(p)], 120, "a round of that replica")
+            n.wait_for(lambda p: max(r["outer_step"] for r in p.metrics()) > last[id(p)], 120,
+                       "a round of that replica")
     finally:
         for n in nodes:
             n.terminate(signal.SIGKILL)
