@@ -3,8 +3,9 @@
 Host i lives in namespace ``{prefix}-h{i}`` with address 10.77.0.{i+1}/24 on a veth pair whose
 other end is enslaved to bridge ``br0`` in namespace ``{prefix}-br``. Both directions of every
 link are limited to ``rate_mbit`` with a token bucket (tbf) on the egress of each veth end
-(host -> bridge and bridge -> host). netem is missing from this kernel (ENVIRONMENT.md), so there
-is no added delay or loss. Only addresses inside the namespaces this object created carry traffic.
+(host -> bridge and bridge -> host). There is no added delay or loss: netem is missing from
+some kernels (the CI machines' among them), so only tbf is used. Only addresses inside the
+namespaces this object created carry traffic.
 
 Needs root and ``ip netns``; ``NetSim.available()`` says whether this machine allows it.
 Everything is deleted on ``close`` (also on exceptions, via the context manager).

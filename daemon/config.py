@@ -3,7 +3,8 @@
 Every field can come from ``--config FILE.toml`` (top-level keys), an environment variable
 ``DILOCOX_<FIELD>`` (lists comma-separated) or a flag ``--field-name``. Unknown keys in the file
 and unknown ``DILOCOX_*`` variables are errors. Timeouts are seconds and must satisfy
-request_timeout < matchmaking_time < averaging_timeout < outer_round_deadline (DESIGN.md).
+request_timeout < matchmaking_time < averaging_timeout < outer_round_deadline
+(docs/operations.md, "Timeouts").
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from proto.dilocox.v1 import node_pb2
 
 
 class State(str, Enum):
-    """Lifecycle: JOINING -> SYNCING -> TRAINING <-> AVERAGING -> DRAINING -> STOPPED (DESIGN.md)."""
+    """Lifecycle: JOINING -> SYNCING -> TRAINING <-> AVERAGING -> DRAINING -> STOPPED (docs/architecture.md)."""
 
     JOINING = "JOINING"
     SYNCING = "SYNCING"

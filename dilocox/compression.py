@@ -1,7 +1,7 @@
 """DiLoCoX adaptive pseudo-gradient compression: PowerSGD low rank + block quantization + error feedback.
 
 Source: DiLoCoX (Qi et al., arXiv 2506.21263, "adaptive gradient compression"); the formulation
-is REFERENCES.md's **(ours)**:
+is **(ours)** (docs/algorithms.md, "Adaptive compression"):
   * M_r = delta_r + e_r (error feedback, Karimireddy et al. / PowerSGD, kept per node in fp32);
   * matrices (m x n, large enough): PowerSGD (Vogels et al., arXiv 1905.13727, Alg. 1) with one
     power iteration warm-started from the last averaged Q:
@@ -103,7 +103,7 @@ def orthonormalize(x: torch.Tensor) -> torch.Tensor:
 
 def choose_rank(ladder: Sequence[int], current: int, kept: dict[int, float], energy: float,
                 bytes_at: dict[int, float], bandwidth_bps: float, round_s: float, fill: float) -> int:
-    """The adaptive rank rule (ours, REFERENCES.md DiLoCoX).
+    """The adaptive rank rule (ours; docs/algorithms.md, "Adaptive rank rule").
 
     kept[k]: fraction of the pseudo-gradient energy the top-k columns kept (k <= current).
     If even ``current`` keeps less than ``energy``, step up the ladder; otherwise take the

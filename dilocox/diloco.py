@@ -1,6 +1,6 @@
 """DiLoCo (Douillard et al., arXiv 2311.08105): inner loop, pseudo-gradient, outer Nesterov step.
 
-For outer step t (REFERENCES.md, "DiLoCo"):
+For outer step t (DiLoCo, Algorithm 1; docs/algorithms.md, "DiLoCo"):
   1. x_r <- theta_{t-1}; H inner AdamW steps on replica r's data;
   2. pseudo_gradient delta_r = theta_{t-1} - x_r;
   3. Delta_t = weighted mean over replicas of delta_r (done by peers/, not here);

@@ -1,8 +1,8 @@
 """Decoder-only transformer (Llama architecture) built from ``transformers.LlamaConfig``.
 
 Weights are randomly initialised from a seed, never downloaded. The model stays a plain
-``LlamaForCausalLM`` (embed_tokens -> layers -> norm -> lm_head) so later issues can cut it
-into pipeline stages along ``model.layers``.
+``LlamaForCausalLM`` (embed_tokens -> layers -> norm -> lm_head); dilocox/stages.py cuts the
+same architecture into pipeline stages along ``model.layers``.
 
 Presets (byte vocabulary of 256):
   * ``tiny``:  2 layers, d=64,  ~0.13 M parameters, seq 64,  batch 8  (tests; trains in seconds on CPU)

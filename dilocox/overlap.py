@@ -3,9 +3,9 @@
 ``none`` (DiLoCo, arXiv 2311.08105): each round starts from theta_{t-1}; the round's
 pseudo-gradient is averaged and applied before the next round starts.
 
-``delayed`` (DiLoCoX, arXiv 2506.21263 sec. 3.2; formulated as in REFERENCES.md, which matches the
-"delayed" variant of Eager Updates, arXiv 2502.12996). The all-reduce of round t runs while
-round t+1 computes:
+``delayed`` (DiLoCoX, arXiv 2506.21263 sec. 3.2; our formulation, docs/algorithms.md "One-step
+delay", which matches the "delayed" variant of Eager Updates, arXiv 2502.12996). The all-reduce
+of round t runs while round t+1 computes:
   * a replica's local trajectory is never reset to wait for the network;
   * delta_{r,t} = x_r(start of round t) - x_r(end of round t);
   * at the end of round t+1: theta_t = outer_optimizer(theta_{t-1}, Delta_t), then re-base

@@ -13,12 +13,13 @@ pytestmark = pytest.mark.integration
 
 # 1 decoder layer per stage of the tiny model; 8-bit low-rank codes per stage. Synchronous rounds: with the
 # delayed overlap a replica restored after a pause can keep missing the other replica's matchmaking window on
-# this 2-core machine (both its stages re-sync once per round; see the issue-4 note), so this test pins "none".
+# a 2-core machine (both its stages re-sync once per round; docs/operations.md, "Known hazards"), so this
+# test pins "none".
 STAGED = FAST + ["--run-id", "staged", "--overlap", "none", "--compression", "adaptive", "--rank-min", "4",
                  "--rank-max", "4", "--microbatches", "2", "--pipeline-addr", "127.0.0.1:0", "--min-replicas", "2",
                  "--outer-round-deadline", "30",
                  # a restored replica's two stages each download once before their first exchange: a 4 s
-                 # matchmaking window lets them still meet the other replica's group (see the issue-4 note)
+                 # matchmaking window lets them still meet the other replica's group
                  "--matchmaking-time", "4", "--averaging-timeout", "10"]
 
 
@@ -30,8 +31,8 @@ def _joint(node) -> list[dict]:
 def _assert_groups_agree(members, upto: int) -> set[int]:
     """Every update a group of this stage applied is held by both members of the group (a lone digest
     would be a partial or wrong average). A round whose all-reduce failed for everybody is applied solo
-    by each replica (hivemind's behaviour too); the next joint round re-syncs the minority (DESIGN.md
-    consistency), so solo rows may differ. Returns the outer steps applied jointly."""
+    by each replica (hivemind's behaviour too); the next joint round re-syncs the minority
+    (docs/protocol.md, "Verdict rules"), so solo rows may differ. Returns the outer steps applied jointly."""
     applied = group_applied(members, upto)
     assert applied and all(count == 2 for count in applied.values()), applied
     return {step for step, _ in applied}

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def swarm3(tmp_path_factory):
     work = tmp_path_factory.mktemp("swarm3")
-    # issue 2's swarm: synchronous fp32 DiLoCo. With delayed overlap a node that resyncs after a partial
+    # the basic swarm: synchronous fp32 DiLoCo. With delayed overlap a node that resyncs after a partial
     # result can chase the swarm for a few rounds, and adaptive low rank learns slower per round on the
     # tiny model (make bench measures it); tests/test_delayed.py and test_netsim.py cover the defaults.
     args = FAST + ["--run-id", "swarm3", "--min-replicas", "3", "--overlap", "none", "--compression", "none"]
