@@ -1,4 +1,4 @@
-"""A reducer that returns only part of its results (hivemind's 'received N% results' hazard: docs/operations.md, "Known hazards") is detected, never applied.
+"""A reducer that returns only part of its results (a hivemind hazard: docs/operations.md) is detected, never applied.
 
 Three real hivemind peers on loopback average 8-bit integer codes (the wire form of compressed
 pseudo-gradients, sent as uint8 by peers/codec.py); one of them, as a reducer, stops streaming
