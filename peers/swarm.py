@@ -37,7 +37,7 @@ class MemberRecord(pydantic.BaseModel):
     tokens_per_second: pydantic.confloat(ge=0)
     loss: float
     global_params_digest: pydantic.StrictStr
-    # digest of the averaged pseudo-gradient of round `result_step` (consistency check, DESIGN.md)
+    # digest of the averaged pseudo-gradient of round `result_step` (consistency check: docs/protocol.md)
     result_step: pydantic.conint(ge=0) = 0
     result_digest: pydantic.StrictStr = ""
     maddrs: List[pydantic.StrictStr] = []
