@@ -1,8 +1,14 @@
 """One dilocox node: joins the swarm, syncs state, runs DiLoCo rounds, drains on request.
 
-Runs in a worker thread (``Node.run``); the asyncio loop of daemon/main.py only reads the
-StatusBoard and sets ``leave_requested``. A background heartbeat thread refreshes this node's
-membership record.
+The node wires its components (docs/architecture.md) and holds the training loop (``_train``):
+  * ReplicaState (daemon/replica_state.py): parameters, optimizers, compressor, outer step, round;
+  * ProgressTracker (daemon/progress.py): heartbeat thread, membership records, result digests;
+  * OuterRounds (daemon/rounds.py): all-reduce, checks and outer step; returns outcomes;
+  * StateTransfer (daemon/transfer.py): serves state to joiners, downloads it, gives a JoinPoint;
+  * PipelineReplica (daemon/staging.py): a stage node's replica (``--stage K/S``, S > 1).
+``start`` runs on the main thread (hivemind forks its processes there); ``run`` is the training
+thread's target. The asyncio loop of daemon/cli.py only reads the StatusBoard and calls
+``request_leave``.
 """
 
 from __future__ import annotations
@@ -11,40 +17,38 @@ import hashlib
 import json
 import logging
 import math
-import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
-import dilocox
 from daemon.config import NodeConfig
-from daemon import staging, sync
-from daemon.rounds import finish_on_leave, finish_round, run_round
-from daemon.status import State, StatusBoard
-from dilocox import exact_mean
+from daemon.progress import ProgressTracker
+from daemon.replica_state import ReplicaState
+from daemon.rounds import Finished, OuterRounds, RoundOutcome
+from daemon.staging import PipelineReplica, stage_tag
+from daemon.status import RoundInfo, State, StatusBoard
+from daemon.transfer import StateTransfer
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
-from dilocox.compression import CompressionConfig, Compressor
-from dilocox.data import Corpus, ReplicaShard, validation_batches
-from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, params_digest
+from dilocox.consensus import JoinKind
+from dilocox.data import Corpus
 from dilocox.model import ModelSpec, ModelSpecError
-from dilocox.pipeline import PipelineBroken, PipelinedInnerLoop
-from dilocox.stages import build_stage, layer_range
-from dilocox.overlap import OuterSchedule
+from dilocox.pipeline import PipelineBroken
+from dilocox.stages import layer_range
 from peers.averaging import PseudoGradientAverager
 from peers.identity import load_or_create_identity
-from peers.replica import ReplicaRendezvous
-from peers.swarm import MemberRecord, Swarm
+from peers.swarm import Swarm
 
-logger = logging.getLogger("dilocox.node")
+logger = logging.getLogger(__name__)
+_RECORDED = (RoundOutcome.APPLIED, RoundOutcome.SOLO, RoundOutcome.APPLIED_ALONE, RoundOutcome.SKIPPED)
 
 
 class Node:
     def __init__(self, cfg: NodeConfig, board: StatusBoard):
+        """Checks the model, data and stage split (raises DataError / ModelSpecError naming the problem)."""
         self.cfg, self.board = cfg, board
         self.leave_requested = threading.Event()
         self.finished = threading.Event()
@@ -54,22 +58,21 @@ class Node:
         self.batch_size = cfg.batch_size or self.spec.batch_size
         self.spec.llama["max_position_embeddings"] = max(self.seq_len, self.spec.llama["max_position_embeddings"])
         self.corpus = Corpus.from_spec(cfg.data, self.seq_len)  # fails fast on bad data (DataError)
-        self.stage_index, self.num_stages = cfg.stage_index, cfg.num_stages
-        layer_range(self.spec.llama["num_hidden_layers"], self.stage_index, self.num_stages)  # ModelSpecError
-        if self.num_stages > 1 and self.batch_size % cfg.microbatches:
+        self.staged = cfg.num_stages > 1
+        layer_range(self.spec.llama["num_hidden_layers"], cfg.stage_index, cfg.num_stages)  # ModelSpecError
+        if self.staged and self.batch_size % cfg.microbatches:
             raise ModelSpecError(f"microbatches={cfg.microbatches} must divide batch_size={self.batch_size}")
-        self.rendezvous: Optional[ReplicaRendezvous] = None
-        self.replica = None  # peers.replica.ReplicaGroup once our replica has all its stages
         self.H = cfg.inner_steps
         self.swarm: Optional[Swarm] = None
-        self.averager: Optional[PseudoGradientAverager] = None  # serves state; also averages its buffer size
+        self.state: Optional[ReplicaState] = None
+        self.progress: Optional[ProgressTracker] = None
+        self.transfer: Optional[StateTransfer] = None
+        self.rounds: Optional[OuterRounds] = None
+        self.pipeline: Optional[PipelineReplica] = None
         self.averagers: dict[int, PseudoGradientAverager] = {}  # buffer size -> averager (one per rank)
-        self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
-        self._served_lock = threading.Lock()
-        self._served = None
-        self._donor_busy_until = 0.0  # monotonic time until which we serve no other joiner
-        self._poke = threading.Event()
-        self._result = (0, "")  # (round, digest) of the last averaged pseudo-gradient we hold
+        self.skip_steps = 0  # inner steps of the next round the swarm has already done (joiners)
+        self.resumed_from = 0  # outer step of the checkpoint we resumed from (0: none)
+        self.round_log: list[tuple[float, float]] = []  # (monotonic time a round was recorded, its compute_s)
         self._metrics = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -79,16 +82,16 @@ class Node:
             self.leave_requested.set()
 
     def start(self) -> None:
-        """Join the DHT and build model, optimizers and averager. Main thread only: hivemind's
-        averager installs signal handlers while it forks. Raises on failure (after cleaning up)."""
+        """Join the DHT and build the components. Main thread only: hivemind's averager installs
+        signal handlers while it forks. Raises on failure (after cleaning up)."""
         try:
             self._join()
-            self._init_training()
+            self._build()
         except BaseException:
             self.exit_code = 1
             self._drain()
             raise
-        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+        self.progress.start()
 
     def run(self) -> None:
         """Thread target after ``start``: sync, train, drain. Sets exit_code (0 clean, 1 error)."""
@@ -115,16 +118,51 @@ class Node:
         logger.info("joined DHT as %s, listening on %s", self.swarm.peer_id, ", ".join(maddrs))
         print(f"join with: dilocox-node --join {maddrs[0]}", flush=True)
 
+    def _build(self) -> None:
+        cfg = self.cfg
+        shard_key = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(
+            hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "little")
+        self.state = ReplicaState(cfg, self.spec, self.corpus, self.seq_len, self.batch_size, shard_key)
+        if cfg.checkpoint_dir:
+            self._resume(Path(cfg.checkpoint_dir))
+            Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+            self._metrics = open(Path(cfg.checkpoint_dir) / "metrics.jsonl", "a", encoding="utf-8")
+        self.state.begin_round()
+        self.progress = ProgressTracker(self.swarm, self._describe, cfg.stage_index, cfg.num_stages,
+                                        cfg.announce_period, lambda n: self.board.update(swarm_size=n))
+        if self.staged:
+            self.pipeline = PipelineReplica(cfg, self.state, self.progress, shard_key)
+        self.transfer = StateTransfer(cfg, self.state, self.progress, self._donor_progress,
+                                      lambda: self.rounds.bandwidth_bps() if self.rounds else 0.0,
+                                      self.leave_requested.is_set)
+        self.state.snapshot()
+        # one averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors);
+        # the largest also serves our state to joiners
+        compressor = self.state.compressor
+        sizes = sorted({compressor.buffer_size(r) for r in compressor.cfg.ladder}, reverse=True)
+        prefix = f"{cfg.run_id}_{stage_tag(cfg.stage_index, cfg.num_stages)}pseudo_gradient_{cfg.compression}"
+        for size in sizes:
+            self.averagers[size] = PseudoGradientAverager(
+                size, self.swarm.dht, f"{prefix}{size}", self.transfer.serve if size == sizes[0] else None,
+                matchmaking_time_s=cfg.matchmaking_time, request_timeout_s=cfg.request_timeout,
+                averaging_timeout_s=cfg.averaging_timeout)
+        self.transfer.attach(self.averagers[sizes[0]])
+        self.state.on_snapshot = self.transfer.published
+        self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested)
+        self.board.update(outer_step=self.state.outer_step, inner_steps=self.H, global_params_digest=self.state.digest,
+                          overlap=cfg.overlap, compression=cfg.compression, stage_index=cfg.stage_index,
+                          num_stages=cfg.num_stages, memory=self.state.memory())
+
     def _drain(self) -> None:
         if self.board.snapshot().state != State.STOPPED:
             self._set_state(State.DRAINING)
-        if self.averager is not None and self.exit_code == 0:
+        if self.rounds is not None and self.exit_code == 0:
             self._checkpoint(force=True)
-        self._poke.set()
-        if self.swarm is not None:
-            self.swarm.withdraw()
-        self.comm.shutdown(wait=False, cancel_futures=True)
-        for closer in (self.rendezvous, *self.averagers.values(), self.swarm):
+        if self.progress is not None:
+            self.progress.stop()
+        if self.rounds is not None:
+            self.rounds.shutdown()
+        for closer in (self.pipeline, *self.averagers.values(), self.swarm):
             try:
                 if closer is not None:
                     closer.shutdown()
@@ -135,223 +173,232 @@ class Node:
         self._set_state(State.STOPPED)
         logger.info("stopped (exit code %d)", self.exit_code)
 
-    def _heartbeat(self) -> None:
-        while not self.finished.is_set() and self.board.snapshot().state not in (State.DRAINING, State.STOPPED):
-            try:
-                self._publish()
-                self.board.update(swarm_size=len(self.swarm.members()))
-            except Exception as e:
-                logger.warning("membership refresh failed: %s", e)
-            self._poke.wait(self.cfg.announce_period)
-            self._poke.clear()
+    def _describe(self) -> dict:
+        """Our membership record's fields (ProgressTracker adds the result digest)."""
+        s, cfg = self.board.snapshot(), self.cfg
+        return dict(peer_id=s.peer_id, run_id=cfg.run_id, state=s.state.value, outer_step=s.outer_step,
+                    round=self.state.round, inner_step=s.inner_step, inner_steps=self.H,
+                    tokens_per_second=s.tokens_per_second, loss=s.loss if math.isfinite(s.loss) else -1.0,
+                    global_params_digest=s.global_params_digest, maddrs=s.listen_maddrs,
+                    stage_index=cfg.stage_index, num_stages=cfg.num_stages, replica_id=s.replica_id,
+                    rendezvous=self.pipeline.rendezvous_addr if self.pipeline else "",
+                    replica_members=s.replica_members)
 
-    def _publish(self) -> None:
+    def _donor_progress(self) -> tuple[str, int]:
         s = self.board.snapshot()
-        self.swarm.publish(MemberRecord(
-            peer_id=s.peer_id, run_id=self.cfg.run_id, state=s.state.value, outer_step=s.outer_step,
-            round=self.round, inner_step=s.inner_step, inner_steps=self.H, tokens_per_second=s.tokens_per_second,
-            loss=s.loss if math.isfinite(s.loss) else -1.0, global_params_digest=s.global_params_digest,
-            result_step=self._result[0], result_digest=self._result[1], maddrs=s.listen_maddrs,
-            stage_index=self.stage_index, num_stages=self.num_stages, replica_id=s.replica_id,
-            rendezvous=self.rendezvous.rendezvous if self.rendezvous else "", replica_members=s.replica_members))
+        return s.state.value, s.inner_step
 
     def _set_state(self, state: State, **changes) -> None:
         previous = self.board.snapshot().state
         self.board.update(state=state, **changes)
         if previous != state:
             logger.info("state %s -> %s (outer step %d)", previous.value, state.value, self.board.snapshot().outer_step)
-        self._poke.set()
-
-    def _others(self):
-        """Other live members holding our stage (of other replicas): the ones we average with."""
-        return [m for m, _ in self.swarm.members() if m.peer_id != self.swarm.peer_id
-                and m.stage_index == self.stage_index and m.num_stages == self.num_stages]
-
-    # ---------------------------------------------------------------- state
-    def _init_training(self) -> None:
-        cfg = self.cfg
-        total = cfg.total_steps or (cfg.max_outer_steps * self.H if cfg.max_outer_steps else 10_000)
-        module = build_stage(self.spec, cfg.seed, self.stage_index, self.num_stages)  # only our layers
-        inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
-                                warmup_steps=cfg.warmup_steps, total_steps=total)
-        if self.num_stages == 1:
-            self.inner = InnerLoop(module, inner_cfg, device=cfg.device)
-        else:  # attached to the replica's process group once the replica is formed (daemon/staging.py)
-            self.inner = PipelinedInnerLoop(module, inner_cfg, cfg.microbatches, cfg.pipeline_schedule, cfg.device)
-        self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
-        self.compressor = Compressor([tuple(p.shape) for p in self.outer.global_params], CompressionConfig(
-            mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
-            block=cfg.quant_block, seed=cfg.seed))
-        self.measured_bps = 0.0
-        self.schedule = OuterSchedule(self.outer, cfg.overlap)
-        self.pending = None  # delayed overlap: the all-reduce in flight
-        self.round_log: list[tuple[float, float]] = []  # (monotonic time a round was applied, its compute_s)
-        shard_key = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(
-            hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "little")
-        self.shard = ReplicaShard(self.corpus.train, self.seq_len, self.batch_size, cfg.seed, shard_key)
-        if self.num_stages > 1:
-            self.rendezvous = ReplicaRendezvous(self.swarm.peer_id, self.stage_index, self.num_stages,
-                                                cfg.pipeline_addr, cfg.outer_round_deadline, shard_key, cfg.device)
-        self.val_batches = validation_batches(self.corpus, self.seq_len, self.batch_size, cfg.eval_batches)
-        self.step_bound = exact_mean.adam_step_bound(cfg.beta1, cfg.beta2)
-        self.outer_step = 0
-        self.resumed_from = 0  # outer step of the checkpoint we resumed from (0: none)
-        if cfg.checkpoint_dir:
-            self._resume(cfg.checkpoint_dir)
-            Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-            metrics_path = Path(cfg.checkpoint_dir) / "metrics.jsonl"
-            self._metrics = open(metrics_path, "a", encoding="utf-8")
-        self.digest = params_digest(self.outer.global_params)
-        self.round = self.outer_step + 1
-        self.schedule.begin_round(self.inner.params)
-        self._serve_snapshot()
-        # one averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors);
-        # the largest also serves our state to joiners
-        sizes = sorted({self.compressor.buffer_size(r) for r in self.compressor.cfg.ladder}, reverse=True)
-        for size in sizes:
-            self.averagers[size] = PseudoGradientAverager(
-                size, self.swarm.dht, f"{cfg.run_id}_{staging.stage_tag(self)}pseudo_gradient_{cfg.compression}{size}",
-                self._serve_state if size == sizes[0] else None,
-                matchmaking_time_s=cfg.matchmaking_time, request_timeout_s=cfg.request_timeout,
-                averaging_timeout_s=cfg.averaging_timeout)
-        self.averager = self.averagers[sizes[0]]
-        self.averager.set_priority(float(self.outer_step))
-        self.board.update(outer_step=self.outer_step, inner_steps=self.H, global_params_digest=self.digest,
-                          overlap=cfg.overlap, compression=cfg.compression, stage_index=self.stage_index,
-                          num_stages=self.num_stages, memory=self.stage_memory())
-        self.skip_steps = 0
-
-    def stage_memory(self):
-        """NodeStatus.memory: tensor bytes this node holds for its stage (daemon/staging.py)."""
-        return staging.stage_memory(self.inner, self.outer, self.schedule, self.compressor)
-
-    def start_digest(self) -> str:
-        """Digest of everything a round must start from on every replica: theta and the shared
-        compression state (rank, warm-start Q, scales)."""
-        return f"{self.digest}/{self.compressor.digest()}"
-
-    def bandwidth_bps(self) -> float:
-        """Our link rate for the rank cap: configured, else the best all-reduce throughput seen
-        (bytes sent / time in the all-reduce: a lower bound, as latency counts against it)."""
-        return self.cfg.bandwidth_mbps * 1e6 if self.cfg.bandwidth_mbps else self.measured_bps
-
-    def measure_bandwidth(self, result) -> None:
-        if result.allreduce_s > 0:
-            self.measured_bps = max(self.measured_bps, 8 * result.bytes_sent / result.allreduce_s)
-
-    def _serve_snapshot(self) -> None:
-        tensors = ([p.clone() for p in self.outer.global_params] + self.outer.momentum_buffers()
-                   + [t.clone() for t in self.compressor.shared_tensors()])
-        meta = dict(run_id=self.cfg.run_id, outer_step=self.outer_step, digest=self.digest,
-                    num_params=len(self.outer.global_params), compression_rank=self.compressor.rank,
-                    compression_digest=self.compressor.digest())
-        with self._served_lock:
-            self._served = (meta, tensors)
-        if self.averager is not None:
-            self.averager.set_priority(float(self.outer_step))
-
-    def _serve_state(self):
-        """Called by hivemind (host process) when a joiner downloads our state.
-
-        A donor serves one joiner per transfer window (request_timeout + the state's bytes at our
-        link rate); a joiner that asks meanwhile gets no state and hivemind moves it on to the next
-        donor, so joiners arriving together spread over the donors (hivemind breaks priority ties at
-        random, and skips a donor that fails mid-download)."""
-        with self._served_lock:
-            meta, tensors = self._served
-            now = time.monotonic()
-            if now < self._donor_busy_until:
-                logger.info("state requested while serving another joiner: redirecting it to other donors")
-                return None, []
-            size = sum(t.numel() * t.element_size() for t in tensors)
-            self._donor_busy_until = now + self.cfg.request_timeout + 8 * size / (self.bandwidth_bps() or 100e6)
-        s = self.board.snapshot()
-        return dict(meta, donor_state=s.state.value, donor_inner_step=s.inner_step, donor_round=self.round,
-                    donor_peer_id=self.swarm.peer_id), tensors
+        if self.progress is not None:
+            self.progress.poke()
 
     def _wait_for_replicas(self) -> None:
         if self.cfg.min_replicas <= 1:
             return
         self._set_state(State.SYNCING)
         logger.info("waiting for %d replicas to be live", self.cfg.min_replicas)
-        live = lambda: 1 + sum(m.state not in (State.DRAINING.value, State.STOPPED.value) for m in self._others())  # noqa: E731
-        while not self.leave_requested.is_set() and live() < self.cfg.min_replicas:
-            time.sleep(0.3)
-
-    def _sync(self, initial: bool, keep_round: bool = False) -> int:
-        """Download the swarm's state (daemon/sync.py); returns inner steps to skip."""
-        return sync.sync(self, initial, keep_round)
+        gone = (State.DRAINING.value, State.STOPPED.value)
+        self.progress.wait(lambda others: 1 + sum(m.state not in gone for m in others) >= self.cfg.min_replicas,
+                           float("inf"), self.leave_requested.is_set)
 
     # ---------------------------------------------------------------- training
     def _train(self) -> None:
+        """The training loop: one round per iteration until asked to leave or max_outer_steps."""
         while not self.leave_requested.is_set():
-            if self.cfg.max_outer_steps is not None and self.round > self.cfg.max_outer_steps:
-                if self.pending is not None:  # delayed: the last round's all-reduce is still in flight
-                    pending, self.pending = self.pending, None
-                    finish_round(self, pending)
+            if self.cfg.max_outer_steps is not None and self.state.round > self.cfg.max_outer_steps:
+                last = self.rounds.take_pending()  # delayed: the last round's all-reduce is still in flight
+                if last is not None:
+                    self._settle(self.rounds.finish(last))
                 logger.info("reached max_outer_steps=%d", self.cfg.max_outer_steps)
                 return
-            if self.num_stages > 1 and self.replica is None and not staging.form_replica(self):
+            if self.staged and not self.pipeline.formed and not self._form_replica():
                 break  # asked to leave while our replica was incomplete
             skip, self.skip_steps = self.skip_steps, 0
             try:
-                run_round(self, skip)
+                self._round(skip)
             except PipelineBroken as e:
-                staging.replica_broken(self, str(e))
-        if self.pending is not None:
-            finish_on_leave(self, self.pending)
+                self._pause_replica(str(e))
+        self._settle(self.rounds.finish_on_leave())
 
+    def _round(self, skip: int) -> None:
+        """Compute round r = state.round, then average it (none) or start averaging it (delayed)."""
+        done = self._inner_steps(skip)
+        if done is None:
+            self.state.drop_progress()  # abandon the round: nothing leaves this node
+            return
+        losses, compute_s, skip = done
+        r = self.state.round  # a stage node may have adopted its replica's round
+        pseudo_gradient = self.state.pseudo_gradient()  # before any re-base
+        if not all(torch.isfinite(g).all() for g in pseudo_gradient):
+            self._resync("pseudo-gradient holds NaN/Inf (diverged replica); not sent")
+            return
+        previous = self.rounds.take_pending()
+        if previous is not None:  # delayed: apply round r-1 (normally finished long ago)
+            self._set_state(State.AVERAGING)
+            self._settle(self.rounds.finish(previous))
+        if self.state.outer_step != r - 1:  # we missed theta_{r-1} (joined late, failed round): fetch it
+            self._resync(f"round {r} needs the parameters of outer step {r - 1}", keep_round=True)
+            if self.state.outer_step != r - 1:
+                return
+        self._set_state(State.AVERAGING)
+        started = self.rounds.start(pseudo_gradient, self.H - skip, compute_s, losses)
+        if isinstance(started, Finished):
+            self._settle(started)
+        elif self.cfg.overlap == "none":
+            self._settle(self.rounds.finish(started))
+        else:
+            self.rounds.hold(started)
+
+    def _inner_steps(self, skip: int) -> Optional[tuple[list[float], float, int]]:
+        """Run inner steps skip..H-1; None if asked to leave mid-round.
+
+        A stage node first agrees with its replica on round, skip and data position and measures the
+        replica's validation loss (pipeline collectives happen only here, in the same order on every
+        stage). Raises PipelineBroken if a stage fails or another stage leaves."""
+        st = self.state
+        if self.staged:
+            skip = self.pipeline.agree_round(skip)
+            self.board.update(val_loss=st.evaluate())
+        losses, start = [], time.monotonic()
+        self._set_state(State.TRAINING, inner_step=skip)
+        for i in range(skip, self.H):
+            if self.leave_requested.is_set() and not self.staged:
+                return None
+            x, y = st.shard.next_batch()
+            step_start = time.monotonic()
+            # a stage node's leave request travels with the step, so every stage stops after the same step
+            loss = st.inner_step(x, y, i, stop=self.leave_requested.is_set())
+            if st.inner.stop_requested:
+                if self.leave_requested.is_set():
+                    return None
+                raise PipelineBroken("another stage of the replica is leaving")
+            tokens_per_s = x.numel() / max(time.monotonic() - step_start, 1e-9)
+            losses.append(loss)
+            if not self.staged and self.rounds.finish_early():
+                self.board.update(outer_step=st.outer_step, global_params_digest=st.digest)
+                self.progress.poke()  # publish the new outer_step: joiners waiting for it download now
+            s = self.board.snapshot()
+            ema = tokens_per_s if s.tokens_per_second == 0 else 0.9 * s.tokens_per_second + 0.1 * tokens_per_s
+            self.board.update(inner_step=i + 1, loss=sum(losses[-10:]) / len(losses[-10:]),
+                              tokens_total=s.tokens_total + x.numel(), tokens_per_second=ema,
+                              initial_loss=loss if math.isnan(s.initial_loss) else s.initial_loss)
+        return losses, time.monotonic() - start, skip
+
+    def _settle(self, finished: Optional[Finished]) -> None:
+        """Act on a round's outcome: record it, or re-sync (and record a re-sync that fetched it)."""
+        if finished is None:
+            return
+        if finished.outcome == RoundOutcome.RESYNC:
+            self._resync(finished.reason)
+            if finished.info is not None and self.state.outer_step == finished.index:
+                self._record(finished.info, finished.losses)
+        elif finished.outcome in _RECORDED:
+            self._record(finished.info, finished.losses)
+
+    def _form_replica(self) -> bool:
+        """Block until our replica has all its stages (True) or we are asked to leave (False)."""
+        self._set_state(State.SYNCING, replica_id="", replica_members=[])
+        group = self.pipeline.form(self.leave_requested.is_set)
+        if group is None:
+            return False
+        self.board.update(replica_id=group.replica_id, replica_members=group.members)
+        self.progress.poke()
+        return True
+
+    def _pause_replica(self, reason: str) -> None:
+        """A stage died or left: drop the round, apply an all-reduce that already finished (delayed)."""
+        self.pipeline.pause(reason)
+        self.board.update(replica_id="", replica_members=[])
+        previous = self.rounds.take_pending()
+        if previous is not None:
+            self._settle(self.rounds.finish(previous))
+
+    # ---------------------------------------------------------------- state transfer
     def _resync(self, reason: str, keep_round: bool = False) -> None:
         """Download the swarm's state. keep_round: we finished this round's compute and want the
         parameters it starts from (delayed overlap), so no inner steps are skipped afterwards."""
         logger.warning("re-syncing from peers: %s", reason)
         self.skip_steps = self._sync(initial=False, keep_round=keep_round)
 
+    def _sync(self, initial: bool, keep_round: bool = False) -> int:
+        """Enter the swarm at the transfer's join point; returns inner steps to skip."""
+        self._set_state(State.SYNCING)
+        point, downloaded = self.transfer.sync(initial, keep_round)
+        st, what = self.state, f"stage {self.cfg.stage_index}/{self.cfg.num_stages}" if self.staged else "the model"
+        if point.kind == JoinKind.SEED:
+            logger.info("no replica is training yet: starting from seed %d", self.cfg.seed)
+        elif point.kind == JoinKind.CURRENT:
+            st.round = point.round
+            logger.info("the swarm holds our parameters (outer step %d, digest %s): no download; "
+                        "joining the current round at inner step %d", st.outer_step, st.digest, point.skip)
+        elif point.kind == JoinKind.ALONE and point.outer_step != st.outer_step:
+            logger.warning("no other replica holds %s: continuing from our parameters of outer step %d as step %d",
+                           what, st.outer_step, point.outer_step)
+            st.claim_outer_step(point.outer_step)
+            self.board.update(outer_step=st.outer_step)
+        elif point.kind == JoinKind.ALONE:
+            logger.warning("no other replica holds %s: continuing from our parameters", what)
+        elif point.kind == JoinKind.DOWNLOAD:
+            if initial and self.resumed_from and point.outer_step > self.resumed_from:
+                logger.warning("our checkpoint holds outer step %d, the swarm is at %d: catching up from peers",
+                               self.resumed_from, point.outer_step)
+            d = downloaded
+            st.adopt(d.theta, d.momentum, d.meta.compression_rank, d.compression_shared, d.meta.outer_step,
+                     d.meta.digest, point.round, point.keep_round)
+            self.rounds.drop_pending()  # its result is part of (or superseded by) the downloaded state
+            resyncs = self.board.snapshot().resyncs + (0 if initial else 1)
+            self.board.update(outer_step=st.outer_step, global_params_digest=st.digest, resyncs=resyncs)
+            logger.info("synced state of outer step %d (digest %s); round %d, skipping %d inner steps",
+                        st.outer_step, st.digest, st.round, point.skip)
+        return point.skip
+
     # ---------------------------------------------------------------- persistence
     def _checkpoint(self, force: bool = False) -> None:
-        if not self.cfg.checkpoint_dir or self.outer_step == 0:
+        if not self.cfg.checkpoint_dir or self.state.outer_step == 0:
             return
-        if not force and self.outer_step % self.cfg.checkpoint_every:
+        if not force and self.state.outer_step % self.cfg.checkpoint_every:
             return
-        state = dict(run_id=self.cfg.run_id, model=self.cfg.model, stage=self.cfg.stage, outer_step=self.outer_step,
-                     global_params=self.outer.global_params, momentum=self.outer.momentum_buffers(),
-                     inner_optimizer=self.inner.inner_optimizer.state_dict(),
-                     compression=self.compressor.state_dict(),
-                     shard_position=self.shard.position, shard_key=self.shard.shard_key, round=self.round,
-                     rng=dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state()),
-                     version=dilocox.__version__)
-        path = save_checkpoint(Path(self.cfg.checkpoint_dir), self.outer_step, state)
+        path = save_checkpoint(Path(self.cfg.checkpoint_dir), self.state.outer_step, self.state.checkpoint_state())
         logger.info("checkpoint written: %s", path)
 
     def _resume(self, directory: Path) -> None:
-        found = load_latest_checkpoint(Path(directory))
+        found = load_latest_checkpoint(directory)
         if found is None:
             return
-        path, state = found
+        path, saved = found
         try:
-            if (state.get("run_id"), state.get("model"), state.get("stage", "0/1")) != (
-                    self.cfg.run_id, self.cfg.model, self.cfg.stage):
-                raise ValueError(f"it belongs to run {state.get('run_id')!r} / model {state.get('model')!r} / "
-                                 f"stage {state.get('stage', '0/1')!r}")
-            self.outer.load_state(state["global_params"], state["momentum"])
-            self.inner.load_params(self.outer.global_params)
-            self.inner.inner_optimizer.load_state_dict(state["inner_optimizer"])
-            if "compression" in state:
-                self.compressor.load_state_dict(state["compression"])
+            self.state.restore(saved)
         except (KeyError, ValueError) as e:
             logger.warning("ignoring checkpoint %s: %s", path, e)
             return
-        self.shard.position = int(state["shard_position"])
-        rng = state.get("rng", dict(torch=state.get("torch_rng")))
-        torch.set_rng_state(rng["torch"])
-        if "python" in rng:
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-        self.outer_step = int(state["outer_step"])
-        self.resumed_from = self.outer_step
-        logger.info("resumed from %s at outer step %d", path, self.outer_step)
+        self.resumed_from = self.state.outer_step
+        logger.info("resumed from %s at outer step %d", path, self.state.outer_step)
 
-    def record_metrics(self, record: dict) -> None:
+    def _record(self, info: RoundInfo, losses: list[float]) -> None:
+        """Publish a finished round in status, checkpoint, and metrics (duration_s excludes evaluation)."""
+        st, losses = self.state, losses or [math.nan]
+        # a stage node measures its replica's val loss at round start (pipeline collectives stay in lockstep)
+        val_loss = st.evaluate() if not self.staged else self.board.snapshot().val_loss
+        self.round_log.append((time.monotonic(), info.compute_s))
+        del self.round_log[:-11]
+        utilization = 0.0
+        if len(self.round_log) >= 2:  # compute of the rounds completed in the window / the window's wall time
+            window = self.round_log[-1][0] - self.round_log[0][0]
+            utilization = min(1.0, sum(c for _, c in self.round_log[1:]) / window) if window > 0 else 0.0
+        s = self.board.snapshot()
+        self._set_state(State.TRAINING, outer_step=st.outer_step, inner_step=self.skip_steps,
+                        compute_utilization=utilization, global_params_digest=st.digest, val_loss=val_loss,
+                        last_round=info, memory=st.memory(), bytes_sent=s.bytes_sent + info.bytes_sent,
+                        bytes_received=s.bytes_received + info.bytes_received)
+        self._checkpoint()
+        record = dict(asdict(info), peer_id=self.swarm.peer_id, digest=st.digest, val_loss=val_loss,
+                      loss=sum(losses) / len(losses), tokens_total=s.tokens_total,
+                      tokens_per_second=s.tokens_per_second, overlap=self.cfg.overlap,
+                      compute_utilization=utilization, time=time.time())
         logger.info("round %s", json.dumps(record, sort_keys=True))
         if self._metrics:
             self._metrics.write(json.dumps(record, sort_keys=True) + "\n")

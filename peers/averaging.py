@@ -17,7 +17,6 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -84,36 +83,6 @@ class RoundResult:
 
 def group_bits(round_index: int) -> str:
     return format(round_index % (1 << GROUP_BITS), f"0{GROUP_BITS}b")
-
-
-def canonical_digest(digests: Dict[str, str]) -> Tuple[Optional[str], List[str]]:
-    """The digest most members hold (ties: the one held by the smallest peer_id) and who holds it.
-
-    Every member of a group sees the same gathered data, so all reach the same verdict.
-    """
-    if not digests:
-        return None, []
-    counts = Counter(digests.values())
-    top = max(counts.values())
-    candidates = {d for d, c in counts.items() if c == top}
-    winner = digests[min(p for p, d in digests.items() if d in candidates)]
-    return winner, sorted(p for p, d in digests.items() if d == winner)
-
-
-def judge_result(mine: str, results: Dict[str, str], members: Optional[int] = None) -> str:
-    """What to do with our all-reduce result given the members' result digests (ours included).
-
-    ``members``: the group's size (default: ``len(results)``); a member that reported no digest
-    counts against every digest. 'apply' if ours is held by a strict majority of the members,
-    'resync' if another digest is, 'skip' if no digest has one: e.g. two members with a partial
-    average each, or two members of which one failed and never reported (the other's result is
-    then partial: hivemind's "received 50% of input tensors"). Then no member applies, so a partial
-    average is never adopted by a tie-break or by default.
-    """
-    canon, holders = canonical_digest(results)
-    if 2 * len(holders) <= max(len(results), members or 0):
-        return "skip"
-    return "apply" if canon == mine else "resync"
 
 
 class PseudoGradientAverager(DecentralizedAverager):

@@ -16,8 +16,9 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
+from dilocox.consensus import judge_result
 from dilocox.diloco import params_digest
-from peers.averaging import PseudoGradientAverager, RoundGather, judge_result
+from peers.averaging import PseudoGradientAverager, RoundGather
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,104 @@
+"""ProgressTracker: this node's view of the swarm's progress, like hivemind's ``ProgressTracker``.
+
+A heartbeat thread publishes this node's signed membership record (peers/swarm.py) every
+``announce_period`` seconds, or at once when poked (a state change others wait for). The record's
+contents come from a callback the node supplies; the tracker adds the last all-reduce result
+digest, which it also collects from the other members of a group (docs/protocol.md, verdicts).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Dict, List
+
+from peers.swarm import MemberRecord, Swarm
+
+logger = logging.getLogger(__name__)
+
+
+class ProgressTracker:
+    """Membership records of one node. ``describe()`` returns this node's MemberRecord fields
+    (without ``result_step`` / ``result_digest``); it and ``on_refresh(swarm_size)`` are called from
+    the heartbeat thread."""
+
+    def __init__(self, swarm: Swarm, describe: Callable[[], dict], stage_index: int, num_stages: int,
+                 announce_period_s: float, on_refresh: Callable[[int], None] = lambda swarm_size: None):
+        self.swarm, self._describe, self._on_refresh = swarm, describe, on_refresh
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.announce_period_s = announce_period_s
+        self._result = (0, "")  # (round, digest) of the last averaged pseudo-gradient we hold
+        self._poke = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.swarm.peer_id
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop publishing and withdraw our record so peers stop counting us before it expires."""
+        self._stop.set()
+        self._poke.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.announce_period_s + 5)
+        self.swarm.withdraw()
+
+    def poke(self) -> None:
+        """Publish now (e.g. joiners wait for our new outer_step)."""
+        self._poke.set()
+
+    def publish(self) -> None:
+        step, digest = self._result
+        self.swarm.publish(MemberRecord(**self._describe(), result_step=step, result_digest=digest))
+
+    def _heartbeat(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.publish()
+                self._on_refresh(len(self.swarm.members()))
+            except Exception as e:
+                logger.warning("membership refresh failed: %s", e)
+            self._poke.wait(self.announce_period_s)
+            self._poke.clear()
+
+    def members(self) -> List[MemberRecord]:
+        """Every live member of the run (ours included)."""
+        return [m for m, _ in self.swarm.members()]
+
+    def others(self) -> List[MemberRecord]:
+        """Other live members holding our stage (of other replicas): the ones we average with."""
+        return [m for m in self.members() if m.peer_id != self.peer_id
+                and m.stage_index == self.stage_index and m.num_stages == self.num_stages]
+
+    def exchange_result_digests(self, result_step: int, digest: str, peers: set[str],
+                                timeout_s: float) -> Dict[str, str]:
+        """Publish our result digest of round ``result_step`` and collect the group's (``peers``),
+        waiting at most ``timeout_s``; peer_id -> digest for those that reported (ours included)."""
+        self._result = (result_step, digest)
+        self.publish()
+        found = {self.peer_id: digest}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for m in self.others():
+                if m.peer_id in peers and m.result_step == result_step:
+                    found[m.peer_id] = m.result_digest
+            if set(found) >= peers:
+                break
+            time.sleep(0.1)
+        return found
+
+    def wait(self, predicate: Callable[[List[MemberRecord]], bool], timeout_s: float,
+             cancelled: Callable[[], bool]) -> bool:
+        """Poll ``predicate(others())`` until it holds (True), ``timeout_s`` passes or ``cancelled()``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not cancelled():
+            if predicate(self.others()):
+                return True
+            time.sleep(0.2)
+        return False

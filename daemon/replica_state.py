@@ -1,0 +1,212 @@
+"""ReplicaState: everything one node holds of its replica's training, and nothing else.
+
+Parameters, inner and outer optimizers, the outer schedule (synchronous or one-step delay), the
+compressor, the data shard, the outer step and round, digests, served snapshots and checkpoint
+contents. No threads, no network, no status board: the components in daemon/ read and change it
+through these methods, and only the training thread calls the mutating ones (the donor snapshot
+is copied under a lock because hivemind reads it from another thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+import dilocox
+from daemon.config import NodeConfig
+from daemon.status import StageMemory
+from dilocox import exact_mean
+from dilocox.compression import CompressionConfig, Compressor
+from dilocox.data import Corpus, ReplicaShard, validation_batches
+from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, params_digest
+from dilocox.model import ModelSpec
+from dilocox.overlap import OuterSchedule
+from dilocox.pipeline import PipelinedInnerLoop
+from dilocox.stages import build_stage, tensor_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def stage_memory(inner, outer, schedule, compressor) -> StageMemory:
+    """Tensor bytes held for a stage: parameters, AdamW state, outer state, error feedback.
+
+    ``inner``: InnerLoop, ``outer``: OuterOptimizer, ``schedule``: OuterSchedule, ``compressor``:
+    Compressor. Counts storage without copying anything (called once per round)."""
+    inner_state = [t for st in inner.inner_optimizer.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not inner_state:  # AdamW allocates lazily at the first step: exp_avg + exp_avg_sq, fp32
+        inner_state = [p for p in inner.params for _ in range(2)]
+    theta = tensor_bytes(outer.global_params)  # the momentum buffer has theta's shapes (fp32), once allocated or not
+    m = StageMemory(params_bytes=tensor_bytes(inner.params), inner_optimizer_bytes=tensor_bytes(inner_state),
+                    outer_optimizer_bytes=2 * theta + tensor_bytes(schedule.round_start),
+                    error_feedback_bytes=tensor_bytes(compressor.error))
+    m.total_bytes = m.params_bytes + m.inner_optimizer_bytes + m.outer_optimizer_bytes + m.error_feedback_bytes
+    return m
+
+
+class ReplicaState:
+    """One node's share of its replica: stage ``cfg.stage_index`` of ``cfg.num_stages``.
+
+    ``outer_step``: outer updates applied to theta (its version); ``round``: the round being
+    computed (its all-reduce's group key); ``digest``: hex digest of theta (docs/protocol.md).
+    """
+
+    def __init__(self, cfg: NodeConfig, spec: ModelSpec, corpus: Corpus, seq_len: int, batch_size: int,
+                 shard_key: int):
+        self.cfg, self.H = cfg, cfg.inner_steps
+        total = cfg.total_steps or (cfg.max_outer_steps * self.H if cfg.max_outer_steps else 10_000)
+        module = build_stage(spec, cfg.seed, cfg.stage_index, cfg.num_stages)  # only our layers
+        inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+                                warmup_steps=cfg.warmup_steps, total_steps=total)
+        if cfg.num_stages == 1:
+            self.inner = InnerLoop(module, inner_cfg, device=cfg.device)
+        else:  # attached to the replica's process group once the replica is formed (daemon/staging.py)
+            self.inner = PipelinedInnerLoop(module, inner_cfg, cfg.microbatches, cfg.pipeline_schedule, cfg.device)
+        self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+        self.compressor = Compressor([tuple(p.shape) for p in self.outer.global_params], CompressionConfig(
+            mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
+            block=cfg.quant_block, seed=cfg.seed))
+        self.schedule = OuterSchedule(self.outer, cfg.overlap)
+        self.shard = ReplicaShard(corpus.train, seq_len, batch_size, cfg.seed, shard_key)
+        self.val_batches = validation_batches(corpus, seq_len, batch_size, cfg.eval_batches)
+        self.step_bound = exact_mean.adam_step_bound(cfg.beta1, cfg.beta2)
+        self.outer_step = 0
+        self.round = 1
+        self.digest = params_digest(self.outer.global_params)
+        self._served_lock = threading.Lock()
+        self._served: Optional[tuple[dict, list[torch.Tensor]]] = None
+        self.on_snapshot: Callable[[], None] = lambda: None  # e.g. raise our donor priority
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The local (inner) parameters, on the training device."""
+        return self.inner.params
+
+    def start_digest(self) -> str:
+        """Digest of everything a round must start from on every replica: theta and the shared
+        compression state (rank, warm-start Q, scales)."""
+        return f"{self.digest}/{self.compressor.digest()}"
+
+    def memory(self) -> StageMemory:
+        return stage_memory(self.inner, self.outer, self.schedule, self.compressor)
+
+    def evaluate(self) -> float:
+        """Validation loss (nats/token) of the local parameters on the held-out batches."""
+        return self.inner.evaluate(self.val_batches)
+
+    def pseudo_gradient_bounds(self, r: int) -> list[float]:
+        """Per-tensor bound on |pseudo_gradient| for round r (the offsets of values sent in fp32;
+        every replica computes the same, dilocox/exact_mean.py)."""
+        lr_sum = sum(self.inner.config.lr_at((r - 1) * self.H + i) for i in range(self.H))
+        return [exact_mean.pseudo_gradient_bound(lr_sum, self.cfg.weight_decay, float(p.abs().max()), self.step_bound)
+                for p in self.outer.global_params]
+
+    def state_bytes(self) -> int:
+        """Bytes of theta + momentum, what a state transfer moves (the compression state is small)."""
+        return 2 * tensor_bytes(self.outer.global_params)
+
+    # ------------------------------------------------------------------ the round's trajectory
+    def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, i: int, stop: bool = False) -> float:
+        """Inner step i (0-based) of the current round; returns the loss (nats/token)."""
+        return self.inner.inner_step(inputs, targets, global_step=(self.round - 1) * self.H + i, stop=stop)
+
+    def begin_round(self) -> None:
+        self.schedule.begin_round(self.inner.params)
+
+    def pseudo_gradient(self) -> list[torch.Tensor]:
+        """delta = x(start of round) - x(now), CPU fp32 (dilocox/overlap.py)."""
+        return self.schedule.pseudo_gradient(self.inner.params)
+
+    def drop_progress(self) -> None:
+        """Abandon the current round's local progress (re-base onto theta); nothing of it is sent."""
+        self.schedule.rebase(self.inner.params)
+
+    def rebase_and_begin(self) -> None:
+        """The round's end after an outer update: re-base the local parameters, start the next round."""
+        self.schedule.rebase(self.inner.params)
+        self.schedule.begin_round(self.inner.params)
+
+    def apply_outer(self, averaged: Optional[Sequence[torch.Tensor]], index: int) -> None:
+        """theta_index = outer_optimizer(theta_{index-1}, averaged); None: the round is consumed
+        without an update (skipped), theta_index = theta_{index-1}. Local parameters are untouched."""
+        if averaged is not None:
+            self.schedule.update_theta(list(averaged))
+        self.outer_step, self.digest = index, params_digest(self.outer.global_params)
+        self.snapshot()
+
+    # ------------------------------------------------------------------ state transfer
+    def snapshot(self) -> None:
+        """Copy theta, momentum and the shared compression state for donors (read by ``served``)."""
+        tensors = ([p.clone() for p in self.outer.global_params] + self.outer.momentum_buffers()
+                   + [t.clone() for t in self.compressor.shared_tensors()])
+        meta = dict(run_id=self.cfg.run_id, outer_step=self.outer_step, digest=self.digest,
+                    num_params=len(self.outer.global_params), compression_rank=self.compressor.rank,
+                    compression_digest=self.compressor.digest())
+        with self._served_lock:
+            self._served = (meta, tensors)
+        self.on_snapshot()
+
+    def served(self) -> tuple[dict, list[torch.Tensor]]:
+        """The last snapshot (any thread)."""
+        with self._served_lock:
+            return self._served
+
+    def adopt(self, theta: list[torch.Tensor], momentum: list[torch.Tensor], compression_rank: int,
+              compression_shared: list[torch.Tensor], outer_step: int, digest: str, round_: int,
+              keep_round: bool) -> None:
+        """Take a downloaded (already validated) state. keep_round: x <- theta + this round's local
+        progress, whose pseudo-gradient is still ours to send; else x <- theta and round ``round_`` begins."""
+        self.outer.load_state(theta, momentum)
+        self.compressor.load_shared(compression_rank, compression_shared)
+        if keep_round:
+            self.schedule.rebase(self.inner.params)
+        else:
+            self.inner.load_params(self.outer.global_params)
+            self.schedule.begin_round(self.inner.params)
+            self.round = round_
+        self.outer_step, self.digest = outer_step, digest
+        self.snapshot()
+
+    def claim_outer_step(self, outer_step: int) -> None:
+        """Take our theta as ``outer_step`` (no other copy of our stage exists to say otherwise)."""
+        self.outer_step = outer_step
+        self.snapshot()
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_state(self) -> dict:
+        cfg = self.cfg
+        return dict(run_id=cfg.run_id, model=cfg.model, stage=cfg.stage, outer_step=self.outer_step,
+                    global_params=self.outer.global_params, momentum=self.outer.momentum_buffers(),
+                    inner_optimizer=self.inner.inner_optimizer.state_dict(),
+                    compression=self.compressor.state_dict(),
+                    shard_position=self.shard.position, shard_key=self.shard.shard_key, round=self.round,
+                    rng=dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state()),
+                    version=dilocox.__version__)
+
+    def restore(self, state: dict) -> None:
+        """Load a checkpoint's contents; raises ValueError/KeyError (naming the problem) and then
+        leaves theta as it was if the checkpoint belongs to another run, model or stage."""
+        cfg = self.cfg
+        if (state.get("run_id"), state.get("model"), state.get("stage", "0/1")) != (cfg.run_id, cfg.model, cfg.stage):
+            raise ValueError(f"it belongs to run {state.get('run_id')!r} / model {state.get('model')!r} / "
+                             f"stage {state.get('stage', '0/1')!r}")
+        self.outer.load_state(state["global_params"], state["momentum"])
+        self.inner.load_params(self.outer.global_params)
+        self.inner.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        if "compression" in state:
+            self.compressor.load_state_dict(state["compression"])
+        self.shard.position = int(state["shard_position"])
+        rng = state.get("rng", dict(torch=state.get("torch_rng")))
+        torch.set_rng_state(rng["torch"])
+        if "python" in rng:
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+        self.outer_step = int(state["outer_step"])
+        self.round = self.outer_step + 1
+        self.digest = params_digest(self.outer.global_params)

@@ -1,0 +1,199 @@
+"""StateTransfer: serving this node's state to joiners, and fetching the swarm's state.
+
+A donor serves theta, outer momentum and the shared compression state through hivemind's
+``load_state_from_peers`` (peers/averaging.py). Everything that arrives is validated here before
+the node adopts it (it comes from another machine). ``sync`` returns a ``JoinPoint``
+(dilocox/consensus.py) and the validated state; the node adopts them, this class changes nothing
+of the replica's state itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import pydantic.v1 as pydantic
+import torch
+
+from daemon.config import NodeConfig
+from daemon.progress import ProgressTracker
+from daemon.replica_state import ReplicaState
+from dilocox.compression import Compressor
+from dilocox.consensus import (
+    ACTIVE_STATES,
+    DonorMeta,
+    JoinKind,
+    JoinPoint,
+    WaitFor,
+    current_join,
+    join_point,
+    no_donor_join,
+    wait_satisfied,
+)
+from dilocox.diloco import check_shapes, params_digest
+from peers.averaging import PseudoGradientAverager
+
+logger = logging.getLogger(__name__)
+
+
+class SyncError(RuntimeError):
+    """No peer served a usable state before the deadline."""
+
+
+class StateMeta(pydantic.BaseModel):
+    """Metadata a donor sends with its state (validated: it comes from another machine)."""
+
+    run_id: pydantic.StrictStr
+    outer_step: pydantic.conint(ge=0)
+    digest: pydantic.StrictStr
+    num_params: pydantic.conint(ge=1)
+    donor_state: pydantic.StrictStr
+    donor_inner_step: pydantic.conint(ge=0)
+    donor_round: pydantic.conint(ge=0)
+    compression_rank: pydantic.conint(ge=0) = 0
+    compression_digest: pydantic.StrictStr = ""
+    donor_peer_id: pydantic.StrictStr = ""
+
+
+@dataclass
+class DownloadedState:
+    """A validated state: theta and momentum (fp32, our shapes), the shared compression state."""
+
+    meta: StateMeta
+    theta: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    compression_shared: list[torch.Tensor]
+
+
+class StateTransfer:
+    """Donor and joiner sides of state transfer for one node.
+
+    ``donor_progress()`` -> (state name, inner step) of this node, put in the served metadata;
+    ``bandwidth_bps()`` -> our link rate (0: unknown), which sets the donor's transfer window."""
+
+    def __init__(self, cfg: NodeConfig, state: ReplicaState, progress: ProgressTracker,
+                 donor_progress: Callable[[], tuple[str, int]], bandwidth_bps: Callable[[], float],
+                 cancelled: Callable[[], bool]):
+        self.cfg, self.state, self.progress = cfg, state, progress
+        self._donor_progress, self._bandwidth_bps, self._cancelled = donor_progress, bandwidth_bps, cancelled
+        self.averager: Optional[PseudoGradientAverager] = None  # set by attach()
+        self._busy_until = 0.0  # monotonic time until which we serve no other joiner
+
+    def attach(self, averager: PseudoGradientAverager) -> None:
+        """The averager that serves (``serve``) and downloads our stage's state."""
+        self.averager = averager
+        self.published()
+
+    def published(self) -> None:
+        """The replica state took a new snapshot: donors with a higher outer step are preferred."""
+        if self.averager is not None:
+            self.averager.set_priority(float(self.state.outer_step))
+
+    # ------------------------------------------------------------------ donor
+    def serve(self):
+        """hivemind's state provider (runs on the averager's thread in this process): (meta, tensors).
+
+        A donor serves one joiner per transfer window (request_timeout + the state's bytes at our link
+        rate); a joiner that asks meanwhile gets no state and hivemind moves it on to the next donor, so
+        joiners arriving together spread over the donors (hivemind breaks priority ties at random, and
+        skips a donor that fails mid-download)."""
+        meta, tensors = self.state.served()
+        now = time.monotonic()
+        if now < self._busy_until:
+            logger.info("state requested while serving another joiner: redirecting it to other donors")
+            return None, []
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        self._busy_until = now + self.cfg.request_timeout + 8 * size / (self._bandwidth_bps() or 100e6)
+        state_name, inner_step = self._donor_progress()
+        return dict(meta, donor_state=state_name, donor_inner_step=inner_step, donor_round=self.state.round,
+                    donor_peer_id=self.progress.peer_id), tensors
+
+    # ------------------------------------------------------------------ joiner
+    def transfer_s(self) -> float:
+        """Seconds to move our state at the slowest link this project supports (100 Mbit/s), or at
+        ``bandwidth_mbps`` when that is lower."""
+        rate = min(100e6, self.cfg.bandwidth_mbps * 1e6) if self.cfg.bandwidth_mbps else 100e6
+        return 8 * self.state.state_bytes() / rate
+
+    def sync(self, initial: bool, keep_round: bool = False) -> tuple[JoinPoint, Optional[DownloadedState]]:
+        """Find where to (re-)enter the swarm: a JoinPoint, with the state to adopt for DOWNLOAD.
+
+        initial: a joiner's first sync (it never averages its random init into the swarm: it trains from
+        a downloaded state, or from the seed when no replica trains anywhere). keep_round: we finished
+        this round's compute and need the parameters it starts from (delayed overlap). Returns
+        (JoinPoint(WAIT), None) when asked to leave. Raises SyncError when no usable state arrived
+        within outer_round_deadline + the state's transfer time."""
+        cfg, st = self.cfg, self.state
+        transfer_s = self.transfer_s()
+        deadline = time.monotonic() + cfg.outer_round_deadline + transfer_s
+        first_seen, waited_for_result = time.monotonic(), False
+        while not self._cancelled():
+            if time.monotonic() > deadline:
+                raise SyncError(f"no peer served a usable state within {cfg.outer_round_deadline + transfer_s:.0f}s")
+            others = self.progress.others()
+            active = [m for m in others if m.state in ACTIVE_STATES]
+            if not active:
+                point = no_donor_join(initial, keep_round, time.monotonic() - first_seen,
+                                      2 * cfg.announce_period + 2, st.outer_step, st.round, cfg.min_replicas)
+                if point is not None:
+                    return point, None
+                time.sleep(0.3)
+                continue
+            if initial:
+                point = current_join(active, st.outer_step, st.digest, st.H)
+                if point is not None:
+                    return point, None
+            # hivemind fails a donor that stalls for next_chunk_timeout and tries the next one; this
+            # bound only guards against a hang, so it allows the whole state at the slowest link
+            got = self.averager.download_state(timeout_s=cfg.averaging_timeout + transfer_s)
+            if got is None:
+                time.sleep(0.5)
+                continue
+            try:
+                downloaded = self._validate(*got)
+            except (pydantic.ValidationError, ValueError) as e:
+                logger.warning("rejected a downloaded state: %s", e)
+                time.sleep(0.5)
+                continue
+            meta = downloaded.meta
+            live = next((m for m in self.progress.others() if m.peer_id == meta.donor_peer_id), None)
+            point = join_point(DonorMeta(meta.outer_step, meta.donor_state, meta.donor_inner_step, meta.donor_round,
+                                         meta.donor_peer_id), live, inner_steps=st.H, our_round=st.round,
+                               keep_round=keep_round, early_apply=cfg.overlap == "delayed" and cfg.num_stages == 1,
+                               waited_for_result=waited_for_result)
+            if point.kind == JoinKind.WAIT:
+                logger.info("%s", point.reason)
+                if point.wait_for == WaitFor.OUTER_STEP and not keep_round:
+                    waited_for_result = True  # the donor's mid-round result: waited for once only
+                timeout = (3 if point.wait_for == WaitFor.NEXT_ROUND else 1) * cfg.outer_round_deadline
+                self.progress.wait(lambda others, p=point: wait_satisfied(p, others), timeout, self._cancelled)
+                continue
+            if point.kind == JoinKind.REFETCH:
+                logger.info("%s", point.reason)
+                continue
+            return point, downloaded
+        return JoinPoint(JoinKind.WAIT, reason="asked to leave"), None
+
+    def _validate(self, raw_meta, tensors: list) -> DownloadedState:
+        """Check a donor's state against ours; raises ValueError / ValidationError naming the problem."""
+        meta = StateMeta.parse_obj(raw_meta)
+        n = len(self.state.outer.global_params)
+        if meta.run_id != self.cfg.run_id or meta.num_params != n:
+            raise ValueError(f"state for run {meta.run_id!r} with {meta.num_params} parameter tensors "
+                             f"does not fit ours ({self.cfg.run_id!r}, {n})")
+        if len(tensors) < 2 * n:  # hivemind returns what arrived when a donor's stream ends early
+            raise ValueError(f"truncated state: {len(tensors)} of at least {2 * n} tensors arrived "
+                             f"(the donor stopped mid-transfer?)")
+        theta, momentum, shared_tensors = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
+        check_shapes(self.state.outer.global_params, theta, "downloaded parameters")
+        check_shapes(self.state.outer.global_params, momentum, "downloaded momentum")
+        if params_digest(theta) != meta.digest:
+            raise ValueError("downloaded parameters do not match the donor's digest")
+        ours = self.state.compressor
+        shared = Compressor(ours.shapes, ours.cfg)
+        shared.load_shared(meta.compression_rank, shared_tensors)
+        if shared.digest() != meta.compression_digest:
+            raise ValueError("downloaded compression state does not match the donor's digest")
+        return DownloadedState(meta, theta, momentum, shared_tensors)

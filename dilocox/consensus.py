@@ -1,0 +1,225 @@
+"""The swarm's consistency rules as pure functions: no network, no clock, no threads.
+
+Every member of an averaging group sees the same all-gathered data, so these rules give every
+member the same verdict. The daemon (daemon/rounds.py, daemon/transfer.py) feeds them what it
+read from the DHT and from hivemind and acts on the value they return; docs/protocol.md states
+the rules in prose. ``PeerProgress`` is whatever carries a member's published progress
+(peers.swarm.MemberRecord in the daemon, a small dataclass in the unit tests).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+
+TRAINING, AVERAGING, SYNCING, JOINING = "TRAINING", "AVERAGING", "SYNCING", "JOINING"
+ACTIVE_STATES = (TRAINING, AVERAGING)  # replicas that will average the round they are in
+
+
+class PeerProgress(Protocol):
+    """A member's published progress (the fields of peers.swarm.MemberRecord these rules read)."""
+
+    peer_id: str
+    state: str
+    outer_step: int   # outer updates applied (version of theta)
+    round: int        # round being computed
+    inner_step: int
+    global_params_digest: str
+    num_stages: int
+
+
+class Verdict(str, Enum):
+    """What a member does with its all-reduce result."""
+
+    APPLY = "apply"    # a strict majority of the group holds our result
+    RESYNC = "resync"  # a strict majority holds another result: ours is partial or wrong
+    SKIP = "skip"      # no result has a strict majority: nobody applies the round
+
+
+def canonical_digest(digests: Dict[str, str]) -> Tuple[Optional[str], List[str]]:
+    """The digest most members hold (ties: the one held by the smallest peer_id) and its holders.
+
+    ``digests``: peer_id -> digest. Returns (None, []) for no digests."""
+    if not digests:
+        return None, []
+    counts = Counter(digests.values())
+    top = max(counts.values())
+    candidates = {d for d, c in counts.items() if c == top}
+    winner = digests[min(p for p, d in digests.items() if d in candidates)]
+    return winner, sorted(p for p, d in digests.items() if d == winner)
+
+
+def judge_result(mine: str, results: Dict[str, str], members: Optional[int] = None) -> Verdict:
+    """The verdict on our all-reduce result, given the members' result digests (ours included).
+
+    ``members``: the group's size (default ``len(results)``); a member that reported no digest
+    counts against every digest. APPLY if ours is held by a strict majority of the members, RESYNC
+    if another digest is, SKIP if none is: e.g. two members with a partial average each, or two
+    members of which one failed and never reported (the other's result is then partial: hivemind's
+    "received 50% of input tensors"). A partial average is never adopted by a tie-break or default.
+    """
+    canon, holders = canonical_digest(results)
+    if 2 * len(holders) <= max(len(results), members or 0):
+        return Verdict.SKIP
+    return Verdict.APPLY if canon == mine else Verdict.RESYNC
+
+
+def in_round(others: Sequence[PeerProgress], r: int, delayed: bool) -> List[PeerProgress]:
+    """Other replicas that take part in the all-reduce of round r. With delayed overlap a replica
+    whose round r all-reduce is in flight already computes round r + 1."""
+    window = (r, r + 1) if delayed else (r,)
+    return [m for m in others if m.state in ACTIVE_STATES and m.round in window]
+
+
+def someone_applied(others: Sequence[PeerProgress], r: int) -> bool:
+    """Has a live replica already applied round r (its outer_step reached r)?"""
+    return any(m.state in ACTIVE_STATES and m.outer_step >= r for m in others)
+
+
+class StartAction(str, Enum):
+    """How a round's pseudo-gradient leaves the node."""
+
+    ALLREDUCE = "allreduce"        # average with the replicas that can take part
+    SOLO = "solo"                  # nobody else could take part: apply our own pseudo-gradient
+    ALREADY_DONE = "already_done"  # others applied this round without us: re-sync instead
+
+
+def round_start_action(others: Sequence[PeerProgress], r: int, delayed: bool) -> StartAction:
+    """Decide how to average round r. Solo only when nobody else could take part: no replica in this
+    round and no whole-model replica syncing or joining (it may start this round). A syncing stage
+    node waits for its replica's other stages, so it is not counted on. Deciding from possibly
+    stale records is safe this way round: a wrong guess costs a failed matchmaking, not a split."""
+    if someone_applied(others, r):
+        return StartAction.ALREADY_DONE
+    expected = in_round(others, r, delayed) + [m for m in others if m.num_stages == 1
+                                               and m.state in (SYNCING, JOINING)]
+    return StartAction.ALLREDUCE if expected else StartAction.SOLO
+
+
+def failure_action(others: Sequence[PeerProgress], r: int) -> Verdict:
+    """Round r's all-reduce failed (no group, or a peer dropped out). If another replica applied the
+    round, ours would diverge: RESYNC. Otherwise APPLY our own pseudo-gradient (the round is applied
+    alone, and the next joint round's start digests reconcile the replicas)."""
+    return Verdict.RESYNC if someone_applied(others, r) else Verdict.APPLY
+
+
+# ----------------------------------------------------------------------------- joining
+
+class JoinKind(str, Enum):
+    """Where a node's parameters come from when it (re-)enters the swarm."""
+
+    DOWNLOAD = "download"  # adopt the downloaded state at JoinPoint.round / skip
+    SEED = "seed"          # no replica trains yet: everyone starts from the shared seed
+    CURRENT = "current"    # the swarm holds our parameters already: no download
+    ALONE = "alone"        # no other live member holds our stage: ours are the newest there are
+    WAIT = "wait"          # the donor's state is not usable yet: wait (``wait_for``) and fetch again
+    REFETCH = "refetch"    # the donor moved on during the download: fetch a newer state at once
+
+
+class WaitFor(str, Enum):
+    NEXT_ROUND = "next_round"    # a member trains in a round after the donor's
+    OUTER_STEP = "outer_step"    # a member's outer_step passes the donor's
+
+
+@dataclass(frozen=True)
+class JoinPoint:
+    """The outcome of the join-point rule. ``round``: the round to compute next; ``skip``: inner
+    steps of it already done by the swarm; ``keep_round``: the local progress of the current round
+    is kept (re-based onto the new theta) and its pseudo-gradient is still ours to send;
+    ``outer_step``: the outer step the node holds afterwards (ALONE may adopt round - 1);
+    ``wait_for``/``after_step``: for WAIT, the condition on other members' records."""
+
+    kind: JoinKind
+    round: int = 0
+    skip: int = 0
+    keep_round: bool = False
+    outer_step: int = 0
+    wait_for: Optional[WaitFor] = None
+    after_step: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class DonorMeta:
+    """What a donor says about the state it served (validated before it gets here)."""
+
+    outer_step: int
+    donor_state: str
+    donor_inner_step: int
+    donor_round: int
+    donor_peer_id: str = ""
+
+
+def no_donor_join(initial: bool, keep_round: bool, waited_s: float, patience_s: float, outer_step: int,
+                  round_: int, min_replicas: int) -> Optional[JoinPoint]:
+    """No live replica of our stage trains. A joiner starts from the seed (at once when min_replicas > 1:
+    the swarm starts together; else after ``patience_s`` for records to appear); a re-syncing node
+    continues from its own parameters after ``patience_s``. None: keep looking."""
+    if initial and waited_s >= (0 if min_replicas > 1 else patience_s):
+        return JoinPoint(JoinKind.SEED, round=round_, outer_step=outer_step)
+    if not initial and waited_s >= patience_s:
+        adopt = keep_round and outer_step < round_ - 1  # a stage that joined a replica ahead of it
+        return JoinPoint(JoinKind.ALONE, round=round_, keep_round=keep_round,
+                         outer_step=round_ - 1 if adopt else outer_step)
+    return None
+
+
+def current_join(active: Sequence[PeerProgress], outer_step: int, digest: str, inner_steps: int) -> Optional[JoinPoint]:
+    """A joiner whose parameters the swarm already holds (a fresh swarm from one seed, or a current
+    checkpoint) joins the most advanced of those members' round where it is; None if nobody holds them."""
+    same = [m for m in active if m.outer_step == outer_step and m.global_params_digest == digest]
+    if not same:
+        return None
+    return JoinPoint(JoinKind.CURRENT, round=max(m.round for m in same), outer_step=outer_step,
+                     skip=min(max(m.inner_step for m in same), inner_steps - 1))
+
+
+def donor_progress(meta: DonorMeta, live: Optional[PeerProgress], inner_steps: int) -> Optional[int]:
+    """Inner steps to skip to join the donor's round where the donor is now, not where it was when the
+    transfer began (a slow link can take several inner steps); None if the donor left that round."""
+    if live is None or live.round < meta.donor_round:
+        return meta.donor_inner_step
+    if live.round > meta.donor_round:
+        return None
+    return min(max(meta.donor_inner_step, live.inner_step), inner_steps - 1)
+
+
+def join_point(meta: DonorMeta, live: Optional[PeerProgress], *, inner_steps: int, our_round: int,
+               keep_round: bool, early_apply: bool, waited_for_result: bool) -> JoinPoint:
+    """The join-point rule for a downloaded state.
+
+    ``live``: the donor's current membership record (None if not seen); ``keep_round``: we finished
+    this round's compute and need the parameters it starts from (outer step our_round - 1);
+    ``early_apply``: donors apply a round's outer step mid-round (delayed overlap, whole-model nodes);
+    ``waited_for_result``: we already waited once for a donor's mid-round result.
+    """
+    if not keep_round and (meta.donor_state == AVERAGING or meta.donor_inner_step >= inner_steps):
+        # the next round has begun once a member trains in it (outer_step may advance before that)
+        return JoinPoint(JoinKind.WAIT, wait_for=WaitFor.NEXT_ROUND, after_step=meta.donor_round,
+                         reason=f"donor is finishing round {meta.donor_round}; waiting for the next round")
+    if not keep_round and early_apply and meta.outer_step < meta.donor_round - 1 and not waited_for_result:
+        # Joining round donor_round needs theta_{donor_round - 1}, which the donor applies as soon as its
+        # all-reduce is in. On a slow link waiting for it beats fetching it again at the round's end (too
+        # late for matchmaking). Once only: with short rounds a fast link catches up at the round's end.
+        return JoinPoint(JoinKind.WAIT, wait_for=WaitFor.OUTER_STEP, after_step=meta.outer_step,
+                         reason=f"donor still averages round {meta.outer_step + 1}; waiting for its result")
+    if keep_round and meta.outer_step < our_round - 1:
+        return JoinPoint(JoinKind.WAIT, wait_for=WaitFor.OUTER_STEP, after_step=meta.outer_step,
+                         reason=f"donor holds outer step {meta.outer_step}, round {our_round} needs {our_round - 1}; "
+                                f"waiting")
+    keep = keep_round and meta.outer_step == our_round - 1
+    skip = 0 if keep else donor_progress(meta, live, inner_steps)
+    if skip is None:
+        return JoinPoint(JoinKind.REFETCH, reason=f"the donor finished round {meta.donor_round} during the "
+                                                  f"download; fetching a newer state")
+    return JoinPoint(JoinKind.DOWNLOAD, round=our_round if keep else max(meta.donor_round, meta.outer_step + 1),
+                     skip=skip, keep_round=keep, outer_step=meta.outer_step)
+
+
+def wait_satisfied(point: JoinPoint, others: Sequence[PeerProgress]) -> bool:
+    """Is the condition a WAIT join point waits for met by some other member's record?"""
+    if point.wait_for == WaitFor.NEXT_ROUND:
+        return any(m.round > point.after_step and m.state == TRAINING for m in others)
+    return any(m.outer_step > point.after_step for m in others)

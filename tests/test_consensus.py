@@ -1,0 +1,169 @@
+"""The consistency rules (dilocox/consensus.py) with fake peer records: verdicts, round start,
+failure handling and the join point. Pure functions, so these run in milliseconds; the swarm tests
+check that the daemon acts on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from dilocox.consensus import (
+    DonorMeta,
+    JoinKind,
+    StartAction,
+    Verdict,
+    WaitFor,
+    canonical_digest,
+    current_join,
+    donor_progress,
+    failure_action,
+    in_round,
+    join_point,
+    judge_result,
+    no_donor_join,
+    round_start_action,
+    wait_satisfied,
+)
+
+H = 20
+
+
+@dataclass
+class Peer:
+    peer_id: str = "p"
+    state: str = "TRAINING"
+    outer_step: int = 4
+    round: int = 5
+    inner_step: int = 3
+    global_params_digest: str = "d4"
+    num_stages: int = 1
+
+
+# ---------------------------------------------------------------- verdicts
+
+def test_canonical_digest_majority_then_smallest_peer_id():
+    assert canonical_digest({}) == (None, [])
+    assert canonical_digest({"a": "x", "b": "y", "c": "y"}) == ("y", ["b", "c"])
+    # a tie goes to the digest of the smallest peer_id, so every member picks the same
+    assert canonical_digest({"b": "y", "a": "x"}) == ("x", ["a"])
+
+
+@pytest.mark.parametrize("mine, results, members, verdict", [
+    ("x", {"0": "x", "1": "x", "2": "x"}, None, Verdict.APPLY),
+    ("y", {"0": "x", "1": "x", "2": "y"}, None, Verdict.RESYNC),    # ours is the partial one
+    ("x", {"0": "x", "1": "y"}, None, Verdict.SKIP),                # 1:1, nobody can tell
+    ("x", {"0": "x"}, 2, Verdict.SKIP),                             # the other never reported
+    ("x", {"0": "x", "1": "x"}, 3, Verdict.APPLY),                  # 2 of 3 is a strict majority
+    ("x", {"0": "x", "1": "x"}, 4, Verdict.SKIP),                   # 2 of 4 is not
+    ("x", {"0": "x", "1": "y", "2": "z"}, None, Verdict.SKIP),
+])
+def test_judge_result(mine, results, members, verdict):
+    assert judge_result(mine, results, members) == verdict
+
+
+# ---------------------------------------------------------------- round start and failure
+
+def test_solo_only_when_nobody_could_take_part():
+    assert round_start_action([], 5, delayed=False) == StartAction.SOLO
+    assert round_start_action([Peer(round=5)], 5, delayed=False) == StartAction.ALLREDUCE
+    # delayed: a replica already computing round 6 still averages round 5
+    assert round_start_action([Peer(round=6)], 5, delayed=True) == StartAction.ALLREDUCE
+    assert round_start_action([Peer(round=6)], 5, delayed=False) == StartAction.SOLO
+    # a whole-model replica that is syncing may start this round: wait for it in matchmaking
+    assert round_start_action([Peer(state="SYNCING", round=3)], 5, delayed=False) == StartAction.ALLREDUCE
+    # a syncing stage node waits for its replica's other stages: not counted on
+    assert round_start_action([Peer(state="SYNCING", round=3, num_stages=2)], 5, delayed=False) == StartAction.SOLO
+    assert round_start_action([Peer(state="DRAINING", round=5)], 5, delayed=False) == StartAction.SOLO
+
+
+def test_round_already_applied_by_others_needs_resync():
+    assert round_start_action([Peer(outer_step=5, round=6)], 5, delayed=True) == StartAction.ALREADY_DONE
+    assert failure_action([Peer(outer_step=5)], 5) == Verdict.RESYNC
+    assert failure_action([Peer(outer_step=4)], 5) == Verdict.APPLY  # applied alone: nobody has round 5
+    assert failure_action([Peer(outer_step=9, state="STOPPED")], 5) == Verdict.APPLY
+
+
+def test_in_round_window():
+    peers = [Peer("a", round=5), Peer("b", round=6), Peer("c", round=7), Peer("d", round=5, state="SYNCING")]
+    assert [p.peer_id for p in in_round(peers, 5, delayed=False)] == ["a"]
+    assert [p.peer_id for p in in_round(peers, 5, delayed=True)] == ["a", "b"]
+
+
+# ---------------------------------------------------------------- joining
+
+def test_no_donor_joiner_starts_from_seed_after_patience():
+    assert no_donor_join(True, False, 1.0, 6.0, 0, 1, min_replicas=1) is None
+    assert no_donor_join(True, False, 6.0, 6.0, 0, 1, min_replicas=1).kind == JoinKind.SEED
+    assert no_donor_join(True, False, 0.0, 6.0, 0, 1, min_replicas=2).kind == JoinKind.SEED  # the swarm starts together
+
+
+def test_no_donor_resync_continues_alone_and_may_claim_the_previous_step():
+    assert no_donor_join(False, False, 1.0, 6.0, 3, 5, 1) is None
+    alone = no_donor_join(False, False, 6.0, 6.0, 3, 5, 1)
+    assert (alone.kind, alone.outer_step) == (JoinKind.ALONE, 3)
+    # a stage that joined a replica ahead of it: its round 5 needs outer step 4, ours are the newest
+    claim = no_donor_join(False, True, 6.0, 6.0, 3, 5, 1)
+    assert (claim.kind, claim.outer_step, claim.keep_round) == (JoinKind.ALONE, 4, True)
+
+
+def test_current_join_takes_the_most_advanced_holder():
+    peers = [Peer("a", outer_step=4, global_params_digest="d4", round=5, inner_step=7),
+             Peer("b", outer_step=4, global_params_digest="d4", round=5, inner_step=12),
+             Peer("c", outer_step=3, global_params_digest="d3", round=4, inner_step=19)]
+    point = current_join(peers, 4, "d4", H)
+    assert (point.kind, point.round, point.skip) == (JoinKind.CURRENT, 5, 12)
+    assert current_join(peers, 4, "other", H) is None
+    assert current_join([Peer(inner_step=H)], 4, "d4", H).skip == H - 1  # never skip the whole round
+
+
+def meta(**kw):
+    base = dict(outer_step=4, donor_state="TRAINING", donor_inner_step=6, donor_round=5, donor_peer_id="a")
+    base.update(kw)
+    return DonorMeta(**base)
+
+
+def plan(m, live=None, **kw):
+    args = dict(inner_steps=H, our_round=1, keep_round=False, early_apply=False, waited_for_result=False)
+    args.update(kw)
+    return join_point(m, live, **args)
+
+
+def test_join_at_the_donors_current_inner_step():
+    point = plan(meta(), Peer("a", round=5, inner_step=9))  # the donor went on during the transfer
+    assert (point.kind, point.round, point.skip, point.keep_round) == (JoinKind.DOWNLOAD, 5, 9, False)
+    assert plan(meta(), None).skip == 6  # donor's record not seen: its metadata's step
+
+
+def test_join_refetches_when_the_donor_left_that_round():
+    assert plan(meta(), Peer("a", round=6, inner_step=1)).kind == JoinKind.REFETCH
+    assert donor_progress(meta(), Peer("a", round=4), H) == 6  # stale record: use the metadata
+
+
+def test_join_waits_for_the_next_round_when_the_donor_is_averaging():
+    for m in (meta(donor_state="AVERAGING"), meta(donor_inner_step=H)):
+        point = plan(m)
+        assert (point.kind, point.wait_for, point.after_step) == (JoinKind.WAIT, WaitFor.NEXT_ROUND, 5)
+    point = plan(meta(donor_state="AVERAGING"))
+    assert not wait_satisfied(point, [Peer(round=5), Peer(round=6, state="AVERAGING")])
+    assert wait_satisfied(point, [Peer(round=6, state="TRAINING")])
+
+
+def test_join_waits_once_for_a_mid_round_result():
+    stale = meta(outer_step=3, donor_round=5)  # the donor still averages round 4
+    point = plan(stale, early_apply=True)
+    assert (point.kind, point.wait_for, point.after_step) == (JoinKind.WAIT, WaitFor.OUTER_STEP, 3)
+    assert wait_satisfied(point, [Peer(outer_step=4)]) and not wait_satisfied(point, [Peer(outer_step=3)])
+    # once only, and never without the mid-round apply: then join round 5 and catch up at its end
+    assert plan(stale, early_apply=True, waited_for_result=True).kind == JoinKind.DOWNLOAD
+    assert plan(stale, early_apply=False).round == 5
+
+
+def test_keep_round_needs_exactly_the_previous_step():
+    # we computed round 5 and need theta_4 to send its pseudo-gradient
+    assert plan(meta(outer_step=3), keep_round=True, our_round=5).kind == JoinKind.WAIT
+    point = plan(meta(outer_step=4), keep_round=True, our_round=5)
+    assert (point.kind, point.keep_round, point.skip, point.round) == (JoinKind.DOWNLOAD, True, 0, 5)
+    # the donor is further ahead: our round is lost, join the donor's round
+    ahead = plan(meta(outer_step=6, donor_round=7), Peer("a", round=7, inner_step=9), keep_round=True, our_round=5)
+    assert (ahead.keep_round, ahead.round, ahead.skip) == (False, 7, 9)

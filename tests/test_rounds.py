@@ -1,0 +1,152 @@
+"""OuterRounds' outcomes with fakes: a completed future stands for hivemind's all-reduce and a list of
+peer records for the swarm, the way torchft tests its Manager. The ReplicaState is real (tiny model)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from daemon.config import NodeConfig
+from daemon.replica_state import ReplicaState
+from daemon.rounds import OuterRounds, PendingRound, RoundOutcome
+from dilocox.data import Corpus
+from dilocox.diloco import params_digest
+from dilocox.model import ModelSpec
+from peers.averaging import RoundCancelled, RoundFailed, RoundGather, RoundResult
+from tests.test_consensus import Peer
+
+
+class FakeProgress:
+    """Stands in for ProgressTracker: fixed peer records and the result digests peers report."""
+
+    peer_id = "me"
+
+    def __init__(self, others=(), results=None):
+        self._others, self.results = list(others), results
+
+    def others(self):
+        return self._others
+
+    def exchange_result_digests(self, result_step, digest, peers, timeout_s):
+        return {"me": digest, **(self.results or {})}
+
+
+@pytest.fixture
+def state(tmp_path):
+    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 400)
+    cfg = NodeConfig(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=2, compression="none",
+                     overlap="none", seq_len=16, batch_size=2)
+    spec = ModelSpec.resolve("tiny")
+    st = ReplicaState(cfg, spec, Corpus.from_spec(cfg.data, 16), 16, 2, shard_key=1)
+    st.begin_round()
+    for i in range(2):
+        st.inner_step(*st.shard.next_batch(), i)
+    return st
+
+
+def rounds_for(state, progress, delayed=False):
+    cfg = state.cfg.model_copy(update=dict(overlap="delayed" if delayed else "none"))
+    return OuterRounds(cfg, state, progress, averagers={}, leave_requested=threading.Event())
+
+
+def pending(state, outcome, gathered_start=None, averaged=None):
+    """Round 1 with an all-reduce that already ended in ``outcome`` (a RoundResult or an exception)."""
+    pg = state.pseudo_gradient()
+    compression = state.compressor.begin(pg, state.pseudo_gradient_bounds(1), 1)
+    future = Future()
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        start = gathered_start or state.start_digest()
+        gathered = {q: RoundGather(outer_step=0, start_digest=start if q != "me" else state.start_digest(), weight=2.0)
+                    for q in ("me", "a", "b")}
+        averaged = averaged or [g * 0.5 for g in pg]
+        future.set_result(RoundResult(averaged, gathered, 100, 100, 100, 0.1, 1000))
+    return PendingRound(1, pg, compression, future, 1.0, [2.0, 1.9], time.monotonic())
+
+
+def test_applied_when_the_majority_holds_our_result(state):
+    theta0 = params_digest(state.outer.global_params)
+    averaged = [torch.full_like(p, 1e-3) for p in state.outer.global_params]
+    mine = params_digest(averaged)
+    done = rounds_for(state, FakeProgress(results={"a": mine, "b": "other"})).finish(
+        pending(state, None, averaged=averaged))
+    assert done.outcome == RoundOutcome.APPLIED and done.info.group_size == 3
+    assert state.outer_step == 1 and state.digest != theta0 and state.round == 2
+    # local parameters were re-based onto theta (synchronous DiLoCo: x <- theta_1)
+    assert params_digest([p.detach() for p in state.params]) == state.digest
+
+
+def test_partial_result_is_never_applied(state):
+    theta0 = state.digest
+    done = rounds_for(state, FakeProgress(results={"a": "group", "b": "group"})).finish(pending(state, None))
+    assert done.outcome == RoundOutcome.RESYNC and "partial result" in done.reason
+    assert done.info.outcome == "resynced"  # recorded as such if the re-sync fetches round 1
+    assert (state.outer_step, state.digest) == (0, theta0)
+
+
+def test_no_majority_is_skipped_without_an_update(state):
+    theta0 = state.digest
+    done = rounds_for(state, FakeProgress(results={"a": "x", "b": "y"})).finish(pending(state, None))
+    assert done.outcome == RoundOutcome.SKIPPED
+    assert (state.outer_step, state.digest) == (1, theta0)  # round consumed, theta_1 = theta_0
+
+
+def test_different_start_means_resync(state):
+    theta0 = state.digest
+    done = rounds_for(state, FakeProgress()).finish(pending(state, None, gathered_start="elsewhere"))
+    assert done.outcome == RoundOutcome.RESYNC and "the group from elsewhere" in done.reason
+    assert state.digest == theta0
+
+
+def test_failed_allreduce_applied_alone_unless_someone_applied(state):
+    theta0 = state.digest
+    went_on = rounds_for(state, FakeProgress([Peer(outer_step=1, round=2)])).finish(
+        pending(state, RoundFailed("no group")))
+    assert went_on.outcome == RoundOutcome.RESYNC and state.digest == theta0
+    alone = rounds_for(state, FakeProgress([Peer(outer_step=0, round=1)])).finish(
+        pending(state, RoundFailed("no group")))
+    assert alone.outcome == RoundOutcome.APPLIED_ALONE and alone.info.group_size == 1
+    assert state.outer_step == 1 and state.digest != theta0
+
+
+def test_cancelled_round_changes_nothing(state):
+    theta0 = state.digest
+    done = rounds_for(state, FakeProgress()).finish(pending(state, RoundCancelled("left")))
+    assert done.outcome == RoundOutcome.CANCELLED and (state.outer_step, state.digest) == (0, theta0)
+
+
+def test_start_is_solo_alone_and_resync_when_others_applied(state):
+    solo = rounds_for(state, FakeProgress()).start(state.pseudo_gradient(), 2, 1.0, [2.0])
+    assert isinstance(solo, PendingRound) and solo.future is None
+    done = rounds_for(state, FakeProgress()).finish(solo)
+    assert done.outcome == RoundOutcome.SOLO and state.outer_step == 1
+    late = rounds_for(state, FakeProgress([Peer(outer_step=2, round=3)])).start(state.pseudo_gradient(), 2, 1.0, [])
+    assert late.outcome == RoundOutcome.RESYNC and "already completed" in late.reason
+
+
+def test_delayed_applies_theta_mid_round_and_rebases_at_the_end(state):
+    rounds = rounds_for(state, FakeProgress(results={"a": None, "b": None}), delayed=True)
+    p = pending(state, None)
+    mine = params_digest(p.future.result().tensors)
+    rounds.progress.results = {"a": mine, "b": mine}
+    rounds.hold(p)
+    assert state.round == 2 and rounds.finish_early()
+    assert state.outer_step == 1 and not rounds.finish_early()  # tried once per round
+    local = [t.detach().clone() for t in state.params]
+    done = rounds.finish(rounds.take_pending())
+    assert done.outcome == RoundOutcome.APPLIED and state.round == 2
+    # x <- theta_1 + (x - x(start of round 2)); x(start of round 2) was x itself here
+    assert all(torch.allclose(p, t) for p, t, in zip(state.params, state.outer.global_params))
+    assert any(not torch.equal(a, b) for a, b in zip(local, state.params))
+
+
+def test_delayed_leaves_a_resync_to_the_rounds_end(state):
+    rounds = rounds_for(state, FakeProgress(results={"a": "group", "b": "group"}), delayed=True)
+    rounds.hold(pending(state, None))
+    assert not rounds.finish_early() and state.outer_step == 0
+    assert rounds.finish(rounds.take_pending()).outcome == RoundOutcome.RESYNC
