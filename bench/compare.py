@@ -1,4 +1,4 @@
-"""``make bench``: vanilla AllReduce vs DiLoCo vs DiLoCoX on shaped links (issue: DiLoCoX communication).
+"""``make bench``: vanilla AllReduce vs DiLoCo vs DiLoCoX on shaped links.
 
 Two hosts in network namespaces (bench/netsim.py), both directions of each link limited with tbf
 to 10, 100 and 1000 Mbit/s. On the same data, model (``small`` preset), lr schedule and token

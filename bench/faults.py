@@ -94,7 +94,7 @@ def _count(nodes, log, unclean, target) -> dict:
     top = max(finals)
     return dict(
         events=[e for _, e in log],
-        rounds=len({r["outer_step"] for r in all_rows if r["outcome"] in ("applied", "solo")}),
+        rounds=len({r["outer_step"] for r in all_rows if r["outcome"] in ("applied", "solo", "applied_alone")}),
         node_rounds=len(all_rows), stalls=sum(r["wait_s"] > AVERAGING_TIMEOUT for r in all_rows),
         longest_stall_s=round(max((r["wait_s"] for r in all_rows), default=0.0), 2),
         resyncs=sum(f.read_text().count("re-syncing from peers") for d in by_dir for f in d.glob("stderr*")),

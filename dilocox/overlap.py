@@ -8,9 +8,11 @@ delay", which matches the "delayed" variant of Eager Updates, arXiv 2502.12996).
 of round t runs while round t+1 computes:
   * a replica's local trajectory is never reset to wait for the network;
   * delta_{r,t} = x_r(start of round t) - x_r(end of round t);
-  * at the end of round t+1: theta_t = outer_optimizer(theta_{t-1}, Delta_t), then re-base
-    x_r <- theta_t + (x_r(end of t+1) - x_r(start of t+1))   **(ours: exact re-base rule)**
-    and start the all-reduce of delta_{r,t+1}.
+  * theta_t = outer_optimizer(theta_{t-1}, Delta_t) once Delta_t is in (``update_theta``; the
+    daemon does it mid-round t+1 for whole-model nodes, at its end for stage nodes: the outer step
+    does not read the local parameters, so the result is the same);
+  * at the end of round t+1, re-base x_r <- theta_t + (x_r(end of t+1) - x_r(start of t+1))
+    **(ours: exact re-base rule)** and start the all-reduce of delta_{r,t+1}.
 """
 
 from __future__ import annotations
