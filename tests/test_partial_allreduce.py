@@ -16,7 +16,7 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
-from dilocox.consensus import judge_result
+from dilocox.consensus import Verdict, judge_result
 from dilocox.diloco import params_digest
 from peers.averaging import PseudoGradientAverager, RoundGather
 
@@ -71,13 +71,7 @@ def test_partial_result_is_detected_and_not_applied():
         honest = [params_digest([r.mean]) for r in results[:2]]
         assert honest[0] != honest[1], "the honest peers should each have missed the faulty reducer's parts"
         verdicts = [judge_result(digests[str(i)], digests) for i in range(3)]
-        assert verdicts == ["skip", "skip", "skip"], (verdicts, digests)
-        # and without the fault the same machinery agrees bit for bit
-        assert judge_result("x", {"0": "x", "1": "x", "2": "x"}) == "apply"
-        assert judge_result("y", {"0": "x", "1": "x", "2": "y"}) == "resync"
-        # a member that never reported its digest counts against ours: two members, one silent
-        assert judge_result("x", {"0": "x"}, members=2) == "skip"
-        assert judge_result("x", {"0": "x", "1": "x"}, members=3) == "apply"
+        assert verdicts == [Verdict.SKIP] * 3, (verdicts, digests)  # the other verdicts: tests/test_consensus.py
     finally:
         for a in averagers:
             a.shutdown()
