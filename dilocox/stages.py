@@ -68,11 +68,11 @@ class StageModule(nn.Module):
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
         try:
-            self.config = LlamaConfig(**spec.llama)
+            # sdpa: what LlamaForCausalLM picks on CPU (None would mean no causal mask)
+            self.config = LlamaConfig(**{**spec.llama, "attn_implementation": "sdpa"})
         except (TypeError, ValueError) as e:
             raise ModelSpecError(f"invalid Llama config: {e}") from e
         cfg = self.config
-        cfg._attn_implementation = "sdpa"  # what LlamaForCausalLM picks on CPU; None would mean no causal mask
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.layer_ids = layer_range(cfg.num_hidden_layers, stage_index, num_stages)

@@ -1,0 +1,67 @@
+"""The code's shape rules: lower layers never import higher ones, daemon/'s imports form no cycle, and
+no module reaches into another object's private members (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = ["dilocox", "peers", "daemon"]  # each may import only the ones before it (and proto)
+LOCAL = set(LAYERS) | {"proto"}
+ALLOWED = {("os", "_exit")}  # public despite the underscore: the documented exit without cleanup
+
+
+def _modules(package: str) -> dict[str, ast.Module]:
+    return {f"{package}.{p.stem}": ast.parse(p.read_text(), str(p)) for p in sorted((REPO / package).glob("*.py"))}
+
+
+def _imports(tree: ast.Module) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # "from daemon import x"
+    return {name for name in found if name.split(".")[0] in LOCAL}
+
+
+def test_lower_layers_never_import_higher_ones():
+    wrong = []
+    for rank, package in enumerate(LAYERS):
+        for module, tree in _modules(package).items():
+            wrong += [(module, name) for name in _imports(tree) if name.split(".")[0] in LAYERS[rank + 1:]]
+    assert not wrong, wrong
+
+
+def test_daemon_import_graph_has_no_cycle():
+    modules = _modules("daemon")
+    graph = {m: {i for i in _imports(t) if i in modules} for m, t in modules.items()}
+    visiting, done = set(), set()
+
+    def visit(m, path):
+        assert m not in visiting, f"import cycle: {' -> '.join(path + [m])}"
+        if m in done:
+            return
+        visiting.add(m)
+        for n in sorted(graph[m]):
+            visit(n, path + [m])
+        visiting.discard(m)
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])
+
+
+def test_no_access_to_other_objects_private_members():
+    """``x._name`` is allowed only on self / cls (and dunders); everything else goes through public methods."""
+    wrong = []
+    for package in LAYERS:
+        for module, tree in _modules(package).items():
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                        and (getattr(node.value, "id", None), node.attr) not in ALLOWED):
+                    wrong.append(f"{module}:{node.lineno} .{node.attr}")
+    assert not wrong, wrong
