@@ -1,7 +1,13 @@
 """Console script ``dilocox-node``: the daemon (see daemon/ctl.py for ``dilocox-ctl``).
 
 Exit codes of dilocox-node: 0 after a clean leave or max_outer_steps, 1 on a runtime failure
-(DHT, sync), 2 on bad input (config, flags, env, data, model, busy status port).
+(DHT, sync, a drain that overran its budget), 2 on bad input (config, flags, env, data, model, busy
+status port), 130 on a second Ctrl-C while draining (exit at once, no checkpoint).
+
+Stopping: SIGTERM or SIGINT, to this process or to its whole process group, or ``dilocox-ctl leave``
+drain the node; the hivemind children leave group-wide signals to us (peers/lifecycle.py) and
+are shut down by the drain. Whatever is still running below us afterwards is ended before we
+exit, so the process never waits forever on a child.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 # hivemind forks its DHT/averager processes after our gRPC server exists; they never use grpcio
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -23,7 +30,10 @@ import dilocox
 from daemon.config import ConfigError, add_flags, load_config
 from daemon.status import State, StatusBoard
 
-logger = logging.getLogger("dilocox")
+logger = logging.getLogger(__name__)
+
+# seconds the exit path (gRPC server stop, joins, interpreter exit) may take after the drain
+EXIT_GRACE_S = 10.0
 
 
 def _setup_logging(level: str) -> None:
@@ -32,7 +42,9 @@ def _setup_logging(level: str) -> None:
 
 
 def node_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dilocox-node", description="Run a dilocox node (DiLoCo over a hivemind swarm).")
+    """Returns the exit code on bad input; once the node has started, ends the process itself."""
+    parser = argparse.ArgumentParser(prog="dilocox-node",
+                                     description="Run a dilocox node (DiLoCo over a hivemind swarm).")
     add_flags(parser)
     flags = vars(parser.parse_args(argv))
     try:
@@ -46,8 +58,6 @@ def node_main(argv: list[str] | None = None) -> int:
     from dilocox.data import DataError
     from dilocox.model import ModelSpecError
 
-    from peers.identity import IdentityError
-
     board = StatusBoard(run_id=cfg.run_id, version=dilocox.__version__, inner_steps=cfg.inner_steps)
     try:
         _check_port_free(cfg.status_addr)
@@ -55,8 +65,35 @@ def node_main(argv: list[str] | None = None) -> int:
     except (DataError, ModelSpecError, _BadInput) as e:
         print(f"dilocox-node: {e}", file=sys.stderr)
         return 2
-    leave_on_signal = lambda signum, frame: node.request_leave(signal.Signals(signum).name)  # noqa: E731
-    signal.signal(signal.SIGTERM, leave_on_signal)
+    from peers.lifecycle import Descendants
+
+    children = Descendants()
+    stop = _StopSignals(node, children)
+    stop.install()
+    try:
+        code = _run(node, cfg, stop)
+    finally:
+        children.end_all()
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> None:
+    """End the process once the node and its children have ended, skipping the interpreter's finalization
+    (seconds of garbage collection of torch's and hivemind's objects on a busy machine, and joins
+    of worker threads that may be blocked on a DHT that is gone). Checkpoints and metrics are
+    already closed; flush what is buffered."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _run(node, cfg, stop: "_StopSignals") -> int:
+    from peers.identity import IdentityError
+
     try:
         node.start()
     except (IdentityError, ValueError) as e:
@@ -65,15 +102,55 @@ def node_main(argv: list[str] | None = None) -> int:
     except Exception as e:
         print(f"dilocox-node: {e}", file=sys.stderr)
         return 1
+    finally:
+        stop.children.remember()  # p2pd (a grandchild) too, while the DHT process is its parent
+        stop.install()  # hivemind's averager set SIGINT to SIG_IGN here while it forked
     import uvloop
 
     try:
-        return uvloop.run(_serve(node, cfg.status_addr))
+        return uvloop.run(_serve(node, cfg.status_addr, stop))
     except _BadInput as e:
         print(f"dilocox-node: {e}", file=sys.stderr)
         node.request_leave("status server failed")
         node.finished.wait(node.cfg.averaging_timeout)
         return 2
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT drain the node; a second SIGINT while draining exits at once (code 130)
+    after killing every process below us. Installed with signal.signal (not the event loop's
+    handlers, which asyncio resets to SIG_DFL when the loop closes, before our children are ended)."""
+
+    def __init__(self, node, children):
+        self.node, self.children = node, children
+        self.exit_armed = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self)
+
+    def __call__(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.node.leave_requested.is_set():
+            logger.warning("second SIGINT while draining: exiting now, without a checkpoint")
+            self.children.kill_all()
+            os._exit(130)
+        self.node.request_leave(name)
+
+    def arm_exit_deadline(self, seconds: float) -> None:
+        """From now on, the process exits within ``seconds`` whatever hangs (a gRPC handler thread, an
+        interpreter exit handler): a daemon thread ends our children and exits with the node's code."""
+        if self.exit_armed:
+            return
+        self.exit_armed = True
+
+        def expire():
+            time.sleep(seconds)
+            logger.error("still running %.0fs after the drain: ending our processes and exiting", seconds)
+            self.children.kill_all()
+            os._exit(self.node.exit_code)
+
+        threading.Thread(target=expire, name="exit-deadline", daemon=True).start()
 
 
 class _BadInput(Exception):
@@ -100,7 +177,13 @@ def _check_port_free(address: str) -> None:
             raise _BadInput(f"status address {address} is not available: {e.strerror}") from e
 
 
-async def _serve(node, status_addr: str) -> int:
+def drain_budget_s(cfg) -> float:
+    """How long a drain may take: an in-flight all-reduce (averaging_timeout), then checkpoint,
+    record withdrawal and child shutdowns."""
+    return cfg.averaging_timeout + 10.0
+
+
+async def _serve(node, status_addr: str, stop: _StopSignals) -> int:
     from daemon.service import PortInUseError, set_health, start_server
 
     try:
@@ -111,19 +194,24 @@ async def _serve(node, status_addr: str) -> int:
     host = status_addr.rsplit(":", 1)[0]
     print(f"status: dilocox-ctl --addr {host}:{port} status", flush=True)
 
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, node.request_leave, signal.Signals(sig).name)
     thread = threading.Thread(target=node.run, name="training", daemon=True)
     thread.start()
-    serving = False
+    serving, drain_deadline = False, None
     while not node.finished.is_set():
+        if drain_deadline is None and node.leave_requested.is_set():
+            drain_deadline = time.monotonic() + drain_budget_s(node.cfg)
+            stop.children.remember()
+        elif drain_deadline is not None and time.monotonic() > drain_deadline:
+            logger.error("drain did not finish within %.0fs: ending the node's processes", drain_budget_s(node.cfg))
+            node.exit_code = 1
+            break
         state = node.board.snapshot().state
         want = state in (State.SYNCING, State.TRAINING, State.AVERAGING)
         if want != serving:
             await set_health(health_servicer, want)
             serving = want
         await asyncio.sleep(0.1)
+    stop.arm_exit_deadline(EXIT_GRACE_S)
     await set_health(health_servicer, False)
     await server.stop(grace=1.0)
     return node.exit_code

@@ -1,7 +1,9 @@
 """Pseudo-gradient all-reduce and state download over hivemind's DecentralizedAverager.
 
-* Matchmaking: every round uses the group key ``{run_id}_pseudo_gradient.0b<round index as 16 bits>``
-  (``set_group_bits``), so only replicas finishing the same round average together.
+* Matchmaking: the averager's prefix is ``{run_id}_[stage{K}of{S}_]pseudo_gradient_{compression}{size}``;
+  each phase's group bits are the round index as 16 bits, the phase digit and (from phase 1 on) 15
+  bits of the previous phase's mean digest (``exchange``), so only replicas finishing the same round
+  from the same earlier result average together (docs/protocol.md).
 * Transport: butterfly all-reduce of one flat buffer of codes (dilocox.quantize / exact_mean),
   shipped losslessly by peers/codec.py, so every member of a group gets the bit-identical mean;
   the caller checks that with digests. A compressed round runs one all-reduce per phase
@@ -28,6 +30,7 @@ from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
 from dilocox.compression import CompressionRound
 from dilocox.diloco import params_digest
+from peers import lifecycle
 from peers.codec import NarrowingCompression, narrowest_dtype
 
 logger = logging.getLogger(__name__)
@@ -120,6 +123,17 @@ class PseudoGradientAverager(DecentralizedAverager):
             declare_state_period=max(2.0, matchmaking_time_s),
             **averager_kwargs,
         )
+
+    def run(self):
+        """The averager process (multiprocessing's override point): supervised, see peers/lifecycle.py."""
+        lifecycle.supervise_child()
+        super().run()
+
+    def shutdown(self) -> None:
+        """hivemind's pipe shutdown, then bounded: the process is terminated and killed if it lingers."""
+        if self.is_alive():
+            super().shutdown()
+        lifecycle.end_process(self, grace_s=3.0)
 
     def get_current_state(self):
         """Serve (metadata, tensors) to a joiner; runs in this (host) process (hivemind contract)."""

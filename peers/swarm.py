@@ -21,6 +21,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
+from peers import lifecycle
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,6 +73,15 @@ def parse_multiaddrs(addrs: List[str], what: str) -> List[Multiaddr]:
     return out
 
 
+class SupervisedDHT(hivemind.DHT):
+    """hivemind's DHT process, supervised (peers/lifecycle.py): in a process group of its own (with the
+    p2pd it launches), SIGTERM only from the main process, and it ends p2pd and itself if that dies."""
+
+    def run(self) -> None:
+        lifecycle.supervise_child(own_process_group=True)
+        super().run()
+
+
 class Swarm:
     """One node's DHT and membership record. Blocking methods; call them off the event loop."""
 
@@ -85,7 +96,7 @@ class Swarm:
         parse_multiaddrs(host_maddrs, "--listen")
         parse_multiaddrs(announce_maddrs, "--announce")
         try:
-            self.dht = hivemind.DHT(
+            self.dht = SupervisedDHT(
                 initial_peers=initial_peers or None,
                 start=True,
                 host_maddrs=host_maddrs,
@@ -139,6 +150,7 @@ class Swarm:
 
     def shutdown(self) -> None:
         self.dht.shutdown()
+        lifecycle.end_process(self.dht, grace_s=3.0)  # a DHT whose p2pd died may not answer the pipe
 
 
 def wait_for(predicate, timeout_s: float, poll_s: float = 0.2):
