@@ -1,18 +1,24 @@
-"""gRPC server of a node: dilocox.v1.Node, grpc.health.v1.Health and server reflection (grpc.aio)."""
+"""gRPC server of a node: dilocox.v1.Node, grpc.health.v1.Health and server reflection (grpc.aio).
+
+Every handler is registered with a request parser that turns bytes that are not a valid request
+message into INVALID_ARGUMENT and one WARNING line (grpc would answer UNKNOWN and log the parser's
+traceback as an ERROR); the server keeps serving.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from daemon.status import State
 from proto.dilocox.v1 import node_pb2, node_pb2_grpc
 
-logger = logging.getLogger("dilocox.service")
+logger = logging.getLogger(__name__)
 SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
 
 
@@ -51,6 +57,93 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return node_pb2.LeaveResponse(accepted=True, state=State.DRAINING.value)
 
 
+class _Malformed:
+    """What the request parser hands the handler for bytes that are not a valid request message."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(parse):
+    def tolerant_parse(raw: bytes):
+        try:
+            return parse(raw)
+        except Exception as e:  # protobuf's DecodeError, or whatever else these bytes make the parser raise
+            return _Malformed(e)
+    return tolerant_parse
+
+
+async def _reject(context, method: str, request: _Malformed) -> None:
+    reason = " ".join(f"{type(request.error).__name__}: {request.error}".split())
+    logger.warning("malformed request to %s from %s rejected: %s", method, context.peer(), reason)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request to {method}: {reason}")
+
+
+async def _checked_requests(requests, context, method: str):
+    async for request in requests:
+        if isinstance(request, _Malformed):
+            await _reject(context, method, request)
+        yield request
+
+
+def _checked(handler, method: str):
+    """``handler`` (a grpc.RpcMethodHandler of async behaviours) with the tolerant parser and the check."""
+    if handler is None or handler.request_deserializer is None:
+        return handler
+    kwargs = dict(request_deserializer=_tolerant(handler.request_deserializer),
+                  response_serializer=handler.response_serializer)
+    if handler.request_streaming:
+        inner = handler.stream_stream or handler.stream_unary
+        if inspect.isasyncgenfunction(inner):
+            async def behaviour(requests, context):
+                async for response in inner(_checked_requests(requests, context, method), context):
+                    yield response
+        else:
+            async def behaviour(requests, context):
+                return await inner(_checked_requests(requests, context, method), context)
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(behaviour, **kwargs)
+        return grpc.stream_unary_rpc_method_handler(behaviour, **kwargs)
+    inner = handler.unary_stream or handler.unary_unary
+    if inspect.isasyncgenfunction(inner):
+        async def behaviour(request, context):
+            if isinstance(request, _Malformed):
+                await _reject(context, method, request)
+            async for response in inner(request, context):
+                yield response
+    else:  # a coroutine: returns the response, or writes the stream with context.write
+        async def behaviour(request, context):
+            if isinstance(request, _Malformed):
+                await _reject(context, method, request)
+            return await inner(request, context)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(behaviour, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(behaviour, **kwargs)
+
+
+class _CheckedGenericHandler(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler):
+        self.inner = inner
+
+    def service(self, handler_call_details):
+        return _checked(self.inner.service(handler_call_details), handler_call_details.method)
+
+
+class _CheckedRegistry:
+    """Stands in for the server while the generated ``add_*Servicer_to_server`` functions register their
+    handlers, and passes them on with the tolerant parser."""
+
+    def __init__(self, server: grpc.aio.Server):
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self.server.add_generic_rpc_handlers(tuple(_CheckedGenericHandler(h) for h in handlers))
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.server.add_registered_method_handlers(
+            service, {name: _checked(h, f"/{service}/{name}") for name, h in handlers.items()})
+
+
 class PortInUseError(OSError):
     """The status address could not be bound."""
 
@@ -58,10 +151,12 @@ class PortInUseError(OSError):
 async def start_server(node, address: str) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
     """Bind and start; raises PortInUseError naming the address if it cannot be bound."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    node_pb2_grpc.add_NodeServicer_to_server(NodeService(node), server)
+    registry = _CheckedRegistry(server)
+    node_pb2_grpc.add_NodeServicer_to_server(NodeService(node), registry)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registry)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(  # what enable_server_reflection does for grpc.aio
+        reflection.aio.ReflectionServicer((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), registry)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as e:
