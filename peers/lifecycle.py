@@ -161,8 +161,9 @@ class Descendants:
         with self._lock:
             return [p for p in self._known.values() if _alive(p)]
 
-    def end_all(self, join_s: float = 5.0, grace_s: float = 2.0) -> None:
-        """Join the multiprocessing children still running (join_s in all), then terminate and kill
+    def end_all(self, join_s: float = 1.0, grace_s: float = 2.0) -> None:
+        """Join the multiprocessing children still running (join_s in all: after a drain they are
+        already shut down, after an overrun drain nobody asked them to), then terminate and kill
         whatever is left below us, remembered grandchildren included."""
         deadline = time.monotonic() + join_s
         for child in mp.active_children():

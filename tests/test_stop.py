@@ -87,13 +87,17 @@ def _check_no_leftovers(node, procs: list[psutil.Process], how: str) -> None:
 
 
 def _cleanup(node, procs: list[psutil.Process]) -> None:
-    """Whatever a failed case left: the node's group, and recorded descendants in other groups."""
-    node.terminate(signal.SIGKILL, timeout=5)
+    """Whatever a failed case left running. Not torch_shm_manager: killed, it would leave its files in
+    /dev/shm; it exits by itself once the node's processes are gone."""
+    if node.proc.poll() is None:
+        node.proc.kill()
+        node.proc.wait(5)
     for p in _alive(procs):
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+        if _name(p) != SHM_MANAGER:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
 
 
 def _checkpoint_after_leave(node) -> Path:
