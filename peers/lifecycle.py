@@ -48,7 +48,10 @@ def supervise_child(own_process_group: bool = False, poll_s: float = WATCHDOG_PO
     parent = mp.parent_process()
     parent_pid = parent.pid if parent is not None else os.getppid()
     if own_process_group:
-        os.setpgid(0, 0)
+        try:
+            os.setpgid(0, 0)
+        except OSError as e:  # still safe, only a group-wide signal would reach p2pd
+            logger.warning("pid %d stays in its parent's process group: %s", os.getpid(), e)
         # a background group writing to (or reading) the terminal must not be stopped by job control
         for sig in (signal.SIGTTOU, signal.SIGTTIN):
             signal.signal(sig, signal.SIG_IGN)
