@@ -1,9 +1,10 @@
 """Run a local swarm of dilocox-node processes on loopback and watch it over gRPC.
 
 Used by ``make demo`` (bench/demo.py), ``make bench`` (bench/) and the integration tests.
-Every node is a real ``dilocox-node`` process in its own process group (so a SIGKILL reaches
-its DHT, averager and p2pd children too); this module only starts them, polls ``GetStatus``
-and asks them to ``Leave``.
+Every node is a real ``dilocox-node`` process in its own session and process group; its DHT
+process keeps p2pd in a group of its own, so a group-wide SIGKILL reaches the main process, the
+averagers and the DHT process, and the watchdog in the DHT process ends p2pd (peers/lifecycle.py).
+This module only starts them, polls ``GetStatus`` and asks them to ``Leave``.
 """
 
 from __future__ import annotations

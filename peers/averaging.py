@@ -179,7 +179,8 @@ class PseudoGradientAverager(DecentralizedAverager):
                 next_check = time.monotonic() + check_every_s
                 if abandon():
                     control.cancel()
-                    raise RoundFailed(f"abandoned after {time.monotonic() - started:.1f}s: no replica left in this round")
+                    raise RoundFailed(f"abandoned after {time.monotonic() - started:.1f}s: "
+                                      f"no replica left in this round")
             time.sleep(0.01)
         try:
             gathered_raw = control.result()
@@ -256,7 +257,8 @@ def exchange(averager: PseudoGradientAverager, rnd: CompressionRound, round_inde
         weights = [metas[p].weight if metas.get(p) is not None else 1.0 for p in peers]
         rnd.phase_done(res.mean, [_stats(res.gathered[p]) for p in peers], weights)
         extra = format(int(params_digest([res.mean])[:4], 16) >> 1, "015b")
-        sent, received, allreduce_s = sent + res.bytes_sent, received + res.bytes_received, allreduce_s + res.allreduce_s
+        sent, received = sent + res.bytes_sent, received + res.bytes_received
+        allreduce_s += res.allreduce_s
     n = max(len(metas), 1)
     fp32 = int(2 * (n - 1) / n * 4 * sum(t.numel() for t in rnd.m))
     return RoundResult(rnd.result(), metas, payload, sent, received, allreduce_s, fp32)
