@@ -179,7 +179,7 @@ def _check_port_free(address: str) -> None:
 
 def drain_budget_s(cfg) -> float:
     """How long a drain may take: an in-flight all-reduce (averaging_timeout), then checkpoint,
-    record withdrawal and child shutdowns."""
+    last membership record and child shutdowns."""
     return cfg.averaging_timeout + 10.0
 
 

@@ -133,7 +133,6 @@ class Node:
         if self.staged:
             self.pipeline = PipelineReplica(cfg, self.state, self.progress, shard_key)
         self.transfer = StateTransfer(cfg, self.state, self.progress, self._donor_progress,
-                                      lambda: self.rounds.bandwidth_bps() if self.rounds else 0.0,
                                       self.leave_requested.is_set)
         self.state.snapshot()
         # one averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors);

@@ -42,12 +42,20 @@ class ProgressTracker:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop publishing and withdraw our record so peers stop counting us before it expires."""
+        """Stop the heartbeat and publish a last record in state STOPPED, so peers stop counting us
+        before it expires. It keeps our last result digest: a group-mate may still be collecting it
+        (withdrawing the record at once split a swarm whose last round one member skipped for want
+        of the leaver's digest)."""
         self._stop.set()
         self._poke.set()
         if self._thread is not None:
             self._thread.join(timeout=self.announce_period_s + 5)
-        self.swarm.withdraw()
+        try:
+            step, digest = self._result
+            self.swarm.publish(MemberRecord(**{**self._describe(), "state": "STOPPED"}, result_step=step,
+                                            result_digest=digest))
+        except Exception as e:  # leaving must not fail because the DHT is already gone
+            logger.warning("could not publish our last membership record: %s", e)
 
     def poke(self) -> None:
         """Publish now (e.g. joiners wait for our new outer_step)."""

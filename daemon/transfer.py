@@ -70,14 +70,12 @@ class DownloadedState:
 class StateTransfer:
     """Donor and joiner sides of state transfer for one node.
 
-    ``donor_progress()`` -> (state name, inner step) of this node, put in the served metadata;
-    ``bandwidth_bps()`` -> our link rate (0: unknown), which sets the donor's transfer window."""
+    ``donor_progress()`` -> (state name, inner step) of this node, put in the served metadata."""
 
     def __init__(self, cfg: NodeConfig, state: ReplicaState, progress: ProgressTracker,
-                 donor_progress: Callable[[], tuple[str, int]], bandwidth_bps: Callable[[], float],
-                 cancelled: Callable[[], bool]):
+                 donor_progress: Callable[[], tuple[str, int]], cancelled: Callable[[], bool]):
         self.cfg, self.state, self.progress = cfg, state, progress
-        self._donor_progress, self._bandwidth_bps, self._cancelled = donor_progress, bandwidth_bps, cancelled
+        self._donor_progress, self._cancelled = donor_progress, cancelled
         self.averager: Optional[PseudoGradientAverager] = None  # set by attach()
         self._busy_until = 0.0  # monotonic time until which we serve no other joiner
 
@@ -95,17 +93,19 @@ class StateTransfer:
     def serve(self):
         """hivemind's state provider (runs on the averager's thread in this process): (meta, tensors).
 
-        A donor serves one joiner per transfer window (request_timeout + the state's bytes at our link
-        rate); a joiner that asks meanwhile gets no state and hivemind moves it on to the next donor, so
-        joiners arriving together spread over the donors (hivemind breaks priority ties at random, and
-        skips a donor that fails mid-download)."""
+        A donor serves one joiner per transfer window (request_timeout + the state's bytes at
+        ``bandwidth_mbps``, or at 100 Mbit/s when that is not configured); a joiner that asks meanwhile
+        gets no state and hivemind moves it on to the next donor, so joiners arriving together spread
+        over the donors (hivemind breaks priority ties at random, and skips a donor that fails
+        mid-download). Not the all-reduce's measured rate: that is a lower bound (it counts waiting for
+        the slowest member), and with a 4 s all-reduce of 18 KB it shut joiners out for a minute."""
         meta, tensors = self.state.served()
         now = time.monotonic()
         if now < self._busy_until:
             logger.info("state requested while serving another joiner: redirecting it to other donors")
             return None, []
         size = sum(t.numel() * t.element_size() for t in tensors)
-        self._busy_until = now + self.cfg.request_timeout + 8 * size / (self._bandwidth_bps() or 100e6)
+        self._busy_until = now + self.cfg.request_timeout + 8 * size / ((self.cfg.bandwidth_mbps or 100) * 1e6)
         state_name, inner_step = self._donor_progress()
         return dict(meta, donor_state=state_name, donor_inner_step=inner_step, donor_round=self.state.round,
                     donor_peer_id=self.progress.peer_id), tensors
@@ -152,7 +152,7 @@ class StateTransfer:
                 time.sleep(0.5)
                 continue
             try:
-                downloaded = self._validate(*got)
+                downloaded = self.validate(*got)
             except (pydantic.ValidationError, ValueError) as e:
                 logger.warning("rejected a downloaded state: %s", e)
                 time.sleep(0.5)
@@ -176,7 +176,7 @@ class StateTransfer:
             return point, downloaded
         return JoinPoint(JoinKind.WAIT, reason="asked to leave"), None
 
-    def _validate(self, raw_meta, tensors: list) -> DownloadedState:
+    def validate(self, raw_meta, tensors: list) -> DownloadedState:
         """Check a donor's state against ours; raises ValueError / ValidationError naming the problem."""
         meta = StateMeta.parse_obj(raw_meta)
         n = len(self.state.outer.global_params)

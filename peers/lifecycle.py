@@ -2,7 +2,7 @@
 
 A node is one main process plus hivemind's forked children: the DHT process (which launches p2pd,
 the libp2p daemon) and one averager process per buffer size. Stopping is the main process's job:
-it drains (finishes or abandons the round, checkpoints, withdraws its record) and then shuts the
+it drains (finishes or abandons the round, checkpoints, marks its record STOPPED) and then shuts the
 children down in order through hivemind's pipes. So:
 
 * ``supervise_child`` (first thing in a child's ``run()``) makes the child ignore SIGINT and take

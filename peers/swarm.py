@@ -120,15 +120,6 @@ class Swarm:
             return bool(self.dht.store(self.key, subkey=self.public_key, value=record.dict(),
                                        expiration_time=get_dht_time() + self.ttl_s))
 
-    def withdraw(self) -> None:
-        """Overwrite our record with None so peers stop counting us before it expires."""
-        try:
-            with self._lock:
-                self.dht.store(self.key, subkey=self.public_key, value=None,
-                               expiration_time=get_dht_time() + self.ttl_s)
-        except Exception as e:  # leaving must not fail because the DHT is already gone
-            logger.warning("could not withdraw membership record: %s", e)
-
     def members(self) -> List[tuple[MemberRecord, float]]:
         """Live members (ours included) with seconds until their record expires; invalid records are skipped."""
         with self._lock:

@@ -1,0 +1,54 @@
+"""StateTransfer's donor window and its checks of downloaded state, with a real ReplicaState and no network."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from daemon.transfer import StateTransfer
+from tests.test_rounds import FakeProgress, state  # noqa: F401 (pytest fixture)
+
+
+def transfer_for(state):  # noqa: F811
+    return StateTransfer(state.cfg, state, FakeProgress(), lambda: ("TRAINING", 3), lambda: False)
+
+
+def test_donor_serves_one_joiner_per_short_window(state):  # noqa: F811
+    state.snapshot()
+    t = transfer_for(state)
+    meta, tensors = t.serve()
+    assert meta["donor_state"] == "TRAINING" and meta["donor_inner_step"] == 3 and meta["donor_round"] == state.round
+    assert len(tensors) >= 2 * len(state.outer.global_params)
+    assert t.serve() == (None, [])  # a second joiner at once goes to another donor
+    # the window is request_timeout + the state at 100 Mbit/s (no bandwidth configured), not a measured rate
+    time.sleep(state.cfg.request_timeout + 8 * sum(x.numel() * x.element_size() for x in tensors) / 100e6 + 0.05)
+    assert t.serve()[0] is not None
+
+
+def served(state):  # noqa: F811
+    state.snapshot()
+    meta, tensors = transfer_for(state).serve()
+    return dict(meta), [x.clone() for x in tensors]
+
+
+def test_valid_state_passes(state):  # noqa: F811
+    meta, tensors = served(state)
+    got = transfer_for(state).validate(meta, tensors)
+    assert got.meta.outer_step == state.outer_step and len(got.theta) == len(state.outer.global_params)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda m, t: t.__delitem__(slice(3, None)), "truncated state"),
+    (lambda m, t: t[0].add_(1.0), "do not match the donor's digest"),
+    (lambda m, t: m.update(run_id="other"), "does not fit ours"),
+    (lambda m, t: m.update(outer_step=-1), "outer_step"),
+    (lambda m, t: t.__setitem__(0, torch.zeros(3)), "shape"),
+])
+def test_bad_state_is_rejected_with_a_reason(state, damage, message):  # noqa: F811
+    meta, tensors = served(state)
+    damage(meta, tensors)
+    with pytest.raises(Exception) as err:
+        transfer_for(state).validate(meta, tensors)
+    assert message in str(err.value)
