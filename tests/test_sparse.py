@@ -1,0 +1,279 @@
+"""SparseLoCo codec (dilocox/sparse.py): round trip, exact sizes, error feedback, deterministic
+aggregation, and rejection of malformed contributions."""
+
+import math
+import random
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from dilocox import sparse
+from dilocox.sparse import ContributionError, SparseCodec, SparseConfig, aggregate, decode, payload_bytes
+
+SHAPES = [(30, 20), (77,), (5, 7, 3)]  # 782 values: 4 chunks of 195 and a last one of 2 (< topk)
+CFG = SparseConfig(chunk=195, topk=12, bits=2, beta=0.95)  # not a power of two: 8-bit indices can overflow
+NIDX = 4 * 12 + 2
+
+
+def randn(shapes, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def expected_round_trip(x: torch.Tensor, cfg: SparseConfig) -> torch.Tensor:
+    """Top-k of each chunk, quantized by the documented mid-rise rule, zeros elsewhere (loops, no codec)."""
+    out = torch.zeros_like(x)
+    m = 2 ** (cfg.bits - 1)
+    for start in range(0, len(x), cfg.chunk):
+        c = x[start:start + cfg.chunk]
+        top = np.argsort(-c.abs().numpy(), kind="stable")[:cfg.topk]
+        s = float(c.abs().max())
+        for i in top:
+            code = min(max(math.floor((float(c[i]) / s + 1) * m), 0), 2 * m - 1)
+            out[start + i] = s * (2 * code + 1 - 2 * m) / (2 * m)
+    return out
+
+
+def test_config_validation_names_the_field():
+    for kwargs, field in (({"chunk": 1}, "chunk"), ({"topk": 0}, "topk"), ({"chunk": 64, "topk": 65}, "topk"),
+                          ({"bits": 3}, "bits"), ({"beta": 1.5}, "beta"), ({"beta": float("nan")}, "beta")):
+        with pytest.raises(ValueError, match=field):
+            SparseConfig(**kwargs)
+    assert SparseConfig().index_bits == 12 and SparseConfig(chunk=200).index_bits == 8
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_round_trip_is_quantized_topk_and_zero_elsewhere(bits):
+    cfg = SparseConfig(chunk=195, topk=12, bits=bits)
+    x = randn(SHAPES, bits)
+    codec = SparseCodec(SHAPES, cfg)
+    out = decode(codec.encode(x), SHAPES, cfg)
+    flat_x = torch.cat([t.reshape(-1) for t in x])
+    flat_out = torch.cat([t.reshape(-1) for t in out])
+    want = expected_round_trip(flat_x, cfg)
+    assert torch.equal(flat_out, want)
+    assert int((flat_out != 0).sum()) == NIDX
+    for start in range(0, len(flat_x), cfg.chunk):  # error bound s / 2^bits on what was sent
+        sl = slice(start, start + cfg.chunk)
+        sent = flat_out[sl] != 0
+        s = float(flat_x[sl].abs().max())
+        assert float((flat_out[sl] - flat_x[sl])[sent].abs().max()) <= s / 2**bits + s * 2**-20  # fp32 rounding
+    # first round: e = x exactly, then e - decode(payload)
+    assert all(torch.equal(e, xi - oi) for e, xi, oi in zip(codec.error, x, out))
+
+
+@pytest.mark.parametrize("n,chunk,topk,bits", [(782, 200, 12, 2), (3 * 256 + 5, 256, 16, 4), (1000, 100, 100, 8),
+                                               (4096 * 3, 4096, 64, 2), (1, 4096, 64, 2)])
+def test_payload_length_is_exact(n, chunk, topk, bits):
+    cfg = SparseConfig(chunk=chunk, topk=topk, bits=bits)
+    nchunks = math.ceil(n / chunk)
+    last = n - (nchunks - 1) * chunk
+    nidx = (nchunks - 1) * topk + min(topk, last)
+    idx_bits = math.ceil(math.log2(chunk))
+    formula = 24 + 4 * nchunks + math.ceil(nidx * idx_bits / 8) + math.ceil(nidx * bits / 8)
+    codec = SparseCodec([(n,)], cfg)
+    payload = codec.encode([torch.randn(n)])
+    assert len(payload) == formula == payload_bytes([(n,)], cfg) == codec.payload_bytes()
+    assert int((decode(payload, [(n,)], cfg)[0] != 0).sum()) == nidx
+
+
+def test_zero_chunks_decode_to_zeros_and_never_send_padding():
+    cfg, n = SparseConfig(chunk=256, topk=16), 3 * 256 + 20
+    x = torch.randn(n)
+    x[256:512] = 0.0  # scale 0
+    x[-20:] = 0.0  # short last chunk of zeros: its picks tie with the padding
+    codec = SparseCodec([(n,)], cfg)
+    out = decode(codec.encode([x]), [(n,)], cfg)[0]  # the decoder rejects a picked padding position
+    assert not bool(out[256:512].any()) and not bool(out[-20:].any())
+    assert int((out != 0).sum()) == 2 * 16 and torch.equal(codec.error[0], x - out)
+
+
+def test_default_config_compresses_over_100x():
+    n = 1_000_000
+    payload = SparseCodec([(n,)]).encode([torch.randn(n)])
+    assert n * 4 / len(payload) >= 100  # 140.6x: 116 bytes per 4096 values
+
+
+def test_error_feedback_beta_one_sends_everything_eventually():
+    cfg = SparseConfig(chunk=64, topk=8, bits=2, beta=1.0)
+    n, rounds = 4096, 60
+    codec = SparseCodec([(n,)], cfg)
+    g = torch.Generator().manual_seed(1)
+    drift = torch.randn(n, generator=g)
+    true_sum, sent_sum, norms = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64), []
+    for _ in range(rounds):
+        delta = drift + torch.randn(n, generator=g)
+        sent = decode(codec.encode([delta]), [(n,)], cfg)[0]
+        true_sum += delta.double()
+        sent_sum += sent.double()
+        # nothing is lost: what was not sent yet is exactly the buffer
+        assert torch.allclose(true_sum - sent_sum, codec.error[0].double(), atol=1e-4, rtol=0)
+        norms.append(float(codec.error[0].norm()))
+    assert max(norms[30:]) <= 1.5 * max(norms[:30])  # bounded: it does not grow with the rounds
+    assert float((true_sum - sent_sum).norm() / true_sum.norm()) < 0.1
+
+
+def test_error_feedback_recurrence_with_decay_is_exact():
+    codec = SparseCodec(SHAPES, CFG)
+    e0, delta = randn(SHAPES, 10), randn(SHAPES, 11)
+    codec.load_state_dict({"error": e0})
+    out = decode(codec.encode(delta), SHAPES, CFG)
+    for e, a, d, o in zip(codec.error, e0, delta, out):
+        assert torch.equal(e, (0.95 * a + d) - o)
+    flat = torch.cat([(0.95 * a + d).reshape(-1) for a, d in zip(e0, delta)])
+    assert torch.equal(torch.cat([o.reshape(-1) for o in out]), expected_round_trip(flat, CFG))
+
+
+def peer_payloads(k, shapes=SHAPES, cfg=CFG):
+    return {f"peer{i}": SparseCodec(shapes, cfg).encode(randn(shapes, 100 + i)) for i in range(k)}
+
+
+def test_aggregate_is_order_independent_and_equals_float64_reference():
+    payloads = peer_payloads(5)
+    weights = {p: w for p, w in zip(payloads, [100.0, 37.0, 1.0, 0.3, 99.0])}
+    ref = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    for p in sorted(payloads):
+        for r, d in zip(ref, decode(payloads[p], SHAPES, CFG)):
+            r += weights[p] * d.double()
+    ref = [(r / sum(weights[p] for p in sorted(payloads))).float() for r in ref]
+    first, rejected = aggregate(payloads, weights, SHAPES, CFG)
+    assert rejected == {} and all(torch.equal(a, b) for a, b in zip(first, ref))
+    rng = random.Random(0)
+    for _ in range(5):
+        keys = list(payloads)
+        rng.shuffle(keys)
+        wkeys = list(weights)
+        rng.shuffle(wkeys)
+        out, _ = aggregate({k: payloads[k] for k in keys}, {k: weights[k] for k in wkeys}, SHAPES, CFG)
+        assert all(torch.equal(a, b) for a, b in zip(out, first))
+
+
+def test_aggregate_sums_in_sorted_peer_order():
+    # float64 hides the order for ordinary data; here it does not: 7.5e19 + 1 == 7.5e19 in float64
+    cfg, shapes = SparseConfig(chunk=2, topk=1), [(1,)]
+    values = {"a": 1e20, "c": 4.0 / 3.0, "b": -1e20}  # decoded as 3/4 of each (2 bits, one value per chunk)
+    payloads = {p: SparseCodec(shapes, cfg).encode([torch.tensor([v])]) for p, v in values.items()}
+    small = float(decode(payloads["c"], shapes, cfg)[0])
+    for order in (["a", "c", "b"], ["c", "b", "a"], ["b", "a", "c"]):
+        out, _ = aggregate({p: payloads[p] for p in order}, dict.fromkeys(order, 1.0), shapes, cfg)
+        assert float(out[0]) == float(torch.tensor(small / 3.0, dtype=torch.float32)) != 0.0
+
+
+def sections(payload: bytes, cfg=CFG, shapes=SHAPES):
+    lay = sparse.layout(sum(math.prod(s) for s in shapes), cfg)
+    off = sparse.HEADER_BYTES
+    scales = np.frombuffer(payload, "<f4", lay.nchunks, off).copy()
+    off += 4 * lay.nchunks
+    idx = sparse.unpack_bits(payload, off, lay.nidx, cfg.index_bits, "index")
+    codes = sparse.unpack_bits(payload, off + lay.index_bytes, lay.nidx, cfg.bits, "code")
+    return payload[:sparse.HEADER_BYTES], scales, idx, codes
+
+
+def rebuild(header, scales, idx, codes, cfg=CFG):
+    return header + scales.astype("<f4").tobytes() + sparse.pack_bits(idx, cfg.index_bits) + \
+        sparse.pack_bits(codes, cfg.bits)
+
+
+def malformed(good: bytes) -> dict[str, tuple[bytes, str]]:
+    """name -> (payload, words the rejection must contain)."""
+    header, scales, idx, codes = sections(good)
+    assert rebuild(header, scales, idx, codes) == good
+
+    def with_idx(f):
+        i = idx.clone()
+        f(i)
+        return rebuild(header, scales, i, codes)
+
+    def with_scale(v):
+        s = scales.copy()
+        s[1] = v
+        return rebuild(header, s, idx, codes)
+
+    def with_header(**kw):
+        fields = dict(zip(["magic", "version", "bits", "flags", "total", "chunk", "topk"],
+                          struct.unpack("<4sHBBQII", header)))
+        fields.update(kw)
+        return struct.pack("<4sHBBQII", *fields.values()) + good[len(header):]
+
+    def set_(i, pos, v):
+        i[pos] = v
+
+    def swap(i):
+        i[0], i[1] = int(i[1]), int(i[0])
+
+    k = CFG.topk
+    padded = bytearray(good)
+    padded[-1] |= 0x80  # 50 codes * 2 bits = 100 bits: the last byte's top 4 bits are padding
+    return {
+        "truncated": (good[:-1], "truncated"),
+        "short header": (good[:10], "truncated header"),
+        "oversized": (good + b"\x00", "oversized"),
+        "out of range": (with_idx(lambda i: set_(i, k - 1, 250)), "out of range"),
+        "last chunk out of range": (with_idx(lambda i: set_(i, len(i) - 1, 190)), "of 2 values"),
+        "duplicate": (with_idx(lambda i: set_(i, 1, int(i[0]))), "duplicate"),
+        "unsorted": (with_idx(swap), "unsorted"),
+        "nan scale": (with_scale(float("nan")), "non-finite scale"),
+        "inf scale": (with_scale(float("inf")), "non-finite scale"),
+        "negative scale": (with_scale(-1.0), "negative scale"),
+        "magic": (with_header(magic=b"XXXX"), "magic"),
+        "version": (with_header(version=2), "version"),
+        "flags": (with_header(flags=1), "flags"),
+        "bits": (with_header(bits=4), "bits=4"),
+        "chunk": (with_header(chunk=256), "chunk=256"),
+        "topk": (with_header(topk=11), "topk=11"),
+        "total": (with_header(total=781), "total values=781"),
+        "padding": (bytes(padded), "padding bits"),
+        "not bytes": ("hello", "not bytes"),
+    }
+
+
+def test_malformed_contributions_are_rejected_and_the_rest_aggregates():
+    good = peer_payloads(2)
+    weights = {"peer0": 2.0, "peer1": 1.0}
+    bad = malformed(good["peer0"])
+    for name, (payload, words) in bad.items():
+        with pytest.raises(ContributionError, match=words):
+            decode(payload, SHAPES, CFG)
+    contributions = dict(good, **{f"bad {name}": p for name, (p, _) in bad.items()})
+    weights.update({f"bad {name}": 1.0 for name in bad})
+    for name, w in (("zero", 0.0), ("negative", -1.0), ("nan", float("nan")), ("inf", float("inf"))):
+        contributions[f"weight {name}"] = good["peer1"]
+        weights[f"weight {name}"] = w
+    contributions["weight missing"] = good["peer1"]
+    out, rejected = aggregate(contributions, weights, SHAPES, CFG)
+    assert set(rejected) == set(contributions) - set(good)
+    for name, (_, words) in bad.items():
+        assert words in rejected[f"bad {name}"]
+    assert all("weight" in rejected[p] for p in rejected if p.startswith("weight"))
+    clean, _ = aggregate(good, {"peer0": 2.0, "peer1": 1.0}, SHAPES, CFG)
+    assert all(torch.equal(a, b) for a, b in zip(out, clean))
+    with pytest.raises(ValueError, match="no contribution accepted"):
+        aggregate({"x": bad["truncated"][0]}, {"x": 1.0}, SHAPES, CFG)
+
+
+def test_encode_rejects_bad_input_and_keeps_its_buffers():
+    codec = SparseCodec(SHAPES, CFG)
+    codec.encode(randn(SHAPES, 3))
+    before = codec.state_dict()
+    with pytest.raises(ValueError, match="shapes"):
+        codec.encode(randn(SHAPES[:2], 4))
+    bad = randn(SHAPES, 5)
+    bad[1][3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.encode(bad)
+    assert all(torch.equal(a, b) for a, b in zip(codec.error, before["error"]))
+
+
+def test_state_dict_round_trip_reproduces_the_payload():
+    a = SparseCodec(SHAPES, CFG)
+    a.encode(randn(SHAPES, 6))
+    b = SparseCodec(SHAPES, CFG)
+    b.load_state_dict(a.state_dict())
+    delta = randn(SHAPES, 7)
+    assert a.encode(delta) == b.encode(delta)
+    with pytest.raises(ValueError, match="shapes"):
+        b.load_state_dict({"error": randn(SHAPES[:1], 8)})
+    b.reset()
+    assert all(not bool(e.any()) for e in b.error)
