@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults compose-test proto clean
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality compose-test proto clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ bench-stages: install
 
 bench-faults: install
 	$(PY) -m bench.faults
+
+# validation loss vs tokens per codec: 4 in-process replicas, H=30, 100 outer steps, 3 seeds (~30 min on 2 cores)
+bench-quality: install
+	$(PY) -m bench.quality --methods fp32 fp32-delayed int8 adaptive adaptive-delayed sparse sparse-a4 sparse-a8 \
+		sparse-nesterov0.7 --seeds 7 8 9
 
 # builds the image, runs docker/compose.yaml (bootstrap + 2 peers), checks outer step 2 with a full group
 compose-test: install

@@ -1,0 +1,27 @@
+"""bench/quality.py's in-process replicas: a few rounds of each codec path train, report honest payload
+sizes, and give the same curve for the same seed (identical data order and init)."""
+
+from __future__ import annotations
+
+from bench.quality import METHODS, run
+
+SMALL = dict(replicas=2, inner_steps=3, outer_steps=3, model="tiny", eval_every=1, eval_batches=2,
+             data="builtin:shakespeare")
+
+
+def test_codecs_train_and_report_their_payload():
+    fp32 = run(METHODS["fp32"], 7, **SMALL)
+    curve = [p["val_loss"] for p in fp32["curve"]]
+    assert curve[-1] < curve[0] - 0.05, curve  # 9 inner steps, still in the warm-up
+    assert fp32["compression_ratio"] == 1.0 and fp32["payload_bytes"] == fp32["fp32_bytes"]
+    sparse = run(METHODS["sparse"], 7, **SMALL)
+    assert sparse["compression_ratio"] > 100  # indices, codes, scales and header all counted
+    adaptive = run(METHODS["adaptive-delayed"], 7, **SMALL)
+    assert 1 < adaptive["compression_ratio"] < sparse["compression_ratio"]
+    for r in (sparse, adaptive):
+        assert r["curve"][-1]["val_loss"] < r["curve"][0]["val_loss"], r["curve"]
+
+
+def test_same_seed_same_curve():
+    a, b = (run(METHODS["int8"], 3, **SMALL) for _ in range(2))
+    assert [p["val_loss"] for p in a["curve"]] == [p["val_loss"] for p in b["curve"]]
