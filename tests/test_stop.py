@@ -155,7 +155,7 @@ def test_second_sigint_while_draining_exits_at_once(tmp_path):
     node, procs = _trained(tmp_path, "node"), []
     try:
         procs = _descendants(node.proc.pid)
-        # a stuck drain: the DHT process (p2pd's parent) stops answering, so withdrawing our record blocks
+        # a stuck drain: the DHT process (p2pd's parent) stops answering, so publishing our last record blocks
         dht = next(p for p in procs if any(_name(c) == "p2pd" for c in p.children()))
         dht.suspend()
         os.killpg(node.proc.pid, signal.SIGINT)
