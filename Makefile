@@ -54,6 +54,7 @@ compose-test: install
 proto: install
 	$(PIP) install -q -e '.[proto]'
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. proto/dilocox/v1/node.proto
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. proto/dilocox/v1/swarm.proto
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

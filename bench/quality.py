@@ -32,7 +32,7 @@ from dilocox.data import Corpus, ReplicaShard, validation_batches
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
 from dilocox.model import ModelSpec
 from dilocox.overlap import OuterSchedule
-from dilocox.sparse import SparseCodec, SparseConfig, aggregate
+from dilocox.sparse import SparseCodec, SparseConfig, aggregate, decode
 from dilocox.stages import build_stage
 
 OUT = Path("runs/bench")
@@ -48,30 +48,61 @@ class Method:
     outer_momentum: float = 0.9
     nesterov: bool = True
     overlap: str = "none"
+    proxy: str = "none"             # delayed overlap: the next round's local start (dilocox/overlap.py)
     rank_max: int = 8
     rank_energy: float = 0.5
+    error_feedback: bool = True
+    dense_embeddings: bool = False  # embeddings and LM head sent whole (8-bit), not in low rank
+    warmup_rounds: int = 0          # the first rounds sent uncompressed (fp32)
+    power_iterations: int = 1       # PowerSGD iterations per round (each extra one: two more phases)
+    refresh_every: int = 0          # every k-th round sent whole at 8 bits, flushing the error feedback
     sparse: SparseConfig = field(default_factory=SparseConfig)
 
 
-METHODS = {
-    "fp32": Method("fp32"),
-    "fp32-delayed": Method("fp32-delayed", overlap="delayed"),
-    "int8": Method("int8", codec="int8"),
-    "adaptive": Method("adaptive", codec="adaptive"),
-    "adaptive-delayed": Method("adaptive-delayed", codec="adaptive", overlap="delayed"),
-    "sparse": Method("sparse", codec="sparse", outer_lr=1.0, outer_momentum=0.0, nesterov=False),
-}
-for _lr in (2, 4, 6, 8):
-    METHODS[f"sparse-a{_lr}"] = Method(f"sparse-a{_lr}", codec="sparse", outer_lr=float(_lr), outer_momentum=0.0,
-                                       nesterov=False)
-for _lr in (0.35, 0.7):
-    METHODS[f"sparse-nesterov{_lr}"] = Method(f"sparse-nesterov{_lr}", codec="sparse", outer_lr=_lr)
+def _sgd(name: str, codec: str, lr: float, **kw) -> Method:
+    return Method(name, codec=codec, outer_lr=lr, outer_momentum=0.0, nesterov=False, **kw)
+
+
+METHODS = {m.name: m for m in [
+    Method("fp32"),
+    Method("fp32-delayed", overlap="delayed"),
+    Method("fp32-delayed-local", overlap="delayed", proxy="local"),
+    Method("fp32-delayed-eager", overlap="delayed", proxy="eager"),
+    Method("int8", codec="int8"),
+    Method("int8-delayed-local", codec="int8", overlap="delayed", proxy="local"),
+    Method("adaptive", codec="adaptive"),
+    Method("adaptive-delayed", codec="adaptive", overlap="delayed"),
+    Method("adaptive-delayed-local", codec="adaptive", overlap="delayed", proxy="local"),
+    Method("adaptive-noef", codec="adaptive", error_feedback=False),
+    _sgd("adaptive-sgd1", "adaptive", 1.0),
+    _sgd("adaptive-sgd2", "adaptive", 2.0),
+    Method("adaptive-dense-embed", codec="adaptive", dense_embeddings=True),
+    Method("adaptive-warmup10", codec="adaptive", warmup_rounds=10),
+    Method("adaptive-power2", codec="adaptive", power_iterations=2),
+    Method("adaptive-refresh5", codec="adaptive", refresh_every=5),
+    Method("adaptive-rank32", codec="adaptive", rank_max=32, rank_energy=0.9),
+    _sgd("sparse", "sparse", 1.0),
+    *[_sgd(f"sparse-a{a}", "sparse", float(a)) for a in (2, 3, 4, 6, 8)],
+    Method("sparse-nesterov0.7", codec="sparse"),
+    Method("sparse-nesterov0.35", codec="sparse", outer_lr=0.35),
+    *[_sgd(f"sparse-a4-beta{b}", "sparse", 4.0, sparse=SparseConfig(beta=b)) for b in (0.9, 0.99)],
+    *[_sgd(f"sparse4b-a{a}", "sparse", float(a), sparse=SparseConfig(bits=4)) for a in (3, 4)],
+    *[_sgd(f"sparse-k128-a{a}", "sparse", float(a), sparse=SparseConfig(topk=128)) for a in (3, 4)],
+    _sgd("sparse-a4-delayed", "sparse", 4.0, overlap="delayed"),
+    _sgd("sparse-a4-delayed-local", "sparse", 4.0, overlap="delayed", proxy="local"),
+    _sgd("sparse-a4-delayed-eager", "sparse", 4.0, overlap="delayed", proxy="eager"),
+]}
 
 
 def _codes_mean(codes: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
     """The weighted mean hivemind's all-reduce returns for fp32 code buffers (integers: exact)."""
     total = sum(weights)
     return sum(w / total * c for w, c in zip(weights, codes))
+
+
+def _compressor(method: Method, mode: str, shapes, dense: tuple, seed: int) -> Compressor:
+    return Compressor(shapes, CompressionConfig(mode=mode, rank_max=method.rank_max, energy=method.rank_energy,
+                                                seed=seed, error_feedback=method.error_feedback, dense=dense))
 
 
 def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps: int, model: str,
@@ -82,17 +113,21 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
     node = NodeConfig()  # the daemon's inner recipe (lr, warm-up, weight decay, betas)
     inner_cfg = InnerConfig(lr=node.inner_lr, weight_decay=node.weight_decay, betas=(node.beta1, node.beta2),
                             warmup_steps=node.warmup_steps, total_steps=inner_steps * outer_steps)
-    inners = [InnerLoop(build_stage(spec, seed, 0, 1), inner_cfg) for _ in range(replicas)]
+    modules = [build_stage(spec, seed, 0, 1) for _ in range(replicas)]
+    inners = [InnerLoop(m, inner_cfg) for m in modules]
     outer = OuterOptimizer(inners[0].params, method.outer_lr, method.outer_momentum, method.nesterov)
-    schedules = [OuterSchedule(outer, method.overlap) for _ in inners]
+    schedules = [OuterSchedule(outer, method.overlap, method.proxy) for _ in inners]
     shards = [ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, 1234, r) for r in range(replicas)]
     shapes = [tuple(p.shape) for p in outer.global_params]
+    names = [n for n, _ in modules[0].named_parameters()]
+    dense = tuple(i for i, n in enumerate(names) if "embed" in n or "lm_head" in n) if method.dense_embeddings else ()
     numel = sum(math.prod(s) for s in shapes)
-    if method.codec == "sparse":
-        codecs = [SparseCodec(shapes, method.sparse) for _ in inners]
-    else:
-        codecs = [Compressor(shapes, CompressionConfig(mode=method.codec, rank_max=method.rank_max,
-                                                       energy=method.rank_energy, seed=seed)) for _ in inners]
+    codecs = dict(main=[SparseCodec(shapes, method.sparse) if method.codec == "sparse"
+                        else _compressor(method, method.codec, shapes, dense, seed) for _ in inners])
+    if method.warmup_rounds:
+        codecs["warmup"] = [_compressor(method, "none", shapes, dense, seed) for _ in inners]
+    if method.refresh_every:
+        codecs["refresh"] = [_compressor(method, "int8", shapes, dense, seed) for _ in inners]
     evaluator = InnerLoop(build_stage(spec, seed, 0, 1), inner_cfg)
     val = validation_batches(corpus, spec.seq_len, spec.batch_size, eval_batches)
     step_bound = exact_mean.adam_step_bound(node.beta1, node.beta2)
@@ -111,15 +146,18 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
             for i in range(inner_steps):
                 inner.inner_step(*shard.next_batch(), global_step=(t - 1) * inner_steps + i)
         deltas = [s.pseudo_gradient(inner.params) for s, inner in zip(schedules, inners)]
-        averaged, payload = _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_bound)
+        averaged, own, payload = _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_bound)
         payloads.append(payload)
         if method.overlap == "none":
-            outer.step(averaged)
-        elif pending is not None:  # delayed: round t-1's mean is applied at the end of round t
-            outer.step(pending)
+            for s in schedules[:1]:  # theta is shared: one outer step
+                s.update_theta(averaged, replicas)
+        elif pending is not None:  # delayed: round t-1's mean is applied (mid-round t in the daemon)
+            schedules[0].update_theta(pending, replicas)
         pending = averaged
-        for s, inner in zip(schedules, inners):
-            s.rebase(inner.params)
+        for k, (s, inner) in enumerate(zip(schedules, inners)):
+            if method.proxy == "eager":  # each replica's schedule keeps its own eager state
+                s.last_mean, s.group_size = schedules[0].last_mean, replicas
+            s.rebase(inner.params, own[k] if method.overlap == "delayed" else None)
             s.begin_round(inner.params)
         if t % eval_every == 0 or t == outer_steps:
             evaluate(t)
@@ -129,27 +167,50 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
 
 
 def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_bound):
-    """The group's mean pseudo-gradient as every member computes it, and one member's payload bytes."""
+    """The group's mean pseudo-gradient as every member computes it, each replica's own contribution as
+    the group decodes it, and one member's payload bytes."""
     weights = [float(inner_steps)] * len(deltas)
+    shapes = [tuple(p.shape) for p in outer.global_params]
     if method.codec == "sparse":
-        payloads = {f"r{i}": c.encode(d) for i, (c, d) in enumerate(zip(codecs, deltas))}
-        mean, dropped = aggregate(payloads, {p: w for p, w in zip(payloads, weights)},
-                                  [tuple(p.shape) for p in outer.global_params], method.sparse)
+        payloads = {f"r{i}": c.encode(d) for i, (c, d) in enumerate(zip(codecs["main"], deltas))}
+        mean, dropped = aggregate(payloads, {p: w for p, w in zip(payloads, weights)}, shapes, method.sparse)
         assert not dropped, dropped
-        return mean, len(payloads["r0"])
+        own = [decode(payloads[p], shapes, method.sparse) for p in payloads]
+        return mean, own, len(payloads["r0"])
     lr_sum = sum(inner_cfg.lr_at((t - 1) * inner_steps + i) for i in range(inner_steps))
     bounds = [exact_mean.pseudo_gradient_bound(lr_sum, inner_cfg.weight_decay, float(p.abs().max()), step_bound)
               for p in outer.global_params]
-    rounds = [c.begin(d, bounds, t) for c, d in zip(codecs, deltas)]
-    for _ in range(rounds[0].num_phases):
-        out = [r.phase_payload() for r in rounds]
-        mean = _codes_mean([codes for codes, _ in out], weights)
-        for r in rounds:
-            r.phase_done(mean, [stats for _, stats in out], weights)
+    main = codecs["main"]
+    if t <= method.warmup_rounds:
+        return _compressed_round(codecs["warmup"], deltas, bounds, t, weights, 1)
+    if method.refresh_every and t % method.refresh_every == 0:
+        flushed = [[d + e for d, e in zip(delta, c.error)] for delta, c in zip(deltas, main)]
+        for c in codecs["refresh"]:
+            c.error = [torch.zeros_like(e) for e in c.error]
+        out = _compressed_round(codecs["refresh"], flushed, bounds, t, weights, 1)
+        for c, r in zip(main, codecs["refresh"]):
+            c.error = [e.clone() for e in r.error]
+        return out
+    return _compressed_round(main, deltas, bounds, t, weights, method.power_iterations)
+
+
+def _compressed_round(codecs, deltas, bounds, t, weights, power_iterations):
+    """The Compressor round protocol, with the mean of the codes hivemind's all-reduce would return."""
+    for it in range(power_iterations):
+        rounds = [c.begin(d, bounds, t) for c, d in zip(codecs, deltas)]
+        for _ in range(rounds[0].num_phases):
+            out = [r.phase_payload() for r in rounds]
+            mean = _codes_mean([codes for codes, _ in out], weights)
+            for r in rounds:
+                r.phase_done(mean, [stats for _, stats in out], weights)
+        if it < power_iterations - 1:
+            for r, c in zip(rounds, codecs):
+                c.refine(r)
+    averaged, own = rounds[0].result(), [r.own() for r in rounds]
     for r, c in zip(rounds, codecs):
         r.decide_rank(0.0, 0.0, len(rounds))
         c.commit(r)
-    return rounds[0].result(), rounds[0].stats.payload_bytes
+    return averaged, own, rounds[0].stats.payload_bytes * power_iterations
 
 
 def _job(args):

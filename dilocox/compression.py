@@ -53,6 +53,9 @@ class CompressionConfig:
     the pseudo-gradient energy the chosen rank must keep; bandwidth_bps (0 = use measured) and
     fill (fraction of a round the transfer may take) set the bandwidth cap; block is the number
     of values per quantization scale; margin is the scale head-room over last round's maxima.
+    error_feedback: keep what the codes missed and add it to the next round (off: it is dropped);
+    dense: indices of tensors never sent in low rank (e.g. embeddings and the LM head, as hivemind
+    and GaLore do), sent whole at ``bits`` instead.
     """
 
     mode: Mode = "adaptive"
@@ -63,6 +66,8 @@ class CompressionConfig:
     margin: float = 2.0
     fill: float = 0.8
     seed: int = 0
+    error_feedback: bool = True
+    dense: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.mode not in MODE_BITS:
@@ -138,7 +143,8 @@ class Compressor:
         self.shapes = [tuple(s) for s in shapes]
         self.bits = cfg.bits
         self.wire_bits = cfg.bits if cfg.bits < 32 else 16  # mode none: every block takes the fp32 exact path
-        self.low_rank = [cfg.mode == "adaptive" and is_low_rank(s, cfg.rank_max) for s in self.shapes]
+        self.low_rank = [cfg.mode == "adaptive" and is_low_rank(s, cfg.rank_max) and i not in cfg.dense
+                         for i, s in enumerate(self.shapes)]
         self.rank = cfg.rank_max if cfg.mode == "adaptive" else 0
         self.error = [torch.zeros(s) for s in self.shapes]
         self.q_prev: dict[int, torch.Tensor] = {
@@ -219,7 +225,7 @@ class Compressor:
     def commit(self, rnd: "CompressionRound") -> None:
         """The round was applied: keep its error feedback and advance the shared state from its
         all-reduced/all-gathered data (identical on every member of the group)."""
-        self.error = rnd.new_error
+        self.error = rnd.new_error if self.cfg.error_feedback else [torch.zeros(s) for s in self.shapes]
         self.scales = rnd.new_scales
         if any(self.low_rank):
             order, new_rank = rnd.column_order, rnd.next_rank
@@ -237,6 +243,13 @@ class Compressor:
                     s = self._predicted_p_scale(i, rnd.averaged[i])
                 self.scales[(i, kind)] = s.contiguous()
             self.rank = new_rank
+
+    def refine(self, rnd: "CompressionRound") -> None:
+        """One more power iteration: the next round over the same pseudo-gradient starts from this
+        round's averaged Q (shared), while the error feedback and scales stay as they were (a
+        finished round that was not applied)."""
+        for i in self.q_prev:
+            self.q_prev[i] = rnd.q_mean[i].contiguous()
 
     def _predicted_p_scale(self, i: int, averaged: torch.Tensor) -> torch.Tensor:
         """Scale of next round's P = M orth(Q_prev), predicted from this round's shared average
@@ -376,6 +389,10 @@ class CompressionRound:
         cum = torch.cumsum(kept, 0) / max(total, 1e-300)
         self.kept = {k: float(cum[k - 1]) for k in range(1, self.rank + 1)}
         self.stats.kept_energy = self.kept.get(self.rank, 0.0)
+
+    def own(self) -> list[torch.Tensor]:
+        """Our own contribution as the group decodes it, M_r - e_r (call after the last phase)."""
+        return [m - e for m, e in zip(self.m, self.new_error)]
 
     def result(self) -> list[torch.Tensor]:
         """The averaged (decompressed) pseudo-gradient, identical on every member of the group."""

@@ -110,6 +110,26 @@ class OuterOptimizer:
         for p in self.global_params:
             p.grad = None
 
+    @torch.no_grad()
+    def lookahead(self, pseudo_gradient: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What ``step(pseudo_gradient)`` would make theta, without changing theta or the momentum.
+
+        torch's SGD rule (dampening 0): b' = mu b + g (b' = g at the first step), d = g + mu b'
+        (nesterov) or b' (heavy ball) or g (mu = 0), theta' = theta - lr d. Used for the delayed
+        schedule's local start point (dilocox/overlap.py, ``proxy``)."""
+        group = self.outer_optimizer.param_groups[0]
+        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        out = []
+        for p, g in zip(self.global_params, pseudo_gradient):
+            g = g.to(torch.float32)
+            d = g
+            if mu != 0:
+                buf = self.outer_optimizer.state.get(p, {}).get("momentum_buffer")
+                nxt = g.clone() if buf is None else buf * mu + g
+                d = g + mu * nxt if nesterov else nxt
+            out.append(p - lr * d)
+        return out
+
     def momentum_buffers(self) -> list[torch.Tensor]:
         """The Nesterov momentum buffer per parameter (zeros before the first outer step)."""
         out = []
