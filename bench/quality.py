@@ -157,7 +157,8 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
         for k, (s, inner) in enumerate(zip(schedules, inners)):
             if method.proxy == "eager":  # each replica's schedule keeps its own eager state
                 s.last_mean, s.group_size = schedules[0].last_mean, replicas
-            s.rebase(inner.params, own[k] if method.overlap == "delayed" else None)
+            s.rebase(inner.params)
+            s.start_from_proxy(inner.params, own[k])
             s.begin_round(inner.params)
         if t % eval_every == 0 or t == outer_steps:
             evaluate(t)

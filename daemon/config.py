@@ -26,6 +26,13 @@ class ConfigError(ValueError):
     """A configuration problem, with a message that names the field, variable or file."""
 
 
+# outer optimizer per compression mode, from make bench-quality (docs/algorithms.md, "Choosing the default")
+OUTER_DEFAULTS = {
+    "none": dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True),  # DiLoCo's recipe
+    "sparse": dict(outer_lr=4.0, outer_momentum=0.0, nesterov=False),  # SparseLoCo: error feedback, no momentum
+}
+
+
 class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -77,14 +84,23 @@ class NodeConfig(BaseModel):
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, gt=0, lt=1)
-    outer_lr: float = Field(0.7, gt=0)
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = True
+    outer_lr: Optional[float] = Field(None, gt=0, description="outer learning rate (default: per compression, "
+                                                              "see docs/algorithms.md)")
+    outer_momentum: Optional[float] = Field(None, ge=0, lt=1, description="outer momentum (default: per compression)")
+    nesterov: Optional[bool] = Field(None, description="Nesterov outer momentum (default: per compression)")
     overlap: Literal["none", "delayed"] = Field(
         "delayed", description="none: synchronous DiLoCo; delayed: DiLoCoX one-step delay")
-    compression: Literal["none", "fp16", "int8", "adaptive"] = Field(
+    overlap_proxy: Literal["none", "local", "eager"] = Field(
+        "none", description="delayed overlap: where the next round starts (none: the plain re-base; local: our own "
+                             "contribution stands in for the mean; eager: Eager Updates' mix)")
+    compression: Literal["none", "fp16", "int8", "adaptive", "sparse"] = Field(
         "adaptive",
-        description="pseudo-gradient codes: none (fp32), fp16 (16-bit), int8 (8-bit), adaptive (low rank + 8-bit)")
+        description="pseudo-gradient codes: none (fp32), fp16 (16-bit), int8 (8-bit), adaptive (low rank + 8-bit), "
+                    "sparse (top-k per chunk + 2-bit + error feedback, all-gathered)")
+    sparse_chunk: int = Field(4096, ge=2, lt=2**32, description="sparse: values per chunk")
+    sparse_topk: int = Field(64, ge=1, description="sparse: values sent per chunk")
+    sparse_bits: Literal[2, 4, 8] = Field(2, description="sparse: bits per sent value")
+    sparse_beta: float = Field(0.95, ge=0, le=1, description="sparse: error-feedback decay per outer step")
     rank_min: int = Field(1, ge=1, description="adaptive: lowest PowerSGD rank")
     rank_max: int = Field(8, ge=1, description="adaptive: highest PowerSGD rank (also the first round's)")
     rank_energy: float = Field(0.5, gt=0, le=1,
@@ -104,6 +120,18 @@ class NodeConfig(BaseModel):
     eval_batches: int = Field(4, ge=1, description="validation batches per outer step")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _outer_defaults(cls, data):
+        """outer_lr / outer_momentum / nesterov left unset take the measured default of the compression
+        (OUTER_DEFAULTS; docs/algorithms.md): outer momentum does not mix with sparse error feedback."""
+        if isinstance(data, dict):
+            compression = data.get("compression", cls.model_fields["compression"].default)
+            for name, value in OUTER_DEFAULTS.get(compression, OUTER_DEFAULTS["none"]).items():
+                if data.get(name) is None:
+                    data = {**data, name: value}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> "NodeConfig":
         chain = ["request_timeout", "matchmaking_time", "averaging_timeout", "outer_round_deadline"]
@@ -116,6 +144,8 @@ class NodeConfig(BaseModel):
             raise ValueError(f"stage {self.stage!r}: need K < S (stages are numbered 0 .. S-1)")
         if self.rank_min > self.rank_max:
             raise ValueError(f"rank_min={self.rank_min} must be <= rank_max={self.rank_max}")
+        if self.compression == "sparse" and self.sparse_topk > self.sparse_chunk:
+            raise ValueError(f"sparse_topk={self.sparse_topk} must be <= sparse_chunk={self.sparse_chunk}")
         if self.beta1**2 >= self.beta2:
             raise ValueError(f"beta1^2 must be < beta2 (bounded AdamW update); "
                              f"got beta1={self.beta1}, beta2={self.beta2}")
@@ -127,7 +157,7 @@ def _is_list(name: str) -> bool:
 
 
 def _is_bool(name: str) -> bool:
-    return NodeConfig.model_fields[name].annotation is bool
+    return NodeConfig.model_fields[name].annotation in (bool, Optional[bool])
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

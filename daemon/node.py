@@ -38,6 +38,7 @@ from dilocox.data import Corpus
 from dilocox.model import ModelSpec, ModelSpecError
 from dilocox.pipeline import PipelineBroken
 from dilocox.stages import layer_range
+from peers.allgather import ContributionServer
 from peers.averaging import PseudoGradientAverager
 from peers.identity import load_or_create_identity
 from peers.swarm import Swarm
@@ -70,6 +71,7 @@ class Node:
         self.rounds: Optional[OuterRounds] = None
         self.pipeline: Optional[PipelineReplica] = None
         self.averagers: dict[int, PseudoGradientAverager] = {}  # buffer size -> averager (one per rank)
+        self.contributions: Optional[ContributionServer] = None  # sparse rounds: all-gather of payloads
         self.skip_steps = 0  # inner steps of the next round the swarm has already done (joiners)
         self.resumed_from = 0  # outer step of the checkpoint we resumed from (0: none)
         self.round_log: list[tuple[float, float]] = []  # (monotonic time a round was recorded, its compute_s)
@@ -135,11 +137,13 @@ class Node:
         self.transfer = StateTransfer(cfg, self.state, self.progress, self._donor_progress,
                                       self.leave_requested.is_set)
         self.state.snapshot()
-        # one averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors);
-        # the largest also serves our state to joiners
-        compressor = self.state.compressor
-        sizes = sorted({compressor.buffer_size(r) for r in compressor.cfg.ladder}, reverse=True)
+        # one averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors), or one
+        # for the matchmaking of sparse rounds; the largest also serves our state to joiners
+        sizes = self.state.averager_sizes()
         prefix = f"{cfg.run_id}_{stage_tag(cfg.stage_index, cfg.num_stages)}pseudo_gradient_{cfg.compression}"
+        if cfg.compression == "sparse":
+            self.contributions = ContributionServer(self.swarm.replicate_p2p, prefix,
+                                                    startup_timeout_s=cfg.startup_timeout)
         for size in sizes:
             self.averagers[size] = PseudoGradientAverager(
                 size, self.swarm.dht, f"{prefix}{size}", self.transfer.serve if size == sizes[0] else None,
@@ -147,9 +151,11 @@ class Node:
                 averaging_timeout_s=cfg.averaging_timeout)
         self.transfer.attach(self.averagers[sizes[0]])
         self.state.on_snapshot = self.transfer.published
-        self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested)
+        self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
+                                  self.contributions)
         self.board.update(outer_step=self.state.outer_step, inner_steps=self.H, global_params_digest=self.state.digest,
-                          overlap=cfg.overlap, compression=cfg.compression, stage_index=cfg.stage_index,
+                          overlap=cfg.overlap, overlap_proxy=cfg.overlap_proxy if cfg.overlap == "delayed" else "none",
+                          compression=cfg.compression, stage_index=cfg.stage_index,
                           num_stages=cfg.num_stages, memory=self.state.memory())
 
     def _drain(self) -> None:
@@ -161,7 +167,7 @@ class Node:
             self.progress.stop()
         if self.rounds is not None:
             self.rounds.shutdown()
-        for closer in (self.pipeline, *self.averagers.values(), self.swarm):
+        for closer in (self.pipeline, self.contributions, *self.averagers.values(), self.swarm):
             try:
                 if closer is not None:
                     closer.shutdown()
@@ -392,7 +398,8 @@ class Node:
         self._set_state(State.TRAINING, outer_step=st.outer_step, inner_step=self.skip_steps,
                         compute_utilization=utilization, global_params_digest=st.digest, val_loss=val_loss,
                         last_round=info, memory=st.memory(), bytes_sent=s.bytes_sent + info.bytes_sent,
-                        bytes_received=s.bytes_received + info.bytes_received)
+                        bytes_received=s.bytes_received + info.bytes_received,
+                        contributions_dropped=s.contributions_dropped + info.dropped)
         self._checkpoint()
         record = dict(asdict(info), peer_id=self.swarm.peer_id, digest=st.digest, val_loss=val_loss,
                       loss=sum(losses) / len(losses), tokens_total=s.tokens_total,

@@ -27,6 +27,7 @@ from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, params_digest
 from dilocox.model import ModelSpec
 from dilocox.overlap import OuterSchedule
 from dilocox.pipeline import PipelinedInnerLoop
+from dilocox.sparse import SparseCompressor, SparseConfig
 from dilocox.stages import build_stage, tensor_bytes
 
 logger = logging.getLogger(__name__)
@@ -68,10 +69,15 @@ class ReplicaState:
         else:  # attached to the replica's process group once the replica is formed (daemon/staging.py)
             self.inner = PipelinedInnerLoop(module, inner_cfg, cfg.microbatches, cfg.pipeline_schedule, cfg.device)
         self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
-        self.compressor = Compressor([tuple(p.shape) for p in self.outer.global_params], CompressionConfig(
-            mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
-            block=cfg.quant_block, seed=cfg.seed))
-        self.schedule = OuterSchedule(self.outer, cfg.overlap)
+        shapes = [tuple(p.shape) for p in self.outer.global_params]
+        if cfg.compression == "sparse":
+            self.compressor = SparseCompressor(shapes, SparseConfig(
+                chunk=cfg.sparse_chunk, topk=cfg.sparse_topk, bits=cfg.sparse_bits, beta=cfg.sparse_beta))
+        else:
+            self.compressor = Compressor(shapes, CompressionConfig(
+                mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
+                block=cfg.quant_block, seed=cfg.seed))
+        self.schedule = OuterSchedule(self.outer, cfg.overlap, cfg.overlap_proxy)
         self.shard = ReplicaShard(corpus.train, seq_len, batch_size, cfg.seed, shard_key)
         self.val_batches = validation_batches(corpus, seq_len, batch_size, cfg.eval_batches)
         self.step_bound = exact_mean.adam_step_bound(cfg.beta1, cfg.beta2)
@@ -92,6 +98,13 @@ class ReplicaState:
         """Digest of everything a round must start from on every replica: theta and the shared
         compression state (rank, warm-start Q, scales)."""
         return f"{self.digest}/{self.compressor.digest()}"
+
+    def averager_sizes(self) -> list[int]:
+        """All-reduce buffer sizes this node needs, largest first: one per rank of the adaptive ladder,
+        or a single one-value buffer for sparse rounds (matchmaking only; peers/allgather.py)."""
+        if isinstance(self.compressor, SparseCompressor):
+            return [1]
+        return sorted({self.compressor.buffer_size(r) for r in self.compressor.cfg.ladder}, reverse=True)
 
     def memory(self) -> StageMemory:
         return stage_memory(self.inner, self.outer, self.schedule, self.compressor)
@@ -132,11 +145,18 @@ class ReplicaState:
         self.schedule.rebase(self.inner.params)
         self.schedule.begin_round(self.inner.params)
 
-    def apply_outer(self, averaged: Optional[Sequence[torch.Tensor]], index: int) -> None:
+    def begin_next_round(self, own: Sequence[torch.Tensor]) -> None:
+        """Delayed overlap, after sending a round: start the next one, from the ``overlap_proxy`` estimate
+        of the next theta when one is configured (dilocox/overlap.py; ``own``: our contribution as the
+        group decodes it), else where the local trajectory is."""
+        self.schedule.start_from_proxy(self.inner.params, list(own))
+        self.schedule.begin_round(self.inner.params)
+
+    def apply_outer(self, averaged: Optional[Sequence[torch.Tensor]], index: int, group_size: int = 1) -> None:
         """theta_index = outer_optimizer(theta_{index-1}, averaged); None: the round is consumed
         without an update (skipped), theta_index = theta_{index-1}. Local parameters are untouched."""
         if averaged is not None:
-            self.schedule.update_theta(list(averaged))
+            self.schedule.update_theta(list(averaged), group_size)
         self.outer_step, self.digest = index, params_digest(self.outer.global_params)
         self.snapshot()
 

@@ -45,6 +45,8 @@ from dilocox.consensus import (
     round_start_action,
 )
 from dilocox.diloco import params_digest
+from dilocox.sparse import SparseRound
+from peers.allgather import ContributionServer, exchange_sparse
 from peers.averaging import (
     PseudoGradientAverager,
     RoundCancelled,
@@ -98,6 +100,7 @@ class PendingRound:
     cancel: threading.Event = field(default_factory=threading.Event)
     early: Optional[RoundInfo] = None  # theta already updated mid-round (delayed); the local part is due
     early_tried: bool = False
+    own: Optional[list] = None  # our contribution as the group decodes it (the delayed start proxy)
 
 
 class OuterRounds:
@@ -105,9 +108,11 @@ class OuterRounds:
     compressor's ladder; hivemind averagers have fixed tensors). Call from the training thread."""
 
     def __init__(self, cfg: NodeConfig, state: ReplicaState, progress: ProgressTracker,
-                 averagers: dict[int, PseudoGradientAverager], leave_requested: threading.Event):
+                 averagers: dict[int, PseudoGradientAverager], leave_requested: threading.Event,
+                 contributions: Optional[ContributionServer] = None):
+        """``contributions``: serves and fetches all-gathered contributions (sparse compression)."""
         self.cfg, self.state, self.progress, self.averagers = cfg, state, progress, averagers
-        self.leave_requested = leave_requested
+        self.leave_requested, self.contributions = leave_requested, contributions
         self.delayed = cfg.overlap == "delayed"
         self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
         self.pending: Optional[PendingRound] = None  # delayed overlap: the all-reduce in flight
@@ -128,22 +133,31 @@ class OuterRounds:
         if action == StartAction.ALREADY_DONE:
             return Finished(r, RoundOutcome.RESYNC, reason=f"round {r} was already completed by others")
         if action == StartAction.SOLO:
-            return PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started)
+            return PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started, own=pseudo_gradient)
         compression = self.state.compressor.begin(pseudo_gradient, self.state.pseudo_gradient_bounds(r), r)
         gather = RoundGather(outer_step=r - 1, start_digest=self.state.start_digest(), weight=float(weight),
                              bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s)
-        averager = self.averagers[self.state.compressor.buffer_size()]
-        p = PendingRound(r, pseudo_gradient, compression, None, compute_s, losses, started)
-        p.future = self.comm.submit(exchange, averager, compression, r, gather,
-                                    cfg.outer_round_deadline - cfg.averaging_timeout, p.cancel,
-                                    lambda: not in_round(self.progress.others(), r, self.delayed))
+        averager = self.averagers[self.state.averager_sizes()[0] if isinstance(compression, SparseRound)
+                                  else self.state.compressor.buffer_size()]
+        # low rank and block codes depend on the group's means: the raw pseudo-gradient stands in for ours
+        own = compression.own() if isinstance(compression, SparseRound) else pseudo_gradient
+        p = PendingRound(r, pseudo_gradient, compression, None, compute_s, losses, started, own=own)
+        deadline_s = cfg.outer_round_deadline - cfg.averaging_timeout
+        abandon = lambda: not in_round(self.progress.others(), r, self.delayed)  # noqa: E731
+        if isinstance(compression, SparseRound):
+            p.future = self.comm.submit(exchange_sparse, averager, self.contributions, self.progress.peer_id,
+                                        compression, r, gather, float(self.cfg.inner_steps), deadline_s,
+                                        cfg.averaging_timeout, p.cancel, abandon)
+        else:
+            p.future = self.comm.submit(exchange, averager, compression, r, gather, deadline_s, p.cancel, abandon)
         return p
 
     def hold(self, p: PendingRound) -> None:
-        """Delayed overlap: keep round p's all-reduce in flight and begin round p.index + 1."""
+        """Delayed overlap: keep round p's all-reduce in flight and begin round p.index + 1 (from the
+        ``overlap_proxy`` start, dilocox/overlap.py)."""
         self.pending = p
         self.state.round = p.index + 1
-        self.state.begin_round()
+        self.state.begin_next_round(p.own if p.own is not None else p.pseudo_gradient)
 
     def take_pending(self) -> Optional[PendingRound]:
         p, self.pending = self.pending, None
@@ -199,7 +213,7 @@ class OuterRounds:
                     return self._resync(p, early, f"round {p.index}: we started from {self.state.start_digest()}, "
                                                   f"the group from {canon}")
                 # every member that started from the same parameters contributed to this average
-                group_size = sum(d == canon for d in starts.values())
+                group_size = sum(d == canon and q not in result.dropped for q, d in starts.items())
                 result_digest = params_digest(result.tensors)
                 results = self.progress.exchange_result_digests(p.index, result_digest, set(starts),
                                                                 self.cfg.request_timeout)
@@ -224,7 +238,8 @@ class OuterRounds:
                     # from all-gathered figures only, so every member picks the same rank (and averager)
                     p.compression.decide_rank(*group_limits(result.gathered), group_size)
                     self.state.compressor.commit(p.compression)
-        self.state.apply_outer(averaged, p.index)  # averaged None (skipped): only the local re-base follows
+        # averaged None (skipped): only the local re-base follows
+        self.state.apply_outer(averaged, p.index, group_size)
         info = self._info(p, group_size, outcome, result, waited_from)
         if early:
             p.early = info
@@ -273,4 +288,5 @@ class OuterRounds:
             info.compression_ratio = result.fp32_bytes_sent / max(result.bytes_sent, 1)
             info.rank, info.bits, info.compression_error = stats.rank, stats.bits, stats.relative_error
             info.allreduce_s = result.allreduce_s
+            info.dropped = len(result.dropped)
         return info

@@ -41,6 +41,7 @@ class RoundInfo:
     bits: int = 0  # bits per value of the codes sent (32 = fp32 exact)
     compression_error: float = 0.0  # ||M - C(M)|| / ||M|| of this node's contribution (before feedback)
     allreduce_s: float = 0.0  # time in the all-reduce itself (no matchmaking), all phases
+    dropped: int = 0  # group members' contributions left out of the mean (sparse rounds)
 
 
 @dataclass
@@ -78,10 +79,12 @@ class Status:
     last_error: str = ""
     compute_utilization: float = 0.0
     overlap: str = "delayed"
-    compression: str = "adaptive"
+    compression: str = "sparse"
     replica_id: str = ""
     replica_members: list[str] = field(default_factory=list)
     memory: StageMemory = field(default_factory=StageMemory)
+    contributions_dropped: int = 0
+    overlap_proxy: str = "none"
 
 
 class StatusBoard:

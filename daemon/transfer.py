@@ -20,7 +20,6 @@ import torch
 from daemon.config import NodeConfig
 from daemon.progress import ProgressTracker
 from daemon.replica_state import ReplicaState
-from dilocox.compression import Compressor
 from dilocox.consensus import (
     ACTIVE_STATES,
     DonorMeta,
@@ -191,9 +190,6 @@ class StateTransfer:
         check_shapes(self.state.outer.global_params, momentum, "downloaded momentum")
         if params_digest(theta) != meta.digest:
             raise ValueError("downloaded parameters do not match the donor's digest")
-        ours = self.state.compressor
-        shared = Compressor(ours.shapes, ours.cfg)
-        shared.load_shared(meta.compression_rank, shared_tensors)
-        if shared.digest() != meta.compression_digest:
+        if self.state.compressor.shared_digest(meta.compression_rank, shared_tensors) != meta.compression_digest:
             raise ValueError("downloaded compression state does not match the donor's digest")
         return DownloadedState(meta, theta, momentum, shared_tensors)

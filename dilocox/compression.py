@@ -208,6 +208,13 @@ class Compressor:
         self.scales = {k: t.float().clone() for k, t in zip(keys, tensors[n:])}
         self.error = [torch.zeros(s) for s in self.shapes]  # our buffers belonged to another trajectory
 
+    def shared_digest(self, rank: int, tensors: Sequence[torch.Tensor]) -> str:
+        """Digest of a downloaded shared state (validated on a scratch copy; ours is untouched);
+        raises ValueError if it does not fit."""
+        scratch = Compressor(self.shapes, self.cfg)
+        scratch.load_shared(rank, tensors)
+        return scratch.digest()
+
     def digest(self) -> str:
         h = hashlib.sha256(str(self.rank).encode())
         for t in self.shared_tensors():

@@ -83,21 +83,27 @@ class OuterSchedule:
             self.group_size = max(1, group_size)
 
     @torch.no_grad()
-    def rebase(self, local_params: list[torch.Tensor], own: list[torch.Tensor] | None = None) -> None:
-        """none: x <- theta. delayed: x <- theta + (x - x(start of round)), or the ``proxy`` start
-        (module docstring) when ``own`` (our contribution to the round that just ended, as the group
-        decodes it: the pseudo-gradient itself when sent uncompressed) is given. Call ``begin_round``
-        after."""
-        if self.overlap == "delayed" and self.proxy != "none" and own is not None:
-            target = self._proxy_start([g.to("cpu", torch.float32) for g in own])
-            for p, t in zip(local_params, target):
-                p.copy_(t.to(p.device))
-            return
+    def rebase(self, local_params: list[torch.Tensor]) -> None:
+        """none: x <- theta. delayed: x <- theta + (x - x(start of round)). Call ``begin_round`` after."""
         for p, theta, start in zip(local_params, self.outer.global_params, self.round_start):
             if self.overlap == "none":
                 p.copy_(theta)
             else:
                 p.copy_(theta.to(p.device) + (p - start.to(p.device)))
+
+    @torch.no_grad()
+    def start_from_proxy(self, local_params: list[torch.Tensor], own: list[torch.Tensor]) -> bool:
+        """Delayed overlap with a ``proxy``: x <- the local estimate of the next theta (module
+        docstring), from theta as it is now (the version the round just sent starts from) and ``own``,
+        our contribution to that round as the group decodes it (the pseudo-gradient itself when sent
+        uncompressed). False (nothing changed) for synchronous rounds or proxy ``none``. Call
+        ``begin_round`` after."""
+        if self.overlap != "delayed" or self.proxy == "none":
+            return False
+        target = self._proxy_start([g.to("cpu", torch.float32) for g in own])
+        for p, t in zip(local_params, target):
+            p.copy_(t.to(p.device))
+        return True
 
     def _proxy_start(self, own: list[torch.Tensor]) -> list[torch.Tensor]:
         g = own

@@ -58,6 +58,7 @@ aggregate of 8 peers 41 ms (payload 95 kB).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import struct
@@ -303,8 +304,17 @@ class SparseCodec:
         """e <- beta e + delta; send the top-k of each chunk of e, quantized; e <- e - what was sent.
 
         Raises ValueError (and leaves the buffers unchanged) if the tensors do not match ``shapes``
-        or hold non-finite values.
+        or hold non-finite values. ``prepare`` + ``commit`` in one call.
         """
+        payload, new_error = self.prepare(pseudo_gradient)
+        self.commit(new_error)
+        return payload
+
+    def prepare(self, pseudo_gradient: Sequence[torch.Tensor]) -> tuple[bytes, torch.Tensor]:
+        """(payload, the flat error-feedback buffer it leaves) without changing ours: a round whose
+        result is not applied must not consume the buffer (``commit`` adopts it once it is).
+
+        Raises ValueError if the tensors do not match ``shapes`` or hold non-finite values."""
         got = [tuple(g.shape) for g in pseudo_gradient]
         if got != self.shapes:
             raise ValueError(f"pseudo-gradient shapes {got} do not match the codec's {self.shapes}")
@@ -313,11 +323,10 @@ class SparseCodec:
             if got else torch.zeros(0)
         if not bool(torch.isfinite(delta).all()):
             raise ValueError("pseudo-gradient holds non-finite values")
-        e = self._flat
-        e.mul_(cfg.beta).add_(delta)
+        e = self._flat * cfg.beta + delta
         header = HEADER.pack(MAGIC, VERSION, cfg.bits, 0, lay.n, cfg.chunk, cfg.topk)
         if lay.n == 0:
-            return header
+            return header, e
         pad = lay.nchunks * cfg.chunk - lay.n
         chunks = torch.nn.functional.pad(e, (0, pad)).view(lay.nchunks, cfg.chunk)
         mag = chunks.abs()
@@ -336,7 +345,11 @@ class SparseCodec:
         out = b"".join((header, scale.numpy().astype("<f4").tobytes(),
                         pack_bits(idx, cfg.index_bits), pack_bits(codes, cfg.bits)))
         assert len(out) == lay.total
-        return out
+        return out, e
+
+    def commit(self, new_error: torch.Tensor) -> None:
+        """Adopt the buffer a ``prepare`` left (its round was applied)."""
+        self._flat.copy_(new_error)
 
     def reset(self) -> None:
         """Zero the buffers (e.g. after adopting another trajectory's parameters)."""
@@ -355,3 +368,83 @@ class SparseCodec:
             raise ValueError("error-feedback state holds non-finite values")
         for dst, src in zip(self.error, tensors):
             dst.copy_(src)
+
+
+class SparseRound:
+    """One round's sparse contribution (``SparseCompressor.begin``): ``payload`` to all-gather, the
+    error-feedback buffer it leaves (adopted by ``SparseCompressor.commit`` if the round is applied)
+    and its figures in ``stats`` (dilocox.compression.RoundStats)."""
+
+    num_phases = 1
+
+    def __init__(self, codec: "SparseCompressor", pseudo_gradient: Sequence[torch.Tensor]):
+        from dilocox.compression import RoundStats
+
+        self.codec = codec
+        m = torch.cat([g.detach().to("cpu", torch.float32).reshape(-1) for g in pseudo_gradient]) \
+            if pseudo_gradient else torch.zeros(0)
+        self.payload, self.new_error = codec.codec.prepare(pseudo_gradient)
+        m += codec.codec.cfg.beta * torch.cat([e.reshape(-1) for e in codec.error]) if codec.error else 0.0
+        den = float(m.norm())
+        self.stats = RoundStats(rank=0, bits=codec.cfg.bits, payload_bytes=len(self.payload),
+                                relative_error=float(self.new_error.norm()) / den if den > 0 else 0.0)
+
+    def own(self) -> list[torch.Tensor]:
+        """Our contribution as every member decodes it (what the group's mean holds of ours)."""
+        return decode(self.payload, self.codec.shapes, self.codec.cfg)
+
+    def decide_rank(self, *args) -> int:
+        """No rank to adapt (the Compressor's round protocol)."""
+        return 0
+
+
+class SparseCompressor:
+    """The daemon's sparse pseudo-gradient compression (``--compression sparse``): a SparseCodec with
+    the state surface of dilocox.compression.Compressor (shared state, digest, checkpoint).
+
+    Nothing is shared between replicas but the config: the error feedback is local, so a round's
+    start digest covers only the config, and joiners download no compression tensors."""
+
+    rank = 0
+
+    def __init__(self, shapes: Sequence[Sequence[int]], cfg: SparseConfig = SparseConfig()):
+        self.codec = SparseCodec(shapes, cfg)
+        self.cfg, self.shapes = cfg, self.codec.shapes
+
+    @property
+    def error(self) -> list[torch.Tensor]:
+        return self.codec.error
+
+    def payload_bytes(self) -> int:
+        return self.codec.payload_bytes()
+
+    def begin(self, pseudo_gradient: Sequence[torch.Tensor], bounds=None, round_index: int = 1) -> SparseRound:
+        """This round's contribution; nothing changes until ``commit``."""
+        return SparseRound(self, pseudo_gradient)
+
+    def commit(self, rnd: SparseRound) -> None:
+        self.codec.commit(rnd.new_error)
+
+    def digest(self) -> str:
+        c = self.cfg
+        return hashlib.sha256(f"sparse/{c.chunk}/{c.topk}/{c.bits}/{c.beta}".encode()).hexdigest()[:8]
+
+    def shared_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def shared_digest(self, rank: int, tensors: Sequence[torch.Tensor]) -> str:
+        """Digest of a downloaded shared state, which must be empty; raises ValueError otherwise."""
+        if rank != 0 or len(tensors):
+            raise ValueError(f"sparse compression has no shared state; got rank {rank} and {len(tensors)} tensors")
+        return self.digest()
+
+    def load_shared(self, rank: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Adopt a peer's (empty) shared state: our buffers belonged to another trajectory."""
+        self.shared_digest(rank, tensors)
+        self.codec.reset()
+
+    def state_dict(self) -> dict:
+        return dict(rank=0, shared=[], **self.codec.state_dict())
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.codec.load_state_dict(state)

@@ -19,7 +19,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pydantic.v1 as pydantic
@@ -82,6 +82,7 @@ class RoundResult:
     bytes_received: int
     allreduce_s: float
     fp32_bytes_sent: int             # what the same round would send uncompressed (fp32 both ways)
+    dropped: Dict[str, str] = field(default_factory=dict)  # peer_id -> why its contribution was not used
 
 
 def group_bits(round_index: int) -> str:

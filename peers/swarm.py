@@ -112,6 +112,13 @@ class Swarm:
         self.peer_id = self.dht.peer_id.to_base58()
         self._lock = threading.Lock()  # one DHT pipe shared by our threads
 
+    async def replicate_p2p(self):
+        """A P2P client on this node's p2pd (hivemind's public ``DHT.replicate_p2p``), for RPC handlers of
+        our own (peers/allgather.py). Its first call asks the DHT process for p2pd's address through
+        the DHT's pipe, which our lock serializes with the other DHT calls."""
+        with self._lock:
+            return await self.dht.replicate_p2p()
+
     def visible_maddrs(self) -> List[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 

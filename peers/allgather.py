@@ -1,0 +1,231 @@
+"""All-gather of compressed contributions inside an averaging group, over hivemind's P2P API.
+
+Sparse contributions (dilocox/sparse.py) cannot be summed part by part in hivemind's butterfly
+all-reduce, so a sparse round (``exchange_sparse``) is:
+
+1. **matchmaking** through the node's averager (hivemind forms the group under the round's group
+   key and all-gathers each member's metadata: a ``RoundGather`` plus the SHA-256 and length of its
+   payload); the all-reduce itself runs on a one-value buffer and carries nothing;
+2. **download**: every member fetches every other member's payload directly from it
+   (``ContributionServer.rpc_contribution``, a ``hivemind.p2p.ServicerBase`` handler, hivemind's
+   documented way to add P2P RPCs) and checks length and digest against the gathered metadata, so
+   a member that sends different bytes to different peers is caught by whoever got the others;
+3. **aggregation**: every member validates the same bytes and runs the same deterministic
+   reduction (``dilocox.sparse.aggregate``: sorted peer order, float64), so equal inputs give a
+   bit-identical mean everywhere. Contributions whose metadata is malformed, whose start digest
+   is not the group's, whose weight is outside (0, H], that could not be fetched or that fail the
+   codec's validation are dropped, and the drop is reported (``RoundResult.dropped``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from typing import AsyncIterator, Callable, Dict, Optional, Tuple
+
+import pydantic.v1 as pydantic
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+
+from dilocox.consensus import canonical_digest
+from dilocox.sparse import ContributionError, SparseRound, aggregate
+from peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
+from proto.dilocox.v1.swarm_pb2 import ContributionChunk, ContributionRequest
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20  # pieces of a payload on the wire (hivemind's unary limit is 4 MiB; streams have none)
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# tamper(payload, requester peer_id, key) -> bytes: the red-team hook's view of what we serve
+Tamper = Callable[[bytes, str, str], bytes]
+
+
+class ContributionServer(ServicerBase):
+    """Serves this node's contributions to its group-mates and fetches theirs.
+
+    Runs its own asyncio loop in a thread of the main process, on a replica of the DHT's P2P
+    (``replicate_p2p``: the DHT's public ``replicate_p2p``, called once in that loop).
+    ``namespace`` keeps swarms and stages apart (the averager's prefix). Offers are kept for the
+    last ``keep`` keys, so a slow group-mate can still fetch a round's payload after we moved on.
+    """
+
+    def __init__(self, replicate_p2p: Callable[[], "asyncio.Future[P2P]"], namespace: str, *,
+                 keep: int = 4, tamper: Optional[Tamper] = None, startup_timeout_s: float = 30.0):
+        self.namespace, self.keep, self.tamper = namespace, keep, tamper
+        self._offers: "OrderedDict[str, bytes]" = OrderedDict()
+        self._served: Dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="contributions", daemon=True)
+        self._thread.start()
+        self._p2p: P2P = self._call(self._setup(replicate_p2p), startup_timeout_s)
+
+    async def _setup(self, replicate_p2p) -> P2P:
+        p2p = await replicate_p2p()
+        await self.add_p2p_handlers(p2p, namespace=self.namespace)
+        return p2p
+
+    def _call(self, coro, timeout_s: float):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    # ------------------------------------------------------------------ serving
+    def offer(self, key: str, payload: bytes) -> None:
+        """Serve ``payload`` under ``key`` (a round's group key) from now on."""
+        with self._lock:
+            self._offers[key] = bytes(payload)
+            self._offers.move_to_end(key)
+            self._served.setdefault(key, 0)
+            while len(self._offers) > self.keep:
+                old, _ = self._offers.popitem(last=False)
+                self._served.pop(old, None)
+
+    def served_bytes(self, key: str) -> int:
+        """Bytes of our payload sent under ``key`` so far (all requesters)."""
+        with self._lock:
+            return self._served.get(key, 0)
+
+    async def rpc_contribution(self, request: ContributionRequest,
+                               context: P2PContext) -> AsyncIterator[ContributionChunk]:
+        """A group-mate asks for our contribution under ``request.key``: the payload in order, in
+        pieces of CHUNK_BYTES, or one message with ``error`` set."""
+        with self._lock:
+            payload = self._offers.get(request.key)
+        if payload is None:
+            yield ContributionChunk(error=f"no contribution under key {request.key[:40]!r}")
+            return
+        if self.tamper is not None:
+            payload = self.tamper(payload, context.remote_id.to_base58(), request.key)
+        with self._lock:
+            if request.key in self._served:
+                self._served[request.key] += len(payload)
+        for i in range(0, max(len(payload), 1), CHUNK_BYTES):
+            yield ContributionChunk(data=payload[i:i + CHUNK_BYTES])
+
+    # ------------------------------------------------------------------ fetching
+    def fetch(self, wanted: Dict[str, Tuple[str, int]], key: str,
+              timeout_s: float) -> Tuple[Dict[str, bytes], Dict[str, str]]:
+        """Download the payloads of ``wanted`` (peer_id -> (sha256 hex, length in bytes)) under ``key``,
+        all at once, within ``timeout_s`` seconds. Returns (peer_id -> payload whose length and digest
+        match, peer_id -> why it was not accepted)."""
+        if not wanted:
+            return {}, {}
+        results = self._call(self._fetch_all(wanted, key, timeout_s), timeout_s + 5.0)
+        got, failed = {}, {}
+        for peer, outcome in results.items():
+            if isinstance(outcome, bytes):
+                got[peer] = outcome
+            else:
+                failed[peer] = outcome
+        return got, failed
+
+    async def _fetch_all(self, wanted, key, timeout_s) -> Dict[str, object]:
+        peers = sorted(wanted)
+        outcomes = await asyncio.gather(*[asyncio.wait_for(self._fetch_one(p, *wanted[p], key), timeout_s)
+                                          for p in peers], return_exceptions=True)
+        out: Dict[str, object] = {}
+        for peer, o in zip(peers, outcomes):
+            if isinstance(o, bytes):
+                out[peer] = o
+            elif isinstance(o, asyncio.TimeoutError):
+                out[peer] = f"not received within {timeout_s:.0f}s"
+            else:
+                out[peer] = f"not received: {o}"
+        return out
+
+    async def _fetch_one(self, peer: str, sha256: str, size: int, key: str) -> bytes:
+        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.namespace)
+        buf = bytearray()
+        async for chunk in await stub.rpc_contribution(ContributionRequest(key=key)):
+            if chunk.error:
+                raise ContributionError(f"the peer answered: {chunk.error[:200]}")
+            buf += chunk.data
+            if len(buf) > size:
+                raise ContributionError(f"oversized: more than the {size} bytes announced")
+        if len(buf) != size:
+            raise ContributionError(f"truncated: {len(buf)} of the {size} bytes announced")
+        if hashlib.sha256(buf).hexdigest() != sha256:
+            raise ContributionError("the bytes do not match the digest announced in matchmaking")
+        return bytes(buf)
+
+    def shutdown(self) -> None:
+        """Stop serving; the P2P replica's connection to p2pd is closed with the loop."""
+        if not self._loop.is_running():
+            return
+        try:
+            self._call(self.remove_p2p_handlers(self._p2p, namespace=self.namespace), 5.0)
+        except Exception as e:  # p2pd may be gone already (the DHT shut down first)
+            logger.debug("removing contribution handlers: %s", e)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5.0)
+
+
+class SparseGather(pydantic.BaseModel):
+    """What every member all-gathers in a sparse round beside its RoundGather fields."""
+
+    payload_sha256: pydantic.constr(regex=SHA256_HEX.pattern)
+    payload_bytes: pydantic.conint(ge=0)
+
+
+def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer, me: str, rnd: SparseRound,
+                    round_index: int, meta: RoundGather, max_weight: float, deadline_s: float, fetch_timeout_s: float,
+                    cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None) -> RoundResult:
+    """Average one round's sparse contribution by all-gather (module docstring); blocking.
+
+    ``me``: our peer_id (our payload is used as is, not fetched). ``max_weight``: the largest weight a
+    member may claim (H inner steps). Waits at most ``fetch_timeout_s`` for the downloads. Raises RoundCancelled /
+    RoundFailed as ``PseudoGradientAverager.run_phase`` does, and RoundFailed when no contribution
+    but ours could be used (the caller then treats the round as a failed all-reduce)."""
+    key = group_bits(round_index) + "0"
+    payload = rnd.payload
+    server.offer(key, payload)
+    digest = hashlib.sha256(payload).hexdigest()
+    gather = dict(meta.dict(), payload_sha256=digest, payload_bytes=len(payload))
+    res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, abandon)
+    started = time.monotonic()
+    metas: Dict[str, Optional[RoundGather]] = {}
+    announced: Dict[str, Tuple[str, int]] = {}
+    dropped: Dict[str, str] = {}
+    for peer, data in res.gathered.items():
+        try:
+            fields = dict(data)
+            metas[peer] = RoundGather.parse_obj({k: fields.pop(k) for k in RoundGather.__fields__ if k in fields})
+            extra = SparseGather.parse_obj(fields)
+        except (pydantic.ValidationError, TypeError, ValueError, AttributeError) as e:
+            metas[peer] = None  # cannot vote, contributes nothing
+            dropped[peer] = f"malformed metadata ({str(e).splitlines()[0][:120]})"
+            continue
+        announced[peer] = (extra.payload_sha256, extra.payload_bytes)
+    starts = {p: m.start_digest for p, m in metas.items() if m is not None and m.outer_step == round_index - 1}
+    canon, _ = canonical_digest(starts)
+    for peer, m in metas.items():
+        if m is None or peer in dropped:
+            continue
+        if starts.get(peer) != canon:
+            dropped[peer] = f"started from other parameters (outer step {m.outer_step}, digest {m.start_digest})"
+        elif not m.weight <= max_weight:
+            dropped[peer] = f"weight {m.weight} exceeds the round's {max_weight:g} inner steps"
+    wanted = {p: announced[p] for p in announced if p != me and p not in dropped}
+    got, failed = server.fetch(wanted, key, fetch_timeout_s)
+    dropped.update(failed)
+    if me in announced and me not in dropped:
+        got[me] = payload
+    weights = {p: metas[p].weight for p in got}
+    shapes = rnd.codec.shapes
+    try:
+        mean, rejected = aggregate(got, weights, shapes, rnd.codec.cfg)
+    except ValueError as e:
+        raise RoundFailed(f"no usable contribution: {e}") from e
+    dropped.update(rejected)
+    for peer, reason in sorted(dropped.items()):
+        logger.warning("round %d: dropped the contribution of %s: %s", round_index, peer, reason)
+    n = max(len(res.gathered), 1)
+    numel = sum(t.numel() for t in rnd.codec.error)
+    sent = server.served_bytes(key) + res.bytes_sent
+    received = sum(len(b) for p, b in got.items() if p != me) + res.bytes_received
+    return RoundResult(mean, metas, len(payload), sent, received, res.allreduce_s + time.monotonic() - started,
+                       int(2 * (n - 1) / n * 4 * numel), dropped=dropped)
