@@ -55,6 +55,7 @@ def node_main(argv: list[str] | None = None) -> int:
     _setup_logging(cfg.log_level)
 
     from daemon.node import Node  # torch/hivemind imports only after the config is known good
+    from daemon.redteam import AttackError
     from dilocox.data import DataError
     from dilocox.model import ModelSpecError
 
@@ -62,7 +63,7 @@ def node_main(argv: list[str] | None = None) -> int:
     try:
         _check_port_free(cfg.status_addr)
         node = Node(cfg, board)
-    except (DataError, ModelSpecError, _BadInput) as e:
+    except (DataError, ModelSpecError, AttackError, _BadInput) as e:
         print(f"dilocox-node: {e}", file=sys.stderr)
         return 2
     from peers.lifecycle import Descendants

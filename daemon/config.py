@@ -119,6 +119,9 @@ class NodeConfig(BaseModel):
     checkpoint_every: int = Field(5, ge=1, description="outer steps between checkpoints")
     eval_batches: int = Field(4, ge=1, description="validation batches per outer step")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    attack: Optional[str] = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+                                  description="red team only: MODULE:CLASS, an Attack plugged into this node "
+                                              "(daemon/redteam.py)")
 
     @model_validator(mode="before")
     @classmethod

@@ -27,6 +27,7 @@ import torch
 
 from daemon.config import NodeConfig
 from daemon.progress import ProgressTracker
+from daemon.redteam import load_attack
 from daemon.replica_state import ReplicaState
 from daemon.rounds import Finished, OuterRounds, RoundOutcome
 from daemon.staging import PipelineReplica, stage_tag
@@ -64,6 +65,7 @@ class Node:
         if self.staged and self.batch_size % cfg.microbatches:
             raise ModelSpecError(f"microbatches={cfg.microbatches} must divide batch_size={self.batch_size}")
         self.H = cfg.inner_steps
+        self.attack = load_attack(cfg.attack, cfg)  # AttackError on a bad spec
         self.swarm: Optional[Swarm] = None
         self.state: Optional[ReplicaState] = None
         self.progress: Optional[ProgressTracker] = None
@@ -143,7 +145,8 @@ class Node:
         prefix = f"{cfg.run_id}_{stage_tag(cfg.stage_index, cfg.num_stages)}pseudo_gradient_{cfg.compression}"
         if cfg.compression == "sparse":
             self.contributions = ContributionServer(self.swarm.replicate_p2p, prefix,
-                                                    startup_timeout_s=cfg.startup_timeout)
+                                                    startup_timeout_s=cfg.startup_timeout,
+                                                    tamper=self.attack.payload if self.attack else None)
         for size in sizes:
             self.averagers[size] = PseudoGradientAverager(
                 size, self.swarm.dht, f"{prefix}{size}", self.transfer.serve if size == sizes[0] else None,
@@ -152,10 +155,11 @@ class Node:
         self.transfer.attach(self.averagers[sizes[0]])
         self.state.on_snapshot = self.transfer.published
         self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
-                                  self.contributions)
+                                  self.contributions, self.attack)
         self.board.update(outer_step=self.state.outer_step, inner_steps=self.H, global_params_digest=self.state.digest,
                           overlap=cfg.overlap, overlap_proxy=cfg.overlap_proxy if cfg.overlap == "delayed" else "none",
                           compression=cfg.compression, stage_index=cfg.stage_index,
+                          attack=self.attack.name if self.attack else "",
                           num_stages=cfg.num_stages, memory=self.state.memory())
 
     def _drain(self) -> None:
@@ -274,6 +278,8 @@ class Node:
             if self.leave_requested.is_set() and not self.staged:
                 return None
             x, y = st.shard.next_batch()
+            if self.attack is not None:
+                x, y = self.attack.batch(x, y)
             step_start = time.monotonic()
             # a stage node's leave request travels with the step, so every stage stops after the same step
             loss = st.inner_step(x, y, i, stop=self.leave_requested.is_set())
@@ -399,7 +405,7 @@ class Node:
                         compute_utilization=utilization, global_params_digest=st.digest, val_loss=val_loss,
                         last_round=info, memory=st.memory(), bytes_sent=s.bytes_sent + info.bytes_sent,
                         bytes_received=s.bytes_received + info.bytes_received,
-                        contributions_dropped=s.contributions_dropped + info.dropped)
+                        contributions_dropped=s.contributions_dropped + len(info.dropped))
         self._checkpoint()
         record = dict(asdict(info), peer_id=self.swarm.peer_id, digest=st.digest, val_loss=val_loss,
                       loss=sum(losses) / len(losses), tokens_total=s.tokens_total,

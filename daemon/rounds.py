@@ -32,6 +32,7 @@ import torch
 
 from daemon.config import NodeConfig
 from daemon.progress import ProgressTracker
+from daemon.redteam import Attack
 from daemon.replica_state import ReplicaState
 from daemon.status import RoundInfo
 from dilocox.compression import CompressionRound
@@ -109,10 +110,11 @@ class OuterRounds:
 
     def __init__(self, cfg: NodeConfig, state: ReplicaState, progress: ProgressTracker,
                  averagers: dict[int, PseudoGradientAverager], leave_requested: threading.Event,
-                 contributions: Optional[ContributionServer] = None):
-        """``contributions``: serves and fetches all-gathered contributions (sparse compression)."""
+                 contributions: Optional[ContributionServer] = None, attack: Optional[Attack] = None):
+        """``contributions``: serves and fetches all-gathered contributions (sparse compression);
+        ``attack``: the red-team hook (daemon/redteam.py), None on an honest node."""
         self.cfg, self.state, self.progress, self.averagers = cfg, state, progress, averagers
-        self.leave_requested, self.contributions = leave_requested, contributions
+        self.leave_requested, self.contributions, self.attack = leave_requested, contributions, attack
         self.delayed = cfg.overlap == "delayed"
         self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
         self.pending: Optional[PendingRound] = None  # delayed overlap: the all-reduce in flight
@@ -134,6 +136,9 @@ class OuterRounds:
             return Finished(r, RoundOutcome.RESYNC, reason=f"round {r} was already completed by others")
         if action == StartAction.SOLO:
             return PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started, own=pseudo_gradient)
+        honest = pseudo_gradient
+        if self.attack is not None:
+            pseudo_gradient = self.attack.pseudo_gradient([g.clone() for g in pseudo_gradient], r)
         compression = self.state.compressor.begin(pseudo_gradient, self.state.pseudo_gradient_bounds(r), r)
         gather = RoundGather(outer_step=r - 1, start_digest=self.state.start_digest(), weight=float(weight),
                              bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s)
@@ -141,15 +146,18 @@ class OuterRounds:
                                   else self.state.compressor.buffer_size()]
         # low rank and block codes depend on the group's means: the raw pseudo-gradient stands in for ours
         own = compression.own() if isinstance(compression, SparseRound) else pseudo_gradient
-        p = PendingRound(r, pseudo_gradient, compression, None, compute_s, losses, started, own=own)
+        p = PendingRound(r, honest, compression, None, compute_s, losses, started, own=own)
+        hooks = dict(tamper_gather=self.attack.gather if self.attack else None)
         deadline_s = cfg.outer_round_deadline - cfg.averaging_timeout
         abandon = lambda: not in_round(self.progress.others(), r, self.delayed)  # noqa: E731
         if isinstance(compression, SparseRound):
             p.future = self.comm.submit(exchange_sparse, averager, self.contributions, self.progress.peer_id,
                                         compression, r, gather, float(self.cfg.inner_steps), deadline_s,
-                                        cfg.averaging_timeout, p.cancel, abandon)
+                                        cfg.averaging_timeout, p.cancel, abandon, **hooks,
+                                        tamper_contribution=self.attack.contribution if self.attack else None)
         else:
-            p.future = self.comm.submit(exchange, averager, compression, r, gather, deadline_s, p.cancel, abandon)
+            p.future = self.comm.submit(exchange, averager, compression, r, gather, deadline_s, p.cancel, abandon,
+                                        **hooks)
         return p
 
     def hold(self, p: PendingRound) -> None:
@@ -288,5 +296,5 @@ class OuterRounds:
             info.compression_ratio = result.fp32_bytes_sent / max(result.bytes_sent, 1)
             info.rank, info.bits, info.compression_error = stats.rank, stats.bits, stats.relative_error
             info.allreduce_s = result.allreduce_s
-            info.dropped = len(result.dropped)
+            info.dropped = sorted(result.dropped)
         return info

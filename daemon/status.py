@@ -41,7 +41,7 @@ class RoundInfo:
     bits: int = 0  # bits per value of the codes sent (32 = fp32 exact)
     compression_error: float = 0.0  # ||M - C(M)|| / ||M|| of this node's contribution (before feedback)
     allreduce_s: float = 0.0  # time in the all-reduce itself (no matchmaking), all phases
-    dropped: int = 0  # group members' contributions left out of the mean (sparse rounds)
+    dropped: list[str] = field(default_factory=list)  # peer_ids left out of the mean (sparse rounds)
 
 
 @dataclass
@@ -85,6 +85,7 @@ class Status:
     memory: StageMemory = field(default_factory=StageMemory)
     contributions_dropped: int = 0
     overlap_proxy: str = "none"
+    attack: str = ""
 
 
 class StatusBoard:

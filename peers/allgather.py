@@ -157,11 +157,18 @@ class ContributionServer(ServicerBase):
         if not self._loop.is_running():
             return
         try:
-            self._call(self.remove_p2p_handlers(self._p2p, namespace=self.namespace), 5.0)
+            self._call(self._close(), 5.0)
         except Exception as e:  # p2pd may be gone already (the DHT shut down first)
-            logger.debug("removing contribution handlers: %s", e)
+            logger.debug("closing the contribution server: %s", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
+
+    async def _close(self) -> None:
+        try:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.namespace)
+        finally:
+            await self._p2p.shutdown()  # a replica owns no p2pd: this closes our connections to it
+            await asyncio.sleep(0.05)  # let the transports finish closing on this loop
 
 
 class SparseGather(pydantic.BaseModel):
@@ -171,32 +178,26 @@ class SparseGather(pydantic.BaseModel):
     payload_bytes: pydantic.conint(ge=0)
 
 
-def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer, me: str, rnd: SparseRound,
-                    round_index: int, meta: RoundGather, max_weight: float, deadline_s: float, fetch_timeout_s: float,
-                    cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None) -> RoundResult:
-    """Average one round's sparse contribution by all-gather (module docstring); blocking.
+def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: float
+                    ) -> Tuple[Dict[str, Optional[RoundGather]], Dict[str, Tuple[str, int]], Dict[str, str]]:
+    """The rules every member applies to the group's gathered metadata before any download.
 
-    ``me``: our peer_id (our payload is used as is, not fetched). ``max_weight``: the largest weight a
-    member may claim (H inner steps). Waits at most ``fetch_timeout_s`` for the downloads. Raises RoundCancelled /
-    RoundFailed as ``PseudoGradientAverager.run_phase`` does, and RoundFailed when no contribution
-    but ours could be used (the caller then treats the round as a failed all-reduce)."""
-    key = group_bits(round_index) + "0"
-    payload = rnd.payload
-    server.offer(key, payload)
-    digest = hashlib.sha256(payload).hexdigest()
-    gather = dict(meta.dict(), payload_sha256=digest, payload_bytes=len(payload))
-    res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, abandon)
-    started = time.monotonic()
+    ``gathered``: peer_id -> the dict it sent (untrusted). Returns (peer_id -> its RoundGather, or None
+    if malformed: it cannot vote; peer_id -> (payload sha256, length) announced; peer_id -> why its
+    contribution is dropped). Dropped: malformed metadata; a start other than the group's canonical
+    start digest among members at outer step ``round_index - 1`` (dilocox.consensus.canonical_digest),
+    including any other outer step; a weight above ``max_weight``. Pure: every member that sees the
+    same gathered data drops the same peers."""
     metas: Dict[str, Optional[RoundGather]] = {}
     announced: Dict[str, Tuple[str, int]] = {}
     dropped: Dict[str, str] = {}
-    for peer, data in res.gathered.items():
+    for peer, data in gathered.items():
         try:
             fields = dict(data)
             metas[peer] = RoundGather.parse_obj({k: fields.pop(k) for k in RoundGather.__fields__ if k in fields})
             extra = SparseGather.parse_obj(fields)
         except (pydantic.ValidationError, TypeError, ValueError, AttributeError) as e:
-            metas[peer] = None  # cannot vote, contributes nothing
+            metas[peer] = None
             dropped[peer] = f"malformed metadata ({str(e).splitlines()[0][:120]})"
             continue
         announced[peer] = (extra.payload_sha256, extra.payload_bytes)
@@ -209,6 +210,32 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
             dropped[peer] = f"started from other parameters (outer step {m.outer_step}, digest {m.start_digest})"
         elif not m.weight <= max_weight:
             dropped[peer] = f"weight {m.weight} exceeds the round's {max_weight:g} inner steps"
+    return metas, announced, dropped
+
+
+def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer, me: str, rnd: SparseRound,
+                    round_index: int, meta: RoundGather, max_weight: float, deadline_s: float, fetch_timeout_s: float,
+                    cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None,
+                    tamper_gather: Optional[Callable[[dict, int], dict]] = None,
+                    tamper_contribution: Optional[Callable[[bytes, int], bytes]] = None) -> RoundResult:
+    """Average one round's sparse contribution by all-gather (module docstring); blocking.
+
+    ``me``: our peer_id (our payload is used as is, not fetched). ``max_weight``: the largest weight a
+    member may claim (H inner steps). Waits at most ``fetch_timeout_s`` for the downloads.
+    ``tamper_gather`` / ``tamper_contribution``: red-team hooks on our gathered metadata and on the payload
+    we announce and serve (daemon/redteam.py). Raises RoundCancelled /
+    RoundFailed as ``PseudoGradientAverager.run_phase`` does, and RoundFailed when no contribution
+    but ours could be used (the caller then treats the round as a failed all-reduce)."""
+    key = group_bits(round_index) + "0"
+    payload = rnd.payload if tamper_contribution is None else tamper_contribution(rnd.payload, round_index)
+    server.offer(key, payload)
+    digest = hashlib.sha256(payload).hexdigest()
+    gather = dict(meta.dict(), payload_sha256=digest, payload_bytes=len(payload))
+    if tamper_gather is not None:
+        gather = tamper_gather(gather, round_index)
+    res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, abandon)
+    started = time.monotonic()
+    metas, announced, dropped = screen_gathered(res.gathered, round_index, max_weight)
     wanted = {p: announced[p] for p in announced if p != me and p not in dropped}
     got, failed = server.fetch(wanted, key, fetch_timeout_s)
     dropped.update(failed)

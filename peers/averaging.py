@@ -233,8 +233,11 @@ def _stats(data: Any) -> dict:
 
 
 def exchange(averager: PseudoGradientAverager, rnd: CompressionRound, round_index: int, meta: RoundGather,
-             deadline_s: float, cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None) -> RoundResult:
+             deadline_s: float, cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None,
+             tamper_gather: Optional[Callable[[dict, int], dict]] = None) -> RoundResult:
     """Average one round's compressed pseudo-gradient, phase by phase (PowerSGD: P, then Q).
+
+    ``tamper_gather``: the red-team hook on our phase-0 metadata (daemon/redteam.py).
 
     Phase k's group key is ``<round as 16 bits><k>`` plus, from phase 1 on, 15 bits of the digest of
     the previous phase's mean, so a phase only ever mixes peers that hold the same earlier result.
@@ -246,6 +249,8 @@ def exchange(averager: PseudoGradientAverager, rnd: CompressionRound, round_inde
         codes, stats = rnd.phase_payload()
         payload += rnd.stats.payload_bytes - before
         gather = dict(meta.dict(), stats=stats) if phase == 0 else dict(stats=stats)
+        if phase == 0 and tamper_gather is not None:
+            gather = tamper_gather(gather, round_index)
         res = averager.run_phase(group_bits(round_index) + str(phase) + extra, codes, gather, meta.weight,
                                  deadline_s, cancel, abandon if phase == 0 else None)
         if phase == 0:

@@ -94,3 +94,38 @@ def test_theta_updated_mid_round_then_rebased_equals_apply_at_round_end():
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert not torch.equal(results[0][0], torch.zeros(5))  # the outer step happened
+
+
+def test_lookahead_is_the_step_without_side_effects():
+    g = torch.Generator().manual_seed(2)
+    for lr, mu, nesterov in ((0.7, 0.9, True), (0.7, 0.9, False), (4.0, 0.0, False)):
+        outer = OuterOptimizer([torch.randn(6, generator=g)], lr, mu, nesterov)
+        for _ in range(3):  # with and without a momentum buffer
+            delta = [torch.randn(6, generator=g)]
+            theta, momentum = outer.global_params[0].clone(), outer.momentum_buffers()[0].clone()
+            ahead = outer.lookahead(delta)
+            assert torch.equal(outer.global_params[0], theta) and torch.equal(outer.momentum_buffers()[0], momentum)
+            outer.step(delta)
+            assert torch.allclose(ahead[0], outer.global_params[0], atol=1e-6)
+
+
+def test_proxy_start_leaves_theta_and_follows_its_rule():
+    g = torch.Generator().manual_seed(3)
+    own1, own2, mean1 = (torch.randn(4, generator=g) for _ in range(3))
+    for proxy in ("none", "local", "eager"):
+        outer = OuterOptimizer([torch.zeros(4)], 0.7, 0.9, True)
+        schedule = OuterSchedule(outer, "delayed", proxy)
+        x = [torch.ones(4)]
+        moved = schedule.start_from_proxy(x, [own1])  # round 1 sent; no mean yet
+        assert moved == (proxy != "none")
+        assert torch.equal(x[0], torch.ones(4) if proxy == "none" else outer.lookahead([own1])[0])
+        schedule.update_theta([mean1], group_size=4)  # round 1's mean arrives
+        theta = outer.global_params[0].clone()
+        schedule.start_from_proxy(x, [own2])  # round 2 sent
+        assert torch.equal(outer.global_params[0], theta)  # the proxy never touches theta
+        if proxy == "local":
+            assert torch.equal(x[0], outer.lookahead([own2])[0])
+        elif proxy == "eager":  # Delta_1 + (c_2 - c_1) / M
+            assert torch.allclose(x[0], outer.lookahead([mean1 + (own2 - own1) / 4])[0])
+    assert not OuterSchedule(OuterOptimizer([torch.zeros(4)]), "none", "eager").start_from_proxy([torch.ones(4)],
+                                                                                               [own1])

@@ -277,3 +277,44 @@ def test_state_dict_round_trip_reproduces_the_payload():
         b.load_state_dict({"error": randn(SHAPES[:1], 8)})
     b.reset()
     assert all(not bool(e.any()) for e in b.error)
+
+
+def test_prepare_changes_nothing_until_commit():
+    codec = SparseCodec(SHAPES, CFG)
+    codec.encode(randn(SHAPES, 11))  # a non-zero buffer
+    before = [e.clone() for e in codec.error]
+    x = randn(SHAPES, 12)
+    payload, new_error = codec.prepare(x)
+    assert all(torch.equal(a, b) for a, b in zip(before, codec.error))
+    twin = SparseCodec(SHAPES, CFG)
+    twin.load_state_dict({"error": before})
+    assert twin.encode(x) == payload  # prepare + commit is encode
+    codec.commit(new_error)
+    assert all(torch.equal(a, b) for a, b in zip(twin.error, codec.error))
+
+
+def test_sparse_compressor_round_protocol_and_state():
+    comp = sparse.SparseCompressor(SHAPES, CFG)
+    x = randn(SHAPES, 13)
+    rnd = comp.begin(x)
+    assert rnd.stats.payload_bytes == len(rnd.payload) == comp.payload_bytes() and rnd.stats.bits == 2
+    assert 0 < rnd.stats.relative_error < 1
+    own = rnd.own()
+    assert all(torch.equal(a, b) for a, b in zip(own, decode(rnd.payload, SHAPES, CFG)))
+    assert all(float(e.abs().sum()) == 0 for e in comp.error)  # not committed: a skipped round keeps nothing
+    comp.commit(rnd)
+    # error feedback: what was sent plus what is kept is exactly the pseudo-gradient (beta * 0 + delta)
+    for o, e, d in zip(own, comp.error, x):
+        assert torch.allclose(o + e, d, atol=1e-6)
+    assert comp.shared_tensors() == [] and comp.shared_digest(0, []) == comp.digest()
+    with pytest.raises(ValueError, match="no shared state"):
+        comp.shared_digest(2, [])
+    with pytest.raises(ValueError, match="no shared state"):
+        comp.load_shared(0, [torch.zeros(3)])
+    saved = comp.state_dict()
+    other = sparse.SparseCompressor(SHAPES, CFG)
+    other.load_state_dict(saved)
+    assert other.begin(x).payload == comp.begin(x).payload
+    other.load_shared(0, [])  # adopting a downloaded state resets the local buffers
+    assert all(float(e.abs().sum()) == 0 for e in other.error)
+    assert sparse.SparseCompressor(SHAPES, SparseConfig(chunk=195, topk=13)).digest() != comp.digest()

@@ -1,0 +1,57 @@
+"""Malformed sparse contributions: what a buggy or hostile peer may announce and serve.
+
+Each attack rewrites our own (honest) payload before its digest is announced, so the bytes reach
+every group-mate intact and it is the codec's validation (dilocox.sparse) that must reject them:
+
+* ``Truncated``: the payload without its last 10 bytes;
+* ``Oversized``: the payload with 10 extra bytes;
+* ``OutOfRange``: the first index of the last (short) chunk set past the chunk's end;
+* ``Cycle``: round r uses Truncated, Oversized, OutOfRange for r mod 3 = 0, 1, 2.
+"""
+
+from __future__ import annotations
+
+from daemon.redteam import Attack
+from dilocox.sparse import HEADER, HEADER_BYTES, SCALE_BYTES, SparseConfig, layout, pack_bits, unpack_bits
+
+
+class Truncated(Attack):
+    name = "truncated"
+
+    def contribution(self, payload: bytes, round_index: int) -> bytes:
+        return payload[:-10]
+
+
+class Oversized(Attack):
+    name = "oversized"
+
+    def contribution(self, payload: bytes, round_index: int) -> bytes:
+        return payload + bytes(10)
+
+
+class OutOfRange(Attack):
+    name = "out-of-range"
+
+    def contribution(self, payload: bytes, round_index: int) -> bytes:
+        return out_of_range(payload)
+
+
+class Cycle(Attack):
+    name = "malformed-cycle"
+
+    def contribution(self, payload: bytes, round_index: int) -> bytes:
+        kind = round_index % 3
+        return payload[:-10] if kind == 0 else payload + bytes(10) if kind == 1 else out_of_range(payload)
+
+
+def out_of_range(payload: bytes) -> bytes:
+    """Rewrite the first index of the last chunk to chunk - 1 (>= that chunk's length when it is short)."""
+    _, _, bits, _, total, chunk, topk = HEADER.unpack_from(payload)
+    cfg = SparseConfig(chunk=chunk, topk=topk, bits=bits)
+    lay = layout(total, cfg)
+    if lay.last == chunk:
+        raise ValueError("the last chunk is full: every index fits, pick a model whose size is not a multiple")
+    start = HEADER_BYTES + SCALE_BYTES * lay.nchunks
+    idx = unpack_bits(payload, start, lay.nidx, cfg.index_bits, "index")
+    idx[(lay.nchunks - 1) * topk] = chunk - 1
+    return payload[:start] + pack_bits(idx, cfg.index_bits) + payload[start + lay.index_bytes:]

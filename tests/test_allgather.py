@@ -1,0 +1,103 @@
+"""All-gather of sparse contributions (peers/allgather.py): the screening rules with fake gathered
+metadata, and the contribution server between real hivemind peers on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+
+import hivemind
+import pytest
+
+from peers.allgather import ContributionServer, screen_gathered
+from peers.averaging import RoundGather
+
+SHA = "ab" * 32
+
+
+def meta(outer_step=4, start="d0", weight=20.0, sha=SHA, size=100, **extra):
+    return dict(RoundGather(outer_step=outer_step, start_digest=start, weight=weight).dict(),
+                payload_sha256=sha, payload_bytes=size, **extra)
+
+
+def test_screen_keeps_the_canonical_group_and_names_each_drop():
+    gathered = {
+        "p1": meta(), "p2": meta(), "p3": meta(),
+        "p4": meta(start="other"),                        # another theta: not the canonical start digest
+        "p5": meta(outer_step=3),                          # behind by one outer step
+        "p6": meta(weight=1e6),                            # a weight above H = 20 inner steps
+        "p7": {"outer_step": 4, "start_digest": "d0"},     # no weight, no payload digest
+        "p8": meta(sha="not-a-digest"),
+        "p9": "garbage",
+        "pa": meta(size=-1),
+    }
+    metas, announced, dropped = screen_gathered(gathered, round_index=5, max_weight=20.0)
+    assert set(announced) - set(dropped) == {"p1", "p2", "p3"}
+    assert announced["p1"] == (SHA, 100)
+    assert "started from other parameters" in dropped["p4"] and "outer step 3" in dropped["p5"]
+    assert "weight 1000000.0 exceeds" in dropped["p6"]
+    for p in ("p7", "p8", "p9", "pa"):
+        assert dropped[p].startswith("malformed metadata"), (p, dropped[p])
+        assert metas[p] is None
+    assert metas["p4"] is not None  # it parsed: it may vote, its contribution is not used
+
+
+def test_screen_is_the_same_for_every_member_whatever_the_order():
+    gathered = {f"p{i}": meta(start="a" if i < 3 else "b") for i in range(6)}  # a 3:3 tie
+    first = screen_gathered(gathered, 5, 20.0)[2]
+    again = screen_gathered(dict(reversed(list(gathered.items()))), 5, 20.0)[2]
+    assert first == again and set(first) == {"p3", "p4", "p5"}  # the tie goes to the smallest peer id's digest
+
+
+@pytest.fixture(scope="module")
+def servers():
+    dhts, out = [], []
+    try:
+        for i in range(2):
+            dht = hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs() if dhts else None, start=True,
+                               host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, startup_timeout=60)
+            dhts.append(dht)
+            tamper = (lambda payload, requester, key: payload[:-1] + b"X") if i == 1 else None
+            out.append(ContributionServer(dht.replicate_p2p, "test_allgather", tamper=tamper))
+        yield [(d.peer_id.to_base58(), s) for d, s in zip(dhts, out)]
+    finally:
+        for s in out:
+            s.shutdown()
+        for d in dhts:
+            d.shutdown()
+
+
+def test_fetch_checks_length_and_digest(servers):
+    (a_id, a), (b_id, b) = servers
+    payload = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MiB: several pieces
+    a.offer("r1", payload)
+    got, failed = b.fetch({a_id: (hashlib.sha256(payload).hexdigest(), len(payload))}, "r1", 30)
+    assert got == {a_id: payload} and not failed
+    assert a.served_bytes("r1") == len(payload)
+    short = payload[:1000]
+    a.offer("r2", short)
+    _, failed = b.fetch({a_id: (hashlib.sha256(short).hexdigest(), 999)}, "r2", 30)
+    assert "oversized" in failed[a_id]
+    _, failed = b.fetch({a_id: (hashlib.sha256(short).hexdigest(), 1001)}, "r2", 30)
+    assert "truncated" in failed[a_id]
+    _, failed = b.fetch({a_id: ("00" * 32, 1000)}, "r2", 30)
+    assert "do not match the digest" in failed[a_id]
+    _, failed = b.fetch({a_id: (SHA, 10)}, "nothing-here", 30)
+    assert "no contribution under key" in failed[a_id]
+
+
+def test_a_peer_serving_other_bytes_than_it_announced_is_caught(servers):
+    (a_id, a), (b_id, b) = servers
+    payload = b"honest contribution" * 100
+    b.offer("r3", payload)  # b's tamper hook flips its last byte for every requester (equivocation)
+    _, failed = a.fetch({b_id: (hashlib.sha256(payload).hexdigest(), len(payload))}, "r3", 30)
+    assert "do not match the digest" in failed[b_id]
+
+
+def test_old_offers_are_forgotten(servers):
+    (a_id, a), (b_id, b) = servers
+    for k in range(6):
+        a.offer(f"old{k}", b"x")
+    _, failed = b.fetch({a_id: (hashlib.sha256(b"x").hexdigest(), 1)}, "old0", 30)
+    assert "no contribution" in failed[a_id]
+    got, _ = b.fetch({a_id: (hashlib.sha256(b"x").hexdigest(), 1)}, "old5", 30)
+    assert got == {a_id: b"x"}
