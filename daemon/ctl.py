@@ -1,7 +1,9 @@
-"""Console script ``dilocox-ctl``: query or control a running node over gRPC (dilocox.v1.Node).
+"""Console script ``dilocox-ctl``: query or control a running node over gRPC (dilocox.v1.Node), and manage swarm
+admission files without contacting any node (``peer-id``, ``authority init|issue|revoke``; peers/admission.py).
 
 ``--json`` prints exactly one JSON value on stdout (an object for status, an array for peers).
-Exit codes: 0 ok, 1 the node could not be reached or answered an error (``health``: or is not SERVING).
+Exit codes: 0 ok, 1 the node could not be reached or answered an error (``health``: or is not SERVING),
+2 bad arguments, or (admission commands) a key, certificate, peer id or file problem, told on stderr.
 """
 
 from __future__ import annotations
@@ -48,6 +50,31 @@ def _as_dict(message) -> dict:
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
+def _admission_command(args: argparse.Namespace) -> int:
+    """``peer-id`` and ``authority ...``: local files only. Imported lazily: hivemind is slow to import."""
+    from peers import admission
+    from peers.identity import IdentityError
+
+    try:
+        if args.command == "peer-id":
+            print(admission.peer_id_of_identity(args.identity))
+        elif args.authority_command == "init":
+            print(admission.init_authority(args.dir))
+        elif args.authority_command == "issue":
+            cert = admission.issue_certificate(args.dir, args.peer_id, days=args.days, role=args.role)
+            admission.write_certificate(cert, args.out)
+            print(f"certified peer {cert['peer_id']} as {cert['role']} until {admission.iso_utc(cert['expires_at'])} "
+                  f"(serial {cert['serial']}): {args.out}")
+        elif args.authority_command == "revoke":
+            revoked = admission.revoke(args.dir, args.peer_id)
+            print(f"revoked peer {args.peer_id}: {args.dir}/{admission.REVOKED_FILE} serial {revoked['serial']}, "
+                  f"{len(revoked['revoked'])} peer(s) revoked")
+    except (admission.AdmissionError, IdentityError, OSError) as e:
+        print(f"dilocox-ctl: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dilocox-ctl", description="Query or control a running dilocox node.")
     parser.add_argument("--addr", default="127.0.0.1:50051", help="node's status address HOST:PORT")
@@ -59,7 +86,24 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("watch", help="stream status changes until the node stops")
     sub.add_parser("leave", help="ask the node to drain and exit")
     sub.add_parser("health", help="exit 0 if the node's grpc.health.v1 service says SERVING (for healthchecks)")
+    p = sub.add_parser("peer-id", help="print the libp2p peer id of an identity key file (created if missing)")
+    p.add_argument("--identity", required=True, metavar="KEY", help="identity file, as given to dilocox-node")
+    p = sub.add_parser("authority", help="swarm admission: create an authority, certify or revoke peers")
+    auth = p.add_subparsers(dest="authority_command", required=True, metavar="{init,issue,revoke}")
+    p = auth.add_parser("init", help="write DIR/authority.key (0600) and DIR/authority.pub; print the .pub path")
+    p.add_argument("dir", metavar="DIR")
+    p = auth.add_parser("issue", help="sign a certificate for a peer id and write it to --out")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--peer-id", required=True, help="base58 libp2p peer id (dilocox-ctl peer-id)")
+    p.add_argument("--days", type=float, default=365.0, help="validity in days from now (default 365)")
+    p.add_argument("--role", default="peer", help="certified role (only 'peer' is accepted)")
+    p.add_argument("--out", required=True, metavar="CERT", help="certificate file to write")
+    p = auth.add_parser("revoke", help="add a peer id to DIR/revoked.json (re-signed, serial + 1)")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--peer-id", required=True, help="base58 libp2p peer id")
     args = parser.parse_args(argv)
+    if args.command in ("peer-id", "authority"):  # --addr is accepted but unused: no node is contacted
+        return _admission_command(args)
 
     with grpc.insecure_channel(args.addr) as channel:
         stub = node_pb2_grpc.NodeStub(channel)
