@@ -117,7 +117,8 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
     inners = [InnerLoop(m, inner_cfg) for m in modules]
     outer = OuterOptimizer(inners[0].params, method.outer_lr, method.outer_momentum, method.nesterov)
     schedules = [OuterSchedule(outer, method.overlap, method.proxy) for _ in inners]
-    shards = [ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, 1234, r) for r in range(replicas)]
+    # replica r draws what a node started with --seed SEED --data-seed r draws (daemon/replica_state.py)
+    shards = [ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, seed, r) for r in range(replicas)]
     shapes = [tuple(p.shape) for p in outer.global_params]
     names = [n for n, _ in modules[0].named_parameters()]
     dense = tuple(i for i, n in enumerate(names) if "embed" in n or "lm_head" in n) if method.dense_embeddings else ()
@@ -135,8 +136,11 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
     curve, payloads, pending, started = [], [], None, time.monotonic()
 
     def evaluate(t: int) -> None:
+        """theta after t rounds of compute: with the one-step delay it holds t - 1 outer updates (the last
+        round's mean is still in flight), and is compared with synchronous methods at equal tokens."""
         evaluator.load_params(outer.global_params)
-        curve.append(dict(outer_step=t, tokens=t * tokens_per_round, val_loss=evaluator.evaluate(val)))
+        applied = t if method.overlap == "none" else max(0, t - 1)
+        curve.append(dict(outer_step=applied, rounds=t, tokens=t * tokens_per_round, val_loss=evaluator.evaluate(val)))
 
     evaluate(0)
     for s in schedules:
@@ -196,7 +200,8 @@ def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_boun
 
 
 def _compressed_round(codecs, deltas, bounds, t, weights, power_iterations):
-    """The Compressor round protocol, with the mean of the codes hivemind's all-reduce would return."""
+    """The Compressor round protocol, with the mean of the codes hivemind's all-reduce would return; own
+    contributions for the delayed start proxy are the raw pseudo-gradients, as in the daemon."""
     for it in range(power_iterations):
         rounds = [c.begin(d, bounds, t) for c, d in zip(codecs, deltas)]
         for _ in range(rounds[0].num_phases):
@@ -207,7 +212,8 @@ def _compressed_round(codecs, deltas, bounds, t, weights, power_iterations):
         if it < power_iterations - 1:
             for r, c in zip(rounds, codecs):
                 c.refine(r)
-    averaged, own = rounds[0].result(), [r.own() for r in rounds]
+    # the daemon's proxy stand-in for a Compressor round (daemon/rounds.py): the raw pseudo-gradient
+    averaged, own = rounds[0].result(), [list(d) for d in deltas]
     for r, c in zip(rounds, codecs):
         r.decide_rank(0.0, 0.0, len(rounds))
         c.commit(r)

@@ -91,10 +91,10 @@ class NodeConfig(BaseModel):
     overlap: Literal["none", "delayed"] = Field(
         "delayed", description="none: synchronous DiLoCo; delayed: DiLoCoX one-step delay")
     overlap_proxy: Literal["none", "local", "eager"] = Field(
-        "none", description="delayed overlap: where the next round starts (none: the plain re-base; local: our own "
+        "eager", description="delayed overlap: where the next round starts (none: the plain re-base; local: our own "
                              "contribution stands in for the mean; eager: Eager Updates' mix)")
     compression: Literal["none", "fp16", "int8", "adaptive", "sparse"] = Field(
-        "adaptive",
+        "sparse",
         description="pseudo-gradient codes: none (fp32), fp16 (16-bit), int8 (8-bit), adaptive (low rank + 8-bit), "
                     "sparse (top-k per chunk + 2-bit + error feedback, all-gathered)")
     sparse_chunk: int = Field(4096, ge=2, lt=2**32, description="sparse: values per chunk")

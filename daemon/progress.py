@@ -28,6 +28,9 @@ class ProgressTracker:
         self.swarm, self._describe, self._on_refresh = swarm, describe, on_refresh
         self.stage_index, self.num_stages = stage_index, num_stages
         self.announce_period_s = announce_period_s
+        # a read of the records costs every member's record (~1 KB each, signed) from every DHT peer asked:
+        # waits that last seconds or more re-read at most once a second (pokes make changes visible at once)
+        self.poll_s = min(1.0, announce_period_s)
         self._result = (0, "")  # (round, digest) of the last averaged pseudo-gradient we hold
         self._poke = threading.Event()
         self._stop = threading.Event()
@@ -98,7 +101,7 @@ class ProgressTracker:
                     found[m.peer_id] = m.result_digest
             if set(found) >= peers:
                 break
-            time.sleep(0.1)
+            time.sleep(0.25)  # a short wait: the whole group waits for the slowest digest
         return found
 
     def wait(self, predicate: Callable[[List[MemberRecord]], bool], timeout_s: float,
@@ -108,5 +111,5 @@ class ProgressTracker:
         while time.monotonic() < deadline and not cancelled():
             if predicate(self.others()):
                 return True
-            time.sleep(0.2)
+            time.sleep(self.poll_s)
         return False

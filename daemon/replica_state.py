@@ -109,9 +109,18 @@ class ReplicaState:
     def memory(self) -> StageMemory:
         return stage_memory(self.inner, self.outer, self.schedule, self.compressor)
 
+    @torch.no_grad()
     def evaluate(self) -> float:
-        """Validation loss (nats/token) of the local parameters on the held-out batches."""
-        return self.inner.evaluate(self.val_batches)
+        """Validation loss (nats/token) of theta, the global parameters, on the held-out batches. The model
+        holds the local parameters, which differ from theta during a delayed round: they are swapped out
+        for the evaluation and put back bit for bit (a stage node evaluates with its replica's stages,
+        which swap at the same point of their collective order)."""
+        local = [p.detach().clone() for p in self.inner.params]
+        self.inner.load_params(self.outer.global_params)
+        try:
+            return self.inner.evaluate(self.val_batches)
+        finally:
+            self.inner.load_params(local)
 
     def pseudo_gradient_bounds(self, r: int) -> list[float]:
         """Per-tensor bound on |pseudo_gradient| for round r (the offsets of values sent in fp32;

@@ -121,7 +121,9 @@ class PseudoGradientAverager(DecentralizedAverager):
             compression=NarrowingCompression(),
             part_size_bytes=part_size_bytes,
             allow_state_sharing=state_provider is not None,
-            declare_state_period=max(2.0, matchmaking_time_s),
+            # joiners read donors' priorities (outer steps) from these declarations; a few seconds of staleness
+            # costs nothing (the downloaded state is checked), each declaration a DHT store
+            declare_state_period=max(15.0, matchmaking_time_s),
             **averager_kwargs,
         )
 

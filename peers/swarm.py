@@ -111,6 +111,7 @@ class Swarm:
             raise JoinError(f"could not start or join the DHT ({', '.join(initial_peers) or 'new swarm'}): {e}") from e
         self.peer_id = self.dht.peer_id.to_base58()
         self._lock = threading.Lock()  # one DHT pipe shared by our threads
+        self._cache = None  # (monotonic time, the last DHT read of the records)
 
     async def replicate_p2p(self):
         """A P2P client on this node's p2pd (hivemind's public ``DHT.replicate_p2p``), for RPC handlers of
@@ -124,13 +125,22 @@ class Swarm:
 
     def publish(self, record: MemberRecord) -> bool:
         with self._lock:
+            self._cache = None  # the next read sees our own new record
             return bool(self.dht.store(self.key, subkey=self.public_key, value=record.dict(),
                                        expiration_time=get_dht_time() + self.ttl_s))
 
-    def members(self) -> List[tuple[MemberRecord, float]]:
-        """Live members (ours included) with seconds until their record expires; invalid records are skipped."""
+    def members(self, max_age_s: float = 1.0) -> List[tuple[MemberRecord, float]]:
+        """Live members (ours included) with seconds until their record expires; invalid records are skipped.
+
+        A read asks the DHT's peers for every record of the run (about a kilobyte each, signatures
+        included), so reads are shared: one made less than ``max_age_s`` seconds ago is reused."""
         with self._lock:
-            found = self.dht.get(self.key, latest=True)
+            now_m = time.monotonic()
+            if self._cache is not None and now_m - self._cache[0] < max_age_s:
+                found = self._cache[1]
+            else:
+                found = self.dht.get(self.key, latest=True)
+                self._cache = (now_m, found)
         if found is None or not isinstance(found.value, dict):
             return []
         now, out = get_dht_time(), []

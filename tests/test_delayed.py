@@ -1,7 +1,10 @@
-"""overlap=delayed on real peers: rounds overlap, replicas agree per outer step, a joiner catches up."""
+"""The default configuration on real peers: delayed overlap with the eager start, sparse contributions
+all-gathered; replicas agree on every outer step, malformed contributions are dropped by everyone
+alike, and a joiner catches up."""
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -9,36 +12,43 @@ import pytest
 from tests.helpers import FAST, digests_by_step, start
 
 pytestmark = pytest.mark.integration
+FP32_BYTES = 133_440 * 4  # the tiny preset's parameters in fp32
 
 
-def test_delayed_overlap_two_nodes_and_a_joiner(tmp_path):
-    """The defaults (delayed overlap, adaptive compression) on loopback."""
-    args = FAST + ["--run-id", "delayed", "--overlap", "delayed", "--compression", "adaptive"]
-    a = start(tmp_path, "a", args + ["--min-replicas", "2"])
-    b = start(tmp_path, "b", args + ["--min-replicas", "2", "--join", a.join_maddr])
-    nodes = [a, b]
+def test_defaults_three_nodes_a_malformed_peer_and_a_joiner(tmp_path):
+    args = FAST + ["--run-id", "defaults", "--min-replicas", "3"]
+    a = start(tmp_path, "a", args)
+    b = start(tmp_path, "b", args + ["--join", a.join_maddr])
+    # a node that announces and serves malformed payloads: truncated, oversized, out-of-range index by round
+    m = start(tmp_path, "m", args + ["--join", a.join_maddr, "--attack", "bench.attacks.malformed:Cycle"])
+    nodes = [a, b, m]
     try:
-        for n in nodes:  # a round's row is recorded at the end of the next round; status shows its step earlier
-            n.wait_for(lambda p: len(p.metrics()) >= 3, 120, "three recorded rounds")
-        for n in nodes:
-            rows = n.metrics()[:3]
-            assert [r["group_size"] for r in rows] == [2, 2, 2], rows
-            assert all(r["overlap"] == "delayed" for r in rows)
-            # the all-reduce of round t ran during round t+1's ~0.3 s of compute: part of it was not waited for
-            assert all(r["duration_s"] - r["wait_s"] > 0.1 for r in rows), rows
-            # 8-bit low-rank codes once the first round set the shared scales: >= 10x below fp32
-            assert all(r["bits"] == 8 and 1 <= r["rank"] <= 8 for r in rows)
-            assert all(10 * r["payload_bytes"] <= 133_440 * 4 for r in rows[1:]), rows
+        bad = m.status().peer_id
+        assert m.status().attack == "malformed-cycle" and a.status().attack == ""
+        assert a.status().compression == "sparse" and a.status().overlap_proxy == "eager"
+        for n in (a, b):  # a round's row is recorded at the end of the next round
+            n.wait_for(lambda p: len(p.metrics()) >= 4, 150, "four recorded rounds")
+        for n in (a, b):
+            rows = n.metrics()[:4]
+            assert all(r["overlap"] == "delayed" and r["outcome"] == "applied" for r in rows), rows
+            # the malformed contribution is left out by every honest member; a and b are averaged
+            assert all(r["dropped"] == [bad] and r["group_size"] == 2 for r in rows), rows
+            assert all(100 * r["payload_bytes"] <= FP32_BYTES for r in rows), rows
+            assert all(r["bits"] == 2 and r["rank"] == 0 for r in rows)
+            log = n.err_path.read_text()
+            for reason in ("truncated payload", "oversized payload", "out of range in chunk"):
+                assert re.search(rf"dropped the contribution of {bad}: .*{reason}", log), reason
         c = start(tmp_path, "c", args + ["--join", a.join_maddr])
         nodes.append(c)
         first = c.wait_for(lambda p: p.metrics(), 120, "its first applied round")[0]
-        assert first["outcome"] == "applied" and first["group_size"] == 3, first
-        for n in nodes:
+        assert first["outcome"] == "applied" and first["group_size"] == 3 and first["dropped"] == [bad], first
+        for n in (a, b, c):
             n.wait_for(lambda p: any(r["outer_step"] >= first["outer_step"] + 1 for r in p.metrics()), 60,
                        "one more recorded round")
-        steps = digests_by_step(nodes)
+        steps = digests_by_step(nodes)  # the attacker's own aggregate drops its payload too: all agree
         assert all(len(d) == 1 for d in steps.values()), steps
         assert a.status().loss < a.status().initial_loss - 1.0
+        assert a.status().contributions_dropped >= 4
     finally:
         for n in nodes:
             n.terminate(signal.SIGKILL)
