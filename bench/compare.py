@@ -6,7 +6,10 @@ budget per replica (outer_steps x H inner steps of batch x seq tokens):
   (a) ddp        torch DDP over gloo, all-reduce every step (bench/ddp.py)
   (b) diloco     DiLoCo, synchronous, fp32            (--overlap none --compression none)
   (c) diloco16   DiLoCo, 16-bit codes (as OpenDiLoCo) (--overlap none --compression fp16)
-  (d) dilocox    one-step delay + adaptive low rank   (--overlap delayed --compression adaptive)
+  (d) dilocox    one-step delay + adaptive low rank   (--overlap delayed --compression adaptive), the
+                 default until 2026-11
+  (e) default    the daemon's defaults: synchronous rounds matched during their last inner steps,
+                 sparse contributions (top-64 of 4096, 2-bit, error feedback) all-gathered
 Per run: tokens/s per replica (steady state), compute utilization, bytes on the wire per token
 (tx bytes of the hosts' interfaces, read from sysfs inside the namespaces: everything, DHT
 included), validation loss of the final parameters, and the speedup of (d) over (a).
@@ -35,6 +38,7 @@ VARIANTS = {
     "b_diloco_fp32": ["--overlap", "none", "--compression", "none"],
     "c_diloco_fp16": ["--overlap", "none", "--compression", "fp16"],
     "d_dilocox": ["--overlap", "delayed", "--compression", "adaptive"],
+    "e_default": [],
 }
 
 
@@ -72,7 +76,7 @@ def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path) -> dict
               "--warmup-steps", "20", "--total-steps", str(args.outer_steps * args.inner_steps),
               "--max-outer-steps", str(args.outer_steps), "--min-replicas", "2", "--request-timeout", "2",
               "--matchmaking-time", "4", "--averaging-timeout", "120", "--outer-round-deadline", "400",
-              "--announce-period", "2", "--eval-batches", "8", "--status-addr", "127.0.0.1:0",
+              "--eval-batches", "8", "--eval-every", str(args.outer_steps), "--status-addr", "127.0.0.1:0",
               "--run-id", name.replace("_", "-"), *extra]
     before = [tx_bytes(net, i) for i in range(2)]
     nodes = []
@@ -187,7 +191,7 @@ def main(argv=None) -> int:
         if ddp:
             r["speedup_vs_ddp"] = r["tokens_per_s"] / ddp["tokens_per_s"]
             r["bytes_per_token_reduction_vs_ddp"] = ddp["bytes_per_token"] / r["bytes_per_token"]
-    d = [r for r in rows if r["run"] == "d_dilocox"]
+    d = [r for r in rows if r["run"] == "e_default"] or [r for r in rows if r["run"] == "d_dilocox"]
     proj = projection(statistics.median(r["compression_ratio"] for r in d), 400.0, 8, args.inner_steps) if d else {}
     (args.out / "compare.json").write_text(json.dumps(dict(rows=rows, projection=proj, args=vars(args)), indent=2,
                                                       default=str))

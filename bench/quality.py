@@ -94,6 +94,27 @@ METHODS = {m.name: m for m in [
 ]}
 
 
+# the row that is the daemon's default configuration (daemon/config.py; tests/test_quality_bench.py keeps them equal)
+DEFAULT = "sparse-a4-delayed"
+
+
+def daemon_flags(m: Method) -> list[str]:
+    """dilocox-node flags that configure a node like method ``m``; ValueError for an ablation the daemon
+    does not offer (no error feedback, dense embeddings, warm-up, power iterations, refresh)."""
+    if (not m.error_feedback or m.dense_embeddings or m.warmup_rounds or m.power_iterations != 1
+            or m.refresh_every):
+        raise ValueError(f"{m.name} is an ablation of the benchmark only")
+    flags = ["--compression", m.codec, "--overlap", m.overlap, "--overlap-proxy", m.proxy,
+             "--outer-lr", str(m.outer_lr), "--outer-momentum", str(m.outer_momentum),
+             "--nesterov" if m.nesterov else "--no-nesterov"]
+    if m.codec == "sparse":
+        flags += ["--sparse-chunk", str(m.sparse.chunk), "--sparse-topk", str(m.sparse.topk),
+                  "--sparse-bits", str(m.sparse.bits), "--sparse-beta", str(m.sparse.beta)]
+    elif m.codec == "adaptive":
+        flags += ["--rank-max", str(m.rank_max), "--rank-energy", str(m.rank_energy)]
+    return flags
+
+
 def _codes_mean(codes: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
     """The weighted mean hivemind's all-reduce returns for fp32 code buffers (integers: exact)."""
     total = sum(weights)

@@ -89,17 +89,15 @@ class NodeConfig(BaseModel):
     outer_momentum: Optional[float] = Field(None, ge=0, lt=1, description="outer momentum (default: per compression)")
     nesterov: Optional[bool] = Field(None, description="Nesterov outer momentum (default: per compression)")
     overlap: Literal["none", "delayed"] = Field(
-        "delayed", description="none: synchronous DiLoCo; delayed: DiLoCoX one-step delay")
-    overlap_proxy: Literal["none", "local", "eager"] = Field(
-        "eager", description="delayed overlap: where the next round starts (none: the plain re-base; local: our own "
-                             "contribution stands in for the mean; eager: Eager Updates' mix)")
+        "none", description="none: synchronous DiLoCo (a sparse round forms its group during its last inner steps); "
+                            "delayed: DiLoCoX one-step delay (measured to cost quality: docs/algorithms.md)")
     compression: Literal["none", "fp16", "int8", "adaptive", "sparse"] = Field(
         "sparse",
         description="pseudo-gradient codes: none (fp32), fp16 (16-bit), int8 (8-bit), adaptive (low rank + 8-bit), "
                     "sparse (top-k per chunk + 2-bit + error feedback, all-gathered)")
     sparse_chunk: int = Field(4096, ge=2, lt=2**32, description="sparse: values per chunk")
     sparse_topk: int = Field(64, ge=1, description="sparse: values sent per chunk")
-    sparse_bits: Literal[2, 4, 8] = Field(2, description="sparse: bits per sent value")
+    sparse_bits: int = Field(2, description="sparse: bits per sent value (2, 4 or 8)")
     sparse_beta: float = Field(0.95, ge=0, le=1, description="sparse: error-feedback decay per outer step")
     rank_min: int = Field(1, ge=1, description="adaptive: lowest PowerSGD rank")
     rank_max: int = Field(8, ge=1, description="adaptive: highest PowerSGD rank (also the first round's)")
@@ -117,7 +115,9 @@ class NodeConfig(BaseModel):
     # bookkeeping
     checkpoint_dir: Optional[Path] = None
     checkpoint_every: int = Field(5, ge=1, description="outer steps between checkpoints")
-    eval_batches: int = Field(4, ge=1, description="validation batches per outer step")
+    eval_batches: int = Field(4, ge=1, description="validation batches per measurement")
+    eval_every: int = Field(1, ge=1, description="outer steps between validation measurements (the last outer "
+                                                 "step of max_outer_steps is always measured)")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     attack: Optional[str] = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
                                   description="red team only: MODULE:CLASS, an Attack plugged into this node "
@@ -147,6 +147,8 @@ class NodeConfig(BaseModel):
             raise ValueError(f"stage {self.stage!r}: need K < S (stages are numbered 0 .. S-1)")
         if self.rank_min > self.rank_max:
             raise ValueError(f"rank_min={self.rank_min} must be <= rank_max={self.rank_max}")
+        if self.sparse_bits not in (2, 4, 8):
+            raise ValueError(f"sparse_bits must be 2, 4 or 8; got {self.sparse_bits}")
         if self.compression == "sparse" and self.sparse_topk > self.sparse_chunk:
             raise ValueError(f"sparse_topk={self.sparse_topk} must be <= sparse_chunk={self.sparse_chunk}")
         if self.beta1**2 >= self.beta2:

@@ -157,8 +157,7 @@ class Node:
         self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
                                   self.contributions, self.attack)
         self.board.update(outer_step=self.state.outer_step, inner_steps=self.H, global_params_digest=self.state.digest,
-                          overlap=cfg.overlap, overlap_proxy=cfg.overlap_proxy if cfg.overlap == "delayed" else "none",
-                          compression=cfg.compression, stage_index=cfg.stage_index,
+                          overlap=cfg.overlap, compression=cfg.compression, stage_index=cfg.stage_index,
                           attack=self.attack.name if self.attack else "",
                           num_stages=cfg.num_stages, memory=self.state.memory())
 
@@ -235,8 +234,13 @@ class Node:
 
     def _round(self, skip: int) -> None:
         """Compute round r = state.round, then average it (none) or start averaging it (delayed)."""
-        done = self._inner_steps(skip)
+        try:
+            done = self._inner_steps(skip)
+        except PipelineBroken:
+            self.rounds.cancel_early()
+            raise
         if done is None:
+            self.rounds.cancel_early()
             self.state.drop_progress()  # abandon the round: nothing leaves this node
             return
         losses, compute_s, skip = done
@@ -271,7 +275,8 @@ class Node:
         st = self.state
         if self.staged:
             skip = self.pipeline.agree_round(skip)
-            self.board.update(val_loss=st.evaluate())
+            if st.round % self.cfg.eval_every == 0 or st.round == self.cfg.max_outer_steps:
+                self.board.update(val_loss=st.evaluate())
         losses, start = [], time.monotonic()
         self._set_state(State.TRAINING, inner_step=skip)
         for i in range(skip, self.H):
@@ -297,6 +302,11 @@ class Node:
             self.board.update(inner_step=i + 1, loss=sum(losses[-10:]) / len(losses[-10:]),
                               tokens_total=s.tokens_total + x.numel(), tokens_per_second=ema,
                               initial_loss=loss if math.isnan(s.initial_loss) else s.initial_loss)
+            if not self.staged and self.rounds.early_wanted():
+                # form the round's group during its last inner steps: matchmaking takes matchmaking_time
+                eta_s = (self.H - i - 1) * x.numel() / ema
+                if eta_s <= self.cfg.matchmaking_time + self.cfg.request_timeout:
+                    self.rounds.begin_early(self.H - skip, time.monotonic() - start + eta_s, eta_s)
         return losses, time.monotonic() - start, skip
 
     def _settle(self, finished: Optional[Finished]) -> None:
@@ -333,6 +343,7 @@ class Node:
         """Download the swarm's state. keep_round: we finished this round's compute and want the
         parameters it starts from (delayed overlap), so no inner steps are skipped afterwards."""
         logger.warning("re-syncing from peers: %s", reason)
+        self.rounds.cancel_early()
         self.skip_steps = self._sync(initial=False, keep_round=keep_round)
 
     def _sync(self, initial: bool, keep_round: bool = False) -> int:
@@ -393,7 +404,9 @@ class Node:
         """Publish a finished round in status, checkpoint, and metrics (duration_s excludes evaluation)."""
         st, losses = self.state, losses or [math.nan]
         # a stage node measures its replica's val loss at round start (pipeline collectives stay in lockstep)
-        val_loss = st.evaluate() if not self.staged else self.board.snapshot().val_loss
+        measure = st.outer_step % self.cfg.eval_every == 0 or st.outer_step == self.cfg.max_outer_steps
+        # evaluation is time the round does not train (compute_utilization counts it): --eval-every spaces it
+        val_loss = st.evaluate() if measure and not self.staged else self.board.snapshot().val_loss
         self.round_log.append((time.monotonic(), info.compute_s))
         del self.round_log[:-11]
         utilization = 0.0

@@ -78,13 +78,13 @@ class ProgressTracker:
             self._poke.wait(self.announce_period_s)
             self._poke.clear()
 
-    def members(self) -> List[MemberRecord]:
-        """Every live member of the run (ours included)."""
-        return [m for m, _ in self.swarm.members()]
+    def members(self, max_age_s: float = 1.0) -> List[MemberRecord]:
+        """Every live member of the run (ours included), from a DHT read at most ``max_age_s`` old."""
+        return [m for m, _ in self.swarm.members(max_age_s)]
 
-    def others(self) -> List[MemberRecord]:
+    def others(self, max_age_s: float = 1.0) -> List[MemberRecord]:
         """Other live members holding our stage (of other replicas): the ones we average with."""
-        return [m for m in self.members() if m.peer_id != self.peer_id
+        return [m for m in self.members(max_age_s) if m.peer_id != self.peer_id
                 and m.stage_index == self.stage_index and m.num_stages == self.num_stages]
 
     def exchange_result_digests(self, result_step: int, digest: str, peers: set[str],
@@ -96,7 +96,7 @@ class ProgressTracker:
         found = {self.peer_id: digest}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for m in self.others():
+            for m in self.others(max_age_s=0.2):  # the whole group waits for the slowest digest: read afresh
                 if m.peer_id in peers and m.result_step == result_step:
                     found[m.peer_id] = m.result_digest
             if set(found) >= peers:

@@ -77,7 +77,7 @@ class ReplicaState:
             self.compressor = Compressor(shapes, CompressionConfig(
                 mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
                 block=cfg.quant_block, seed=cfg.seed))
-        self.schedule = OuterSchedule(self.outer, cfg.overlap, cfg.overlap_proxy)
+        self.schedule = OuterSchedule(self.outer, cfg.overlap)
         self.shard = ReplicaShard(corpus.train, seq_len, batch_size, cfg.seed, shard_key)
         self.val_batches = validation_batches(corpus, seq_len, batch_size, cfg.eval_batches)
         self.step_bound = exact_mean.adam_step_bound(cfg.beta1, cfg.beta2)
@@ -152,13 +152,6 @@ class ReplicaState:
     def rebase_and_begin(self) -> None:
         """The round's end after an outer update: re-base the local parameters, start the next round."""
         self.schedule.rebase(self.inner.params)
-        self.schedule.begin_round(self.inner.params)
-
-    def begin_next_round(self, own: Sequence[torch.Tensor]) -> None:
-        """Delayed overlap, after sending a round: start the next one, from the ``overlap_proxy`` estimate
-        of the next theta when one is configured (dilocox/overlap.py; ``own``: our contribution as the
-        group decodes it), else where the local trajectory is."""
-        self.schedule.start_from_proxy(self.inner.params, list(own))
         self.schedule.begin_round(self.inner.params)
 
     def apply_outer(self, averaged: Optional[Sequence[torch.Tensor]], index: int, group_size: int = 1) -> None:

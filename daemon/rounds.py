@@ -59,6 +59,7 @@ from peers.averaging import (
 )
 
 logger = logging.getLogger(__name__)
+FRESH_S = 0.2  # once-a-round decisions read the membership records (nearly) afresh: stale ones split rounds
 
 
 class RoundOutcome(str, Enum):
@@ -101,7 +102,19 @@ class PendingRound:
     cancel: threading.Event = field(default_factory=threading.Event)
     early: Optional[RoundInfo] = None  # theta already updated mid-round (delayed); the local part is due
     early_tried: bool = False
-    own: Optional[list] = None  # our contribution as the group decodes it (the delayed start proxy)
+
+
+@dataclass
+class EarlyRound:
+    """A synchronous sparse round whose matchmaking began before its inner steps ended: ``ready`` gets the
+    round's SparseRound at the round's end, and ``future`` runs exchange_sparse on the comm thread."""
+
+    index: int
+    weight: int
+    ready: Future
+    future: Future
+    cancel: threading.Event
+    started: float
 
 
 class OuterRounds:
@@ -118,6 +131,7 @@ class OuterRounds:
         self.delayed = cfg.overlap == "delayed"
         self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
         self.pending: Optional[PendingRound] = None  # delayed overlap: the all-reduce in flight
+        self.early: Optional[EarlyRound] = None  # synchronous sparse round matched before its end
         self.measured_bps = 0.0
 
     def bandwidth_bps(self) -> float:
@@ -131,41 +145,92 @@ class OuterRounds:
         """Send round ``state.round``'s pseudo-gradient (``weight``: inner steps it covers) into the
         all-reduce, or make it a solo round; Finished(RESYNC) if others already applied the round."""
         r, cfg, started = self.state.round, self.cfg, time.monotonic()
-        action = round_start_action(self.progress.others(), r, self.delayed)
+        action = round_start_action(self.progress.others(FRESH_S), r, self.delayed)
+        early, self.early = self.early, None
         if action == StartAction.ALREADY_DONE:
+            self._cancel(early)
             return Finished(r, RoundOutcome.RESYNC, reason=f"round {r} was already completed by others")
-        if action == StartAction.SOLO:
-            return PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started, own=pseudo_gradient)
+        if early is not None and early.index != r:
+            self._cancel(early)
+            early = None
+        # a round already matched early is not made solo by a record that looks stale: its group may have
+        # formed (going solo would leave the others a partial result); it gives up by itself if nobody came
+        if action == StartAction.SOLO and early is None:
+            self._cancel(early)
+            return PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started)
         honest = pseudo_gradient
         if self.attack is not None:
             pseudo_gradient = self.attack.pseudo_gradient([g.clone() for g in pseudo_gradient], r)
         compression = self.state.compressor.begin(pseudo_gradient, self.state.pseudo_gradient_bounds(r), r)
         gather = RoundGather(outer_step=r - 1, start_digest=self.state.start_digest(), weight=float(weight),
                              bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s)
+        if early is not None and (early.index, early.weight) == (r, weight):
+            early.ready.set_result(compression)  # the comm thread offers it and lets the all-reduce begin
+            return PendingRound(r, honest, compression, early.future, compute_s, losses, early.started,
+                                cancel=early.cancel)
+        self._cancel(early)
         averager = self.averagers[self.state.averager_sizes()[0] if isinstance(compression, SparseRound)
                                   else self.state.compressor.buffer_size()]
-        # low rank and block codes depend on the group's means: the raw pseudo-gradient stands in for ours
-        own = compression.own() if isinstance(compression, SparseRound) else pseudo_gradient
-        p = PendingRound(r, honest, compression, None, compute_s, losses, started, own=own)
-        hooks = dict(tamper_gather=self.attack.gather if self.attack else None)
+        p = PendingRound(r, honest, compression, None, compute_s, losses, started)
         deadline_s = cfg.outer_round_deadline - cfg.averaging_timeout
         abandon = lambda: not in_round(self.progress.others(), r, self.delayed)  # noqa: E731
         if isinstance(compression, SparseRound):
-            p.future = self.comm.submit(exchange_sparse, averager, self.contributions, self.progress.peer_id,
-                                        compression, r, gather, float(self.cfg.inner_steps), deadline_s,
-                                        cfg.averaging_timeout, p.cancel, abandon, **hooks,
-                                        tamper_contribution=self.attack.contribution if self.attack else None)
+            p.future = self._submit_sparse(compression, r, gather, p.cancel)
         else:
             p.future = self.comm.submit(exchange, averager, compression, r, gather, deadline_s, p.cancel, abandon,
-                                        **hooks)
+                                        tamper_gather=self.attack.gather if self.attack else None)
         return p
 
+    def _submit_sparse(self, compression, r: int, gather: RoundGather, cancel: threading.Event,
+                       scheduled_in_s: Optional[float] = None) -> Future:
+        cfg, attack = self.cfg, self.attack
+        return self.comm.submit(
+            exchange_sparse, self.averagers[self.state.averager_sizes()[0]], self.contributions, self.progress.peer_id,
+            compression, r, gather, float(cfg.inner_steps), cfg.outer_round_deadline - cfg.averaging_timeout,
+            cfg.averaging_timeout, cancel, lambda: not in_round(self.progress.others(), r, self.delayed),
+            tamper_gather=attack.gather if attack else None,
+            tamper_contribution=attack.contribution if attack else None, scheduled_in_s=scheduled_in_s)
+
+    # ------------------------------------------------------------------ early matchmaking
+    def early_wanted(self) -> bool:
+        """Synchronous sparse rounds form their group while their last inner steps compute (``begin_early``):
+        the all-gather needs nothing of the butterfly's per-phase data, so only the payload is late."""
+        return not self.delayed and self.contributions is not None and self.early is None
+
+    def begin_early(self, weight: int, compute_s: float, eta_s: float) -> bool:
+        """Start matchmaking for round ``state.round`` now, its all-reduce to begin in about ``eta_s`` seconds,
+        when the round's inner steps end (``start`` then hands over the contribution). ``weight``: inner
+        steps this round will have computed. False (nothing started) if the round would be solo or was
+        already completed by others: ``start`` decides at the round's end as usual."""
+        r = self.state.round
+        if not self.early_wanted():
+            return False
+        if round_start_action(self.progress.others(FRESH_S), r, False) != StartAction.ALLREDUCE:
+            return False
+        gather = RoundGather(outer_step=r - 1, start_digest=self.state.start_digest(), weight=float(weight),
+                             bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s)
+        ready, cancel = Future(), threading.Event()
+        future = self._submit_sparse(ready, r, gather, cancel, scheduled_in_s=eta_s)
+        self.early = EarlyRound(r, weight, ready, future, cancel, time.monotonic())
+        logger.debug("round %d: matchmaking began %.1fs before the end of its inner steps", r, eta_s)
+        return True
+
+    def cancel_early(self) -> None:
+        """The round is abandoned (leave, a broken pipeline, a re-sync): stop its early matchmaking."""
+        early, self.early = self.early, None
+        self._cancel(early)
+
+    @staticmethod
+    def _cancel(early: Optional[EarlyRound]) -> None:
+        if early is not None:
+            early.cancel.set()
+            early.ready.cancel()
+
     def hold(self, p: PendingRound) -> None:
-        """Delayed overlap: keep round p's all-reduce in flight and begin round p.index + 1 (from the
-        ``overlap_proxy`` start, dilocox/overlap.py)."""
+        """Delayed overlap: keep round p's all-reduce in flight and begin round p.index + 1."""
         self.pending = p
         self.state.round = p.index + 1
-        self.state.begin_next_round(p.own if p.own is not None else p.pseudo_gradient)
+        self.state.begin_round()
 
     def take_pending(self) -> Optional[PendingRound]:
         p, self.pending = self.pending, None
@@ -209,7 +274,7 @@ class OuterRounds:
             except RoundCancelled:
                 return Finished(p.index, RoundOutcome.CANCELLED)
             except RoundFailed as e:
-                if failure_action(self.progress.others(), p.index) == Verdict.RESYNC:
+                if failure_action(self.progress.others(FRESH_S), p.index) == Verdict.RESYNC:
                     return self._resync(p, early, f"round {p.index} went on without us ({e})")
                 logger.warning("round %d: %s; applying our own pseudo-gradient", p.index, e)
                 outcome = RoundOutcome.APPLIED_ALONE
@@ -280,6 +345,7 @@ class OuterRounds:
         return self.finish(p)
 
     def shutdown(self) -> None:
+        self.cancel_early()
         self.drop_pending()
         self.comm.shutdown(wait=False, cancel_futures=True)
 

@@ -84,7 +84,6 @@ class Status:
     replica_members: list[str] = field(default_factory=list)
     memory: StageMemory = field(default_factory=StageMemory)
     contributions_dropped: int = 0
-    overlap_proxy: str = "none"
     attack: str = ""
 
 

@@ -26,7 +26,8 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from typing import AsyncIterator, Callable, Dict, Optional, Tuple
+from concurrent.futures import Future
+from typing import AsyncIterator, Callable, Dict, Optional, Tuple, Union
 
 import pydantic.v1 as pydantic
 import torch
@@ -107,11 +108,11 @@ class ContributionServer(ServicerBase):
             yield ContributionChunk(data=payload[i:i + CHUNK_BYTES])
 
     # ------------------------------------------------------------------ fetching
-    def fetch(self, wanted: Dict[str, Tuple[str, int]], key: str,
+    def fetch(self, wanted: Dict[str, Tuple[Optional[str], int]], key: str,
               timeout_s: float) -> Tuple[Dict[str, bytes], Dict[str, str]]:
-        """Download the payloads of ``wanted`` (peer_id -> (sha256 hex, length in bytes)) under ``key``,
-        all at once, within ``timeout_s`` seconds. Returns (peer_id -> payload whose length and digest
-        match, peer_id -> why it was not accepted)."""
+        """Download the payloads of ``wanted`` (peer_id -> (sha256 hex or None: not checked, length in
+        bytes)) under ``key``, all at once, within ``timeout_s`` seconds. Returns (peer_id -> payload
+        whose length and digest match, peer_id -> why it was not accepted)."""
         if not wanted:
             return {}, {}
         results = self._call(self._fetch_all(wanted, key, timeout_s), timeout_s + 5.0)
@@ -137,7 +138,7 @@ class ContributionServer(ServicerBase):
                 out[peer] = f"not received: {o}"
         return out
 
-    async def _fetch_one(self, peer: str, sha256: str, size: int, key: str) -> bytes:
+    async def _fetch_one(self, peer: str, sha256: Optional[str], size: int, key: str) -> bytes:
         stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.namespace)
         buf = bytearray()
         async for chunk in await stub.rpc_contribution(ContributionRequest(key=key)):
@@ -145,10 +146,10 @@ class ContributionServer(ServicerBase):
                 raise ContributionError(f"the peer answered: {chunk.error[:200]}")
             buf += chunk.data
             if len(buf) > size:
-                raise ContributionError(f"oversized: more than the {size} bytes announced")
+                raise ContributionError(f"oversized payload: more than the {size} bytes expected")
         if len(buf) != size:
-            raise ContributionError(f"truncated: {len(buf)} of the {size} bytes announced")
-        if hashlib.sha256(buf).hexdigest() != sha256:
+            raise ContributionError(f"truncated payload: {len(buf)} of the {size} bytes expected")
+        if sha256 is not None and hashlib.sha256(buf).hexdigest() != sha256:
             raise ContributionError("the bytes do not match the digest announced in matchmaking")
         return bytes(buf)
 
@@ -172,18 +173,21 @@ class ContributionServer(ServicerBase):
 
 
 class SparseGather(pydantic.BaseModel):
-    """What every member all-gathers in a sparse round beside its RoundGather fields."""
+    """What every member all-gathers in a sparse round beside its RoundGather fields. A round matched
+    before its contribution existed (``early``) announces no digest: its payloads are checked against
+    the codec's exact length and the round's result digests (docs/protocol.md)."""
 
-    payload_sha256: pydantic.constr(regex=SHA256_HEX.pattern)
-    payload_bytes: pydantic.conint(ge=0)
+    payload_sha256: Optional[pydantic.constr(regex=SHA256_HEX.pattern)] = None
+    payload_bytes: Optional[pydantic.conint(ge=0)] = None
 
 
-def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: float
-                    ) -> Tuple[Dict[str, Optional[RoundGather]], Dict[str, Tuple[str, int]], Dict[str, str]]:
+def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: float, payload_bytes: int
+                    ) -> Tuple[Dict[str, Optional[RoundGather]], Dict[str, Tuple[Optional[str], int]], Dict[str, str]]:
     """The rules every member applies to the group's gathered metadata before any download.
 
-    ``gathered``: peer_id -> the dict it sent (untrusted). Returns (peer_id -> its RoundGather, or None
-    if malformed: it cannot vote; peer_id -> (payload sha256, length) announced; peer_id -> why its
+    ``gathered``: peer_id -> the dict it sent (untrusted); ``payload_bytes``: the codec's exact payload
+    length. Returns (peer_id -> its RoundGather, or None if malformed: it cannot vote; peer_id ->
+    (payload sha256 or None if not announced, length to expect); peer_id -> why its
     contribution is dropped). Dropped: malformed metadata; a start other than the group's canonical
     start digest among members at outer step ``round_index - 1`` (dilocox.consensus.canonical_digest),
     including any other outer step; a weight above ``max_weight``. Pure: every member that sees the
@@ -200,7 +204,7 @@ def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: f
             metas[peer] = None
             dropped[peer] = f"malformed metadata ({str(e).splitlines()[0][:120]})"
             continue
-        announced[peer] = (extra.payload_sha256, extra.payload_bytes)
+        announced[peer] = (extra.payload_sha256, payload_bytes if extra.payload_bytes is None else extra.payload_bytes)
     starts = {p: m.start_digest for p, m in metas.items() if m is not None and m.outer_step == round_index - 1}
     canon, _ = canonical_digest(starts)
     for peer, m in metas.items():
@@ -213,13 +217,18 @@ def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: f
     return metas, announced, dropped
 
 
-def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer, me: str, rnd: SparseRound,
-                    round_index: int, meta: RoundGather, max_weight: float, deadline_s: float, fetch_timeout_s: float,
-                    cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None,
+def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer, me: str,
+                    rnd: Union[SparseRound, Future], round_index: int, meta: RoundGather, max_weight: float,
+                    deadline_s: float, fetch_timeout_s: float, cancel: threading.Event,
+                    abandon: Optional[Callable[[], bool]] = None,
                     tamper_gather: Optional[Callable[[dict, int], dict]] = None,
-                    tamper_contribution: Optional[Callable[[bytes, int], bytes]] = None) -> RoundResult:
+                    tamper_contribution: Optional[Callable[[bytes, int], bytes]] = None,
+                    scheduled_in_s: Optional[float] = None) -> RoundResult:
     """Average one round's sparse contribution by all-gather (module docstring); blocking.
 
+    ``rnd``: the round's SparseRound, or a Future that will hold it (**early** matchmaking: the group
+    forms while the round's last inner steps compute, its all-reduce begins once the future is done,
+    about ``scheduled_in_s`` seconds from now; no payload digest can be announced then).
     ``me``: our peer_id (our payload is used as is, not fetched). ``max_weight``: the largest weight a
     member may claim (H inner steps). Waits at most ``fetch_timeout_s`` for the downloads.
     ``tamper_gather`` / ``tamper_contribution``: red-team hooks on our gathered metadata and on the payload
@@ -227,15 +236,39 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     RoundFailed as ``PseudoGradientAverager.run_phase`` does, and RoundFailed when no contribution
     but ours could be used (the caller then treats the round as a failed all-reduce)."""
     key = group_bits(round_index) + "0"
-    payload = rnd.payload if tamper_contribution is None else tamper_contribution(rnd.payload, round_index)
-    server.offer(key, payload)
-    digest = hashlib.sha256(payload).hexdigest()
-    gather = dict(meta.dict(), payload_sha256=digest, payload_bytes=len(payload))
+    mine: Dict[str, bytes] = {}
+
+    def offer(r: SparseRound) -> bytes:
+        payload = r.payload if tamper_contribution is None else tamper_contribution(r.payload, round_index)
+        server.offer(key, payload)
+        mine["payload"] = payload
+        return payload
+
+    if isinstance(rnd, Future):
+        offered: Future = Future()  # done only once our payload is offered: the all-reduce may start then
+
+        def on_ready(f: Future) -> None:
+            try:
+                offer(f.result())
+                offered.set_result(True)
+            except BaseException as e:  # cancelled or failed: the step is cancelled (run_phase)
+                offered.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+
+        rnd.add_done_callback(on_ready)
+        gather = dict(meta.dict())
+        ready = offered
+    else:
+        payload = offer(rnd)
+        gather = dict(meta.dict(), payload_sha256=hashlib.sha256(payload).hexdigest(), payload_bytes=len(payload))
+        ready = None
     if tamper_gather is not None:
         gather = tamper_gather(gather, round_index)
-    res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, abandon)
+    res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, abandon, ready=ready,
+                             scheduled_in_s=scheduled_in_s)
     started = time.monotonic()
-    metas, announced, dropped = screen_gathered(res.gathered, round_index, max_weight)
+    rnd = rnd.result() if isinstance(rnd, Future) else rnd
+    payload = mine["payload"]
+    metas, announced, dropped = screen_gathered(res.gathered, round_index, max_weight, rnd.codec.payload_bytes())
     wanted = {p: announced[p] for p in announced if p != me and p not in dropped}
     got, failed = server.fetch(wanted, key, fetch_timeout_s)
     dropped.update(failed)

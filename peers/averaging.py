@@ -19,6 +19,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -27,6 +28,7 @@ import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from hivemind.utils import get_dht_time
 
 from dilocox.compression import CompressionRound
 from dilocox.diloco import params_digest
@@ -145,12 +147,17 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     def run_phase(self, bits: str, codes: torch.Tensor, gather: dict, weight: float, deadline_s: float,
                   cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None,
-                  check_every_s: float = 1.0) -> PhaseResult:
+                  check_every_s: float = 1.0, ready: Optional[Future] = None,
+                  scheduled_in_s: Optional[float] = None) -> PhaseResult:
         """All-reduce ``codes`` (fp32, at most ``size`` values; the rest of the buffer is zeros) with the
         peers matched under group key ``prefix.0b{bits}``.
 
-        Raises RoundCancelled when ``cancel`` is set, RoundFailed on no group / failure / deadline, or
-        when ``abandon()`` (polled every ``check_every_s`` before the all-reduce begins) returns True.
+        ``ready``: match now, all-reduce once this future is done (hivemind's ``require_trigger``): a round
+        can form its group while its last inner steps compute; ``scheduled_in_s`` tells matchmaking
+        when the all-reduce should begin (seconds from now; hivemind's ``scheduled_time``).
+        Raises RoundCancelled when ``cancel`` is set or ``ready`` fails, RoundFailed on no group /
+        failure / deadline, or when ``abandon()`` (polled every ``check_every_s`` before the all-reduce
+        begins) returns True.
         """
         if codes.numel() > self.size:
             raise ValueError(f"{codes.numel()} codes do not fit the {self.size}-value buffer")
@@ -160,9 +167,11 @@ class PseudoGradientAverager(DecentralizedAverager):
             tensors[0].zero_()
             tensors[0][: codes.numel()].copy_(codes)
             encoded = sum(c.numel() * narrowest_dtype(c).itemsize for c in tensors[0].split(self.part_elements))
+        scheduled = None if scheduled_in_s is None else get_dht_time() + max(0.0, scheduled_in_s)
         try:
             with self._pipe_lock:
-                control = self.step(gather=gather, weight=weight, timeout=deadline_s, allow_retries=True, wait=False)
+                control = self.step(gather=gather, weight=weight, timeout=deadline_s, allow_retries=True, wait=False,
+                                    require_trigger=ready is not None, scheduled_time=scheduled)
         except Exception as e:
             raise RoundFailed(f"could not start averaging: {e!r}") from e
         started = time.monotonic()
@@ -176,6 +185,11 @@ class PseudoGradientAverager(DecentralizedAverager):
             if time.monotonic() > give_up:  # e.g. the averager process stopped answering
                 control.cancel()
                 raise RoundFailed(f"no answer from the averager within {give_up - started:.0f}s")
+            if ready is not None and not control.triggered and ready.done():
+                if ready.cancelled() or ready.exception() is not None:
+                    control.cancel()
+                    raise RoundCancelled("the round was abandoned before its contribution was ready")
+                control.allow_allreduce()
             if began is None and control.began_allreduce:
                 began = time.monotonic()
             if abandon is not None and began is None and time.monotonic() >= next_check:

@@ -30,7 +30,7 @@ def test_screen_keeps_the_canonical_group_and_names_each_drop():
         "p9": "garbage",
         "pa": meta(size=-1),
     }
-    metas, announced, dropped = screen_gathered(gathered, round_index=5, max_weight=20.0)
+    metas, announced, dropped = screen_gathered(gathered, round_index=5, max_weight=20.0, payload_bytes=100)
     assert set(announced) - set(dropped) == {"p1", "p2", "p3"}
     assert announced["p1"] == (SHA, 100)
     assert "started from other parameters" in dropped["p4"] and "outer step 3" in dropped["p5"]
@@ -39,12 +39,16 @@ def test_screen_keeps_the_canonical_group_and_names_each_drop():
         assert dropped[p].startswith("malformed metadata"), (p, dropped[p])
         assert metas[p] is None
     assert metas["p4"] is not None  # it parsed: it may vote, its contribution is not used
+    # a round matched before its payloads existed announces no digest: the codec's length is expected
+    _, announced, dropped = screen_gathered({"p1": {k: v for k, v in meta().items() if not k.startswith("payload")}},
+                                            5, 20.0, payload_bytes=116)
+    assert announced == {"p1": (None, 116)} and not dropped
 
 
 def test_screen_is_the_same_for_every_member_whatever_the_order():
     gathered = {f"p{i}": meta(start="a" if i < 3 else "b") for i in range(6)}  # a 3:3 tie
-    first = screen_gathered(gathered, 5, 20.0)[2]
-    again = screen_gathered(dict(reversed(list(gathered.items()))), 5, 20.0)[2]
+    first = screen_gathered(gathered, 5, 20.0, 100)[2]
+    again = screen_gathered(dict(reversed(list(gathered.items()))), 5, 20.0, 100)[2]
     assert first == again and set(first) == {"p3", "p4", "p5"}  # the tie goes to the smallest peer id's digest
 
 

@@ -13,7 +13,7 @@ from tests.helpers import FAST, start
 pytestmark = pytest.mark.integration
 
 AVERAGING_TIMEOUT, MATCHMAKING = 8, 2  # FAST
-ARGS = FAST + ["--run-id", "churn", "--compression", "int8", "--checkpoint-every", "1"]
+ARGS = FAST + ["--run-id", "churn", "--compression", "int8", "--overlap", "delayed", "--checkpoint-every", "1"]
 
 
 def test_joins_crash_leave_and_restart_never_corrupt_or_stall_the_swarm(tmp_path):

@@ -21,9 +21,23 @@ def test_precedence(tmp_path):
     env = {"DILOCOX_OUTER_LR": "0.4", "DILOCOX_RUN_ID": "fromenv"}
     cfg = load_config(parse(["--config", str(f), "--run-id", "fromflag"]), env)
     assert (cfg.inner_steps, cfg.outer_lr, cfg.run_id) == (7, 0.4, "fromflag")
-    assert cfg.join == ["/ip4/127.0.0.1/tcp/1"] and cfg.outer_momentum == 0.9
+    assert cfg.join == ["/ip4/127.0.0.1/tcp/1"] and cfg.outer_momentum == 0.0  # the default codec's (sparse)
     cfg = load_config(parse(["--join", "/a", "--join", "/b", "--no-nesterov"]), {"DILOCOX_LISTEN": "/x,/y"})
     assert cfg.join == ["/a", "/b"] and cfg.listen == ["/x", "/y"] and cfg.nesterov is False
+
+
+def test_outer_optimizer_defaults_follow_the_compression_and_explicit_values_win():
+    sparse = load_config({}, {})
+    assert (sparse.compression, sparse.outer_momentum, sparse.nesterov) == ("sparse", 0.0, False)
+    assert sparse.outer_lr > 1  # plain SGD on error-feedback means takes a larger step (docs/algorithms.md)
+    dense = load_config(parse(["--compression", "int8"]), {})
+    assert (dense.outer_lr, dense.outer_momentum, dense.nesterov) == (0.7, 0.9, True)  # DiLoCo's recipe
+    mixed = load_config(parse(["--compression", "sparse", "--outer-momentum", "0.5"]), {"DILOCOX_OUTER_LR": "2"})
+    assert (mixed.outer_lr, mixed.outer_momentum, mixed.nesterov) == (2.0, 0.5, False)
+    with pytest.raises(ConfigError, match="sparse_bits"):
+        load_config(parse(["--sparse-bits", "3"]), {})
+    with pytest.raises(ConfigError, match="sparse_topk"):
+        load_config(parse(["--sparse-topk", "64", "--sparse-chunk", "32"]), {})
 
 
 def test_config_file_from_env(tmp_path):

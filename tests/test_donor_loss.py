@@ -24,7 +24,7 @@ RATE_MBIT = 10
 AVERAGING_TIMEOUT, MATCHMAKING = 8, 2
 WIDE = dict(hidden_size=64, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4, seq_len=64,
             batch_size=8)
-ARGS = ["--status-addr", "127.0.0.1:0", "--run-id", "donor-loss", "--compression", "int8",
+ARGS = ["--status-addr", "127.0.0.1:0", "--run-id", "donor-loss", "--compression", "int8", "--overlap", "delayed",
         "--request-timeout", "1", "--matchmaking-time", str(MATCHMAKING), "--averaging-timeout", str(AVERAGING_TIMEOUT),
         "--outer-round-deadline", "30", "--announce-period", "1", "--inner-steps", "120", "--warmup-steps", "5",
         "--total-steps", "2000", "--eval-batches", "1"]

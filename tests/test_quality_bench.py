@@ -25,3 +25,17 @@ def test_codecs_train_and_report_their_payload():
 def test_same_seed_same_curve():
     a, b = (run(METHODS["int8"], 3, **SMALL) for _ in range(2))
     assert [p["val_loss"] for p in a["curve"]] == [p["val_loss"] for p in b["curve"]]
+
+
+def test_the_default_row_is_the_daemons_default_configuration():
+    """bench.quality.DEFAULT names the row whose flags the daemon's defaults equal, so the quality table's
+    'default' line measures what a user gets."""
+    import argparse
+
+    from bench.quality import DEFAULT, daemon_flags
+    from daemon.config import add_flags, load_config
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    explicit = load_config(vars(parser.parse_args(daemon_flags(METHODS[DEFAULT]))), environ={})
+    assert explicit == load_config({}, environ={})

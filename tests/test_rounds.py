@@ -28,7 +28,7 @@ class FakeProgress:
     def __init__(self, others=(), results=None):
         self._others, self.results = list(others), results
 
-    def others(self):
+    def others(self, max_age_s: float = 1.0):
         return self._others
 
     def exchange_result_digests(self, result_step, digest, peers, timeout_s):

@@ -1,6 +1,6 @@
-"""The default configuration on real peers: delayed overlap with the eager start, sparse contributions
-all-gathered; replicas agree on every outer step, malformed contributions are dropped by everyone
-alike, and a joiner catches up."""
+"""The default configuration on real peers: synchronous rounds whose group forms during their last inner
+steps, sparse contributions all-gathered; replicas agree on every outer step, malformed contributions
+are dropped by everyone alike, and a joiner catches up."""
 
 from __future__ import annotations
 
@@ -25,12 +25,14 @@ def test_defaults_three_nodes_a_malformed_peer_and_a_joiner(tmp_path):
     try:
         bad = m.status().peer_id
         assert m.status().attack == "malformed-cycle" and a.status().attack == ""
-        assert a.status().compression == "sparse" and a.status().overlap_proxy == "eager"
-        for n in (a, b):  # a round's row is recorded at the end of the next round
+        assert a.status().compression == "sparse" and a.status().overlap == "none"
+        for n in (a, b):
             n.wait_for(lambda p: len(p.metrics()) >= 4, 150, "four recorded rounds")
         for n in (a, b):
             rows = n.metrics()[:4]
-            assert all(r["overlap"] == "delayed" and r["outcome"] == "applied" for r in rows), rows
+            assert all(r["overlap"] == "none" and r["outcome"] == "applied" for r in rows), rows
+            # matchmaking (2 s here) ran during the round's last inner steps: the round end waited less
+            assert sorted(r["wait_s"] for r in rows)[len(rows) // 2] < 2.0, rows
             # the malformed contribution is left out by every honest member; a and b are averaged
             assert all(r["dropped"] == [bad] and r["group_size"] == 2 for r in rows), rows
             assert all(100 * r["payload_bytes"] <= FP32_BYTES for r in rows), rows
