@@ -57,6 +57,8 @@ class Method:
     power_iterations: int = 1       # PowerSGD iterations per round (each extra one: two more phases)
     refresh_every: int = 0          # every k-th round sent whole at 8 bits, flushing the error feedback
     sparse: SparseConfig = field(default_factory=SparseConfig)
+    aggregation: str = "mean"       # sparse rounds: dilocox/robust.py rule
+    norm_bound: float = 0.0         # sparse rounds: clip to this multiple of the median norm (0: off)
 
 
 def _sgd(name: str, codec: str, lr: float, **kw) -> Method:
@@ -88,6 +90,12 @@ METHODS = {m.name: m for m in [
     *[_sgd(f"sparse-a4-beta{b}", "sparse", 4.0, sparse=SparseConfig(beta=b)) for b in (0.9, 0.99)],
     *[_sgd(f"sparse4b-a{a}", "sparse", float(a), sparse=SparseConfig(bits=4)) for a in (3, 4)],
     *[_sgd(f"sparse-k128-a{a}", "sparse", float(a), sparse=SparseConfig(topk=128)) for a in (3, 4)],
+    *[_sgd(f"sparse-a3-beta{b}", "sparse", 3.0, sparse=SparseConfig(beta=b)) for b in (0.8, 0.9)],
+    _sgd("sparse-c1024-a3", "sparse", 3.0, sparse=SparseConfig(chunk=1024, topk=16)),
+    _sgd("sparse-c256-a3", "sparse", 3.0, sparse=SparseConfig(chunk=256, topk=4)),
+    Method("sparse-hb0.5-a2", codec="sparse", outer_lr=2.0, outer_momentum=0.5, nesterov=False),
+    *[_sgd(f"sparse-a3-{r}", "sparse", 3.0, aggregation=r, norm_bound=2.0)
+      for r in ("mean", "centered-clip", "trimmed-mean", "median")],
     _sgd("sparse-a4-delayed", "sparse", 4.0, overlap="delayed"),
     _sgd("sparse-a4-delayed-local", "sparse", 4.0, overlap="delayed", proxy="local"),
     _sgd("sparse-a4-delayed-eager", "sparse", 4.0, overlap="delayed", proxy="eager"),
@@ -109,7 +117,8 @@ def daemon_flags(m: Method) -> list[str]:
              "--nesterov" if m.nesterov else "--no-nesterov"]
     if m.codec == "sparse":
         flags += ["--sparse-chunk", str(m.sparse.chunk), "--sparse-topk", str(m.sparse.topk),
-                  "--sparse-bits", str(m.sparse.bits), "--sparse-beta", str(m.sparse.beta)]
+                  "--sparse-bits", str(m.sparse.bits), "--sparse-beta", str(m.sparse.beta),
+                  "--aggregation", m.aggregation, "--norm-bound", str(m.norm_bound)]
     elif m.codec == "adaptive":
         flags += ["--rank-max", str(m.rank_max), "--rank-energy", str(m.rank_energy)]
     return flags
@@ -199,7 +208,8 @@ def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_boun
     shapes = [tuple(p.shape) for p in outer.global_params]
     if method.codec == "sparse":
         payloads = {f"r{i}": c.encode(d) for i, (c, d) in enumerate(zip(codecs["main"], deltas))}
-        mean, dropped = aggregate(payloads, {p: w for p, w in zip(payloads, weights)}, shapes, method.sparse)
+        mean, dropped = aggregate(payloads, {p: w for p, w in zip(payloads, weights)}, shapes, method.sparse,
+                                  rule=method.aggregation, norm_bound=method.norm_bound)
         assert not dropped, dropped
         own = [decode(payloads[p], shapes, method.sparse) for p in payloads]
         return mean, own, len(payloads["r0"])

@@ -99,6 +99,10 @@ class NodeConfig(BaseModel):
     sparse_topk: int = Field(64, ge=1, description="sparse: values sent per chunk")
     sparse_bits: int = Field(2, description="sparse: bits per sent value (2, 4 or 8)")
     sparse_beta: float = Field(0.95, ge=0, le=1, description="sparse: error-feedback decay per outer step")
+    aggregation: Literal["mean", "centered-clip", "trimmed-mean", "median"] = Field(
+        "mean", description="how a sparse round's contributions are combined (dilocox/robust.py)")
+    norm_bound: float = Field(0.0, ge=0, description="sparse: clip each contribution to this multiple of the group's "
+                                                     "median norm before aggregating (0: off)")
     rank_min: int = Field(1, ge=1, description="adaptive: lowest PowerSGD rank")
     rank_max: int = Field(8, ge=1, description="adaptive: highest PowerSGD rank (also the first round's)")
     rank_energy: float = Field(0.5, gt=0, le=1,
@@ -147,6 +151,9 @@ class NodeConfig(BaseModel):
             raise ValueError(f"stage {self.stage!r}: need K < S (stages are numbered 0 .. S-1)")
         if self.rank_min > self.rank_max:
             raise ValueError(f"rank_min={self.rank_min} must be <= rank_max={self.rank_max}")
+        if (self.aggregation != "mean" or self.norm_bound) and self.compression != "sparse":
+            raise ValueError(f"aggregation={self.aggregation} / norm_bound={self.norm_bound} need compression=sparse: "
+                             f"a butterfly all-reduce sums parts on reducers, which a robust rule cannot trust")
         if self.sparse_bits not in (2, 4, 8):
             raise ValueError(f"sparse_bits must be 2, 4 or 8; got {self.sparse_bits}")
         if self.compression == "sparse" and self.sparse_topk > self.sparse_chunk:

@@ -189,7 +189,8 @@ class OuterRounds:
             compression, r, gather, float(cfg.inner_steps), cfg.outer_round_deadline - cfg.averaging_timeout,
             cfg.averaging_timeout, cancel, lambda: not in_round(self.progress.others(), r, self.delayed),
             tamper_gather=attack.gather if attack else None,
-            tamper_contribution=attack.contribution if attack else None, scheduled_in_s=scheduled_in_s)
+            tamper_contribution=attack.contribution if attack else None, scheduled_in_s=scheduled_in_s,
+            rule=cfg.aggregation, norm_bound=cfg.norm_bound)
 
     # ------------------------------------------------------------------ early matchmaking
     def early_wanted(self) -> bool:

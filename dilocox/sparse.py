@@ -245,18 +245,21 @@ def decode(payload: bytes, shapes: Sequence[Sequence[int]], cfg: SparseConfig) -
 
 
 def aggregate(contributions: Mapping[str, bytes], weights: Mapping[str, float],
-              shapes: Sequence[Sequence[int]], cfg: SparseConfig) -> tuple[list[torch.Tensor], dict[str, str]]:
-    """Deterministic weighted mean of the decoded contributions: (fp32 tensors, rejected peer -> reason).
+              shapes: Sequence[Sequence[int]], cfg: SparseConfig, rule: str = "mean", norm_bound: float = 0.0,
+              **robust_kwargs) -> tuple[list[torch.Tensor], dict[str, str]]:
+    """The group's aggregate of the decoded contributions: (fp32 tensors, rejected peer -> reason).
 
     A contribution is dropped if its weight is missing, not finite or <= 0, or its payload fails
-    ``decode``'s validation. Accepted ones are summed in float64 over peer ids in sorted order and
-    divided by the sum of their weights, then cast to fp32: the same inputs give the same bits on
-    every member, whatever the dicts' order. Raises ValueError if no contribution is accepted.
+    ``decode``'s validation. The accepted ones go through ``dilocox.robust.aggregate`` (``rule``,
+    ``norm_bound`` and its other keyword arguments) in float64 over peer ids in sorted order, then the
+    result is cast to fp32: the same inputs give the same bits on every member, whatever the dicts'
+    order. Raises ValueError if no contribution is accepted.
     """
+    from dilocox import robust
+
     shapes = [tuple(s) for s in shapes]
     n = _numel(shapes)
-    acc = torch.zeros(n, dtype=torch.float64)
-    total, rejected = 0.0, {}
+    vectors, accepted, rejected = {}, {}, {}
     for peer in sorted(contributions):
         w = weights.get(peer)
         try:
@@ -272,13 +275,13 @@ def aggregate(contributions: Mapping[str, bytes], weights: Mapping[str, float],
         except ContributionError as e:
             rejected[peer] = str(e)
             continue
-        acc[pos] += w * values.double()  # positions are distinct within one payload
-        total += w
-    for peer, reason in rejected.items():
-        logger.warning("dropped sparse contribution of %s: %s", peer, reason)
-    if total == 0.0:
+        dense = torch.zeros(n, dtype=torch.float64)
+        dense[pos] = values.double()  # positions are distinct within one payload
+        vectors[peer], accepted[peer] = dense, w
+    if not vectors:
         raise ValueError(f"no contribution accepted out of {len(contributions)}: {rejected}")
-    return _split((acc / total).float(), shapes), rejected
+    out, _ = robust.aggregate(vectors, accepted, rule, norm_bound=norm_bound, **robust_kwargs)
+    return _split(out.float(), shapes), rejected
 
 
 class SparseCodec:

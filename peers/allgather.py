@@ -223,12 +223,13 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
                     abandon: Optional[Callable[[], bool]] = None,
                     tamper_gather: Optional[Callable[[dict, int], dict]] = None,
                     tamper_contribution: Optional[Callable[[bytes, int], bytes]] = None,
-                    scheduled_in_s: Optional[float] = None) -> RoundResult:
+                    scheduled_in_s: Optional[float] = None, rule: str = "mean", norm_bound: float = 0.0) -> RoundResult:
     """Average one round's sparse contribution by all-gather (module docstring); blocking.
 
     ``rnd``: the round's SparseRound, or a Future that will hold it (**early** matchmaking: the group
     forms while the round's last inner steps compute, its all-reduce begins once the future is done,
     about ``scheduled_in_s`` seconds from now; no payload digest can be announced then).
+    ``rule`` / ``norm_bound``: how the accepted contributions are combined (dilocox/robust.py).
     ``me``: our peer_id (our payload is used as is, not fetched). ``max_weight``: the largest weight a
     member may claim (H inner steps). Waits at most ``fetch_timeout_s`` for the downloads.
     ``tamper_gather`` / ``tamper_contribution``: red-team hooks on our gathered metadata and on the payload
@@ -277,7 +278,7 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     weights = {p: metas[p].weight for p in got}
     shapes = rnd.codec.shapes
     try:
-        mean, rejected = aggregate(got, weights, shapes, rnd.codec.cfg)
+        mean, rejected = aggregate(got, weights, shapes, rnd.codec.cfg, rule=rule, norm_bound=norm_bound)
     except ValueError as e:
         raise RoundFailed(f"no usable contribution: {e}") from e
     dropped.update(rejected)
