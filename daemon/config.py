@@ -53,6 +53,12 @@ class NodeConfig(BaseModel):
                               description="multiaddr to listen on (repeatable)")
     announce: list[str] = Field(default_factory=list, description="multiaddr others should dial (repeatable)")
     identity: Optional[Path] = Field(None, description="libp2p RSA key file; created if missing; pins the peer_id")
+    authority: Optional[Path] = Field(None, description="the swarm authority's public key (authority.pub): only peers "
+                                                        "it certified take part; none: an open swarm")
+    certificate: Optional[Path] = Field(None, description="this node's certificate from the swarm authority "
+                                                          "(dilocox-ctl authority issue)")
+    revocations: Optional[Path] = Field(None, description="the authority's revoked.json: read at start and whenever "
+                                                          "it changes, and passed on to the swarm")
     status_addr: str = Field("127.0.0.1:50051", pattern=r"^[^:\s]+:\d{1,5}$",
                              description="gRPC HOST:PORT (port 0 picks a free one)")
     # data and model
@@ -151,6 +157,10 @@ class NodeConfig(BaseModel):
             raise ValueError(f"stage {self.stage!r}: need K < S (stages are numbered 0 .. S-1)")
         if self.rank_min > self.rank_max:
             raise ValueError(f"rank_min={self.rank_min} must be <= rank_max={self.rank_max}")
+        if (self.authority is None) != (self.certificate is None):
+            raise ValueError("authority and certificate go together: a certified swarm needs both, an open one neither")
+        if self.revocations is not None and self.authority is None:
+            raise ValueError("revocations need an authority")
         if (self.aggregation != "mean" or self.norm_bound) and self.compression != "sparse":
             raise ValueError(f"aggregation={self.aggregation} / norm_bound={self.norm_bound} need compression=sparse: "
                              f"a butterfly all-reduce sums parts on reducers, which a robust rule cannot trust")

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from daemon.admission import RevocationKeeper, describe_admission, load_admission
 from daemon.config import NodeConfig
 from daemon.progress import ProgressTracker
 from daemon.redteam import load_attack
@@ -39,6 +40,7 @@ from dilocox.data import Corpus
 from dilocox.model import ModelSpec, ModelSpecError
 from dilocox.pipeline import PipelineBroken
 from dilocox.stages import layer_range
+from peers.admission import Admission
 from peers.allgather import ContributionServer
 from peers.averaging import PseudoGradientAverager
 from peers.identity import load_or_create_identity
@@ -72,6 +74,7 @@ class Node:
         self.transfer: Optional[StateTransfer] = None
         self.rounds: Optional[OuterRounds] = None
         self.pipeline: Optional[PipelineReplica] = None
+        self.admission: Optional[Admission] = None  # the swarm authority's view (None: an open swarm)
         self.averagers: dict[int, PseudoGradientAverager] = {}  # buffer size -> averager (one per rank)
         self.contributions: Optional[ContributionServer] = None  # sparse rounds: all-gather of payloads
         self.skip_steps = 0  # inner steps of the next round the swarm has already done (joiners)
@@ -114,9 +117,12 @@ class Node:
 
     def _join(self) -> None:
         identity_path, key = load_or_create_identity(self.cfg.identity)
+        self.admission = load_admission(self.cfg, identity_path)
+        self.board.update(admission=describe_admission(self.admission))
         self.swarm = Swarm(self.cfg.run_id, key, initial_peers=self.cfg.join, host_maddrs=self.cfg.listen,
                            announce_maddrs=self.cfg.announce, identity_path=identity_path,
-                           startup_timeout_s=self.cfg.startup_timeout, ttl_s=3 * self.cfg.announce_period)
+                           startup_timeout_s=self.cfg.startup_timeout, ttl_s=3 * self.cfg.announce_period,
+                           admission=self.admission)
         maddrs = self.swarm.visible_maddrs()
         self.board.update(peer_id=self.swarm.peer_id, listen_maddrs=maddrs)
         logger.info("joined DHT as %s, listening on %s", self.swarm.peer_id, ", ".join(maddrs))
@@ -132,8 +138,11 @@ class Node:
             Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
             self._metrics = open(Path(cfg.checkpoint_dir) / "metrics.jsonl", "a", encoding="utf-8")
         self.state.begin_round()
+        keeper = RevocationKeeper(self.swarm, self.admission, cfg.revocations, self.request_leave) \
+            if self.admission is not None else None
         self.progress = ProgressTracker(self.swarm, self._describe, cfg.stage_index, cfg.num_stages,
-                                        cfg.announce_period, lambda n: self.board.update(swarm_size=n))
+                                        cfg.announce_period, lambda n: self.board.update(swarm_size=n),
+                                        keeper.tick if keeper else (lambda: None))
         if self.staged:
             self.pipeline = PipelineReplica(cfg, self.state, self.progress, shard_key)
         self.transfer = StateTransfer(cfg, self.state, self.progress, self._donor_progress,
@@ -146,7 +155,8 @@ class Node:
         if cfg.compression == "sparse":
             self.contributions = ContributionServer(self.swarm.replicate_p2p, prefix,
                                                     startup_timeout_s=cfg.startup_timeout,
-                                                    tamper=self.attack.payload if self.attack else None)
+                                                    tamper=self.attack.payload if self.attack else None,
+                                                    admitted=self.progress.admitted if self.admission else None)
         for size in sizes:
             self.averagers[size] = PseudoGradientAverager(
                 size, self.swarm.dht, f"{prefix}{size}", self.transfer.serve if size == sizes[0] else None,
@@ -190,7 +200,8 @@ class Node:
                     global_params_digest=s.global_params_digest, maddrs=s.listen_maddrs,
                     stage_index=cfg.stage_index, num_stages=cfg.num_stages, replica_id=s.replica_id,
                     rendezvous=self.pipeline.rendezvous_addr if self.pipeline else "",
-                    replica_members=s.replica_members)
+                    replica_members=s.replica_members,
+                    certificate=self.admission.certificate_blob if self.admission else "")
 
     def _donor_progress(self) -> tuple[str, int]:
         s = self.board.snapshot()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from peers.swarm import MemberRecord, Swarm
 
@@ -24,8 +24,10 @@ class ProgressTracker:
     the heartbeat thread."""
 
     def __init__(self, swarm: Swarm, describe: Callable[[], dict], stage_index: int, num_stages: int,
-                 announce_period_s: float, on_refresh: Callable[[int], None] = lambda swarm_size: None):
-        self.swarm, self._describe, self._on_refresh = swarm, describe, on_refresh
+                 announce_period_s: float, on_refresh: Callable[[int], None] = lambda swarm_size: None,
+                 on_beat: Callable[[], None] = lambda: None):
+        """``on_beat()``: more work for the heartbeat thread after each refresh (e.g. revocation lists)."""
+        self.swarm, self._describe, self._on_refresh, self._on_beat = swarm, describe, on_refresh, on_beat
         self.stage_index, self.num_stages = stage_index, num_stages
         self.announce_period_s = announce_period_s
         # a read of the records costs every member's record (~1 KB each, signed) from every DHT peer asked:
@@ -73,6 +75,7 @@ class ProgressTracker:
             try:
                 self.publish()
                 self._on_refresh(len(self.swarm.members()))
+                self._on_beat()
             except Exception as e:
                 logger.warning("membership refresh failed: %s", e)
             self._poke.wait(self.announce_period_s)
@@ -86,6 +89,13 @@ class ProgressTracker:
         """Other live members holding our stage (of other replicas): the ones we average with."""
         return [m for m in self.members(max_age_s) if m.peer_id != self.peer_id
                 and m.stage_index == self.stage_index and m.num_stages == self.num_stages]
+
+    def admitted(self, peer_id: str) -> Optional[str]:
+        """None if ``peer_id`` has a counted membership record (certified, unrevoked, signed by its own key:
+        peers/swarm.py), else why it may not take part."""
+        if any(m.peer_id == peer_id for m in self.members()):
+            return None
+        return "no certified membership record"
 
     def exchange_result_digests(self, result_step: int, digest: str, peers: set[str],
                                 timeout_s: float) -> Dict[str, str]:

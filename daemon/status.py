@@ -85,6 +85,7 @@ class Status:
     memory: StageMemory = field(default_factory=StageMemory)
     contributions_dropped: int = 0
     attack: str = ""
+    admission: str = ""
 
 
 class StatusBoard:

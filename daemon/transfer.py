@@ -190,6 +190,11 @@ class StateTransfer:
         check_shapes(self.state.outer.global_params, momentum, "downloaded momentum")
         if params_digest(theta) != meta.digest:
             raise ValueError("downloaded parameters do not match the donor's digest")
+        vouched = [m.peer_id for m in self.progress.others(max_age_s=0.2)
+                   if (m.outer_step, m.global_params_digest) == (meta.outer_step, meta.digest)]
+        if not vouched:  # whoever served it, a member's signed record (certified, in a certified swarm) must hold it
+            raise ValueError(f"no member's record holds the downloaded state (outer step {meta.outer_step}, digest "
+                             f"{meta.digest}): not adopted")
         if self.state.compressor.shared_digest(meta.compression_rank, shared_tensors) != meta.compression_digest:
             raise ValueError("downloaded compression state does not match the donor's digest")
         return DownloadedState(meta, theta, momentum, shared_tensors)

@@ -56,8 +56,12 @@ class ContributionServer(ServicerBase):
     """
 
     def __init__(self, replicate_p2p: Callable[[], "asyncio.Future[P2P]"], namespace: str, *,
-                 keep: int = 4, tamper: Optional[Tamper] = None, startup_timeout_s: float = 30.0):
-        self.namespace, self.keep, self.tamper = namespace, keep, tamper
+                 keep: int = 4, tamper: Optional[Tamper] = None, startup_timeout_s: float = 30.0,
+                 admitted: Optional[Callable[[str], Optional[str]]] = None):
+        """``admitted(peer_id)``: None if that peer may fetch our contributions, else why not (a certified
+        swarm: peers/admission.py); None for an open swarm."""
+        self.namespace, self.keep, self.tamper, self.admitted = namespace, keep, tamper, admitted
+        self._refused: Dict[str, str] = {}
         self._offers: "OrderedDict[str, bytes]" = OrderedDict()
         self._served: Dict[str, int] = {}
         self._lock = threading.Lock()
@@ -94,13 +98,21 @@ class ContributionServer(ServicerBase):
                                context: P2PContext) -> AsyncIterator[ContributionChunk]:
         """A group-mate asks for our contribution under ``request.key``: the payload in order, in
         pieces of CHUNK_BYTES, or one message with ``error`` set."""
+        requester = context.remote_id.to_base58()  # authenticated by libp2p
+        refusal = self.admitted(requester) if self.admitted is not None else None
+        if refusal is not None:
+            if self._refused.get(requester) != refusal:
+                logger.warning("refused our contribution to %s: %s", requester, refusal)
+                self._refused[requester] = refusal
+            yield ContributionChunk(error=f"not admitted: {refusal}")
+            return
         with self._lock:
             payload = self._offers.get(request.key)
         if payload is None:
             yield ContributionChunk(error=f"no contribution under key {request.key[:40]!r}")
             return
         if self.tamper is not None:
-            payload = self.tamper(payload, context.remote_id.to_base58(), request.key)
+            payload = self.tamper(payload, requester, request.key)
         with self._lock:
             if request.key in self._served:
                 self._served[request.key] += len(payload)
@@ -181,12 +193,15 @@ class SparseGather(pydantic.BaseModel):
     payload_bytes: Optional[pydantic.conint(ge=0)] = None
 
 
-def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: float, payload_bytes: int
+def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: float, payload_bytes: int,
+                    admitted: Optional[Callable[[str], Optional[str]]] = None,
                     ) -> Tuple[Dict[str, Optional[RoundGather]], Dict[str, Tuple[Optional[str], int]], Dict[str, str]]:
     """The rules every member applies to the group's gathered metadata before any download.
 
     ``gathered``: peer_id -> the dict it sent (untrusted); ``payload_bytes``: the codec's exact payload
-    length. Returns (peer_id -> its RoundGather, or None if malformed: it cannot vote; peer_id ->
+    length; ``admitted(peer_id)``: None if the peer may take part, else why not (a certified swarm; such a
+    peer neither votes nor contributes). Returns (peer_id -> its RoundGather, or None if malformed or not
+    admitted: it cannot vote; peer_id ->
     (payload sha256 or None if not announced, length to expect); peer_id -> why its
     contribution is dropped). Dropped: malformed metadata; a start other than the group's canonical
     start digest among members at outer step ``round_index - 1`` (dilocox.consensus.canonical_digest),
@@ -196,6 +211,10 @@ def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: f
     announced: Dict[str, Tuple[str, int]] = {}
     dropped: Dict[str, str] = {}
     for peer, data in gathered.items():
+        refusal = admitted(peer) if admitted is not None else None
+        if refusal is not None:
+            metas[peer], dropped[peer] = None, f"not admitted: {refusal}"
+            continue
         try:
             fields = dict(data)
             metas[peer] = RoundGather.parse_obj({k: fields.pop(k) for k in RoundGather.__fields__ if k in fields})
@@ -269,7 +288,8 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     started = time.monotonic()
     rnd = rnd.result() if isinstance(rnd, Future) else rnd
     payload = mine["payload"]
-    metas, announced, dropped = screen_gathered(res.gathered, round_index, max_weight, rnd.codec.payload_bytes())
+    metas, announced, dropped = screen_gathered(res.gathered, round_index, max_weight, rnd.codec.payload_bytes(),
+                                                server.admitted)
     wanted = {p: announced[p] for p in announced if p != me and p not in dropped}
     got, failed = server.fetch(wanted, key, fetch_timeout_s)
     dropped.update(failed)

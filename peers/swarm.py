@@ -9,6 +9,7 @@ A record expires ``ttl_s`` after it was stored; a node that stops refreshing dro
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Dict, List, Optional
@@ -22,8 +23,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from peers import lifecycle
+from peers.admission import Admission, AdmissionError, peer_id_of_public_key
 
 logger = logging.getLogger(__name__)
+OWNER_RE = re.compile(rb"\[owner:(.+?)\]")  # hivemind's RSASignatureValidator subkey marker
 
 
 class MemberRecord(pydantic.BaseModel):
@@ -49,6 +52,8 @@ class MemberRecord(pydantic.BaseModel):
     replica_id: pydantic.StrictStr = ""
     rendezvous: pydantic.StrictStr = ""
     replica_members: List[pydantic.StrictStr] = []
+    # the swarm authority's certificate for peer_id (peers/admission.py); empty in an open swarm
+    certificate: pydantic.constr(strict=True, max_length=4096) = ""
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -56,6 +61,8 @@ class MemberRecord(pydantic.BaseModel):
 
 class SwarmSchema(pydantic.BaseModel):
     members: Dict[BytesWithPublicKey, Optional[MemberRecord]]
+    # the authority's signed revocation lists, one subkey per serial (peers/admission.py verifies them)
+    revocations: Dict[pydantic.conint(ge=0), pydantic.constr(strict=True, max_length=1 << 20)]
 
 
 class JoinError(RuntimeError):
@@ -87,9 +94,13 @@ class Swarm:
 
     def __init__(self, run_id: str, private_key: RSAPrivateKey, *, initial_peers: List[str],
                  host_maddrs: List[str], announce_maddrs: List[str], identity_path: str,
-                 startup_timeout_s: float = 30.0, ttl_s: float = 15.0):
-        self.run_id, self.ttl_s = run_id, ttl_s
+                 startup_timeout_s: float = 30.0, ttl_s: float = 15.0, admission: Optional[Admission] = None):
+        """``admission``: with a swarm authority, records of peers without a valid certificate are ignored."""
+        self.run_id, self.ttl_s, self.admission = run_id, ttl_s, admission
         self.key = f"{run_id}_members"
+        self.revocations_key = f"{run_id}_revocations"
+        self._owners: Dict[bytes, Optional[str]] = {}  # DHT subkey -> the peer id of its RSA key
+        self._refused: Dict[str, str] = {}  # peer_id -> why its record is ignored (logged once per reason)
         signer = RSASignatureValidator(private_key)
         self.public_key = signer.local_public_key
         parse_multiaddrs(initial_peers, "--join")
@@ -144,7 +155,7 @@ class Swarm:
         if found is None or not isinstance(found.value, dict):
             return []
         now, out = get_dht_time(), []
-        for item in found.value.values():
+        for subkey, item in found.value.items():
             value = getattr(item, "value", None)
             if value is None:
                 continue
@@ -152,8 +163,51 @@ class Swarm:
                 record = MemberRecord.parse_obj(value)
             except pydantic.ValidationError:
                 continue
-            if record.run_id == self.run_id:
-                out.append((record, item.expiration_time - now))
+            if record.run_id != self.run_id:
+                continue
+            reason = self.refusal(subkey, record)
+            if reason is not None:
+                if self._refused.get(record.peer_id) != reason:
+                    logger.warning("ignoring the membership record of %s: %s", record.peer_id, reason)
+                    self._refused[record.peer_id] = reason
+                continue
+            self._refused.pop(record.peer_id, None)
+            out.append((record, item.expiration_time - now))
+        return out
+
+    def refusal(self, subkey: bytes, record: MemberRecord) -> Optional[str]:
+        """Why a record is not counted, or None. Its subkey holds the RSA key that signed it (hivemind's
+        RSASignatureValidator checked the signature), so the record's peer_id must be that key's: no
+        peer can speak for another. With a swarm authority the certificate must admit that peer_id."""
+        if subkey not in self._owners:
+            found = OWNER_RE.search(subkey) if isinstance(subkey, bytes) else None
+            try:
+                self._owners[subkey] = peer_id_of_public_key(found.group(1)) if found else None
+            except AdmissionError:
+                self._owners[subkey] = None
+        owner = self._owners[subkey]
+        if owner != record.peer_id:
+            return f"it claims peer_id {record.peer_id} but is signed by {owner or 'an unreadable key'}"
+        if self.admission is not None:
+            return self.admission.check(record.peer_id, record.certificate)
+        return None
+
+    def publish_revocations(self, serial: int, blob: str, ttl_s: float = 86400.0) -> bool:
+        """Store a revocation list under our run (anyone may; readers verify the authority's signature)."""
+        with self._lock:
+            return bool(self.dht.store(self.revocations_key, subkey=int(serial), value=blob,
+                                       expiration_time=get_dht_time() + ttl_s))
+
+    def revocation_lists(self) -> List[str]:
+        """Every revocation list stored under our run, highest serial first (unverified)."""
+        with self._lock:
+            found = self.dht.get(self.revocations_key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for subkey, item in sorted(found.value.items(), key=lambda kv: -kv[0] if isinstance(kv[0], int) else 0):
+            if isinstance(getattr(item, "value", None), str):
+                out.append(item.value)
         return out
 
     def shutdown(self) -> None:

@@ -11,8 +11,16 @@ from daemon.transfer import StateTransfer
 from tests.test_rounds import FakeProgress, state  # noqa: F401 (pytest fixture)
 
 
-def transfer_for(state):  # noqa: F811
-    return StateTransfer(state.cfg, state, FakeProgress(), lambda: ("TRAINING", 3), lambda: False)
+class Record:
+    """A member's published progress (the MemberRecord fields validate() reads)."""
+
+    def __init__(self, peer_id, outer_step, digest):
+        self.peer_id, self.outer_step, self.global_params_digest = peer_id, outer_step, digest
+
+
+def transfer_for(state, others=None):  # noqa: F811
+    others = [Record("donor", state.outer_step, state.digest)] if others is None else others
+    return StateTransfer(state.cfg, state, FakeProgress(others), lambda: ("TRAINING", 3), lambda: False)
 
 
 def test_donor_serves_one_joiner_per_short_window(state):  # noqa: F811
@@ -37,6 +45,15 @@ def test_valid_state_passes(state):  # noqa: F811
     meta, tensors = served(state)
     got = transfer_for(state).validate(meta, tensors)
     assert got.meta.outer_step == state.outer_step and len(got.theta) == len(state.outer.global_params)
+
+
+def test_a_state_no_members_record_holds_is_not_adopted(state):  # noqa: F811
+    """A donor outside the swarm (not certified, or lying about who it is) can serve a self-consistent state;
+    only one whose (outer step, digest) a member's signed record holds is adopted."""
+    meta, tensors = served(state)
+    for others in ([], [Record("m", state.outer_step, "0" * 16)], [Record("m", state.outer_step + 1, state.digest)]):
+        with pytest.raises(ValueError, match="no member's record holds"):
+            transfer_for(state, others).validate(meta, tensors)
 
 
 @pytest.mark.parametrize("damage, message", [
