@@ -34,6 +34,7 @@ class ProgressTracker:
         # waits that last seconds or more re-read at most once a second (pokes make changes visible at once)
         self.poll_s = min(1.0, announce_period_s)
         self._result = (0, "")  # (round, digest) of the last averaged pseudo-gradient we hold
+        self._inputs: Dict[str, str] = {}  # that round's contributions we used: peer_id -> payload digest
         self._poke = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -58,7 +59,7 @@ class ProgressTracker:
         try:
             step, digest = self._result
             self.swarm.publish(MemberRecord(**{**self._describe(), "state": "STOPPED"}, result_step=step,
-                                            result_digest=digest))
+                                            result_digest=digest, inputs=self._inputs))
         except Exception as e:  # leaving must not fail because the DHT is already gone
             logger.warning("could not publish our last membership record: %s", e)
 
@@ -68,7 +69,8 @@ class ProgressTracker:
 
     def publish(self) -> None:
         step, digest = self._result
-        self.swarm.publish(MemberRecord(**self._describe(), result_step=step, result_digest=digest))
+        self.swarm.publish(MemberRecord(**self._describe(), result_step=step, result_digest=digest,
+                                        inputs=self._inputs))
 
     def _heartbeat(self) -> None:
         while not self._stop.is_set():
@@ -98,10 +100,11 @@ class ProgressTracker:
         return "no certified membership record"
 
     def exchange_result_digests(self, result_step: int, digest: str, peers: set[str],
-                                timeout_s: float) -> Dict[str, str]:
-        """Publish our result digest of round ``result_step`` and collect the group's (``peers``),
-        waiting at most ``timeout_s``; peer_id -> digest for those that reported (ours included)."""
-        self._result = (result_step, digest)
+                                timeout_s: float, inputs: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        """Publish our result digest of round ``result_step`` (and, for a sparse round, the digests of the
+        contributions we used) and collect the group's (``peers``), waiting at most ``timeout_s``;
+        peer_id -> digest for those that reported (ours included)."""
+        self._result, self._inputs = (result_step, digest), dict(inputs or {})
         self.publish()
         found = {self.peer_id: digest}
         deadline = time.monotonic() + timeout_s
@@ -113,6 +116,19 @@ class ProgressTracker:
                 break
             time.sleep(0.25)  # a short wait: the whole group waits for the slowest digest
         return found
+
+    def input_conflicts(self, result_step: int, inputs: Dict[str, str]) -> Dict[str, str]:
+        """Contributors of round ``result_step`` that another member used with other bytes than we did
+        (``inputs``: peer_id -> payload digest): peer_id -> the member whose record shows it. Only the
+        contributor can have caused that, by serving different bytes to different peers."""
+        conflicts: Dict[str, str] = {}
+        for m in self.others(max_age_s=0.2):
+            if m.result_step != result_step:
+                continue
+            for peer, d in m.inputs.items():
+                if peer in inputs and inputs[peer] != d and peer != m.peer_id:
+                    conflicts.setdefault(peer, m.peer_id)
+        return conflicts
 
     def wait(self, predicate: Callable[[List[MemberRecord]], bool], timeout_s: float,
              cancelled: Callable[[], bool]) -> bool:

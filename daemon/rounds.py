@@ -60,6 +60,7 @@ from peers.averaging import (
 
 logger = logging.getLogger(__name__)
 FRESH_S = 0.2  # once-a-round decisions read the membership records (nearly) afresh: stale ones split rounds
+EXCLUDE_ROUNDS = 10  # rounds an equivocating contributor's contributions are dropped
 
 
 class RoundOutcome(str, Enum):
@@ -132,6 +133,7 @@ class OuterRounds:
         self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
         self.pending: Optional[PendingRound] = None  # delayed overlap: the all-reduce in flight
         self.early: Optional[EarlyRound] = None  # synchronous sparse round matched before its end
+        self.excluded: dict[str, int] = {}  # peer_id -> last round its contributions are dropped (equivocation)
         self.measured_bps = 0.0
 
     def bandwidth_bps(self) -> float:
@@ -190,7 +192,29 @@ class OuterRounds:
             cfg.averaging_timeout, cancel, lambda: not in_round(self.progress.others(), r, self.delayed),
             tamper_gather=attack.gather if attack else None,
             tamper_contribution=attack.contribution if attack else None, scheduled_in_s=scheduled_in_s,
-            rule=cfg.aggregation, norm_bound=cfg.norm_bound)
+            rule=cfg.aggregation, norm_bound=cfg.norm_bound, admitted=self.admitted)
+
+    # ------------------------------------------------------------------ equivocation
+    def _exclude_equivocators(self, r: int, inputs: dict) -> None:
+        """A contributor another member used with other bytes than we did served different bytes to
+        different peers: its contributions are dropped for EXCLUDE_ROUNDS rounds (the group's results
+        differed, so the round itself is skipped or re-synced by the verdict rules)."""
+        if not inputs:
+            return
+        for peer, witness in self.progress.input_conflicts(r, inputs).items():
+            if self.excluded.get(peer, 0) < r + EXCLUDE_ROUNDS:
+                logger.warning("round %d: %s served different bytes to %s than to us: its contributions are "
+                               "dropped until round %d", r, peer, witness, r + EXCLUDE_ROUNDS)
+                self.excluded[peer] = r + EXCLUDE_ROUNDS
+
+    def admitted(self, peer_id: str) -> Optional[str]:
+        """None if ``peer_id`` may contribute to the current round, else why not (equivocation, admission)."""
+        until = self.excluded.get(peer_id, 0)
+        if until >= self.state.round:
+            return f"served different bytes to different members; excluded until round {until}"
+        if self.contributions is not None and self.contributions.admitted is not None:
+            return self.contributions.admitted(peer_id)
+        return None
 
     # ------------------------------------------------------------------ early matchmaking
     def early_wanted(self) -> bool:
@@ -290,7 +314,8 @@ class OuterRounds:
                 group_size = sum(d == canon and q not in result.dropped for q, d in starts.items())
                 result_digest = params_digest(result.tensors)
                 results = self.progress.exchange_result_digests(p.index, result_digest, set(starts),
-                                                                self.cfg.request_timeout)
+                                                                self.cfg.request_timeout, result.inputs)
+                self._exclude_equivocators(p.index, result.inputs)
                 verdict = judge_result(result_digest, results, members=len(starts))
                 if verdict == Verdict.SKIP:
                     # e.g. two replicas, one with a partial average: nobody can tell which is right, so every

@@ -74,6 +74,8 @@ MAGIC = b"DXSP"
 VERSION = 1
 HEADER = struct.Struct("<4sHBBQII")  # magic, version, bits, flags, total values, chunk, topk
 HEADER_BYTES = HEADER.size
+RICE_FLAG = 1  # flags bit 0: indices Rice-coded; a u64 (unary stream bits) follows the header
+UNARY = struct.Struct("<Q")
 SCALE_BYTES = 4
 SUPPORTED_BITS = (2, 4, 8)
 
@@ -91,6 +93,7 @@ class SparseConfig:
     topk: int = 64
     bits: int = 2
     beta: float = 0.95
+    rice: bool = False  # Rice-coded index gaps instead of fixed-width indices (module docstring)
 
     def __post_init__(self):
         if not isinstance(self.chunk, int) or not 2 <= self.chunk < 2**32:
@@ -107,9 +110,16 @@ class SparseConfig:
         """ceil(log2(chunk)): 12 for 4096."""
         return (self.chunk - 1).bit_length()
 
+    @property
+    def rice_bits(self) -> int:
+        """Rice parameter b for the gaps between sent indices: about log2 of half their mean (4 for 4096/128)."""
+        return max(0, (self.chunk // self.topk).bit_length() - 2)
+
 
 class Layout(NamedTuple):
-    """Sizes of a payload for n values (see the module docstring)."""
+    """Sizes of a payload for n values (see the module docstring). With Rice-coded indices the unary
+    stream's length depends on the gaps: ``index_bytes`` then counts the fixed-width remainders only,
+    ``max_unary_bits`` bounds the unary stream and ``total`` is the largest valid payload."""
 
     n: int
     nchunks: int
@@ -118,16 +128,28 @@ class Layout(NamedTuple):
     index_bytes: int
     code_bytes: int
     total: int
+    max_unary_bits: int = 0
+
+    def rice_total(self, unary_bits: int) -> int:
+        """Exact length of a Rice payload whose unary stream has ``unary_bits`` bits."""
+        return self.total - -(-self.max_unary_bits // 8) + -(-unary_bits // 8)
 
 
 def layout(n: int, cfg: SparseConfig) -> Layout:
     nchunks = -(-n // cfg.chunk)
     last = n - (nchunks - 1) * cfg.chunk if nchunks else 0
     nidx = (nchunks - 1) * cfg.topk + min(cfg.topk, last) if nchunks else 0
-    index_bytes = -(-nidx * cfg.index_bits // 8)
     code_bytes = -(-nidx * cfg.bits // 8)
+    if not cfg.rice:
+        index_bytes = -(-nidx * cfg.index_bits // 8)
+        return Layout(n, nchunks, last, nidx, index_bytes, code_bytes,
+                      HEADER_BYTES + SCALE_BYTES * nchunks + index_bytes + code_bytes)
+    # each gap v <= chunk length: sum of (v >> b) over a chunk <= its length >> b, plus one stop bit per index
+    max_unary = nidx + ((nchunks - 1) * cfg.chunk + last >> cfg.rice_bits if nchunks else 0)
+    index_bytes = -(-nidx * cfg.rice_bits // 8)
     return Layout(n, nchunks, last, nidx, index_bytes, code_bytes,
-                  HEADER_BYTES + SCALE_BYTES * nchunks + index_bytes + code_bytes)
+                  HEADER_BYTES + UNARY.size + SCALE_BYTES * nchunks + index_bytes + -(-max_unary // 8) + code_bytes,
+                  max_unary)
 
 
 def _numel(shapes: Sequence[Sequence[int]]) -> int:
@@ -135,7 +157,8 @@ def _numel(shapes: Sequence[Sequence[int]]) -> int:
 
 
 def payload_bytes(shapes: Sequence[Sequence[int]], cfg: SparseConfig) -> int:
-    """Exact payload length in bytes (header, scales, indices, codes) for tensors of ``shapes``."""
+    """Payload length in bytes (header, scales, indices, codes) for tensors of ``shapes``: exact with
+    fixed-width indices, the largest valid one with Rice-coded indices."""
     return layout(_numel(shapes), cfg).total
 
 
@@ -181,19 +204,31 @@ def _parse(payload: bytes, n: int, cfg: SparseConfig) -> tuple[torch.Tensor, tor
         raise ContributionError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
         raise ContributionError(f"unsupported version {version}, expected {VERSION}")
-    if flags != 0:
+    if flags & ~RICE_FLAG:
         raise ContributionError(f"reserved header flags set: {flags:#x}")
+    if bool(flags & RICE_FLAG) != cfg.rice:
+        raise ContributionError(f"index coding {'rice' if flags & RICE_FLAG else 'fixed'} disagrees with ours "
+                                f"({'rice' if cfg.rice else 'fixed'})")
     for name, got, ours in (("bits", bits, cfg.bits), ("chunk", chunk, cfg.chunk), ("topk", topk, cfg.topk),
                             ("total values", total, n)):
         if got != ours:
             raise ContributionError(f"header {name}={got} disagrees with ours ({ours})")
     lay = layout(n, cfg)
-    if len(buf) < lay.total:
-        raise ContributionError(f"truncated payload: {len(buf)} bytes, expected {lay.total}")
-    if len(buf) > lay.total:
-        raise ContributionError(f"oversized payload: {len(buf)} bytes, expected {lay.total} "
-                                f"({len(buf) - lay.total} extra bytes)")
     off = HEADER_BYTES
+    expected = lay.total
+    if cfg.rice:
+        if len(buf) < off + UNARY.size:
+            raise ContributionError(f"truncated header: {len(buf)} bytes, need {off + UNARY.size}")
+        (unary_bits,) = UNARY.unpack_from(buf, off)
+        off += UNARY.size
+        if not lay.nidx <= unary_bits <= lay.max_unary_bits:
+            raise ContributionError(f"unary stream of {unary_bits} bits outside [{lay.nidx}, {lay.max_unary_bits}]")
+        expected = lay.rice_total(unary_bits)
+    if len(buf) < expected:
+        raise ContributionError(f"truncated payload: {len(buf)} bytes, expected {expected}")
+    if len(buf) > expected:
+        raise ContributionError(f"oversized payload: {len(buf)} bytes, expected {expected} "
+                                f"({len(buf) - expected} extra bytes)")
     scale = np.frombuffer(buf, dtype="<f4", count=lay.nchunks, offset=off).astype(np.float32)
     if not np.isfinite(scale).all():
         c = int(np.flatnonzero(~np.isfinite(scale))[0])
@@ -202,9 +237,14 @@ def _parse(payload: bytes, n: int, cfg: SparseConfig) -> tuple[torch.Tensor, tor
         c = int(np.flatnonzero(scale < 0)[0])
         raise ContributionError(f"negative scale {scale[c]} in chunk {c}")
     off += SCALE_BYTES * lay.nchunks
-    idx = unpack_bits(buf, off, lay.nidx, cfg.index_bits, "index")
-    codes = unpack_bits(buf, off + lay.index_bytes, lay.nidx, cfg.bits, "code")
     cid = torch.arange(lay.nidx) // cfg.topk  # every chunk but the last sends exactly topk values
+    if cfg.rice:
+        idx = _rice_indices(buf, off, lay, cfg, cid, unary_bits)
+        off += lay.index_bytes + -(-unary_bits // 8)
+    else:
+        idx = unpack_bits(buf, off, lay.nidx, cfg.index_bits, "index")
+        off += lay.index_bytes
+    codes = unpack_bits(buf, off, lay.nidx, cfg.bits, "code")
     length = torch.where(cid == lay.nchunks - 1, lay.last, cfg.chunk)
     bad = (idx >= length).nonzero()
     if len(bad):
@@ -219,6 +259,30 @@ def _parse(payload: bytes, n: int, cfg: SparseConfig) -> tuple[torch.Tensor, tor
             raise ContributionError(f"{what} index {int(idx[i])} in chunk {int(cid[i])}")
     values = _dequantize(codes, torch.from_numpy(scale)[cid], cfg.bits)
     return cid * cfg.chunk + idx, values
+
+
+def _rice_indices(buf: bytes, off: int, lay: Layout, cfg: SparseConfig, cid: torch.Tensor,
+                  unary_bits: int) -> torch.Tensor:
+    """Positions inside their chunks from Rice-coded gaps (remainders at ``off``, then the unary stream),
+    validated: exactly one stop bit per index, the stream ending on one, zero padding."""
+    b = cfg.rice_bits
+    rem = unpack_bits(buf, off, lay.nidx, b, "gap remainder") if b else torch.zeros(lay.nidx, dtype=torch.int64)
+    start = off + lay.index_bytes
+    raw = np.frombuffer(buf, dtype=np.uint8, count=-(-unary_bits // 8), offset=start)
+    if unary_bits % 8 and int(raw[-1]) >> (unary_bits % 8):
+        raise ContributionError("nonzero padding bits after the unary stream")
+    bits = np.unpackbits(raw, count=unary_bits, bitorder="little")
+    stops = np.flatnonzero(bits == 0)
+    if len(stops) != lay.nidx or (lay.nidx and stops[-1] != unary_bits - 1):
+        raise ContributionError(f"unary stream holds {len(stops)} gaps, expected {lay.nidx} ending on its last bit")
+    q = torch.from_numpy(np.diff(stops, prepend=-1) - 1)
+    gaps = (q << b) + rem  # gap v = positions skipped before this index (the first: its position)
+    ends = torch.cumsum(gaps + 1, 0)
+    first = torch.nonzero(torch.cat([torch.tensor([True]), cid[1:] != cid[:-1]])).flatten()
+    before = torch.zeros_like(ends)
+    before[first[1:]] = ends[first[1:] - 1]
+    before = torch.cummax(before, 0).values  # each index: the running total where its chunk began
+    return ends - before - 1
 
 
 def _split(flat: torch.Tensor, shapes: Sequence[tuple]) -> list[torch.Tensor]:
@@ -300,7 +364,7 @@ class SparseCodec:
         self.error = _split(self._flat, self.shapes)
 
     def payload_bytes(self) -> int:
-        """Length of every payload this codec encodes."""
+        """Length of every payload this codec encodes (Rice-coded indices: the largest valid length)."""
         return self.layout.total
 
     def encode(self, pseudo_gradient: Sequence[torch.Tensor]) -> bytes:
@@ -327,7 +391,7 @@ class SparseCodec:
         if not bool(torch.isfinite(delta).all()):
             raise ValueError("pseudo-gradient holds non-finite values")
         e = self._flat * cfg.beta + delta
-        header = HEADER.pack(MAGIC, VERSION, cfg.bits, 0, lay.n, cfg.chunk, cfg.topk)
+        header = HEADER.pack(MAGIC, VERSION, cfg.bits, RICE_FLAG if cfg.rice else 0, lay.n, cfg.chunk, cfg.topk)
         if lay.n == 0:
             return header, e
         pad = lay.nchunks * cfg.chunk - lay.n
@@ -345,9 +409,22 @@ class SparseCodec:
             idx, codes, cid = idx[keep], codes[keep], cid[keep]
         idx, codes, cid = idx.reshape(-1), codes.reshape(-1), cid.reshape(-1)
         e[cid * cfg.chunk + idx] -= _dequantize(codes, scale[cid], cfg.bits)
-        out = b"".join((header, scale.numpy().astype("<f4").tobytes(),
-                        pack_bits(idx, cfg.index_bits), pack_bits(codes, cfg.bits)))
-        assert len(out) == lay.total
+        scales = scale.numpy().astype("<f4").tobytes()
+        if not cfg.rice:
+            out = b"".join((header, scales, pack_bits(idx, cfg.index_bits), pack_bits(codes, cfg.bits)))
+            assert len(out) == lay.total
+            return out, e
+        gaps = idx.clone()
+        same = cid[1:] == cid[:-1]
+        gaps[1:] = torch.where(same, idx[1:] - idx[:-1] - 1, idx[1:])
+        b = cfg.rice_bits
+        q = (gaps >> b).numpy()
+        unary = np.ones(int(q.sum()) + len(q), dtype=np.uint8)
+        unary[np.cumsum(q + 1) - 1] = 0  # q ones, then the stop bit
+        out = b"".join((header, UNARY.pack(len(unary)), scales,
+                        pack_bits(gaps & ((1 << b) - 1), b) if b else b"",
+                        np.packbits(unary, bitorder="little").tobytes(), pack_bits(codes, cfg.bits)))
+        assert len(out) == lay.rice_total(len(unary))
         return out, e
 
     def commit(self, new_error: torch.Tensor) -> None:

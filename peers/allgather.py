@@ -122,9 +122,10 @@ class ContributionServer(ServicerBase):
     # ------------------------------------------------------------------ fetching
     def fetch(self, wanted: Dict[str, Tuple[Optional[str], int]], key: str,
               timeout_s: float) -> Tuple[Dict[str, bytes], Dict[str, str]]:
-        """Download the payloads of ``wanted`` (peer_id -> (sha256 hex or None: not checked, length in
-        bytes)) under ``key``, all at once, within ``timeout_s`` seconds. Returns (peer_id -> payload
-        whose length and digest match, peer_id -> why it was not accepted)."""
+        """Download the payloads of ``wanted`` (peer_id -> (sha256 hex, exact length in bytes), or (None,
+        the largest valid length) when nothing was announced) under ``key``, all at once, within
+        ``timeout_s`` seconds. Returns (peer_id -> payload whose length and digest match, peer_id -> why
+        it was not accepted)."""
         if not wanted:
             return {}, {}
         results = self._call(self._fetch_all(wanted, key, timeout_s), timeout_s + 5.0)
@@ -159,9 +160,11 @@ class ContributionServer(ServicerBase):
             buf += chunk.data
             if len(buf) > size:
                 raise ContributionError(f"oversized payload: more than the {size} bytes expected")
+        if sha256 is None:  # nothing announced: the codec checks the exact length
+            return bytes(buf)
         if len(buf) != size:
             raise ContributionError(f"truncated payload: {len(buf)} of the {size} bytes expected")
-        if sha256 is not None and hashlib.sha256(buf).hexdigest() != sha256:
+        if hashlib.sha256(buf).hexdigest() != sha256:
             raise ContributionError("the bytes do not match the digest announced in matchmaking")
         return bytes(buf)
 
@@ -198,8 +201,8 @@ def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: f
                     ) -> Tuple[Dict[str, Optional[RoundGather]], Dict[str, Tuple[Optional[str], int]], Dict[str, str]]:
     """The rules every member applies to the group's gathered metadata before any download.
 
-    ``gathered``: peer_id -> the dict it sent (untrusted); ``payload_bytes``: the codec's exact payload
-    length; ``admitted(peer_id)``: None if the peer may take part, else why not (a certified swarm; such a
+    ``gathered``: peer_id -> the dict it sent (untrusted); ``payload_bytes``: the codec's largest valid
+    payload length; ``admitted(peer_id)``: None if the peer may take part, else why not (a certified swarm; such a
     peer neither votes nor contributes). Returns (peer_id -> its RoundGather, or None if malformed or not
     admitted: it cannot vote; peer_id ->
     (payload sha256 or None if not announced, length to expect); peer_id -> why its
@@ -223,7 +226,14 @@ def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: f
             metas[peer] = None
             dropped[peer] = f"malformed metadata ({str(e).splitlines()[0][:120]})"
             continue
-        announced[peer] = (extra.payload_sha256, payload_bytes if extra.payload_bytes is None else extra.payload_bytes)
+        if extra.payload_sha256 is None:
+            announced[peer] = (None, payload_bytes)
+        elif extra.payload_bytes is None or extra.payload_bytes > payload_bytes:
+            metas[peer], dropped[peer] = None, (f"announced a payload of {extra.payload_bytes} bytes; at most "
+                                                f"{payload_bytes} are valid")
+            continue
+        else:
+            announced[peer] = (extra.payload_sha256, extra.payload_bytes)
     starts = {p: m.start_digest for p, m in metas.items() if m is not None and m.outer_step == round_index - 1}
     canon, _ = canonical_digest(starts)
     for peer, m in metas.items():
@@ -242,13 +252,15 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
                     abandon: Optional[Callable[[], bool]] = None,
                     tamper_gather: Optional[Callable[[dict, int], dict]] = None,
                     tamper_contribution: Optional[Callable[[bytes, int], bytes]] = None,
-                    scheduled_in_s: Optional[float] = None, rule: str = "mean", norm_bound: float = 0.0) -> RoundResult:
+                    scheduled_in_s: Optional[float] = None, rule: str = "mean", norm_bound: float = 0.0,
+                    admitted: Optional[Callable[[str], Optional[str]]] = None) -> RoundResult:
     """Average one round's sparse contribution by all-gather (module docstring); blocking.
 
     ``rnd``: the round's SparseRound, or a Future that will hold it (**early** matchmaking: the group
     forms while the round's last inner steps compute, its all-reduce begins once the future is done,
     about ``scheduled_in_s`` seconds from now; no payload digest can be announced then).
     ``rule`` / ``norm_bound``: how the accepted contributions are combined (dilocox/robust.py).
+    ``admitted(peer_id)``: None if that member may contribute, else why not (default: the server's rule).
     ``me``: our peer_id (our payload is used as is, not fetched). ``max_weight``: the largest weight a
     member may claim (H inner steps). Waits at most ``fetch_timeout_s`` for the downloads.
     ``tamper_gather`` / ``tamper_contribution``: red-team hooks on our gathered metadata and on the payload
@@ -289,7 +301,7 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     rnd = rnd.result() if isinstance(rnd, Future) else rnd
     payload = mine["payload"]
     metas, announced, dropped = screen_gathered(res.gathered, round_index, max_weight, rnd.codec.payload_bytes(),
-                                                server.admitted)
+                                                admitted or server.admitted)
     wanted = {p: announced[p] for p in announced if p != me and p not in dropped}
     got, failed = server.fetch(wanted, key, fetch_timeout_s)
     dropped.update(failed)
@@ -308,5 +320,6 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     numel = sum(t.numel() for t in rnd.codec.error)
     sent = server.served_bytes(key) + res.bytes_sent
     received = sum(len(b) for p, b in got.items() if p != me) + res.bytes_received
+    inputs = {p: hashlib.sha256(b).hexdigest()[:16] for p, b in got.items() if p not in dropped}
     return RoundResult(mean, metas, len(payload), sent, received, res.allreduce_s + time.monotonic() - started,
-                       int(2 * (n - 1) / n * 4 * numel), dropped=dropped)
+                       int(2 * (n - 1) / n * 4 * numel), dropped=dropped, inputs=inputs)

@@ -85,6 +85,7 @@ class RoundResult:
     allreduce_s: float
     fp32_bytes_sent: int             # what the same round would send uncompressed (fp32 both ways)
     dropped: Dict[str, str] = field(default_factory=dict)  # peer_id -> why its contribution was not used
+    inputs: Dict[str, str] = field(default_factory=dict)   # sparse: peer_id -> digest of the payload used
 
 
 def group_bits(round_index: int) -> str:

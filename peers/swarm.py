@@ -54,6 +54,15 @@ class MemberRecord(pydantic.BaseModel):
     replica_members: List[pydantic.StrictStr] = []
     # the swarm authority's certificate for peer_id (peers/admission.py); empty in an open swarm
     certificate: pydantic.constr(strict=True, max_length=4096) = ""
+    # sparse round `result_step`: contributor peer_id -> first 16 hex digits of the SHA-256 of the payload we
+    # used, so members can see a contributor that served different bytes to different peers
+    inputs: Dict[pydantic.constr(strict=True, max_length=64), pydantic.constr(strict=True, max_length=16)] = {}
+
+    @pydantic.validator("inputs")
+    def _few_inputs(cls, value):
+        if len(value) > 1024:
+            raise ValueError(f"{len(value)} inputs: at most 1024")
+        return value
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -31,8 +31,11 @@ class FakeProgress:
     def others(self, max_age_s: float = 1.0):
         return self._others
 
-    def exchange_result_digests(self, result_step, digest, peers, timeout_s):
+    def exchange_result_digests(self, result_step, digest, peers, timeout_s, inputs=None):
         return {"me": digest, **(self.results or {})}
+
+    def input_conflicts(self, result_step, inputs):
+        return {}
 
 
 @pytest.fixture

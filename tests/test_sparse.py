@@ -8,6 +8,8 @@ import struct
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dilocox import sparse
 from dilocox.sparse import ContributionError, SparseCodec, SparseConfig, aggregate, decode, payload_bytes
@@ -219,7 +221,8 @@ def malformed(good: bytes) -> dict[str, tuple[bytes, str]]:
         "negative scale": (with_scale(-1.0), "negative scale"),
         "magic": (with_header(magic=b"XXXX"), "magic"),
         "version": (with_header(version=2), "version"),
-        "flags": (with_header(flags=1), "flags"),
+        "flags": (with_header(flags=2), "flags"),
+        "rice flag": (with_header(flags=1), "index coding rice disagrees"),
         "bits": (with_header(bits=4), "bits=4"),
         "chunk": (with_header(chunk=256), "chunk=256"),
         "topk": (with_header(topk=11), "topk=11"),
@@ -318,3 +321,89 @@ def test_sparse_compressor_round_protocol_and_state():
     other.load_shared(0, [])  # adopting a downloaded state resets the local buffers
     assert all(float(e.abs().sum()) == 0 for e in other.error)
     assert sparse.SparseCompressor(SHAPES, SparseConfig(chunk=195, topk=13)).digest() != comp.digest()
+
+
+RICE = SparseConfig(chunk=195, topk=12, bits=2, rice=True)
+
+
+def test_rice_indices_decode_to_the_same_contribution_in_fewer_bytes():
+    for seed in range(5):
+        x = randn(SHAPES, 40 + seed)
+        fixed, rice = SparseCodec(SHAPES, CFG).encode(x), SparseCodec(SHAPES, RICE).encode(x)
+        assert all(torch.equal(a, b) for a, b in zip(decode(fixed, SHAPES, CFG), decode(rice, SHAPES, RICE)))
+        assert len(rice) <= payload_bytes(SHAPES, RICE)
+    big = [(133_440,)]  # the tiny preset's size at the default density: fixed 12-bit vs Rice-coded indices
+    x = randn(big, 3)
+    fixed = SparseCodec(big, SparseConfig(topk=128)).encode(x)
+    rice = SparseCodec(big, SparseConfig(topk=128, rice=True)).encode(x)
+    assert len(rice) < 0.65 * len(fixed) and 133_440 * 4 / len(rice) > 100
+
+
+def test_malformed_rice_streams_are_rejected():
+    payload = SparseCodec(SHAPES, RICE).encode(randn(SHAPES, 5))
+    start = sparse.HEADER_BYTES
+    (unary,) = sparse.UNARY.unpack_from(payload, start)
+    lay = sparse.layout(sum(math.prod(s) for s in SHAPES), RICE)
+    stream = start + sparse.UNARY.size + 4 * lay.nchunks + lay.index_bytes
+
+    def with_unary_bits(n):
+        return payload[:start] + sparse.UNARY.pack(n) + payload[start + sparse.UNARY.size:]
+
+    def flip(at, bit):
+        b = bytearray(payload)
+        b[at] ^= 1 << bit
+        return bytes(b)
+
+    cases = {
+        "unary length below the index count": (with_unary_bits(lay.nidx - 1), "outside"),
+        "unary length too large": (with_unary_bits(lay.max_unary_bits + 1), "outside"),
+        "unary length disagrees with the bytes": (with_unary_bits(unary + 8), "truncated payload"),
+        "a stop bit turned into a one": (flip(stream, next(i for i in range(8) if not payload[stream] >> i & 1)),
+                                         "unary stream holds"),
+    }
+    for name, (bad, words) in cases.items():
+        with pytest.raises(ContributionError, match=words):
+            decode(bad, SHAPES, RICE)
+    # a gap pushed past the end of the last (2-value) chunk
+    x = [torch.zeros(s) for s in SHAPES]
+    x[-1].view(-1)[-1] = 1.0
+    p = SparseCodec(SHAPES, RICE).encode(x)
+    lay_p = sparse.layout(sum(math.prod(s) for s in SHAPES), RICE)
+    (u,) = sparse.UNARY.unpack_from(p, start)
+    rem_at = start + sparse.UNARY.size + 4 * lay_p.nchunks
+    idx_rem = sparse.unpack_bits(p, rem_at, lay_p.nidx, RICE.rice_bits, "r")
+    idx_rem[-1] = (1 << RICE.rice_bits) - 1  # the last chunk's second gap grows past its 2 values
+    bad = p[:rem_at] + sparse.pack_bits(idx_rem, RICE.rice_bits) + p[rem_at + lay_p.index_bytes:]
+    with pytest.raises(ContributionError, match="out of range"):
+        decode(bad, SHAPES, RICE)
+
+FUZZ_PAYLOADS = {cfg.rice: SparseCodec(SHAPES, cfg).encode(randn(SHAPES, 9)) for cfg in (CFG, RICE)}
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rice=st.booleans(), data=st.data())
+def test_fuzzed_contributions_never_crash_the_decoder(rice, data):
+    """Random bytes and random edits of a valid payload: decode either accepts (finite values inside the
+    shapes) or raises ContributionError, nothing else."""
+    cfg = RICE if rice else CFG
+    base = FUZZ_PAYLOADS[rice]
+    kind = data.draw(st.sampled_from(["random", "flip", "cut", "extend", "splice"]))
+    if kind == "random":
+        payload = data.draw(st.binary(max_size=len(base) + 16))
+    elif kind == "flip":
+        b = bytearray(base)
+        for at in data.draw(st.lists(st.integers(0, len(base) - 1), min_size=1, max_size=8)):
+            b[at] ^= data.draw(st.integers(1, 255))
+        payload = bytes(b)
+    elif kind == "cut":
+        payload = base[:data.draw(st.integers(0, len(base) - 1))]
+    elif kind == "extend":
+        payload = base + data.draw(st.binary(min_size=1, max_size=32))
+    else:
+        at = data.draw(st.integers(0, len(base)))
+        payload = base[:at] + data.draw(st.binary(max_size=16)) + base[at + data.draw(st.integers(0, 16)):]
+    try:
+        out = decode(payload, SHAPES, cfg)
+    except ContributionError:
+        return
+    assert [tuple(t.shape) for t in out] == SHAPES and all(bool(torch.isfinite(t).all()) for t in out)
