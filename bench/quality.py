@@ -96,6 +96,9 @@ METHODS = {m.name: m for m in [
     Method("sparse-hb0.5-a2", codec="sparse", outer_lr=2.0, outer_momentum=0.5, nesterov=False),
     *[_sgd(f"sparse-a3-{r}", "sparse", 3.0, aggregation=r, norm_bound=2.0)
       for r in ("mean", "centered-clip", "trimmed-mean", "median")],
+    *[_sgd(f"sparse-k128r-a{a}", "sparse", float(a), sparse=SparseConfig(topk=128, rice=True)) for a in (2.5, 3, 3.5)],
+    _sgd("sparse-k128r-a3-beta0.9", "sparse", 3.0, sparse=SparseConfig(topk=128, rice=True, beta=0.9)),
+    _sgd("sparse-k96r-a3", "sparse", 3.0, sparse=SparseConfig(topk=96, rice=True)),
     _sgd("sparse-a4-delayed", "sparse", 4.0, overlap="delayed"),
     _sgd("sparse-a4-delayed-local", "sparse", 4.0, overlap="delayed", proxy="local"),
     _sgd("sparse-a4-delayed-eager", "sparse", 4.0, overlap="delayed", proxy="eager"),
@@ -118,6 +121,7 @@ def daemon_flags(m: Method) -> list[str]:
     if m.codec == "sparse":
         flags += ["--sparse-chunk", str(m.sparse.chunk), "--sparse-topk", str(m.sparse.topk),
                   "--sparse-bits", str(m.sparse.bits), "--sparse-beta", str(m.sparse.beta),
+                  "--sparse-rice" if m.sparse.rice else "--no-sparse-rice",
                   "--aggregation", m.aggregation, "--norm-bound", str(m.norm_bound)]
     elif m.codec == "adaptive":
         flags += ["--rank-max", str(m.rank_max), "--rank-energy", str(m.rank_energy)]

@@ -185,11 +185,13 @@ def drain_budget_s(cfg) -> float:
 
 
 async def _serve(node, status_addr: str, stop: _StopSignals) -> int:
-    from daemon.service import PortInUseError, set_health, start_server
+    from daemon.service import PortInUseError, load_operator_token, set_health, start_server
 
+    cfg = node.cfg
     try:
-        server, port, health_servicer = await start_server(node, status_addr)
-    except PortInUseError as e:
+        token = load_operator_token(cfg.operator_token_file) if cfg.operator_token_file else None
+        server, port, health_servicer = await start_server(node, status_addr, token, cfg.status_read == "token")
+    except (PortInUseError, OSError, ValueError) as e:
         raise _BadInput(str(e)) from e
     await set_health(health_servicer, False)
     host = status_addr.rsplit(":", 1)[0]

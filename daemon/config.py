@@ -61,6 +61,11 @@ class NodeConfig(BaseModel):
                                                           "it changes, and passed on to the swarm")
     status_addr: str = Field("127.0.0.1:50051", pattern=r"^[^:\s]+:\d{1,5}$",
                              description="gRPC HOST:PORT (port 0 picks a free one)")
+    operator_token_file: Optional[Path] = Field(
+        None, description="file holding the operator token (created with a random one if missing): Leave needs it; "
+                          "required when status_addr is not loopback")
+    status_read: Literal["open", "token"] = Field("open", description="whether reading status and peers needs the "
+                                                                      "operator token too")
     # data and model
     data: str = Field("builtin:shakespeare", description="text file, directory of .txt/.md, or builtin:shakespeare")
     model: str = Field("small", description="preset (tiny, small) or a .json/.toml LlamaConfig file")
@@ -105,6 +110,7 @@ class NodeConfig(BaseModel):
     sparse_topk: int = Field(64, ge=1, description="sparse: values sent per chunk")
     sparse_bits: int = Field(2, description="sparse: bits per sent value (2, 4 or 8)")
     sparse_beta: float = Field(0.95, ge=0, le=1, description="sparse: error-feedback decay per outer step")
+    sparse_rice: bool = Field(True, description="sparse: Rice-coded index gaps (else fixed-width indices)")
     aggregation: Literal["mean", "centered-clip", "trimmed-mean", "median"] = Field(
         "mean", description="how a sparse round's contributions are combined (dilocox/robust.py)")
     norm_bound: float = Field(0.0, ge=0, description="sparse: clip each contribution to this multiple of the group's "
@@ -157,6 +163,12 @@ class NodeConfig(BaseModel):
             raise ValueError(f"stage {self.stage!r}: need K < S (stages are numbered 0 .. S-1)")
         if self.rank_min > self.rank_max:
             raise ValueError(f"rank_min={self.rank_min} must be <= rank_max={self.rank_max}")
+        host = self.status_addr.rsplit(":", 1)[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1") and self.operator_token_file is None:
+            raise ValueError(f"status_addr {self.status_addr} is not loopback: set operator_token_file, so that only "
+                             f"an operator can make the node leave")
+        if self.status_read == "token" and self.operator_token_file is None:
+            raise ValueError("status_read=token needs operator_token_file")
         if (self.authority is None) != (self.certificate is None):
             raise ValueError("authority and certificate go together: a certified swarm needs both, an open one neither")
         if self.revocations is not None and self.authority is None:

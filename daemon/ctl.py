@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import grpc
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dilocox-ctl", description="Query or control a running dilocox node.")
     parser.add_argument("--addr", default="127.0.0.1:50051", help="node's status address HOST:PORT")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the node")
+    parser.add_argument("--token-file", default=os.environ.get("DILOCOX_OPERATOR_TOKEN_FILE"), metavar="PATH",
+                        help="the node's operator token file (its --operator-token-file): needed by leave, and by "
+                             "reads on a node with --status-read token")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("status", "show this node's status"), ("peers", "list live swarm members")):
         p = sub.add_parser(name, help=text)
@@ -105,21 +109,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("peer-id", "authority"):  # --addr is accepted but unused: no node is contacted
         return _admission_command(args)
 
+    try:
+        token = open(args.token_file, encoding="utf-8").read().strip() if args.token_file else None
+    except OSError as e:
+        print(f"dilocox-ctl: cannot read the token file: {e}", file=sys.stderr)
+        return 2
+    auth = (("authorization", f"Bearer {token}"),) if token else None
     with grpc.insecure_channel(args.addr) as channel:
         stub = node_pb2_grpc.NodeStub(channel)
         try:
             if args.command == "status":
-                status = stub.GetStatus(node_pb2.GetStatusRequest(), timeout=args.timeout)
+                status = stub.GetStatus(node_pb2.GetStatusRequest(), timeout=args.timeout, metadata=auth)
                 print(json.dumps(_as_dict(status))) if args.json else _print_status(status)
             elif args.command == "peers":
-                peers = stub.ListPeers(node_pb2.ListPeersRequest(), timeout=args.timeout).peers
+                peers = stub.ListPeers(node_pb2.ListPeersRequest(), timeout=args.timeout, metadata=auth).peers
                 if args.json:
                     print(json.dumps([_as_dict(p) for p in peers]))
                 for p in peers if not args.json else []:
                     print(f"{p.peer_id}  {p.state:<9} outer {p.outer_step:<5} inner {p.inner_step:<5} "
                           f"loss {p.loss:.3f}  {p.tokens_per_second:.0f} tok/s  digest {p.global_params_digest}")
             elif args.command == "watch":
-                for status in stub.WatchStatus(node_pb2.WatchStatusRequest(interval_s=1.0)):
+                for status in stub.WatchStatus(node_pb2.WatchStatusRequest(interval_s=1.0), metadata=auth):
                     print(f"{status.state:<9} outer {status.outer_step} inner {status.inner_step}/{status.inner_steps} "
                           f"loss {status.loss:.4f} val {status.val_loss:.4f} {status.tokens_per_second:.0f} tok/s "
                           f"group {status.last_round.group_size}", flush=True)
@@ -130,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
                 return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
             elif args.command == "leave":
-                reply = stub.Leave(node_pb2.LeaveRequest(reason="dilocox-ctl leave"), timeout=args.timeout)
+                reply = stub.Leave(node_pb2.LeaveRequest(reason="dilocox-ctl leave"), timeout=args.timeout,
+                                    metadata=auth)
                 print(f"leave accepted: {reply.accepted} ({reply.state})")
         except grpc.RpcError as e:
             print(f"dilocox-ctl: {args.addr}: {e.code().name}: {e.details()}", file=sys.stderr)

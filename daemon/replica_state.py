@@ -50,6 +50,12 @@ def stage_memory(inner, outer, schedule, compressor) -> StageMemory:
     return m
 
 
+def _numpy_state() -> tuple:
+    """numpy's global RNG state with its key array as a list (checkpoints load with weights_only=True)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return name, keys.tolist(), int(pos), int(has_gauss), float(gauss)
+
+
 class ReplicaState:
     """One node's share of its replica: stage ``cfg.stage_index`` of ``cfg.num_stages``.
 
@@ -72,7 +78,8 @@ class ReplicaState:
         shapes = [tuple(p.shape) for p in self.outer.global_params]
         if cfg.compression == "sparse":
             self.compressor = SparseCompressor(shapes, SparseConfig(
-                chunk=cfg.sparse_chunk, topk=cfg.sparse_topk, bits=cfg.sparse_bits, beta=cfg.sparse_beta))
+                chunk=cfg.sparse_chunk, topk=cfg.sparse_topk, bits=cfg.sparse_bits, beta=cfg.sparse_beta,
+                rice=cfg.sparse_rice))
         else:
             self.compressor = Compressor(shapes, CompressionConfig(
                 mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
@@ -208,7 +215,7 @@ class ReplicaState:
                     inner_optimizer=self.inner.inner_optimizer.state_dict(),
                     compression=self.compressor.state_dict(),
                     shard_position=self.shard.position, shard_key=self.shard.shard_key, round=self.round,
-                    rng=dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=np.random.get_state()),
+                    rng=dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=_numpy_state()),
                     version=dilocox.__version__)
 
     def restore(self, state: dict) -> None:
@@ -228,7 +235,8 @@ class ReplicaState:
         torch.set_rng_state(rng["torch"])
         if "python" in rng:
             random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
+            name, keys, pos, has_gauss, gauss = rng["numpy"]
+            np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
         self.outer_step = int(state["outer_step"])
         self.round = self.outer_step + 1
         self.digest = params_digest(self.outer.global_params)

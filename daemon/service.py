@@ -8,8 +8,11 @@ traceback as an ERROR); the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
 import logging
+import os
+import secrets
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,14 +25,42 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
 
 
+def load_operator_token(path) -> str:
+    """The operator token in ``path``, creating the file (mode 0600, 32 random bytes as hex) if it is missing.
+    Raises OSError or ValueError (a file without a token of at least 16 characters)."""
+    if not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    token = open(path, encoding="utf-8").read().strip()
+    if len(token) < 16:
+        raise ValueError(f"operator token file {path} must hold a token of at least 16 characters")
+    return token
+
+
 class NodeService(node_pb2_grpc.NodeServicer):
-    def __init__(self, node):
-        self.node = node
+    """``token``: the operator token (None: none configured, a loopback-only node); ``read_needs_token``:
+    whether reads need it too. The token travels as gRPC metadata ``authorization: Bearer <token>``."""
+
+    def __init__(self, node, token: str | None = None, read_needs_token: bool = False):
+        self.node, self.token, self.read_needs_token = node, token, read_needs_token
+
+    async def _authorize(self, context, changes: bool) -> None:
+        if self.token is None or not (changes or self.read_needs_token):
+            return
+        sent = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {self.token}".encode()):
+            logger.warning("refused %s from %s: no valid operator token", "a change" if changes else "a read",
+                           context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call needs the operator token "
+                                                                 "(dilocox-ctl --token-file)")
 
     async def GetStatus(self, request, context):
+        await self._authorize(context, changes=False)
         return self.node.board.to_proto()
 
     async def WatchStatus(self, request, context):
+        await self._authorize(context, changes=False)
         interval = request.interval_s if request.interval_s > 0 else 1.0
         if interval > 3600:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "interval_s must be at most 3600")
@@ -42,6 +73,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             await loop.run_in_executor(None, board.wait_change, version, interval)
 
     async def ListPeers(self, request, context):
+        await self._authorize(context, changes=False)
         swarm = self.node.swarm
         if swarm is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "node has not joined the swarm yet")
@@ -53,6 +85,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return node_pb2.ListPeersResponse(peers=peers)
 
     async def Leave(self, request, context):
+        await self._authorize(context, changes=True)
         self.node.request_leave(request.reason or "dilocox-ctl leave")
         return node_pb2.LeaveResponse(accepted=True, state=State.DRAINING.value)
 
@@ -148,11 +181,12 @@ class PortInUseError(OSError):
     """The status address could not be bound."""
 
 
-async def start_server(node, address: str) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+async def start_server(node, address: str, token: str | None = None,
+                       read_needs_token: bool = False) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
     """Bind and start; raises PortInUseError naming the address if it cannot be bound."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     registry = _CheckedRegistry(server)
-    node_pb2_grpc.add_NodeServicer_to_server(NodeService(node), registry)
+    node_pb2_grpc.add_NodeServicer_to_server(NodeService(node, token, read_needs_token), registry)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registry)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(  # what enable_server_reflection does for grpc.aio

@@ -2,7 +2,9 @@
 
 Layout under the checkpoint directory: ``step-<outer_step:08d>.pt`` and ``step-<outer_step:08d>.pt.sha256``.
 A file whose checksum does not match (truncated, corrupt) is reported and skipped in favour of
-the newest good one.
+the newest good one. Files are read with ``torch.load(weights_only=True)``: tensors, numbers,
+strings and containers only, so a crafted file cannot run code (it is refused and skipped); the
+state saved must hold nothing else (numpy arrays as lists, for instance).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def load_latest_checkpoint(directory: Path) -> Optional[tuple[Path, dict[str, An
             logger.warning("checkpoint %s is corrupt or truncated (checksum mismatch); trying an older one", path)
             continue
         try:
-            return path, torch.load(io.BytesIO(data), weights_only=False)
+            return path, torch.load(io.BytesIO(data), weights_only=True)
         except Exception as e:
             logger.warning("checkpoint %s cannot be loaded (%s); trying an older one", path, e)
     return None

@@ -147,3 +147,63 @@ def test_well_formed_or_unknown_fields_still_served(payload):
             await server.stop(grace=None)
 
     assert asyncio.run(go()) == grpc.StatusCode.OK
+
+
+def test_leave_needs_the_operator_token_and_reads_as_configured(tmp_path):
+    """With an operator token, Leave without it (or with another) is UNAUTHENTICATED and the node keeps
+    running; with it, the node is asked to leave. status_read=token closes reads too; dilocox-ctl sends
+    the token from --token-file."""
+    from daemon import ctl
+    from daemon.service import load_operator_token
+
+    token_file = tmp_path / "operator.token"
+    token = load_operator_token(token_file)
+    assert len(token) == 64 and (token_file.stat().st_mode & 0o777) == 0o600
+    assert load_operator_token(token_file) == token  # created once, then read
+
+    async def run(read_needs_token: bool):
+        node = FakeNode()
+        server, port, _ = await start_server(node, "127.0.0.1:0", token, read_needs_token)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = node_pb2_grpc.NodeStub(channel)
+                codes = []
+                for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", f"Bearer {token}"),)):
+                    for call in (stub.Leave(node_pb2.LeaveRequest(reason="x"), metadata=metadata),
+                                 stub.GetStatus(node_pb2.GetStatusRequest(), metadata=metadata)):
+                        try:
+                            await call
+                            codes.append(grpc.StatusCode.OK)
+                        except grpc.aio.AioRpcError as e:
+                            codes.append(e.code())
+            return codes, node.leave_reasons
+        finally:
+            await server.stop(None)
+
+    unauth, ok = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OK
+    codes, left = asyncio.run(run(False))
+    assert codes == [unauth, ok, unauth, ok, ok, ok] and left == ["x"]
+    codes, left = asyncio.run(run(True))
+    assert codes == [unauth, unauth, unauth, unauth, ok, ok] and left == ["x"]
+    # the CLI: without the token file the leave is refused (exit 1), with it accepted
+    async def serve_and_ask():
+        node = FakeNode()
+        server, port, _ = await start_server(node, "127.0.0.1:0", token, False)
+        loop = asyncio.get_running_loop()
+        try:
+            without = await loop.run_in_executor(None, ctl.main, ["--addr", f"127.0.0.1:{port}", "leave"])
+            with_token = await loop.run_in_executor(
+                None, ctl.main, ["--addr", f"127.0.0.1:{port}", "--token-file", str(token_file), "leave"])
+            return without, with_token, node.leave_reasons
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(serve_and_ask()) == (1, 0, ["dilocox-ctl leave"])
+
+
+def test_a_public_status_address_needs_an_operator_token():
+    from daemon.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="not loopback"):
+        load_config({"status_addr": "0.0.0.0:50051"}, {})
+    assert load_config({"status_addr": "0.0.0.0:50051", "operator_token_file": "/tmp/t"}, {}).status_read == "open"

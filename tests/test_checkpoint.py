@@ -1,0 +1,41 @@
+"""Checkpoints of a real ReplicaState load with torch.load(weights_only=True), and a file that would run
+code when unpickled is refused and skipped, not executed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+
+import torch
+
+from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
+from tests.test_rounds import state  # noqa: F401 (pytest fixture)
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/dilocox-checkpoint-exploit",))
+
+
+def test_a_real_state_round_trips_with_weights_only(state, tmp_path):  # noqa: F811
+    state.outer_step = 3
+    save_checkpoint(tmp_path, 3, state.checkpoint_state())
+    path, saved = load_latest_checkpoint(tmp_path)
+    assert path.name == "step-00000003.pt"
+    state.restore(saved)  # python and numpy RNG states come back too
+    assert state.outer_step == 3
+
+
+def test_a_checkpoint_that_would_run_code_is_skipped(state, tmp_path):  # noqa: F811
+    marker = "/tmp/dilocox-checkpoint-exploit"
+    if os.path.exists(marker):
+        os.unlink(marker)
+    state.outer_step = 1
+    save_checkpoint(tmp_path, 1, state.checkpoint_state())
+    evil = pickle.dumps({"outer_step": 2, "x": Exploit()})  # a valid sidecar: only the unpickling can refuse it
+    (tmp_path / "step-00000002.pt").write_bytes(evil)
+    (tmp_path / "step-00000002.pt.sha256").write_text(hashlib.sha256(evil).hexdigest())
+    path, saved = load_latest_checkpoint(tmp_path)
+    assert path.name == "step-00000001.pt" and not os.path.exists(marker)
+    assert isinstance(saved["global_params"][0], torch.Tensor)
