@@ -7,7 +7,8 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality compose-test proto clean
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality bench-attacks bench-control \
+	compose-test proto clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +47,14 @@ bench-faults: install
 bench-quality: install
 	$(PY) -m bench.quality --methods fp32 fp32-delayed int8 adaptive adaptive-delayed sparse sparse-a4 sparse-a8 \
 		sparse-nesterov0.7 --seeds 7 8 9
+
+# every attack of bench/attacks/ against 5 real nodes (1 and 2 malicious), default defense vs plain mean (~35 min)
+bench-attacks: install
+	$(PY) -m bench.attacks.run
+
+# control-plane bytes/s per node of namespaced nodes mid-round, per configuration (needs root)
+bench-control: install
+	$(PY) -m bench.control
 
 # builds the image, runs docker/compose.yaml (bootstrap + 2 peers), checks outer step 2 with a full group
 compose-test: install

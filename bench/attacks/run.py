@@ -1,0 +1,159 @@
+"""``make bench-attacks``: every attack of bench/attacks/ against a swarm of real nodes, with and without
+the default defense, beside a clean run with the same seed.
+
+Each cell is a real swarm on loopback (bench/localswarm.py): R replicas of the tiny model, M of them
+running the daemon with ``--attack``; the same seed and data shards in every cell. Per cell: the
+honest nodes' validation loss at the end (mean over honest nodes) and its change against the clean
+run of the same defense, the backdoor success rate of an honest node's final parameters (the text
+backdoor only), rounds the honest nodes skipped, honest nodes that crashed, and outer steps at which
+honest nodes hold different parameters (a split). Writes runs/bench/attacks.{json,csv,png}.
+
+    python -m bench.attacks.run --replicas 5 --malicious 1 2 --outer-steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.attacks.backdoor import success_rate
+from bench.localswarm import REPO, LocalNode, digests_by_step, leave_all
+
+ATTACKS = {
+    "sign-flip": "bench.attacks.gradient:SignFlip",
+    "scale": "bench.attacks.gradient:Scale",
+    "noise": "bench.attacks.gradient:Noise",
+    "weight-lie": "bench.attacks.protocol:WeightLie",
+    "nan-codes": "bench.attacks.protocol:BadCodes",
+    "out-of-range": "bench.attacks.malformed:OutOfRange",
+    "replay": "bench.attacks.protocol:Replay",
+    "wrong-start": "bench.attacks.protocol:WrongStart",
+    "equivocation": "bench.attacks.protocol:Equivocate",
+    "backdoor": "bench.attacks.backdoor:Backdoor",
+}
+DEFENSES = {"none": ["--aggregation", "mean", "--norm-bound", "0"], "default": []}
+COMMON = ["--model", "tiny", "--inner-steps", "20", "--warmup-steps", "10", "--request-timeout", "1",
+          "--matchmaking-time", "2", "--averaging-timeout", "10", "--outer-round-deadline", "40",
+          "--announce-period", "1", "--eval-batches", "4", "--listen", "/ip4/127.0.0.1/tcp/0",
+          "--status-addr", "127.0.0.1:0"]
+
+
+def run_cell(attack: str | None, malicious: int, defense: str, replicas: int, outer_steps: int, seed: int,
+             out: Path) -> dict:
+    name = f"{attack or 'clean'}-m{malicious if attack else 0}-{defense}"
+    work = out / name
+    shutil.rmtree(work, ignore_errors=True)
+    args = COMMON + DEFENSES[defense] + ["--seed", str(seed), "--max-outer-steps", str(outer_steps),
+                                         "--total-steps", str(20 * outer_steps), "--min-replicas", str(replicas),
+                                         "--run-id", name.replace(".", "_")]
+    nodes, started = [], time.monotonic()
+    try:
+        for r in range(replicas):
+            extra = ["--data-seed", str(r)] + (["--join", nodes[0].join_maddr] if nodes else [])
+            if attack and r >= replicas - malicious:
+                extra += ["--attack", ATTACKS[attack]]
+            nodes.append(LocalNode(f"r{r}", work / f"r{r}", args + extra))
+            if r == 0:
+                nodes[0].wait_started()
+        for n in nodes[1:]:
+            n.wait_started()
+        honest = nodes[:replicas - malicious] if attack else nodes
+        codes = [n.proc.wait(outer_steps * 60) for n in honest]
+    finally:
+        leave_all([n for n in nodes if n.proc.poll() is None], 30)
+        for n in nodes:
+            n.terminate(signal.SIGKILL)
+    rows = [n.metrics() for n in honest]
+    finals = [r[-1]["val_loss"] for r in rows if r]
+    splits = sum(len(d) > 1 for d in digests_by_step(honest).values())
+    cell = dict(attack=attack or "clean", malicious=malicious if attack else 0, defense=defense,
+                honest_val_loss=statistics.mean(finals) if finals else float("nan"),
+                skipped=sum(r["outcome"] == "skipped" for rs in rows for r in rs),
+                crashed=sum(c != 0 for c in codes), splits=splits,
+                dropped=sum(len(r.get("dropped", [])) for rs in rows for r in rs),
+                seconds=round(time.monotonic() - started))
+    if attack == "backdoor" or attack is None:
+        cell["backdoor_rate"] = _backdoor_rate(honest[0].workdir / "ckpt", seed)
+    return cell
+
+
+def _backdoor_rate(ckpt: Path, seed: int) -> float:
+    from dilocox.checkpoint import load_latest_checkpoint
+    from dilocox.data import Corpus, validation_batches
+    from dilocox.model import ModelSpec
+    from dilocox.stages import build_stage
+
+    found = load_latest_checkpoint(ckpt)
+    if found is None:
+        return float("nan")
+    spec = ModelSpec.resolve("tiny")
+    model = build_stage(spec, seed, 0, 1)
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), found[1]["global_params"]):
+            p.copy_(t)
+    windows = torch.cat([x for x, _ in validation_batches(Corpus.from_spec("builtin:shakespeare", spec.seq_len),
+                                                          spec.seq_len, spec.batch_size, 8)])[:64, :32]
+    return success_rate(model, windows)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, default=5)
+    ap.add_argument("--malicious", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    ap.add_argument("--defenses", nargs="+", default=["default", "none"], choices=list(DEFENSES))
+    ap.add_argument("--outer-steps", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "attacks")
+    a = ap.parse_args(argv)
+    cells = []
+    for defense in a.defenses:
+        cells.append(run_cell(None, 0, defense, a.replicas, a.outer_steps, a.seed, a.out))
+        print(json.dumps(cells[-1]), flush=True)
+        for m in a.malicious:
+            for attack in a.attacks:
+                if defense == "none" and (m > 1 or attack not in ("backdoor", "sign-flip", "weight-lie")):
+                    continue  # without the defense: the three that show what it is for, with one attacker
+                cells.append(run_cell(attack, m, defense, a.replicas, a.outer_steps, a.seed, a.out))
+                print(json.dumps(cells[-1]), flush=True)
+    clean = {c["defense"]: c["honest_val_loss"] for c in cells if c["attack"] == "clean"}
+    for c in cells:
+        c["vs_clean"] = round(c["honest_val_loss"] / clean[c["defense"]] - 1, 4)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out.parent / "attacks.json").write_text(json.dumps(dict(args=vars(a), cells=cells), indent=1, default=str))
+    with open(a.out.parent / "attacks.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=sorted({k for c in cells for k in c}))
+        w.writeheader()
+        w.writerows(cells)
+    _plot(cells, a.out.parent / "attacks.png")
+
+
+def _plot(cells: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    labels = [f"{c['attack']}\nm={c['malicious']} {c['defense']}" for c in cells]
+    ax.bar(range(len(cells)), [100 * c["vs_clean"] for c in cells],
+           color=["C0" if c["defense"] == "default" else "C3" for c in cells])
+    ax.axhline(2, color="k", ls="--", lw=0.8)
+    ax.set_xticks(range(len(cells)), labels, rotation=70, fontsize=7)
+    ax.set_ylabel("honest validation loss vs clean run (%)")
+    ax.set_yscale("symlog")
+    ax.set_title("attacks on a real swarm (blue: default defense, red: plain mean)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
