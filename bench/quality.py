@@ -99,6 +99,8 @@ METHODS = {m.name: m for m in [
     *[_sgd(f"sparse-k128r-a{a}", "sparse", float(a), sparse=SparseConfig(topk=128, rice=True)) for a in (2.5, 3, 3.5)],
     _sgd("sparse-k128r-a3-beta0.9", "sparse", 3.0, sparse=SparseConfig(topk=128, rice=True, beta=0.9)),
     _sgd("sparse-k96r-a3", "sparse", 3.0, sparse=SparseConfig(topk=96, rice=True)),
+    _sgd("sparse-k144r-a3", "sparse", 3.0, sparse=SparseConfig(topk=144, rice=True)),
+    *[_sgd(f"sparse-k{k}r1b-a3", "sparse", 3.0, sparse=SparseConfig(topk=k, bits=1, rice=True)) for k in (160, 192)],
     _sgd("sparse-a4-delayed", "sparse", 4.0, overlap="delayed"),
     _sgd("sparse-a4-delayed-local", "sparse", 4.0, overlap="delayed", proxy="local"),
     _sgd("sparse-a4-delayed-eager", "sparse", 4.0, overlap="delayed", proxy="eager"),

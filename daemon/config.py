@@ -108,7 +108,7 @@ class NodeConfig(BaseModel):
                     "sparse (top-k per chunk + 2-bit + error feedback, all-gathered)")
     sparse_chunk: int = Field(4096, ge=2, lt=2**32, description="sparse: values per chunk")
     sparse_topk: int = Field(64, ge=1, description="sparse: values sent per chunk")
-    sparse_bits: int = Field(2, description="sparse: bits per sent value (2, 4 or 8)")
+    sparse_bits: int = Field(2, description="sparse: bits per sent value (1: a sign, 2, 4 or 8)")
     sparse_beta: float = Field(0.95, ge=0, le=1, description="sparse: error-feedback decay per outer step")
     sparse_rice: bool = Field(True, description="sparse: Rice-coded index gaps (else fixed-width indices)")
     aggregation: Literal["mean", "centered-clip", "trimmed-mean", "median"] = Field(
@@ -146,7 +146,10 @@ class NodeConfig(BaseModel):
         (OUTER_DEFAULTS; docs/algorithms.md): outer momentum does not mix with sparse error feedback."""
         if isinstance(data, dict):
             compression = data.get("compression", cls.model_fields["compression"].default)
-            for name, value in OUTER_DEFAULTS.get(compression, OUTER_DEFAULTS["none"]).items():
+            # an invalid compression is reported by its own field's validation
+            defaults = OUTER_DEFAULTS.get(compression, OUTER_DEFAULTS["none"]) if isinstance(compression, str) \
+                else OUTER_DEFAULTS["none"]
+            for name, value in defaults.items():
                 if data.get(name) is None:
                     data = {**data, name: value}
         return data
@@ -176,8 +179,8 @@ class NodeConfig(BaseModel):
         if (self.aggregation != "mean" or self.norm_bound) and self.compression != "sparse":
             raise ValueError(f"aggregation={self.aggregation} / norm_bound={self.norm_bound} need compression=sparse: "
                              f"a butterfly all-reduce sums parts on reducers, which a robust rule cannot trust")
-        if self.sparse_bits not in (2, 4, 8):
-            raise ValueError(f"sparse_bits must be 2, 4 or 8; got {self.sparse_bits}")
+        if self.sparse_bits not in (1, 2, 4, 8):
+            raise ValueError(f"sparse_bits must be 1, 2, 4 or 8; got {self.sparse_bits}")
         if self.compression == "sparse" and self.sparse_topk > self.sparse_chunk:
             raise ValueError(f"sparse_topk={self.sparse_topk} must be <= sparse_chunk={self.sparse_chunk}")
         if self.beta1**2 >= self.beta2:

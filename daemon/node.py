@@ -405,7 +405,7 @@ class Node:
         path, saved = found
         try:
             self.state.restore(saved)
-        except (KeyError, ValueError) as e:
+        except ValueError as e:  # restore() turns whatever a damaged file causes into ValueError
             logger.warning("ignoring checkpoint %s: %s", path, e)
             return
         self.resumed_from = self.state.outer_step

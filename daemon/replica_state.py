@@ -219,12 +219,28 @@ class ReplicaState:
                     version=dilocox.__version__)
 
     def restore(self, state: dict) -> None:
-        """Load a checkpoint's contents; raises ValueError/KeyError (naming the problem) and then
-        leaves theta as it was if the checkpoint belongs to another run, model or stage."""
+        """Load a checkpoint's contents, all or nothing: raises ValueError (naming the problem) and leaves
+        everything as it was if the checkpoint belongs to another run, model or stage, or any part of it
+        does not fit (checkpoints are files: a damaged one must not crash the node or half-load)."""
         cfg = self.cfg
-        if (state.get("run_id"), state.get("model"), state.get("stage", "0/1")) != (cfg.run_id, cfg.model, cfg.stage):
-            raise ValueError(f"it belongs to run {state.get('run_id')!r} / model {state.get('model')!r} / "
-                             f"stage {state.get('stage', '0/1')!r}")
+        if not isinstance(state, dict):
+            raise ValueError(f"it holds a {type(state).__name__}, not a dict")
+        owner = (state.get("run_id"), state.get("model"), state.get("stage", "0/1"))
+        if owner != (cfg.run_id, cfg.model, cfg.stage):
+            raise ValueError(f"it belongs to run {owner[0]!r} / model {owner[1]!r} / stage {owner[2]!r}")
+        before = (self.checkpoint_state(), [p.detach().clone() for p in self.inner.params])
+        try:
+            self._restore(state)
+        except Exception as e:  # anything a damaged file can make the loaders raise
+            saved, params = before
+            self._restore(saved)
+            self.inner.load_params(params)
+            raise ValueError(f"it does not fit this node ({type(e).__name__}: {e})") from None
+
+    def _restore(self, state: dict) -> None:
+        outer_step = int(state["outer_step"])
+        if outer_step < 0:
+            raise ValueError(f"outer_step {outer_step} is negative")
         self.outer.load_state(state["global_params"], state["momentum"])
         self.inner.load_params(self.outer.global_params)
         self.inner.inner_optimizer.load_state_dict(state["inner_optimizer"])
@@ -237,6 +253,6 @@ class ReplicaState:
             random.setstate(rng["python"])
             name, keys, pos, has_gauss, gauss = rng["numpy"]
             np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-        self.outer_step = int(state["outer_step"])
+        self.outer_step = outer_step
         self.round = self.outer_step + 1
         self.digest = params_digest(self.outer.global_params)

@@ -182,6 +182,8 @@ class StateTransfer:
         if meta.run_id != self.cfg.run_id or meta.num_params != n:
             raise ValueError(f"state for run {meta.run_id!r} with {meta.num_params} parameter tensors "
                              f"does not fit ours ({self.cfg.run_id!r}, {n})")
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise ValueError("downloaded state holds something other than tensors")
         if len(tensors) < 2 * n:  # hivemind returns what arrived when a donor's stream ends early
             raise ValueError(f"truncated state: {len(tensors)} of at least {2 * n} tensors arrived "
                              f"(the donor stopped mid-transfer?)")

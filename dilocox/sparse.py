@@ -77,7 +77,7 @@ HEADER_BYTES = HEADER.size
 RICE_FLAG = 1  # flags bit 0: indices Rice-coded; a u64 (unary stream bits) follows the header
 UNARY = struct.Struct("<Q")
 SCALE_BYTES = 4
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (1, 2, 4, 8)
 
 
 class ContributionError(ValueError):
@@ -402,7 +402,8 @@ class SparseCodec:
             mag[-1, cfg.chunk - pad:] = -1.0  # below any |value|: padding is never selected
         idx = torch.topk(mag, cfg.topk, dim=1, sorted=False).indices.sort(dim=1).values
         vals = chunks.gather(1, idx)  # padding holds 0, so it never raises a scale
-        scale = vals.abs().amax(dim=1)
+        # 1 bit is a sign: decoded at +-scale/2, so scale = 2 x the mean magnitude sent; else the largest
+        scale = 2 * vals.abs().mean(dim=1) if cfg.bits == 1 else vals.abs().amax(dim=1)
         codes = _quantize(vals, scale, cfg.bits)
         cid = torch.arange(lay.nchunks).unsqueeze(1).expand_as(idx)
         if pad and lay.last < cfg.topk:  # sorted: the picked padding sits at the end of the last row

@@ -1,0 +1,108 @@
+"""Splitting a labelled dataset across federated clients: IID, label shards, Dirichlet.
+
+A partition spec is one of:
+  * ``iid``: a seeded permutation of all samples cut into num_clients parts whose sizes differ by at
+    most one;
+  * ``label-shards:K``: the pathological non-IID split of FedAvg (McMahan et al., arXiv 1602.05629,
+    sec. 3), the one our BadSFL reproduction (arXiv 2411.16167) uses: sort the samples by label
+    (stable), cut them into num_clients * K contiguous shards, give each client K shards chosen by a
+    seeded permutation. Fashion-MNIST (60,000 train, 6,000 per class): 100 clients x K=2 -> 200
+    shards of 300 (FedAvg's setting); 20 clients x K=2 -> 40 shards of 1,500, each inside one class
+    (6,000 / 1,500 = 4 shards per class), so every client holds 2 classes, or 1 when both its shards
+    come from the same class; 20 clients x K=10 -> 200 shards of 300, up to 10 classes each;
+  * ``dirichlet:ALPHA``: label-distribution skew of NIID-Bench (Li et al., arXiv 2102.02079, sec. 4.1;
+    after Yurochkin et al., arXiv 1905.12022): for each class k, p_k ~ Dir(ALPHA, ..., ALPHA) over the
+    num_clients clients, and client j gets a p_{k,j} fraction of class k's (shuffled) samples (the
+    floor of the cumulative fractions sets the cuts). Small ALPHA (0.1)
+    gives clients few classes, large ALPHA (100) approaches IID. A client may get no samples at
+    all when ALPHA is small or clients are many: callers that need data on every client check.
+
+Every split is a pure function of (labels, num_clients, spec, seed): numpy.random.default_rng(seed)
+is the only randomness. The returned index arrays are int64, sorted ascending, pairwise disjoint, and
+together cover all N samples (label shards whose count does not divide N differ in size by one
+sample instead of dropping the remainder).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+KINDS = ("iid", "label-shards", "dirichlet")
+
+
+def _labels_array(labels: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(labels, torch.Tensor):
+        labels = labels.detach().cpu().numpy()
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or len(labels) == 0:
+        raise ValueError(f"labels must be a non-empty 1-D array, got shape {labels.shape}")
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"labels must be integers, got {labels.dtype}")
+    return labels.astype(np.int64)
+
+
+def _parse(spec: str) -> tuple[str, float | int | None]:
+    kind, sep, arg = spec.partition(":")
+    if kind not in KINDS:
+        raise ValueError(f"unknown partition kind {kind!r} in {spec!r} (known: iid, label-shards:K, dirichlet:ALPHA)")
+    if kind == "iid":
+        if sep:
+            raise ValueError(f"partition 'iid' takes no parameter, got {spec!r}")
+        return kind, None
+    if not arg:
+        raise ValueError(f"partition {kind!r} needs a parameter: {kind}:{'K' if kind == 'label-shards' else 'ALPHA'}")
+    if kind == "label-shards":
+        try:
+            k = int(arg)
+        except ValueError:
+            raise ValueError(f"label-shards:K needs an integer K, got {arg!r}") from None
+        if k < 1:
+            raise ValueError(f"label-shards:K needs K >= 1 shards per client, got {k}")
+        return kind, k
+    try:
+        alpha = float(arg)
+    except ValueError:
+        raise ValueError(f"dirichlet:ALPHA needs a number, got {arg!r}") from None
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"dirichlet:ALPHA needs a finite ALPHA > 0, got {arg!r}")
+    return kind, alpha
+
+
+def partition(labels: np.ndarray | torch.Tensor, num_clients: int, spec: str, seed: int) -> list[np.ndarray]:
+    """Split sample indices 0..N-1 among ``num_clients`` clients according to ``spec`` (module docstring).
+
+    labels: integer [N]. Returns num_clients int64 index arrays (sorted, disjoint, covering 0..N-1).
+    Raises ValueError naming the problem: unknown kind or malformed parameter, K < 1, ALPHA not > 0,
+    num_clients < 1, more clients (iid) or shards (label-shards) than samples, labels not integer 1-D.
+    """
+    kind, arg = _parse(spec)
+    if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
+        raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
+    y = _labels_array(labels)
+    n = len(y)
+    rng = np.random.default_rng(seed)
+    if kind == "iid":
+        if num_clients > n:
+            raise ValueError(f"iid: {num_clients} clients but only {n} samples")
+        parts = np.array_split(rng.permutation(n), num_clients)
+    elif kind == "label-shards":
+        num_shards = num_clients * int(arg)
+        if num_shards > n:
+            raise ValueError(f"label-shards:{arg}: {num_clients} x {arg} = {num_shards} shards but only {n} samples")
+        shards = np.array_split(np.argsort(y, kind="stable"), num_shards)
+        owner = rng.permutation(num_shards).reshape(num_clients, int(arg))
+        parts = [np.concatenate([shards[s] for s in row]) for row in owner]
+    else:
+        buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        for k in np.unique(y):
+            idx = rng.permutation(np.flatnonzero(y == k))
+            p = rng.dirichlet(np.full(num_clients, float(arg)))
+            # floor of cumulative proportions: cuts are monotone and the last client takes the rest
+            cuts = np.floor(np.cumsum(p)[:-1] * len(idx)).astype(np.int64)
+            for j, piece in enumerate(np.split(idx, cuts)):
+                buckets[j].append(piece)
+        parts = [np.concatenate(b) for b in buckets]
+    return [np.sort(p).astype(np.int64) for p in parts]

@@ -1,0 +1,175 @@
+"""SCAFFOLD control variates (Karimireddy et al., arXiv 1910.06378, Algorithm 1, option II) in DiLoCo terms.
+
+Notation of the paper: server model x, server control variate c, client i's control variate c_i,
+K local steps, local learning rate eta_l, global learning rate eta_g, S the participating clients
+of N. One round (Algorithm 1, lines 7-17):
+  client i:  y_i <- x;  K times  y_i <- y_i - eta_l (g_i(y_i) - c_i + c)
+             c_i+ = c_i - c + (x - y_i) / (K eta_l)                          (option II)
+             send dy_i = y_i - x and dc_i = c_i+ - c_i;  c_i <- c_i+
+  server:    x <- x + eta_g mean_S(dy_i);   c <- c + (|S| / N) mean_S(dc_i)
+
+In DiLoCo terms (dilocox/diloco.py) the pseudo-gradient is delta_i = x - y_i = -dy_i (theta minus
+the local parameters) and the outer optimizer applies mean(delta_i) (eta_g is outer_lr). Our inner
+optimizer is AdamW with a learning-rate schedule, so K eta_l is replaced by lr_sum = sum_k lr_k, the
+learning rates the K inner steps actually used **(ours)**:
+  c_i+ = c_i - c + delta_i / lr_sum,      dc_i = c_i+ - c_i = delta_i / lr_sum - c.
+Why lr_sum: if each inner step is y <- y - lr_k (u_k - c_i + c), with u_k the optimizer's update
+direction (u_k = g_k for plain SGD), then delta_i = sum_k lr_k u_k + lr_sum (c - c_i), hence
+  c_i+ = (sum_k lr_k u_k) / lr_sum,
+the learning-rate-weighted mean of the client's update directions; for SGD with a constant lr this is
+the mean gradient along the trajectory, the paper's reading of option II (tests/test_scaffold.py
+checks it on quadratics). Units: ``apply_correction`` adds c - c_i to the gradient, which gives that
+step only when u_k is linear in g (SGD). AdamW normalizes its step, so c and c_i are in units of
+its update direction, not of gradients: there, call ``apply_correction_step`` after
+``optimizer.step()`` (y <- y - lr_k (c - c_i)), which makes the identity exact for any optimizer.
+
+``ControlVariates.derive_c_from_aggregate`` is the stricter variant **(ours)**: c is updated from
+the (robustly) aggregated pseudo-gradient rather than from a separate dc channel,
+  c <- c + (|S| / N) (mean_delta / lr_sum - c).
+When every participant reports honestly with the same c and lr_sum (same outer step, same schedule),
+dc_i = delta_i / lr_sum - c, so mean_S(dc_i) = mean_S(delta_i) / lr_sum - c and this is exactly the
+server step of option II. A client that lies about its control variate (BadSFL, arXiv 2411.16167,
+steers benign clients through c) then has no channel of its own: c moves only as far as the
+pseudo-gradients that passed aggregation move it.
+
+Per round, in order: ``correction()`` at the start (c and c_i must not change until step 3); the
+inner steps with ``apply_correction`` / ``apply_correction_step``; ``client_update(delta, K,
+lr_sum)`` (updates c_i, returns dc_i); aggregation (peers/); then ``server_update(mean_dc, |S|, N)``
+or ``derive_c_from_aggregate(mean_delta, lr_sum, |S|, N)`` on every member alike, so every member
+holds the same c (``digest``). All tensors are lists (one per parameter), CPU fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dilocox.diloco import check_shapes, params_digest
+
+
+def _check_lr_sum(lr_sum: float) -> float:
+    lr_sum = float(lr_sum)
+    if not math.isfinite(lr_sum) or lr_sum <= 0:
+        raise ValueError(f"lr_sum must be a finite sum of learning rates > 0, got {lr_sum}")
+    return lr_sum
+
+
+def _check_participation(participating: int, total: int) -> float:
+    if not 1 <= participating <= total:
+        raise ValueError(f"participating must satisfy 1 <= participating <= total, got {participating} of {total}")
+    return participating / total
+
+
+def _fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().to("cpu", torch.float32) for t in tensors]
+
+
+class ControlVariates:
+    """The swarm's control variate c (shared: every member holds the same) and this client's c_i.
+
+    Both start at zero, shaped like ``params`` (one CPU fp32 tensor per parameter). Formulas and the
+    order of calls: module docstring.
+    """
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.c = [torch.zeros(tuple(p.shape), dtype=torch.float32) for p in params]
+        self.c_i = [torch.zeros_like(t) for t in self.c]
+
+    def correction(self) -> list[torch.Tensor]:
+        """c - c_i per parameter: added to each inner gradient (g + c - c_i), or stepped (``apply_correction_step``)."""
+        return [c - ci for c, ci in zip(self.c, self.c_i)]
+
+    @torch.no_grad()
+    def client_update(self, pseudo_gradient: list[torch.Tensor], inner_steps: int, lr_sum: float) -> list[torch.Tensor]:
+        """Option II with K eta_l -> lr_sum (ours): c_i <- c_i - c + delta / lr_sum; returns dc = delta / lr_sum - c.
+
+        pseudo_gradient: delta = theta - local params after the round's inner steps (DiLoCo sign).
+        inner_steps: K (>= 1); with a constant learning rate eta_l, lr_sum = K * eta_l. lr_sum: the sum
+        of the learning rates the K steps used. Raises ValueError for misshapen or non-finite
+        delta, K < 1 or lr_sum not > 0.
+        """
+        check_shapes(self.c, pseudo_gradient, "pseudo-gradient")
+        if int(inner_steps) < 1:
+            raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
+        lr_sum = _check_lr_sum(lr_sum)
+        dc = [d / lr_sum - c for d, c in zip(_fp32(pseudo_gradient), self.c)]
+        self.c_i = [ci + d for ci, d in zip(self.c_i, dc)]
+        return [d.clone() for d in dc]
+
+    @torch.no_grad()
+    def server_update(self, mean_dc: list[torch.Tensor], participating: int, total: int) -> None:
+        """c <- c + (|S| / N) mean_S(dc) (Algorithm 1, line 17); |S| = participating, N = total clients."""
+        check_shapes(self.c, mean_dc, "mean control-variate update")
+        weight = _check_participation(participating, total)
+        self.c = [c + weight * d for c, d in zip(self.c, _fp32(mean_dc))]
+
+    @torch.no_grad()
+    def derive_c_from_aggregate(self, mean_delta: list[torch.Tensor], lr_sum: float, participating: int,
+                                total: int) -> None:
+        """c <- c + (|S| / N) (mean_delta / lr_sum - c) (ours): option II's server step from the aggregate.
+
+        mean_delta: the aggregated pseudo-gradient of the round (what the outer optimizer applies);
+        lr_sum: the round's sum of inner learning rates (the same on every member). Equal to
+        ``server_update`` with honest, consistent clients; no separate dc channel (module docstring).
+        """
+        check_shapes(self.c, mean_delta, "aggregated pseudo-gradient")
+        lr_sum = _check_lr_sum(lr_sum)
+        weight = _check_participation(participating, total)
+        self.c = [c + weight * (d / lr_sum - c) for c, d in zip(self.c, _fp32(mean_delta))]
+
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        """{"c": [...], "c_i": [...]}: copies, CPU fp32. A joiner takes the swarm's c and starts c_i at zero."""
+        return {"c": [t.clone() for t in self.c], "c_i": [t.clone() for t in self.c_i]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace c and c_i; raises ValueError naming the key when one is missing, misshapen or not finite."""
+        if not isinstance(state, dict):
+            raise ValueError(f"control-variate state must be a dict, got {type(state).__name__}")
+        for key in ("c", "c_i"):
+            if key not in state:
+                raise ValueError(f"control-variate state lacks {key!r}")
+            if not isinstance(state[key], (list, tuple)):
+                raise ValueError(f"control-variate state {key!r} must be a list of tensors")
+            check_shapes(self.c, list(state[key]), f"control variate {key}")
+        self.c = [t.clone() for t in _fp32(state["c"])]
+        self.c_i = [t.clone() for t in _fp32(state["c_i"])]
+
+    def digest(self) -> str:
+        """Hex SHA-256 (first 16 hex digits) of c's fp32 bytes: equal on two members iff their c is bit-identical."""
+        return params_digest(self.c)
+
+
+def _check_pairs(params: list[torch.Tensor], correction: list[torch.Tensor]) -> None:
+    if len(params) != len(correction):
+        raise ValueError(f"correction: expected {len(params)} tensors, got {len(correction)}")
+    for i, (p, corr) in enumerate(zip(params, correction)):
+        if tuple(p.shape) != tuple(corr.shape):
+            raise ValueError(f"correction: tensor {i} has shape {tuple(corr.shape)}, expected {tuple(p.shape)}")
+
+
+@torch.no_grad()
+def apply_correction(params: list[torch.Tensor], correction: list[torch.Tensor]) -> None:
+    """p.grad += correction (c - c_i) for every parameter that has a gradient; SCAFFOLD's corrected gradient.
+
+    Call after ``backward()`` (and after gradient clipping, so the clip measures the data's gradient)
+    and before ``optimizer.step()``. Exact SCAFFOLD for plain SGD; for AdamW see ``apply_correction_step``.
+    """
+    _check_pairs(params, correction)
+    for p, corr in zip(params, correction):
+        if p.grad is not None:
+            p.grad.add_(corr.to(p.grad.device, p.grad.dtype))
+
+
+@torch.no_grad()
+def apply_correction_step(params: list[torch.Tensor], correction: list[torch.Tensor], lr: float) -> None:
+    """p <- p - lr * correction for every parameter that has a gradient (ours: the correction in update units).
+
+    Call after ``optimizer.step()`` and before ``zero_grad()``, with the step's learning rate: the step
+    becomes y <- y - lr (u - c_i + c) for the optimizer's update direction u, which is what the lr_sum
+    form of option II assumes (module docstring). The same as ``apply_correction`` for SGD without momentum.
+    """
+    _check_pairs(params, correction)
+    for p, corr in zip(params, correction):
+        if p.grad is not None:
+            p.sub_(corr.to(p.device, p.dtype), alpha=lr)

@@ -1,0 +1,198 @@
+"""SCAFFOLD control variates: option II's identity, convergence where FedAvg drifts, the derived-c variant, state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilocox.scaffold import ControlVariates, apply_correction, apply_correction_step
+
+M, D, K = 4, 5, 10  # clients, dimensions, local steps
+
+
+def _quadratics():
+    """Non-IID clients: f_i(y) = 0.5 ||A_i y - b_i||^2 with differently scaled A_i and shifted b_i."""
+    gen = torch.Generator().manual_seed(0)
+    A = [torch.randn(8, D, generator=gen) * s for s in (0.3, 0.6, 1.0, 1.3)]
+    b = [torch.randn(8, generator=gen) * 3 + 2 * i for i in range(M)]
+    hessian = sum(a.T @ a for a in A)
+    x_star = torch.linalg.solve(hessian, sum(a.T @ bb for a, bb in zip(A, b)))  # optimum of mean_i f_i
+    lipschitz = max(float(torch.linalg.eigvalsh(a.T @ a).max()) for a in A)
+    return A, b, x_star, 0.3 / lipschitz
+
+
+def _local_round(x, A, b, cv, lrs, corrected=True, via_step=False, optimizer="sgd"):
+    """K inner steps from x on one client; returns (delta = x - y, gradients g_k, update directions u_k)."""
+    y = torch.nn.Parameter(x.clone())
+    opt = (torch.optim.SGD([y], lr=lrs[0]) if optimizer == "sgd"
+           else torch.optim.AdamW([y], lr=lrs[0], weight_decay=0.1))
+    corr = cv.correction()
+    grads, directions = [], []
+    for lr in lrs:
+        for group in opt.param_groups:
+            group["lr"] = lr
+        (0.5 * ((A @ y - b) ** 2).sum()).backward()
+        grads.append(y.grad.clone())
+        if corrected and not via_step:
+            apply_correction([y], corr)
+        before = y.detach().clone()
+        opt.step()
+        directions.append((before - y.detach()) / lr)  # the optimizer's own update direction u_k
+        if corrected and via_step:
+            apply_correction_step([y], corr, lr)
+        opt.zero_grad(set_to_none=True)
+    return [x - y.detach()], grads, directions
+
+
+def _run(rounds, scaffold, participating=None):
+    A, b, x_star, eta = _quadratics()
+    x = torch.zeros(D)
+    cvs = [ControlVariates([x]) for _ in range(M)]
+    for r in range(rounds):
+        members = range(M) if participating is None else participating(r)
+        deltas, dcs = [], []
+        for i in members:
+            delta, _, _ = _local_round(x, A[i], b[i], cvs[i], [eta] * K, corrected=scaffold)
+            deltas.append(delta[0])
+            dcs.append(cvs[i].client_update(delta, K, K * eta)[0])
+        x = x - torch.stack(deltas).mean(0)  # eta_g = 1: x <- x + mean(dy)
+        for cv in cvs:  # every member applies the same server step
+            cv.server_update([torch.stack(dcs).mean(0)], len(deltas), M)
+    return x, x_star, cvs
+
+
+def test_option_two_control_variate_is_the_mean_gradient_along_the_trajectory():
+    """With corrected SGD steps y <- y - eta (g_k - c_i + c): x - y = eta sum_k g_k + K eta (c - c_i), so
+    c_i+ = c_i - c + (x - y) / (K eta) = (1/K) sum_k g_k exactly."""
+    A, b, _, eta = _quadratics()
+    x, _, cvs = _run(3, scaffold=True)  # a few rounds first, so c and c_i are not zero
+    assert all(float(cv.c_i[0].norm()) > 0.1 for cv in cvs) and float(cvs[0].c[0].norm()) > 1e-3
+    for i in range(M):
+        old_ci = cvs[i].c_i[0].clone()
+        delta, grads, _ = _local_round(x, A[i], b[i], cvs[i], [eta] * K)
+        dc = cvs[i].client_update(delta, K, K * eta)
+        mean_grad = torch.stack(grads).mean(0)
+        assert torch.allclose(cvs[i].c_i[0], mean_grad, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(dc[0], mean_grad - old_ci, atol=1e-5, rtol=1e-5)
+
+
+def test_lr_sum_makes_c_i_the_lr_weighted_mean_update_direction():
+    """(ours) with a schedule lr_k and any optimizer, stepping the correction in update units gives
+    c_i+ = sum_k lr_k u_k / lr_sum; for SGD u_k = g_k, and both ways of applying the correction agree."""
+    A, b, _, eta = _quadratics()
+    x, _, cvs = _run(2, scaffold=True)
+    lrs = [eta * f for f in (0.2, 0.6, 1.0, 1.0, 0.8, 0.5, 0.3)]
+    lr_sum = sum(lrs)
+    for optimizer in ("sgd", "adamw"):
+        cv = ControlVariates([x])
+        cv.load_state_dict(cvs[1].state_dict())
+        delta, grads, directions = _local_round(x, A[1], b[1], cv, lrs, via_step=True, optimizer=optimizer)
+        cv.client_update(delta, len(lrs), lr_sum)
+        expected = sum(lr * u for lr, u in zip(lrs, directions)) / lr_sum
+        assert torch.allclose(cv.c_i[0], expected, atol=1e-5, rtol=1e-4), optimizer
+        if optimizer == "sgd":
+            assert torch.allclose(expected, sum(lr * g for lr, g in zip(lrs, grads)) / lr_sum, atol=1e-5)
+            via_grad, _, _ = _local_round(x, A[1], b[1], cvs[1], lrs, via_step=False)
+            assert torch.allclose(via_grad[0], delta[0], atol=1e-6)
+
+
+def test_scaffold_converges_where_fedavg_drifts():
+    x, x_star, cvs = _run(50, scaffold=True)
+    fedavg, _, _ = _run(50, scaffold=False)
+    scaffold_error, fedavg_error = float((x - x_star).norm()), float((fedavg - x_star).norm())
+    assert scaffold_error < 1e-3 and fedavg_error > 0.3 and fedavg_error > 100 * scaffold_error
+    assert len({cv.digest() for cv in cvs}) == 1  # the shared c is bit-identical on every member
+
+
+def test_partial_participation_also_converges():
+    x, x_star, _ = _run(80, scaffold=True, participating=lambda r: [(r + j) % M for j in range(2)])
+    assert float((x - x_star).norm()) < 1e-2
+
+
+@pytest.mark.parametrize("members", [[0, 1, 2, 3], [1, 3]])
+def test_derived_c_equals_option_two_for_honest_clients(members):
+    A, b, _, eta = _quadratics()
+    x, _, cvs = _run(3, scaffold=True)
+    derived = ControlVariates([x])
+    derived.load_state_dict(cvs[0].state_dict())
+    deltas, dcs = [], []
+    for i in members:
+        delta, _, _ = _local_round(x, A[i], b[i], cvs[i], [eta] * K)
+        deltas.append(delta[0])
+        dcs.append(cvs[i].client_update(delta, K, K * eta)[0])
+    cvs[0].server_update([torch.stack(dcs).mean(0)], len(members), M)
+    derived.derive_c_from_aggregate([torch.stack(deltas).mean(0)], K * eta, len(members), M)
+    assert torch.allclose(derived.c[0], cvs[0].c[0], atol=1e-6)
+    # a liar's dc moves option II's c; the derived c only sees the pseudo-gradients
+    lied = ControlVariates([x])
+    lied.load_state_dict(cvs[0].state_dict())
+    lied.server_update([torch.full((D,), 1e3)], 1, M)
+    assert float((lied.c[0] - cvs[0].c[0]).norm()) > 100
+
+
+def test_correction_is_c_minus_c_i_and_skips_missing_grads():
+    cv = ControlVariates([torch.zeros(2, 3), torch.zeros(4)])
+    cv.load_state_dict({"c": [torch.ones(2, 3), torch.full((4,), 2.0)], "c_i": [torch.zeros(2, 3), torch.ones(4)]})
+    corr = cv.correction()
+    assert torch.equal(corr[0], torch.ones(2, 3)) and torch.equal(corr[1], torch.ones(4))
+    p, q = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((2, 3), 0.5)
+    apply_correction([p, q], corr)
+    assert torch.equal(p.grad, torch.full((2, 3), 1.5)) and q.grad is None
+    apply_correction_step([p, q], corr, lr=0.1)
+    assert torch.allclose(p.detach(), torch.full((2, 3), -0.1)) and torch.equal(q.detach(), torch.zeros(4))
+    with pytest.raises(ValueError, match="expected 2 tensors"):
+        apply_correction([p, q], corr[:1])
+    with pytest.raises(ValueError, match="tensor 1 has shape"):
+        apply_correction([p, q], [corr[0], torch.ones(5)])
+
+
+def test_state_dict_round_trip_and_validation():
+    shapes = [torch.zeros(3, 2), torch.zeros(5)]
+    cv = ControlVariates(shapes)
+    assert cv.digest() == ControlVariates(shapes).digest()
+    zero_digest = cv.digest()
+    cv.server_update([torch.ones(3, 2), torch.arange(5.0)], 1, 4)
+    assert torch.allclose(cv.c[1], torch.arange(5.0) / 4) and cv.digest() != zero_digest
+    cv.client_update([torch.ones(3, 2), torch.ones(5)], inner_steps=5, lr_sum=0.5)
+    state = cv.state_dict()
+    restored = ControlVariates(shapes)
+    restored.load_state_dict(state)
+    assert restored.digest() == cv.digest()
+    assert all(torch.equal(a, b) for a, b in zip(restored.c_i, cv.c_i))
+    state["c"][0].fill_(7.0)  # the state is a copy
+    assert cv.c[0].max() < 7.0
+    bad = [
+        ({"c": cv.c}, "lacks 'c_i'"),
+        ({"c": cv.c[:1], "c_i": cv.c_i}, "control variate c: expected 2 tensors"),
+        ({"c": cv.c, "c_i": [torch.zeros(2, 3), torch.zeros(5)]}, "control variate c_i: tensor 0 has shape"),
+        ({"c": [torch.full((3, 2), float("nan")), torch.zeros(5)], "c_i": cv.c_i}, "c: tensor 0 holds NaN"),
+        ({"c": cv.c, "c_i": [torch.zeros(3, 2), torch.tensor([0, 0, float("inf"), 0, 0])]}, "c_i: tensor 1 holds"),
+        ({"c": "x", "c_i": cv.c_i}, "list of tensors"),
+        ([], "must be a dict"),
+    ]
+    for state, message in bad:
+        with pytest.raises(ValueError, match=message):
+            restored.load_state_dict(state)
+    assert restored.digest() == cv.digest()  # a refused state changes nothing
+
+
+def test_updates_reject_bad_arguments():
+    cv = ControlVariates([torch.zeros(3)])
+    good = [torch.ones(3)]
+    for kwargs, message in [
+        (dict(pseudo_gradient=[torch.ones(4)], inner_steps=1, lr_sum=1.0), "pseudo-gradient: tensor 0 has shape"),
+        (dict(pseudo_gradient=[torch.tensor([1.0, float("nan"), 0.0])], inner_steps=1, lr_sum=1.0), "NaN"),
+        (dict(pseudo_gradient=good, inner_steps=0, lr_sum=1.0), "inner_steps must be >= 1"),
+        (dict(pseudo_gradient=good, inner_steps=3, lr_sum=0.0), "lr_sum"),
+        (dict(pseudo_gradient=good, inner_steps=3, lr_sum=float("inf")), "lr_sum"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cv.client_update(**kwargs)
+    with pytest.raises(ValueError, match="1 <= participating <= total"):
+        cv.server_update(good, 0, 4)
+    with pytest.raises(ValueError, match="1 <= participating <= total"):
+        cv.derive_c_from_aggregate(good, 1.0, 5, 4)
+    with pytest.raises(ValueError, match="aggregated pseudo-gradient"):
+        cv.derive_c_from_aggregate([torch.ones(2)], 1.0, 1, 4)
+    assert torch.equal(cv.c[0], torch.zeros(3)) and torch.equal(cv.c_i[0], torch.zeros(3))
