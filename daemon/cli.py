@@ -28,17 +28,13 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import dilocox
 from daemon.config import ConfigError, add_flags, load_config
+from daemon.logs import configure_logging, route_hivemind_logs, status_context
 from daemon.status import State, StatusBoard
 
 logger = logging.getLogger(__name__)
 
 # seconds the exit path (gRPC server stop, joins, interpreter exit) may take after the drain
 EXIT_GRACE_S = 10.0
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def node_main(argv: list[str] | None = None) -> int:
@@ -52,18 +48,24 @@ def node_main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dilocox-node: {e}", file=sys.stderr)
         return 2
-    _setup_logging(cfg.log_level)
+    board = StatusBoard(run_id=cfg.run_id, version=dilocox.__version__, inner_steps=cfg.inner_steps)
+    configure_logging(cfg.log_level, cfg.log_format, status_context(board) if cfg.log_format == "json" else None)
 
+    from daemon.metrics import check_metrics_addr
     from daemon.node import Node  # torch/hivemind imports only after the config is known good
     from daemon.redteam import AttackError
     from dilocox.data import DataError
     from dilocox.model import ModelSpecError
 
-    board = StatusBoard(run_id=cfg.run_id, version=dilocox.__version__, inner_steps=cfg.inner_steps)
+    if cfg.log_format == "json":
+        route_hivemind_logs()
     try:
         _check_port_free(cfg.status_addr)
+        if cfg.metrics_addr:
+            check_metrics_addr(cfg.metrics_addr)
         node = Node(cfg, board)
-    except (DataError, ModelSpecError, AttackError, _BadInput) as e:
+    except (DataError, ModelSpecError, AttackError, _BadInput, OSError, ValueError) as e:  # OSError, ValueError:
+        # a busy or malformed metrics address
         print(f"dilocox-node: {e}", file=sys.stderr)
         return 2
     from peers.lifecycle import Descendants
@@ -185,6 +187,7 @@ def drain_budget_s(cfg) -> float:
 
 
 async def _serve(node, status_addr: str, stop: _StopSignals) -> int:
+    from daemon.metrics import stop_metrics_server
     from daemon.service import PortInUseError, load_operator_token, set_health, start_server
 
     cfg = node.cfg
@@ -196,6 +199,16 @@ async def _serve(node, status_addr: str, stop: _StopSignals) -> int:
     await set_health(health_servicer, False)
     host = status_addr.rsplit(":", 1)[0]
     print(f"status: dilocox-ctl --addr {host}:{port} status", flush=True)
+    metrics = None
+    if cfg.metrics_addr:  # after node.start(): hivemind's forked processes must not inherit its socket
+        from daemon.metrics import start_metrics_server
+
+        try:
+            metrics, mport = start_metrics_server(node.board, cfg.metrics_addr, node.batch_size * node.seq_len)
+        except (OSError, ValueError) as e:
+            await server.stop(None)
+            raise _BadInput(str(e)) from e
+        print(f"metrics: http://{cfg.metrics_addr.rsplit(':', 1)[0]}:{mport}/metrics", flush=True)
 
     thread = threading.Thread(target=node.run, name="training", daemon=True)
     thread.start()
@@ -217,6 +230,8 @@ async def _serve(node, status_addr: str, stop: _StopSignals) -> int:
     stop.arm_exit_deadline(EXIT_GRACE_S)
     await set_health(health_servicer, False)
     await server.stop(grace=1.0)
+    if metrics is not None:
+        await asyncio.to_thread(stop_metrics_server, metrics)
     return node.exit_code
 
 

@@ -135,6 +135,12 @@ class NodeConfig(BaseModel):
     eval_every: int = Field(1, ge=1, description="outer steps between validation measurements (the last outer "
                                                  "step of max_outer_steps is always measured)")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text lines, or one JSON object per line (time, level, logger, message, peer_id, state, "
+                            "outer_step, inner_step)")
+    metrics_addr: Optional[str] = Field(None, pattern=r"^[^:\s]+:\d{1,5}$",
+                                        description="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 "
+                                                    "picks a free one); none: off")
     attack: Optional[str] = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
                                   description="red team only: MODULE:CLASS, an Attack plugged into this node "
                                               "(daemon/redteam.py)")

@@ -105,9 +105,23 @@ def main(argv: list[str] | None = None) -> int:
     p = auth.add_parser("revoke", help="add a peer id to DIR/revoked.json (re-signed, serial + 1)")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--peer-id", required=True, help="base58 libp2p peer id")
+    p = sub.add_parser("plot", help="draw a node's metrics.jsonl (its --checkpoint-dir) per outer step into a PNG")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a node's checkpoint directory (holding metrics.jsonl)")
+    p.add_argument("-o", "--out", required=True, metavar="FILE.png")
     args = parser.parse_args(argv)
     if args.command in ("peer-id", "authority"):  # --addr is accepted but unused: no node is contacted
         return _admission_command(args)
+    if args.command == "plot":
+        from pathlib import Path
+
+        from daemon.plot import plot_run
+
+        try:
+            print(plot_run(Path(args.run_dir), Path(args.out)))
+        except (ValueError, OSError) as e:
+            print(f"dilocox-ctl: {e}", file=sys.stderr)
+            return 2
+        return 0
 
     try:
         token = open(args.token_file, encoding="utf-8").read().strip() if args.token_file else None
