@@ -108,16 +108,16 @@ METHODS = {m.name: m for m in [
 
 
 # the row that is the daemon's default configuration (daemon/config.py; tests/test_quality_bench.py keeps them equal)
-DEFAULT = "sparse-a4-delayed"
+DEFAULT = "sparse-k128r-a3.5"
 
 
 def daemon_flags(m: Method) -> list[str]:
     """dilocox-node flags that configure a node like method ``m``; ValueError for an ablation the daemon
-    does not offer (no error feedback, dense embeddings, warm-up, power iterations, refresh)."""
+    does not offer (no error feedback, dense embeddings, warm-up, power iterations, refresh, start proxies)."""
     if (not m.error_feedback or m.dense_embeddings or m.warmup_rounds or m.power_iterations != 1
-            or m.refresh_every):
+            or m.refresh_every or m.proxy != "none"):
         raise ValueError(f"{m.name} is an ablation of the benchmark only")
-    flags = ["--compression", m.codec, "--overlap", m.overlap, "--overlap-proxy", m.proxy,
+    flags = ["--compression", m.codec, "--overlap", m.overlap,
              "--outer-lr", str(m.outer_lr), "--outer-momentum", str(m.outer_momentum),
              "--nesterov" if m.nesterov else "--no-nesterov"]
     if m.codec == "sparse":

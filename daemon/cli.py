@@ -204,7 +204,7 @@ async def _serve(node, status_addr: str, stop: _StopSignals) -> int:
         from daemon.metrics import start_metrics_server
 
         try:
-            metrics, mport = start_metrics_server(node.board, cfg.metrics_addr, node.batch_size * node.seq_len)
+            metrics, mport = start_metrics_server(node.board, cfg.metrics_addr, node.workload.samples_per_step)
         except (OSError, ValueError) as e:
             await server.stop(None)
             raise _BadInput(str(e)) from e

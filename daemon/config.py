@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 # outer optimizer per compression mode, from make bench-quality (docs/algorithms.md, "Choosing the default")
 OUTER_DEFAULTS = {
     "none": dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True),  # DiLoCo's recipe
-    "sparse": dict(outer_lr=4.0, outer_momentum=0.0, nesterov=False),  # SparseLoCo: error feedback, no momentum
+    "sparse": dict(outer_lr=3.5, outer_momentum=0.0, nesterov=False),  # SparseLoCo: error feedback, no momentum
 }
 
 
@@ -67,8 +67,14 @@ class NodeConfig(BaseModel):
     status_read: Literal["open", "token"] = Field("open", description="whether reading status and peers needs the "
                                                                       "operator token too")
     # data and model
-    data: str = Field("builtin:shakespeare", description="text file, directory of .txt/.md, or builtin:shakespeare")
-    model: str = Field("small", description="preset (tiny, small) or a .json/.toml LlamaConfig file")
+    data: str = Field("builtin:shakespeare", description="text file, directory of .txt/.md, builtin:shakespeare, "
+                                                         "or an image dataset (fashion-mnist, mnist: --model cnn)")
+    model: str = Field("small", description="preset (tiny, small), a .json/.toml LlamaConfig file, or cnn (28x28 "
+                                            "images)")
+    partition: str = Field("iid", description="image data: how the training set is split among num_clients clients "
+                                              "(iid, label-shards:K, dirichlet:ALPHA; seeded by seed)")
+    num_clients: int = Field(1, ge=1, description="image data: clients the training set is split among; this node "
+                                                   "trains client data_seed mod num_clients")
     seed: int = Field(0, description="model initialisation seed (must match across the swarm)")
     data_seed: Optional[int] = Field(None, description="this replica's data shard key (default: derived from peer_id)")
     batch_size: Optional[int] = Field(None, ge=1, description="sequences per inner step (default: model preset)")
@@ -99,6 +105,9 @@ class NodeConfig(BaseModel):
                                                               "see docs/algorithms.md)")
     outer_momentum: Optional[float] = Field(None, ge=0, lt=1, description="outer momentum (default: per compression)")
     nesterov: Optional[bool] = Field(None, description="Nesterov outer momentum (default: per compression)")
+    outer_algorithm: Literal["diloco", "scaffold"] = Field(
+        "diloco", description="scaffold: SCAFFOLD control variates correct each inner step for client drift "
+                              "(non-IID data); c is derived from the aggregated pseudo-gradients")
     overlap: Literal["none", "delayed"] = Field(
         "none", description="none: synchronous DiLoCo (a sparse round forms its group during its last inner steps); "
                             "delayed: DiLoCoX one-step delay (measured to cost quality: docs/algorithms.md)")
@@ -107,7 +116,7 @@ class NodeConfig(BaseModel):
         description="pseudo-gradient codes: none (fp32), fp16 (16-bit), int8 (8-bit), adaptive (low rank + 8-bit), "
                     "sparse (top-k per chunk + 2-bit + error feedback, all-gathered)")
     sparse_chunk: int = Field(4096, ge=2, lt=2**32, description="sparse: values per chunk")
-    sparse_topk: int = Field(64, ge=1, description="sparse: values sent per chunk")
+    sparse_topk: int = Field(128, ge=1, description="sparse: values sent per chunk")
     sparse_bits: int = Field(2, description="sparse: bits per sent value (1: a sign, 2, 4 or 8)")
     sparse_beta: float = Field(0.95, ge=0, le=1, description="sparse: error-feedback decay per outer step")
     sparse_rice: bool = Field(True, description="sparse: Rice-coded index gaps (else fixed-width indices)")

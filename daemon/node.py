@@ -36,10 +36,10 @@ from daemon.status import RoundInfo, State, StatusBoard
 from daemon.transfer import StateTransfer
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from dilocox.consensus import JoinKind
-from dilocox.data import Corpus
-from dilocox.model import ModelSpec, ModelSpecError
+from dilocox.model import ModelSpecError
 from dilocox.pipeline import PipelineBroken
 from dilocox.stages import layer_range
+from dilocox.workload import make_workload
 from peers.admission import Admission
 from peers.allgather import ContributionServer
 from peers.averaging import PseudoGradientAverager
@@ -57,15 +57,16 @@ class Node:
         self.leave_requested = threading.Event()
         self.finished = threading.Event()
         self.exit_code = 0
-        self.spec = ModelSpec.resolve(cfg.model)
-        self.seq_len = cfg.seq_len or self.spec.seq_len
-        self.batch_size = cfg.batch_size or self.spec.batch_size
-        self.spec.llama["max_position_embeddings"] = max(self.seq_len, self.spec.llama["max_position_embeddings"])
-        self.corpus = Corpus.from_spec(cfg.data, self.seq_len)  # fails fast on bad data (DataError)
+        # fails fast on a bad model, data or partition (ModelSpecError, DataError, VisionDataError, ValueError)
+        self.workload = make_workload(cfg.model, cfg.data, cfg.seq_len, cfg.batch_size, cfg.eval_batches,
+                                      cfg.partition, cfg.num_clients, cfg.seed)
         self.staged = cfg.num_stages > 1
-        layer_range(self.spec.llama["num_hidden_layers"], cfg.stage_index, cfg.num_stages)  # ModelSpecError
-        if self.staged and self.batch_size % cfg.microbatches:
-            raise ModelSpecError(f"microbatches={cfg.microbatches} must divide batch_size={self.batch_size}")
+        if self.workload.kind == "text":
+            layer_range(self.workload.spec.llama["num_hidden_layers"], cfg.stage_index, cfg.num_stages)
+        elif self.staged:
+            raise ModelSpecError("the cnn model has no pipeline stages: use --stage 0/1")
+        if self.staged and self.workload.batch_size % cfg.microbatches:
+            raise ModelSpecError(f"microbatches={cfg.microbatches} must divide batch_size={self.workload.batch_size}")
         self.H = cfg.inner_steps
         self.attack = load_attack(cfg.attack, cfg)  # AttackError on a bad spec
         self.swarm: Optional[Swarm] = None
@@ -132,7 +133,7 @@ class Node:
         cfg = self.cfg
         shard_key = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(
             hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "little")
-        self.state = ReplicaState(cfg, self.spec, self.corpus, self.seq_len, self.batch_size, shard_key)
+        self.state = ReplicaState(cfg, self.workload, shard_key)
         if cfg.checkpoint_dir:
             self._resume(Path(cfg.checkpoint_dir))
             Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -167,7 +168,8 @@ class Node:
         self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
                                   self.contributions, self.attack)
         self.board.update(outer_step=self.state.outer_step, inner_steps=self.H, global_params_digest=self.state.digest,
-                          overlap=cfg.overlap, compression=cfg.compression, stage_index=cfg.stage_index,
+                          overlap=cfg.overlap, outer_algorithm=cfg.outer_algorithm, compression=cfg.compression,
+                          stage_index=cfg.stage_index,
                           attack=self.attack.name if self.attack else "",
                           num_stages=cfg.num_stages, memory=self.state.memory())
 
@@ -260,6 +262,7 @@ class Node:
         if not all(torch.isfinite(g).all() for g in pseudo_gradient):
             self._resync("pseudo-gradient holds NaN/Inf (diverged replica); not sent")
             return
+        self.state.end_round_control(pseudo_gradient, skip)  # SCAFFOLD's c_i (no-op for DiLoCo)
         previous = self.rounds.take_pending()
         if previous is not None:  # delayed: apply round r-1 (normally finished long ago)
             self._set_state(State.AVERAGING)
@@ -287,7 +290,8 @@ class Node:
         if self.staged:
             skip = self.pipeline.agree_round(skip)
             if st.round % self.cfg.eval_every == 0 or st.round == self.cfg.max_outer_steps:
-                self.board.update(val_loss=st.evaluate())
+                val_loss, val_accuracy = st.evaluate()
+                self.board.update(val_loss=val_loss, val_accuracy=val_accuracy)
         losses, start = [], time.monotonic()
         self._set_state(State.TRAINING, inner_step=skip)
         for i in range(skip, self.H):
@@ -381,7 +385,7 @@ class Node:
                                self.resumed_from, point.outer_step)
             d = downloaded
             st.adopt(d.theta, d.momentum, d.meta.compression_rank, d.compression_shared, d.meta.outer_step,
-                     d.meta.digest, point.round, point.keep_round)
+                     d.meta.digest, point.round, point.keep_round, d.control)
             self.rounds.drop_pending()  # its result is part of (or superseded by) the downloaded state
             resyncs = self.board.snapshot().resyncs + (0 if initial else 1)
             self.board.update(outer_step=st.outer_step, global_params_digest=st.digest, resyncs=resyncs)
@@ -417,7 +421,8 @@ class Node:
         # a stage node measures its replica's val loss at round start (pipeline collectives stay in lockstep)
         measure = st.outer_step % self.cfg.eval_every == 0 or st.outer_step == self.cfg.max_outer_steps
         # evaluation is time the round does not train (compute_utilization counts it): --eval-every spaces it
-        val_loss = st.evaluate() if measure and not self.staged else self.board.snapshot().val_loss
+        snap = self.board.snapshot()
+        val_loss, val_accuracy = st.evaluate() if measure and not self.staged else (snap.val_loss, snap.val_accuracy)
         self.round_log.append((time.monotonic(), info.compute_s))
         del self.round_log[:-11]
         utilization = 0.0
@@ -427,11 +432,13 @@ class Node:
         s = self.board.snapshot()
         self._set_state(State.TRAINING, outer_step=st.outer_step, inner_step=self.skip_steps,
                         compute_utilization=utilization, global_params_digest=st.digest, val_loss=val_loss,
-                        last_round=info, memory=st.memory(), bytes_sent=s.bytes_sent + info.bytes_sent,
+                        val_accuracy=val_accuracy, last_round=info, memory=st.memory(),
+                        bytes_sent=s.bytes_sent + info.bytes_sent,
                         bytes_received=s.bytes_received + info.bytes_received,
                         contributions_dropped=s.contributions_dropped + len(info.dropped))
         self._checkpoint()
         record = dict(asdict(info), peer_id=self.swarm.peer_id, digest=st.digest, val_loss=val_loss,
+                      val_accuracy=val_accuracy, control_digest=st.control.digest() if st.control else "",
                       loss=sum(losses) / len(losses), tokens_total=s.tokens_total,
                       tokens_per_second=s.tokens_per_second, overlap=self.cfg.overlap,
                       compute_utilization=utilization, time=time.time())

@@ -22,13 +22,12 @@ from daemon.config import NodeConfig
 from daemon.status import StageMemory
 from dilocox import exact_mean
 from dilocox.compression import CompressionConfig, Compressor
-from dilocox.data import Corpus, ReplicaShard, validation_batches
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, params_digest
-from dilocox.model import ModelSpec
 from dilocox.overlap import OuterSchedule
 from dilocox.pipeline import PipelinedInnerLoop
+from dilocox.scaffold import ControlVariates, apply_correction_step
 from dilocox.sparse import SparseCompressor, SparseConfig
-from dilocox.stages import build_stage, tensor_bytes
+from dilocox.stages import tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +62,15 @@ class ReplicaState:
     computed (its all-reduce's group key); ``digest``: hex digest of theta (docs/protocol.md).
     """
 
-    def __init__(self, cfg: NodeConfig, spec: ModelSpec, corpus: Corpus, seq_len: int, batch_size: int,
-                 shard_key: int):
-        self.cfg, self.H = cfg, cfg.inner_steps
+    def __init__(self, cfg: NodeConfig, workload, shard_key: int):
+        """``workload``: dilocox.workload.TextWorkload or ImageWorkload (model, loss, batches)."""
+        self.cfg, self.H, self.workload = cfg, cfg.inner_steps, workload
         total = cfg.total_steps or (cfg.max_outer_steps * self.H if cfg.max_outer_steps else 10_000)
-        module = build_stage(spec, cfg.seed, cfg.stage_index, cfg.num_stages)  # only our layers
+        module = workload.build(cfg.seed, cfg.stage_index, cfg.num_stages)  # only our layers
         inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
                                 warmup_steps=cfg.warmup_steps, total_steps=total)
         if cfg.num_stages == 1:
-            self.inner = InnerLoop(module, inner_cfg, device=cfg.device)
+            self.inner = InnerLoop(module, inner_cfg, device=cfg.device, loss_fn=workload.loss_fn)
         else:  # attached to the replica's process group once the replica is formed (daemon/staging.py)
             self.inner = PipelinedInnerLoop(module, inner_cfg, cfg.microbatches, cfg.pipeline_schedule, cfg.device)
         self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
@@ -85,8 +84,11 @@ class ReplicaState:
                 mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
                 block=cfg.quant_block, seed=cfg.seed))
         self.schedule = OuterSchedule(self.outer, cfg.overlap)
-        self.shard = ReplicaShard(corpus.train, seq_len, batch_size, cfg.seed, shard_key)
-        self.val_batches = validation_batches(corpus, seq_len, batch_size, cfg.eval_batches)
+        self.shard = workload.shard(cfg.seed, shard_key)
+        self.val_batches = workload.val_batches()
+        # SCAFFOLD (dilocox/scaffold.py): c shared by the swarm (digested, served, checkpointed), c_i local
+        self.control = ControlVariates(self.outer.global_params) if cfg.outer_algorithm == "scaffold" else None
+        self._correction: Optional[list[torch.Tensor]] = None
         self.step_bound = exact_mean.adam_step_bound(cfg.beta1, cfg.beta2)
         self.outer_step = 0
         self.round = 1
@@ -103,8 +105,9 @@ class ReplicaState:
 
     def start_digest(self) -> str:
         """Digest of everything a round must start from on every replica: theta and the shared
-        compression state (rank, warm-start Q, scales)."""
-        return f"{self.digest}/{self.compressor.digest()}"
+        compression state (rank, warm-start Q, scales), and SCAFFOLD's swarm control variate c."""
+        digest = f"{self.digest}/{self.compressor.digest()}"
+        return f"{digest}/{self.control.digest()}" if self.control is not None else digest
 
     def averager_sizes(self) -> list[int]:
         """All-reduce buffer sizes this node needs, largest first: one per rank of the adaptive ladder,
@@ -117,22 +120,27 @@ class ReplicaState:
         return stage_memory(self.inner, self.outer, self.schedule, self.compressor)
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Validation loss (nats/token) of theta, the global parameters, on the held-out batches. The model
+    def evaluate(self) -> tuple[float, float]:
+        """(validation loss in nats/token or nats/image, accuracy or NaN for text) of theta, the global
+        parameters, on the held-out batches. The model
         holds the local parameters, which differ from theta during a delayed round: they are swapped out
         for the evaluation and put back bit for bit (a stage node evaluates with its replica's stages,
         which swap at the same point of their collective order)."""
         local = [p.detach().clone() for p in self.inner.params]
         self.inner.load_params(self.outer.global_params)
         try:
-            return self.inner.evaluate(self.val_batches)
+            return self.inner.evaluate(self.val_batches), self.workload.accuracy(self.inner.model, self.val_batches)
         finally:
             self.inner.load_params(local)
+
+    def lr_sum(self, r: int, first: int = 0) -> float:
+        """Sum of the inner learning rates of round r's steps first..H-1 (schedule: InnerConfig.lr_at)."""
+        return sum(self.inner.config.lr_at((r - 1) * self.H + i) for i in range(first, self.H))
 
     def pseudo_gradient_bounds(self, r: int) -> list[float]:
         """Per-tensor bound on |pseudo_gradient| for round r (the offsets of values sent in fp32;
         every replica computes the same, dilocox/exact_mean.py)."""
-        lr_sum = sum(self.inner.config.lr_at((r - 1) * self.H + i) for i in range(self.H))
+        lr_sum = self.lr_sum(r)
         return [exact_mean.pseudo_gradient_bound(lr_sum, self.cfg.weight_decay, float(p.abs().max()), self.step_bound)
                 for p in self.outer.global_params]
 
@@ -142,11 +150,28 @@ class ReplicaState:
 
     # ------------------------------------------------------------------ the round's trajectory
     def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, i: int, stop: bool = False) -> float:
-        """Inner step i (0-based) of the current round; returns the loss (nats/token)."""
-        return self.inner.inner_step(inputs, targets, global_step=(self.round - 1) * self.H + i, stop=stop)
+        """Inner step i (0-based) of the current round; returns the loss (nats/token). With SCAFFOLD, each
+        step is followed by the drift correction x <- x - lr (c - c_i) (dilocox/scaffold.py)."""
+        after = None
+        if self.control is not None:
+            correction = self._correction
+
+            def after(lr: float) -> None:
+                apply_correction_step(self.inner.params, correction, lr)
+
+        return self.inner.inner_step(inputs, targets, global_step=(self.round - 1) * self.H + i, stop=stop,
+                                     after_step=after)
 
     def begin_round(self) -> None:
         self.schedule.begin_round(self.inner.params)
+        if self.control is not None:  # c and c_i stay fixed for the round's inner steps
+            self._correction = self.control.correction()
+
+    def end_round_control(self, pseudo_gradient: Sequence[torch.Tensor], first_step: int) -> None:
+        """SCAFFOLD, option II (ours: K eta_l = the learning rates of the steps done): c_i <- c_i - c +
+        delta / lr_sum. No-op for DiLoCo."""
+        if self.control is not None and first_step < self.H:
+            self.control.client_update(list(pseudo_gradient), self.H - first_step, self.lr_sum(self.round, first_step))
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """delta = x(start of round) - x(now), CPU fp32 (dilocox/overlap.py)."""
@@ -166,17 +191,21 @@ class ReplicaState:
         without an update (skipped), theta_index = theta_{index-1}. Local parameters are untouched."""
         if averaged is not None:
             self.schedule.update_theta(list(averaged), group_size)
+            if self.control is not None:  # c from the aggregate every member holds: no channel of its own
+                self.control.derive_c_from_aggregate(list(averaged), self.lr_sum(index), 1, 1)
         self.outer_step, self.digest = index, params_digest(self.outer.global_params)
         self.snapshot()
 
     # ------------------------------------------------------------------ state transfer
     def snapshot(self) -> None:
         """Copy theta, momentum and the shared compression state for donors (read by ``served``)."""
-        tensors = ([p.clone() for p in self.outer.global_params] + self.outer.momentum_buffers()
+        control = [c.clone() for c in self.control.c] if self.control is not None else []
+        tensors = ([p.clone() for p in self.outer.global_params] + self.outer.momentum_buffers() + control
                    + [t.clone() for t in self.compressor.shared_tensors()])
         meta = dict(run_id=self.cfg.run_id, outer_step=self.outer_step, digest=self.digest,
                     num_params=len(self.outer.global_params), compression_rank=self.compressor.rank,
-                    compression_digest=self.compressor.digest())
+                    compression_digest=self.compressor.digest(),
+                    control_digest=self.control.digest() if self.control is not None else "")
         with self._served_lock:
             self._served = (meta, tensors)
         self.on_snapshot()
@@ -188,10 +217,13 @@ class ReplicaState:
 
     def adopt(self, theta: list[torch.Tensor], momentum: list[torch.Tensor], compression_rank: int,
               compression_shared: list[torch.Tensor], outer_step: int, digest: str, round_: int,
-              keep_round: bool) -> None:
+              keep_round: bool, control: Optional[list[torch.Tensor]] = None) -> None:
         """Take a downloaded (already validated) state. keep_round: x <- theta + this round's local
-        progress, whose pseudo-gradient is still ours to send; else x <- theta and round ``round_`` begins."""
+        progress, whose pseudo-gradient is still ours to send; else x <- theta and round ``round_`` begins.
+        ``control``: the swarm's SCAFFOLD c (our c_i starts again from zero: it belonged to another trajectory)."""
         self.outer.load_state(theta, momentum)
+        if self.control is not None:
+            self.control.load_state_dict(dict(c=control, c_i=[torch.zeros_like(c) for c in control]))
         self.compressor.load_shared(compression_rank, compression_shared)
         if keep_round:
             self.schedule.rebase(self.inner.params)
@@ -214,6 +246,7 @@ class ReplicaState:
                     global_params=self.outer.global_params, momentum=self.outer.momentum_buffers(),
                     inner_optimizer=self.inner.inner_optimizer.state_dict(),
                     compression=self.compressor.state_dict(),
+                    control=self.control.state_dict() if self.control is not None else None,
                     shard_position=self.shard.position, shard_key=self.shard.shard_key, round=self.round,
                     rng=dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=_numpy_state()),
                     version=dilocox.__version__)
@@ -246,6 +279,10 @@ class ReplicaState:
         self.inner.inner_optimizer.load_state_dict(state["inner_optimizer"])
         if "compression" in state:
             self.compressor.load_state_dict(state["compression"])
+        if self.control is not None:
+            if state.get("control") is None:
+                raise ValueError("it holds no SCAFFOLD control variates (written with --outer-algorithm diloco?)")
+            self.control.load_state_dict(state["control"])
         self.shard.position = int(state["shard_position"])
         rng = state.get("rng", dict(torch=state.get("torch_rng")))
         torch.set_rng_state(rng["torch"])

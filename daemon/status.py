@@ -68,6 +68,7 @@ class Status:
     loss: float = math.nan
     initial_loss: float = math.nan
     val_loss: float = math.nan
+    val_accuracy: float = math.nan  # image models: accuracy of theta on held-out images (NaN for text)
     tokens_per_second: float = 0.0
     tokens_total: int = 0
     bytes_sent: int = 0
@@ -86,6 +87,7 @@ class Status:
     contributions_dropped: int = 0
     attack: str = ""
     admission: str = ""
+    outer_algorithm: str = "diloco"
 
 
 class StatusBoard:

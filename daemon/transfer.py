@@ -54,6 +54,7 @@ class StateMeta(pydantic.BaseModel):
     compression_rank: pydantic.conint(ge=0) = 0
     compression_digest: pydantic.StrictStr = ""
     donor_peer_id: pydantic.StrictStr = ""
+    control_digest: pydantic.StrictStr = ""  # SCAFFOLD's c (empty for DiLoCo)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class DownloadedState:
     theta: list[torch.Tensor]
     momentum: list[torch.Tensor]
     compression_shared: list[torch.Tensor]
+    control: Optional[list[torch.Tensor]] = None  # SCAFFOLD's c
 
 
 class StateTransfer:
@@ -187,9 +189,17 @@ class StateTransfer:
         if len(tensors) < 2 * n:  # hivemind returns what arrived when a donor's stream ends early
             raise ValueError(f"truncated state: {len(tensors)} of at least {2 * n} tensors arrived "
                              f"(the donor stopped mid-transfer?)")
-        theta, momentum, shared_tensors = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
+        k = 3 * n if self.state.control is not None else 2 * n  # SCAFFOLD: c follows the momentum
+        if len(tensors) < k:
+            raise ValueError(f"truncated state: {len(tensors)} of at least {k} tensors arrived (the donor stopped "
+                             f"mid-transfer, or runs DiLoCo where we run SCAFFOLD?)")
+        theta, momentum, control, shared_tensors = tensors[:n], tensors[n:2 * n], tensors[2 * n:k], tensors[k:]
         check_shapes(self.state.outer.global_params, theta, "downloaded parameters")
         check_shapes(self.state.outer.global_params, momentum, "downloaded momentum")
+        if self.state.control is not None:
+            check_shapes(self.state.outer.global_params, control, "downloaded control variate c")
+            if params_digest(control) != meta.control_digest:
+                raise ValueError("downloaded control variate does not match the donor's digest")
         if params_digest(theta) != meta.digest:
             raise ValueError("downloaded parameters do not match the donor's digest")
         vouched = [m.peer_id for m in self.progress.others(max_age_s=0.2)
@@ -199,4 +209,4 @@ class StateTransfer:
                              f"{meta.digest}): not adopted")
         if self.state.compressor.shared_digest(meta.compression_rank, shared_tensors) != meta.compression_digest:
             raise ValueError("downloaded compression state does not match the donor's digest")
-        return DownloadedState(meta, theta, momentum, shared_tensors)
+        return DownloadedState(meta, theta, momentum, shared_tensors, control or None)

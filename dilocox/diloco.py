@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -43,10 +44,13 @@ class InnerConfig:
 class InnerLoop:
     """One replica's model and inner_optimizer (AdamW; its state persists across rounds, as in DiLoCo)."""
 
-    def __init__(self, model: torch.nn.Module, config: InnerConfig, device: str = "cpu"):
+    def __init__(self, model: torch.nn.Module, config: InnerConfig, device: str = "cpu",
+                 loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = causal_lm_loss):
+        """``loss_fn(model, inputs, targets)``: the mean training loss (default: next-byte cross-entropy)."""
         self.model = model.to(device)
         self.device = device
         self.config = config
+        self.loss_fn = loss_fn
         self.params = [p for p in self.model.parameters()]
         self.inner_optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
@@ -54,18 +58,23 @@ class InnerLoop:
 
     stop_requested = False  # a whole model has no other stages to hear a stop from (see PipelinedInnerLoop)
 
-    def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, global_step: int, stop: bool = False) -> float:
+    def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, global_step: int, stop: bool = False,
+                   after_step: Optional[Callable[[float], None]] = None) -> float:
         """One AdamW step at the learning rate of ``global_step``; returns the loss (nats/token).
 
-        ``stop`` matters only to a pipelined stage, which tells its other stages."""
+        ``stop`` matters only to a pipelined stage, which tells its other stages. ``after_step(lr)`` runs
+        right after the optimizer step (SCAFFOLD's drift correction, dilocox/scaffold.py)."""
         lr = self.config.lr_at(global_step)
         for group in self.inner_optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        loss = causal_lm_loss(self.model, inputs.to(self.device), targets.to(self.device))
+        loss = self.loss_fn(self.model, inputs.to(self.device), targets.to(self.device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.inner_optimizer.step()
+        if after_step is not None:
+            with torch.no_grad():
+                after_step(lr)
         self.inner_optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
@@ -73,7 +82,7 @@ class InnerLoop:
     def evaluate(self, batches) -> float:
         """Mean loss over (inputs, targets) batches, without touching optimizer state."""
         self.model.eval()
-        losses = [float(causal_lm_loss(self.model, x.to(self.device), y.to(self.device))) for x, y in batches]
+        losses = [float(self.loss_fn(self.model, x.to(self.device), y.to(self.device))) for x, y in batches]
         return sum(losses) / len(losses)
 
     @torch.no_grad()

@@ -13,9 +13,8 @@ import torch
 from daemon.config import NodeConfig
 from daemon.replica_state import ReplicaState
 from daemon.rounds import OuterRounds, PendingRound, RoundOutcome
-from dilocox.data import Corpus
 from dilocox.diloco import params_digest
-from dilocox.model import ModelSpec
+from dilocox.workload import make_workload
 from peers.averaging import RoundCancelled, RoundFailed, RoundGather, RoundResult
 from tests.test_consensus import Peer
 
@@ -43,8 +42,7 @@ def state(tmp_path):
     (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 400)
     cfg = NodeConfig(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=2, compression="none",
                      overlap="none", seq_len=16, batch_size=2)
-    spec = ModelSpec.resolve("tiny")
-    st = ReplicaState(cfg, spec, Corpus.from_spec(cfg.data, 16), 16, 2, shard_key=1)
+    st = ReplicaState(cfg, make_workload(cfg.model, cfg.data, 16, 2, cfg.eval_batches), shard_key=1)
     st.begin_round()
     for i in range(2):
         st.inner_step(*st.shard.next_batch(), i)

@@ -1,0 +1,125 @@
+"""What a replica trains: a causal language model on text, or a small CNN on 28x28 images.
+
+A ``Workload`` bundles the model builder, the training loss, each replica's stream of batches, the
+held-out batches and the metrics measured on them, so the rest of the node (dilocox/diloco.py's
+InnerLoop, daemon/replica_state.py) is the same for both:
+
+* ``TextWorkload``: a Llama preset or file (dilocox/model.py) on a byte-level corpus (dilocox/data.py);
+  loss in nats/token, one "sample" per token; pipeline stages supported.
+* ``ImageWorkload``: ``--model cnn`` on ``--data fashion-mnist`` or ``mnist`` (dilocox/vision.py),
+  split among ``num_clients`` clients by ``--partition`` (dilocox/partition.py) with the swarm's seed,
+  so every node computes the same split; a node trains client ``shard_key mod num_clients``'s share.
+  Loss in nats/image, accuracy measured too; one "sample" per image; whole models only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from dilocox import vision
+from dilocox.data import Corpus, ReplicaShard, validation_batches
+from dilocox.model import ModelSpec, ModelSpecError, causal_lm_loss
+from dilocox.partition import partition
+from dilocox.stages import build_stage
+
+IMAGE_MODELS = ("cnn",)
+IMAGE_DATA = ("fashion-mnist", "mnist")
+
+
+@dataclass
+class TextWorkload:
+    spec: ModelSpec
+    corpus: Corpus
+    seq_len: int
+    batch_size: int
+    eval_batches: int
+    kind: str = "text"
+    loss_fn: Callable = field(default=causal_lm_loss)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Tokens per inner step (what tokens_total counts)."""
+        return self.batch_size * self.seq_len
+
+    def build(self, seed: int, stage_index: int, num_stages: int) -> torch.nn.Module:
+        return build_stage(self.spec, seed, stage_index, num_stages)
+
+    def shard(self, seed: int, shard_key: int) -> ReplicaShard:
+        return ReplicaShard(self.corpus.train, self.seq_len, self.batch_size, seed, shard_key)
+
+    def val_batches(self) -> list:
+        return validation_batches(self.corpus, self.seq_len, self.batch_size, self.eval_batches)
+
+    def accuracy(self, model: torch.nn.Module, batches: list) -> float:
+        return math.nan  # next-byte accuracy is not reported for language models
+
+
+@dataclass
+class ImageWorkload:
+    dataset: vision.ImageDataset
+    partition_spec: str
+    num_clients: int
+    partition_seed: int
+    batch_size: int
+    eval_batches: int
+    kind: str = "image"
+
+    def __post_init__(self):
+        # the same seed and labels give every node the same split (ValueError names a bad spec)
+        self.parts = partition(self.dataset.train_y, self.num_clients, self.partition_spec, self.partition_seed)
+
+    @staticmethod
+    def loss_fn(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vision.classification_loss(model, images, labels)[0]
+
+    @property
+    def samples_per_step(self) -> int:
+        """Images per inner step."""
+        return self.batch_size
+
+    def client(self, shard_key: int) -> int:
+        return shard_key % self.num_clients
+
+    def build(self, seed: int, stage_index: int, num_stages: int) -> torch.nn.Module:
+        if num_stages != 1:
+            raise ModelSpecError("the cnn model has no pipeline stages: use --stage 0/1")
+        return vision.build_cnn(self.dataset.num_classes, seed)
+
+    def shard(self, seed: int, shard_key: int) -> vision.ImageShard:
+        indices = self.parts[self.client(shard_key)]
+        if len(indices) == 0:
+            raise ValueError(f"client {self.client(shard_key)} of {self.num_clients} got no images under "
+                             f"--partition {self.partition_spec}: pick another data_seed or partition")
+        return vision.ImageShard(self.dataset.train_x, self.dataset.train_y, indices, self.batch_size, seed, shard_key)
+
+    def val_batches(self) -> list:
+        n = min(len(self.dataset.test_y), self.eval_batches * max(self.batch_size, 256))
+        x = torch.from_numpy(np.ascontiguousarray(self.dataset.test_x[:n]))
+        y = torch.from_numpy(np.ascontiguousarray(self.dataset.test_y[:n]))
+        return list(zip(x.split(256), y.split(256)))
+
+    def accuracy(self, model: torch.nn.Module, batches: list) -> float:
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        return vision.evaluate(model, x, y)[1]
+
+
+def make_workload(model: str, data: str, seq_len: int | None, batch_size: int | None, eval_batches: int,
+                  partition_spec: str = "iid", num_clients: int = 1, seed: int = 0):
+    """The workload of a node's configuration. Raises ModelSpecError / DataError / VisionDataError /
+    ValueError naming the problem (a text model on image data, an unknown partition, ...)."""
+    if model in IMAGE_MODELS or data in IMAGE_DATA:
+        if model not in IMAGE_MODELS or data not in IMAGE_DATA:
+            raise ModelSpecError(f"model {model!r} and data {data!r} do not go together: the cnn model trains on "
+                                 f"{' or '.join(IMAGE_DATA)}, the language models on text")
+        return ImageWorkload(vision.load_image_dataset(data), partition_spec, num_clients, seed,
+                             batch_size or 64, eval_batches)
+    spec = ModelSpec.resolve(model)
+    seq_len = seq_len or spec.seq_len
+    spec.llama["max_position_embeddings"] = max(seq_len, spec.llama["max_position_embeddings"])
+    return TextWorkload(spec, Corpus.from_spec(data, seq_len), seq_len, batch_size or spec.batch_size, eval_batches)
