@@ -133,7 +133,16 @@ class Node:
         cfg = self.cfg
         shard_key = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(
             hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "little")
-        self.state = ReplicaState(cfg, self.workload, shard_key)
+        loss_fn = None
+        if self.attack is not None:
+            honest = self.workload.loss_fn
+
+            def loss_fn(model, x, y):
+                return self.attack.training_loss(model, x, y, honest)
+
+        self.state = ReplicaState(cfg, self.workload, shard_key, loss_fn)
+        if self.attack is not None:
+            self.attack.bind(self.state)
         if cfg.checkpoint_dir:
             self._resume(Path(cfg.checkpoint_dir))
             Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)

@@ -51,8 +51,19 @@ class Attack:
         return payload
 
     def batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One training batch (int64 [batch, seq]) before the inner step: data poisoning."""
+        """One training batch (text: int64 [batch, seq]; images: uint8 [batch, 28, 28] and int64 labels)
+        before the inner step: data poisoning."""
         return inputs, targets
+
+    def bind(self, state) -> None:
+        """Called once the node's daemon.replica_state.ReplicaState exists: an attack may read theta
+        (``state.outer.global_params``), SCAFFOLD's control variates (``state.control``) and the schedule."""
+        self.state = state
+
+    def training_loss(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                      loss_fn) -> torch.Tensor:
+        """The loss the inner step minimizes; the honest one is ``loss_fn(model, inputs, targets)``."""
+        return loss_fn(model, inputs, targets)
 
 
 def load_attack(spec: Optional[str], cfg) -> Optional[Attack]:

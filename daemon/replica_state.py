@@ -62,15 +62,16 @@ class ReplicaState:
     computed (its all-reduce's group key); ``digest``: hex digest of theta (docs/protocol.md).
     """
 
-    def __init__(self, cfg: NodeConfig, workload, shard_key: int):
-        """``workload``: dilocox.workload.TextWorkload or ImageWorkload (model, loss, batches)."""
+    def __init__(self, cfg: NodeConfig, workload, shard_key: int, loss_fn=None):
+        """``workload``: dilocox.workload.TextWorkload or ImageWorkload (model, loss, batches); ``loss_fn``
+        replaces its training loss (the red-team hook, daemon/redteam.py)."""
         self.cfg, self.H, self.workload = cfg, cfg.inner_steps, workload
         total = cfg.total_steps or (cfg.max_outer_steps * self.H if cfg.max_outer_steps else 10_000)
         module = workload.build(cfg.seed, cfg.stage_index, cfg.num_stages)  # only our layers
         inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
                                 warmup_steps=cfg.warmup_steps, total_steps=total)
         if cfg.num_stages == 1:
-            self.inner = InnerLoop(module, inner_cfg, device=cfg.device, loss_fn=workload.loss_fn)
+            self.inner = InnerLoop(module, inner_cfg, device=cfg.device, loss_fn=loss_fn or workload.loss_fn)
         else:  # attached to the replica's process group once the replica is formed (daemon/staging.py)
             self.inner = PipelinedInnerLoop(module, inner_cfg, cfg.microbatches, cfg.pipeline_schedule, cfg.device)
         self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
