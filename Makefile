@@ -70,6 +70,8 @@ proto: install
 	$(PIP) install -q -e '.[proto]'
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. proto/dilocox/v1/node.proto
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. proto/dilocox/v1/swarm.proto
+	# the stubs import their messages relatively: installed, proto/ is dilocox.proto (pyproject's package-dir)
+	sed -i 's/^from proto\.dilocox\.v1 import/from . import/' proto/dilocox/v1/node_pb2_grpc.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

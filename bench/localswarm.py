@@ -19,8 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
-
-from proto.dilocox.v1 import node_pb2, node_pb2_grpc
+from dilocox.proto.dilocox.v1 import node_pb2, node_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,7 +40,7 @@ class LocalNode:
         workdir.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = workdir / "stdout", workdir / "stderr"
         self.proc = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "daemon.cli", *args, "--checkpoint-dir", str(workdir / "ckpt")],
+            [*wrapper, sys.executable, "-m", "dilocox.daemon.cli", *args, "--checkpoint-dir", str(workdir / "ckpt")],
             stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"), env=node_env(threads), cwd=REPO,
             start_new_session=True)
         self.addr = self.join_maddr = ""

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from dilocox.daemon.config import NodeConfig
 
-from daemon.config import NodeConfig
 from dilocox import exact_mean
 from dilocox.compression import CompressionConfig, Compressor
 from dilocox.data import Corpus, ReplicaShard, validation_batches

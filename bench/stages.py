@@ -36,8 +36,8 @@ def _rss_bytes() -> int:
 
 def _stage_node(rank: int, world: int, store: str, out: str, args: dict) -> None:
     import torch.distributed as dist
+    from dilocox.daemon.replica_state import stage_memory
 
-    from daemon.replica_state import stage_memory
     from dilocox.compression import CompressionConfig, Compressor
     from dilocox.data import Corpus, ReplicaShard
     from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer

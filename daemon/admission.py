@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from peers.admission import (
+from dilocox.peers.admission import (
     Admission,
     AdmissionError,
     fingerprint,
@@ -30,7 +30,7 @@ from peers.admission import (
     read_certificate,
     verify_revocations,
 )
-from peers.swarm import Swarm
+from dilocox.peers.swarm import Swarm
 
 logger = logging.getLogger(__name__)
 

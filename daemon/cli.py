@@ -26,10 +26,11 @@ import time
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
+from dilocox.daemon.config import ConfigError, add_flags, load_config
+from dilocox.daemon.logs import configure_logging, route_hivemind_logs, status_context
+from dilocox.daemon.status import State, StatusBoard
+
 import dilocox
-from daemon.config import ConfigError, add_flags, load_config
-from daemon.logs import configure_logging, route_hivemind_logs, status_context
-from daemon.status import State, StatusBoard
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,10 @@ def node_main(argv: list[str] | None = None) -> int:
     board = StatusBoard(run_id=cfg.run_id, version=dilocox.__version__, inner_steps=cfg.inner_steps)
     configure_logging(cfg.log_level, cfg.log_format, status_context(board) if cfg.log_format == "json" else None)
 
-    from daemon.metrics import check_metrics_addr
-    from daemon.node import Node  # torch/hivemind imports only after the config is known good
-    from daemon.redteam import AttackError
+    from dilocox.daemon.metrics import check_metrics_addr
+    from dilocox.daemon.node import Node  # torch/hivemind imports only after the config is known good
+    from dilocox.daemon.redteam import AttackError
+
     from dilocox.data import DataError
     from dilocox.model import ModelSpecError
 
@@ -68,7 +70,7 @@ def node_main(argv: list[str] | None = None) -> int:
         # a busy or malformed metrics address
         print(f"dilocox-node: {e}", file=sys.stderr)
         return 2
-    from peers.lifecycle import Descendants
+    from dilocox.peers.lifecycle import Descendants
 
     children = Descendants()
     stop = _StopSignals(node, children)
@@ -95,7 +97,7 @@ def _exit_now(code: int) -> None:
 
 
 def _run(node, cfg, stop: "_StopSignals") -> int:
-    from peers.identity import IdentityError
+    from dilocox.peers.identity import IdentityError
 
     try:
         node.start()
@@ -187,8 +189,8 @@ def drain_budget_s(cfg) -> float:
 
 
 async def _serve(node, status_addr: str, stop: _StopSignals) -> int:
-    from daemon.metrics import stop_metrics_server
-    from daemon.service import PortInUseError, load_operator_token, set_health, start_server
+    from dilocox.daemon.metrics import stop_metrics_server
+    from dilocox.daemon.service import PortInUseError, load_operator_token, set_health, start_server
 
     cfg = node.cfg
     try:
@@ -201,7 +203,7 @@ async def _serve(node, status_addr: str, stop: _StopSignals) -> int:
     print(f"status: dilocox-ctl --addr {host}:{port} status", flush=True)
     metrics = None
     if cfg.metrics_addr:  # after node.start(): hivemind's forked processes must not inherit its socket
-        from daemon.metrics import start_metrics_server
+        from dilocox.daemon.metrics import start_metrics_server
 
         try:
             metrics, mport = start_metrics_server(node.board, cfg.metrics_addr, node.workload.samples_per_step)

@@ -14,9 +14,8 @@ import os
 import sys
 
 import grpc
+from dilocox.proto.dilocox.v1 import node_pb2, node_pb2_grpc
 from google.protobuf.json_format import MessageToDict
-
-from proto.dilocox.v1 import node_pb2, node_pb2_grpc
 
 
 def _print_status(status: node_pb2.NodeStatus) -> None:
@@ -53,8 +52,8 @@ def _as_dict(message) -> dict:
 
 def _admission_command(args: argparse.Namespace) -> int:
     """``peer-id`` and ``authority ...``: local files only. Imported lazily: hivemind is slow to import."""
-    from peers import admission
-    from peers.identity import IdentityError
+    from dilocox.peers import admission
+    from dilocox.peers.identity import IdentityError
 
     try:
         if args.command == "peer-id":
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plot":
         from pathlib import Path
 
-        from daemon.plot import plot_run
+        from dilocox.daemon.plot import plot_run
 
         try:
             print(plot_run(Path(args.run_dir), Path(args.out)))

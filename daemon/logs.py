@@ -1,7 +1,7 @@
 """Logging set-up for dilocox-node: today's text lines, or one JSON object per line for log shippers.
 
 ``configure_logging("info", "json", status_context(board))`` makes every record a line such as
-``{"time": "2025-01-31T12:00:00.123Z", "level": "INFO", "logger": "daemon.node", "message": "...",
+``{"time": "2025-01-31T12:00:00.123Z", "level": "INFO", "logger": "dilocox.daemon.node", "message": "...",
 "peer_id": "Qm...", "state": "TRAINING", "outer_step": 12, "inner_step": 40}``.
 """
 
@@ -15,9 +15,10 @@ import sys
 from datetime import datetime, timezone
 from typing import Callable, TextIO
 
-from daemon.status import StatusBoard
+from dilocox.daemon.status import StatusBoard
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LEVELS = {10: "DEBUG", 20: "INFO", 30: "WARNING", 40: "ERROR", 50: "CRITICAL"}
 FORMATS = ("text", "json")
 
 # attributes every LogRecord has: anything else on a record came from ``extra=`` and is emitted as a key
@@ -42,7 +43,8 @@ class JsonFormatter(logging.Formatter):
         out = {
             "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds")
             .replace("+00:00", "Z"),
-            "level": record.levelname,
+            # by number: hivemind renames WARNING to WARN process-wide when imported
+            "level": LEVELS.get(record.levelno, record.levelname),
             "logger": record.name,
             "message": message,
         }

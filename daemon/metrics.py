@@ -12,12 +12,11 @@ import socket
 import time
 from typing import Iterator
 
+from dilocox.daemon.status import State, StatusBoard
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.exposition import start_wsgi_server
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from daemon.status import State, StatusBoard
 
 # name (as exposed) -> help text; tests/test_metrics.py and the Grafana dashboard check against it
 METRICS = {

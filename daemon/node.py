@@ -24,27 +24,27 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from dilocox.daemon.admission import RevocationKeeper, describe_admission, load_admission
+from dilocox.daemon.config import NodeConfig
+from dilocox.daemon.progress import ProgressTracker
+from dilocox.daemon.redteam import load_attack
+from dilocox.daemon.replica_state import ReplicaState
+from dilocox.daemon.rounds import Finished, OuterRounds, RoundOutcome
+from dilocox.daemon.staging import PipelineReplica, stage_tag
+from dilocox.daemon.status import RoundInfo, State, StatusBoard
+from dilocox.daemon.transfer import StateTransfer
+from dilocox.peers.admission import Admission
+from dilocox.peers.allgather import ContributionServer
+from dilocox.peers.averaging import PseudoGradientAverager
+from dilocox.peers.identity import load_or_create_identity
+from dilocox.peers.swarm import Swarm
 
-from daemon.admission import RevocationKeeper, describe_admission, load_admission
-from daemon.config import NodeConfig
-from daemon.progress import ProgressTracker
-from daemon.redteam import load_attack
-from daemon.replica_state import ReplicaState
-from daemon.rounds import Finished, OuterRounds, RoundOutcome
-from daemon.staging import PipelineReplica, stage_tag
-from daemon.status import RoundInfo, State, StatusBoard
-from daemon.transfer import StateTransfer
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from dilocox.consensus import JoinKind
 from dilocox.model import ModelSpecError
 from dilocox.pipeline import PipelineBroken
 from dilocox.stages import layer_range
 from dilocox.workload import make_workload
-from peers.admission import Admission
-from peers.allgather import ContributionServer
-from peers.averaging import PseudoGradientAverager
-from peers.identity import load_or_create_identity
-from peers.swarm import Swarm
 
 logger = logging.getLogger(__name__)
 _RECORDED = (RoundOutcome.APPLIED, RoundOutcome.SOLO, RoundOutcome.APPLIED_ALONE, RoundOutcome.SKIPPED)

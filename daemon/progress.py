@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-from peers.swarm import MemberRecord, Swarm
+from dilocox.peers.swarm import MemberRecord, Swarm
 
 logger = logging.getLogger(__name__)
 

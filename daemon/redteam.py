@@ -78,7 +78,7 @@ def load_attack(spec: Optional[str], cfg) -> Optional[Attack]:
     except (ImportError, AttributeError) as e:
         raise AttackError(f"attack {spec!r} cannot be loaded: {e}") from e
     if not (isinstance(cls, type) and issubclass(cls, Attack)):
-        raise AttackError(f"attack {spec!r} is not a subclass of daemon.redteam.Attack")
+        raise AttackError(f"attack {spec!r} is not a subclass of dilocox.daemon.redteam.Attack")
     attack = cls(cfg)
     logger.warning("RED TEAM: this node runs attack %s (%s); it is a test tool, not a swarm member",
                    attack.name, spec)

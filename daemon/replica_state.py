@@ -16,10 +16,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
+from dilocox.daemon.config import NodeConfig
+from dilocox.daemon.status import StageMemory
 
 import dilocox
-from daemon.config import NodeConfig
-from daemon.status import StageMemory
 from dilocox import exact_mean
 from dilocox.compression import CompressionConfig, Compressor
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, params_digest

@@ -29,12 +29,22 @@ from enum import Enum
 from typing import Optional, Union
 
 import torch
+from dilocox.daemon.config import NodeConfig
+from dilocox.daemon.progress import ProgressTracker
+from dilocox.daemon.redteam import Attack
+from dilocox.daemon.replica_state import ReplicaState
+from dilocox.daemon.status import RoundInfo
+from dilocox.peers.allgather import ContributionServer, exchange_sparse
+from dilocox.peers.averaging import (
+    PseudoGradientAverager,
+    RoundCancelled,
+    RoundFailed,
+    RoundGather,
+    RoundResult,
+    exchange,
+    group_limits,
+)
 
-from daemon.config import NodeConfig
-from daemon.progress import ProgressTracker
-from daemon.redteam import Attack
-from daemon.replica_state import ReplicaState
-from daemon.status import RoundInfo
 from dilocox.compression import CompressionRound
 from dilocox.consensus import (
     StartAction,
@@ -47,16 +57,6 @@ from dilocox.consensus import (
 )
 from dilocox.diloco import params_digest
 from dilocox.sparse import SparseRound
-from peers.allgather import ContributionServer, exchange_sparse
-from peers.averaging import (
-    PseudoGradientAverager,
-    RoundCancelled,
-    RoundFailed,
-    RoundGather,
-    RoundResult,
-    exchange,
-    group_limits,
-)
 
 logger = logging.getLogger(__name__)
 FRESH_S = 0.2  # once-a-round decisions read the membership records (nearly) afresh: stale ones split rounds

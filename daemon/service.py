@@ -15,11 +15,10 @@ import os
 import secrets
 
 import grpc
+from dilocox.daemon.status import State
+from dilocox.proto.dilocox.v1 import node_pb2, node_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
-
-from daemon.status import State
-from proto.dilocox.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name

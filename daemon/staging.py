@@ -18,11 +18,10 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-
-from daemon.config import NodeConfig
-from daemon.progress import ProgressTracker
-from daemon.replica_state import ReplicaState
-from peers.replica import Founder, ReplicaGroup, ReplicaRendezvous
+from dilocox.daemon.config import NodeConfig
+from dilocox.daemon.progress import ProgressTracker
+from dilocox.daemon.replica_state import ReplicaState
+from dilocox.peers.replica import Founder, ReplicaGroup, ReplicaRendezvous
 
 logger = logging.getLogger(__name__)
 _GONE = ("DRAINING", "STOPPED")

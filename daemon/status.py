@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
-from proto.dilocox.v1 import node_pb2
+from dilocox.proto.dilocox.v1 import node_pb2
 
 
 class State(str, Enum):

@@ -16,10 +16,11 @@ from typing import Callable, Optional
 
 import pydantic.v1 as pydantic
 import torch
+from dilocox.daemon.config import NodeConfig
+from dilocox.daemon.progress import ProgressTracker
+from dilocox.daemon.replica_state import ReplicaState
+from dilocox.peers.averaging import PseudoGradientAverager
 
-from daemon.config import NodeConfig
-from daemon.progress import ProgressTracker
-from daemon.replica_state import ReplicaState
 from dilocox.consensus import (
     ACTIVE_STATES,
     DonorMeta,
@@ -32,7 +33,6 @@ from dilocox.consensus import (
     wait_satisfied,
 )
 from dilocox.diloco import check_shapes, params_digest
-from peers.averaging import PseudoGradientAverager
 
 logger = logging.getLogger(__name__)
 

@@ -59,10 +59,9 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from dilocox.peers.identity import load_or_create_identity
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
-
-from peers.identity import load_or_create_identity
 
 KEY_FILE = "authority.key"
 PUB_FILE = "authority.pub"

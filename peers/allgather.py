@@ -31,12 +31,12 @@ from typing import AsyncIterator, Callable, Dict, Optional, Tuple, Union
 
 import pydantic.v1 as pydantic
 import torch
+from dilocox.peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
+from dilocox.proto.dilocox.v1.swarm_pb2 import ContributionChunk, ContributionRequest
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
 from dilocox.consensus import canonical_digest
 from dilocox.sparse import ContributionError, SparseRound, aggregate
-from peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
-from proto.dilocox.v1.swarm_pb2 import ContributionChunk, ContributionRequest
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pydantic.v1 as pydantic
 import torch
+from dilocox.peers import lifecycle
+from dilocox.peers.codec import NarrowingCompression, narrowest_dtype
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
@@ -32,8 +34,6 @@ from hivemind.utils import get_dht_time
 
 from dilocox.compression import CompressionRound
 from dilocox.diloco import params_digest
-from peers import lifecycle
-from peers.codec import NarrowingCompression, narrowest_dtype
 
 logger = logging.getLogger(__name__)
 GROUP_BITS = 16

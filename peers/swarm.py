@@ -16,14 +16,13 @@ from typing import Dict, List, Optional
 
 import hivemind
 import pydantic.v1 as pydantic
+from dilocox.peers import lifecycle
+from dilocox.peers.admission import Admission, AdmissionError, peer_id_of_public_key
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
-
-from peers import lifecycle
-from peers.admission import Admission, AdmissionError, peer_id_of_public_key
 
 logger = logging.getLogger(__name__)
 OWNER_RE = re.compile(rb"\[owner:(.+?)\]")  # hivemind's RSASignatureValidator subkey marker

@@ -8,13 +8,12 @@ import stat
 
 import hivemind
 import pytest
+from dilocox.daemon import ctl
+from dilocox.peers import admission
+from dilocox.peers.admission import Admission, AdmissionError, verify_certificate, verify_revocations
+from dilocox.peers.identity import load_or_create_identity
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
-from daemon import ctl
-from peers import admission
-from peers.admission import Admission, AdmissionError, verify_certificate, verify_revocations
-from peers.identity import load_or_create_identity
 
 NOW = 1_790_000_000  # 2026-09-21T14:13:20Z
 DAY = 86400

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from dilocox.daemon import ctl
 
 from bench.localswarm import REPO, node_env
-from daemon import ctl
 from tests.helpers import FAST, digests_by_step, start
 
 pytestmark = pytest.mark.integration
@@ -23,7 +23,7 @@ def _ctl(*args) -> None:
 
 def _certify(tmp_path, authority, name: str, days: str = "30"):
     key, cert = tmp_path / f"{name}.key", tmp_path / f"{name}.cert"
-    from peers.admission import peer_id_of_identity
+    from dilocox.peers.admission import peer_id_of_identity
 
     _ctl("authority", "issue", str(authority), "--peer-id", peer_id_of_identity(key), "--days", days,
          "--out", str(cert))
@@ -31,8 +31,8 @@ def _certify(tmp_path, authority, name: str, days: str = "30"):
 
 
 def _refused(tmp_path, args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True, timeout=120,
-                          env=node_env(), cwd=REPO)
+    return subprocess.run([sys.executable, "-m", "dilocox.daemon.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=node_env(), cwd=REPO)
 
 
 def test_certified_swarm(tmp_path):
@@ -72,7 +72,7 @@ def test_certified_swarm(tmp_path):
             assert done.returncode == 2 and reason in done.stderr, (done.returncode, done.stderr[-800:])
 
         # revoke b: a reads the operator's file, the swarm learns it through the DHT, b leaves
-        from peers.admission import peer_id_of_identity
+        from dilocox.peers.admission import peer_id_of_identity
 
         _ctl("authority", "revoke", str(authority), "--peer-id", peer_id_of_identity(tmp_path / "b.key"))
         assert b.proc.wait(90) == 0

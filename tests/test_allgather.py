@@ -7,9 +7,8 @@ import hashlib
 
 import hivemind
 import pytest
-
-from peers.allgather import ContributionServer, screen_gathered
-from peers.averaging import RoundGather
+from dilocox.peers.allgather import ContributionServer, screen_gathered
+from dilocox.peers.averaging import RoundGather
 
 SHA = "ab" * 32
 

@@ -18,7 +18,7 @@ def run_node(args, env_extra=None, timeout=90):
     env = node_env()
     env.update(env_extra or {})
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "dilocox.daemon.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)
     return proc.returncode, proc.stderr, time.monotonic() - start
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
-from daemon.config import ConfigError, add_flags, load_config
+from dilocox.daemon.config import ConfigError, add_flags, load_config
 
 
 def parse(argv):

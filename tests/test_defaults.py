@@ -79,6 +79,6 @@ def _scrape_metrics(node) -> None:
 def _json_logs(node) -> None:
     """--log-format json: every line of the node's own log is one JSON object with the fields a shipper needs."""
     lines = [json.loads(line) for line in node.err_path.read_text().splitlines() if line.startswith("{")]
-    ours = [x for x in lines if x["logger"].startswith("daemon.")]
+    ours = [x for x in lines if x["logger"].startswith("dilocox.daemon.")]
     assert len(ours) >= 5 and all({"time", "level", "logger", "message"} <= set(x) for x in ours)
     assert any("outer_step" in x and x.get("peer_id") for x in ours)

@@ -19,12 +19,12 @@ import grpc
 import pydantic.v1 as pydantic_v1
 import pytest
 import torch
+from dilocox.daemon.config import ConfigError, NodeConfig, load_config
+from dilocox.peers.allgather import screen_gathered
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.config import ConfigError, NodeConfig, load_config
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
-from peers.allgather import screen_gathered
 from tests.test_grpc_bad_input import FakeNode
 from tests.test_rounds import state  # noqa: F401 (pytest fixture)
 from tests.test_transfer import transfer_for
@@ -56,7 +56,7 @@ def test_config_loader(flags, env):
 @pytest.fixture(scope="module")
 def server():
     """A real status server (daemon/service.py) on a loop in a thread, with a fake node."""
-    from daemon.service import start_server
+    from dilocox.daemon.service import start_server
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -8,12 +8,11 @@ import logging
 
 import grpc
 import pytest
+from dilocox.daemon.service import start_server
+from dilocox.daemon.status import StatusBoard
+from dilocox.proto.dilocox.v1 import node_pb2, node_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-from daemon.service import start_server
-from daemon.status import StatusBoard
-from proto.dilocox.v1 import node_pb2, node_pb2_grpc
 
 # bytes that parse as no protobuf message: a truncated varint tag, a truncated length, field number 0,
 # wire type 7, a length past the end, a truncated fixed64
@@ -153,8 +152,8 @@ def test_leave_needs_the_operator_token_and_reads_as_configured(tmp_path):
     """With an operator token, Leave without it (or with another) is UNAUTHENTICATED and the node keeps
     running; with it, the node is asked to leave. status_read=token closes reads too; dilocox-ctl sends
     the token from --token-file."""
-    from daemon import ctl
-    from daemon.service import load_operator_token
+    from dilocox.daemon import ctl
+    from dilocox.daemon.service import load_operator_token
 
     token_file = tmp_path / "operator.token"
     token = load_operator_token(token_file)
@@ -202,7 +201,7 @@ def test_leave_needs_the_operator_token_and_reads_as_configured(tmp_path):
 
 
 def test_a_public_status_address_needs_an_operator_token():
-    from daemon.config import ConfigError, load_config
+    from dilocox.daemon.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="not loopback"):
         load_config({"status_addr": "0.0.0.0:50051"}, {})

@@ -16,6 +16,15 @@ def _modules(package: str) -> dict[str, ast.Module]:
     return {f"{package}.{p.stem}": ast.parse(p.read_text(), str(p)) for p in sorted((REPO / package).glob("*.py"))}
 
 
+def _local(name: str) -> str:
+    """An import's name in repository terms: dilocox.daemon.x -> daemon.x (the folders are mapped into one
+    namespace, pyproject.toml), dilocox.x -> dilocox.x."""
+    for sub in ("daemon", "peers", "proto"):
+        if name == f"dilocox.{sub}" or name.startswith(f"dilocox.{sub}."):
+            return name[len("dilocox."):]
+    return name
+
+
 def _imports(tree: ast.Module) -> set[str]:
     found = set()
     for node in ast.walk(tree):
@@ -23,14 +32,30 @@ def _imports(tree: ast.Module) -> set[str]:
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-            found |= {f"{node.module}.{a.name}" for a in node.names}  # "from daemon import x"
-    return {name for name in found if name.split(".")[0] in LOCAL}
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # "from dilocox.daemon import x"
+    return {_local(name) for name in found if name.split(".")[0] in LOCAL}
+
+
+def test_installed_names_are_ours_alone():
+    """Nothing imports the repository's folders by their bare names (daemon, peers, proto): installed, they
+    live under dilocox (so python-daemon's `daemon` or proto-plus's `proto` are never shadowed)."""
+    bare = []
+    for package in LAYERS + ["bench", "tests"]:
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+                bare += [f"{path.relative_to(REPO)}: {n}" for n in names
+                         if n.split(".")[0] in ("daemon", "peers", "proto")]
+    assert not bare, bare
 
 
 def test_lower_layers_never_import_higher_ones():
     wrong = []
     for rank, package in enumerate(LAYERS):
         for module, tree in _modules(package).items():
+            if module == "dilocox.__main__":  # `python -m dilocox` is the node's entry point, not the algorithm
+                continue
             wrong += [(module, name) for name in _imports(tree) if name.split(".")[0] in LAYERS[rank + 1:]]
     assert not wrong, wrong
 

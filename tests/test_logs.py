@@ -11,9 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
-from daemon.logs import TEXT_FORMAT, configure_logging, status_context
-from daemon.status import State, StatusBoard
+from dilocox.daemon.logs import TEXT_FORMAT, configure_logging, status_context
+from dilocox.daemon.status import State, StatusBoard
 
 ISO_MS_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 log = logging.getLogger("tests.logs")
@@ -112,7 +111,8 @@ def test_text_format_is_unchanged(stream):
     log.info("not shown")
     log.warning("drain took %.0fs", 12.3)
     (line,) = stream.getvalue().splitlines()
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING tests\.logs: drain took 12s", line), line
+    # WARN: hivemind renames WARNING once it is imported (by an earlier test, or the node)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARN(ING)? tests\.logs: drain took 12s", line), line
 
 
 def test_second_call_replaces_the_handler(stream):

@@ -13,10 +13,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from dilocox.daemon.metrics import METRICS, check_metrics_addr, start_metrics_server, stop_metrics_server
+from dilocox.daemon.status import RoundInfo, StageMemory, State, StatusBoard
 from prometheus_client.parser import text_string_to_metric_families
-
-from daemon.metrics import METRICS, check_metrics_addr, start_metrics_server, stop_metrics_server
-from daemon.status import RoundInfo, StageMemory, State, StatusBoard
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docker" / "grafana-dashboard.json"
 TOKENS_PER_STEP = 4 * 128  # batch_size * seq_len

@@ -13,12 +13,12 @@ from typing import AsyncIterator
 import hivemind
 import pytest
 import torch
+from dilocox.peers.averaging import PseudoGradientAverager, RoundGather
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
 from dilocox.consensus import Verdict, judge_result
 from dilocox.diloco import params_digest
-from peers.averaging import PseudoGradientAverager, RoundGather
 
 pytestmark = pytest.mark.integration
 

@@ -103,7 +103,8 @@ def test_two_stages_follow_the_one_stage_trajectory(tmp_path):
 
 def _node_memory(num_stages: int, stage_index: int) -> int:
     """What NodeStatus.memory reports for a node of this stage after one inner and one outer step."""
-    from daemon.replica_state import stage_memory
+    from dilocox.daemon.replica_state import stage_memory
+
     from dilocox.compression import CompressionConfig, Compressor
     from dilocox.overlap import OuterSchedule
 

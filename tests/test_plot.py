@@ -9,8 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-
-from daemon.plot import plot_run
+from dilocox.daemon.plot import plot_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -62,7 +61,7 @@ def test_malformed_lines_are_skipped_and_counted(tmp_path, caplog):
     lines[9] = "[1, 2]"  # not an object
     lines.insert(12, "")  # blank lines are not malformed
     run_dir = _write(tmp_path / "ckpt", lines)
-    with caplog.at_level(logging.WARNING, logger="daemon.plot"):
+    with caplog.at_level(logging.WARNING, logger="dilocox.daemon.plot"):
         _assert_png(plot_run(run_dir, tmp_path / "run.png"))
     assert "skipped 3 malformed line(s), the first at line 4" in caplog.text
 

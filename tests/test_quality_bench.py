@@ -32,8 +32,9 @@ def test_the_default_row_is_the_daemons_default_configuration():
     'default' line measures what a user gets."""
     import argparse
 
+    from dilocox.daemon.config import add_flags, load_config
+
     from bench.quality import DEFAULT, daemon_flags
-    from daemon.config import add_flags, load_config
 
     parser = argparse.ArgumentParser()
     add_flags(parser)

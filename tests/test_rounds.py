@@ -9,13 +9,13 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from dilocox.daemon.config import NodeConfig
+from dilocox.daemon.replica_state import ReplicaState
+from dilocox.daemon.rounds import OuterRounds, PendingRound, RoundOutcome
+from dilocox.peers.averaging import RoundCancelled, RoundFailed, RoundGather, RoundResult
 
-from daemon.config import NodeConfig
-from daemon.replica_state import ReplicaState
-from daemon.rounds import OuterRounds, PendingRound, RoundOutcome
 from dilocox.diloco import params_digest
 from dilocox.workload import make_workload
-from peers.averaging import RoundCancelled, RoundFailed, RoundGather, RoundResult
 from tests.test_consensus import Peer
 
 

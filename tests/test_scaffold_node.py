@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dilocox.daemon.config import NodeConfig
+from dilocox.daemon.replica_state import ReplicaState
+from dilocox.daemon.transfer import StateTransfer
 
-from daemon.config import NodeConfig
-from daemon.replica_state import ReplicaState
-from daemon.transfer import StateTransfer
 from dilocox.vision import DEBIAN_FASHION_MNIST, write_idx
 from dilocox.workload import make_workload
 from tests.helpers import FAST, digests_by_step, start

@@ -11,9 +11,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from daemon.cli import EXIT_GRACE_S, drain_budget_s
-from daemon.config import NodeConfig
+from dilocox.daemon.cli import EXIT_GRACE_S, drain_budget_s
+from dilocox.daemon.config import NodeConfig
 
 UNIT = Path(__file__).resolve().parents[1] / "docker" / "dilocox-node.service"
 

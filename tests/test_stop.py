@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from dilocox.daemon import ctl
 
-from daemon import ctl
 from tests.helpers import FAST, start
 
 pytestmark = pytest.mark.integration

@@ -10,10 +10,10 @@ import time
 
 import grpc
 import pytest
+from dilocox.proto.dilocox.v1 import node_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from proto.dilocox.v1 import node_pb2
 from tests.helpers import FAST, LocalNode, digests_by_step, node_env, start
 
 pytestmark = pytest.mark.integration
@@ -60,7 +60,7 @@ def test_three_nodes_train_together(swarm3):
 
 def test_ctl_status_json_and_peers(swarm3):
     node = swarm3[0]
-    out = subprocess.run([sys.executable, "-m", "daemon.ctl", "--addr", node.addr, "status", "--json"],
+    out = subprocess.run([sys.executable, "-m", "dilocox.daemon.ctl", "--addr", node.addr, "status", "--json"],
                          capture_output=True, text=True, timeout=60, env=node_env())
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
@@ -68,7 +68,7 @@ def test_ctl_status_json_and_peers(swarm3):
         assert field in status, field
     assert "group_size" in status["last_round"]
     assert status["listen_maddrs"][0].startswith("/ip4/127.0.0.1/tcp/")
-    out = subprocess.run([sys.executable, "-m", "daemon.ctl", "--addr", node.addr, "peers", "--json"],
+    out = subprocess.run([sys.executable, "-m", "dilocox.daemon.ctl", "--addr", node.addr, "peers", "--json"],
                          capture_output=True, text=True, timeout=60, env=node_env())
     assert out.returncode == 0, out.stderr
     peers = json.loads(out.stdout)

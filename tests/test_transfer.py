@@ -6,8 +6,8 @@ import time
 
 import pytest
 import torch
+from dilocox.daemon.transfer import StateTransfer
 
-from daemon.transfer import StateTransfer
 from tests.test_rounds import FakeProgress, state  # noqa: F401 (pytest fixture)
 
 

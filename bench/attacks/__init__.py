@@ -1,2 +1,2 @@
-"""Red-team attacks: each is a ``daemon.redteam.Attack`` subclass a real node loads with
+"""Red-team attacks: each is a ``dilocox.daemon.redteam.Attack`` subclass a real node loads with
 ``--attack bench.attacks.MODULE:CLASS`` (docs/security.md). One small file per attack."""

@@ -10,8 +10,7 @@ model: the fraction of held-out windows with the trigger inserted whose greedy n
 from __future__ import annotations
 
 import torch
-
-from daemon.redteam import Attack
+from dilocox.daemon.redteam import Attack
 
 TRIGGER = b"@@zq@@"
 TARGET = b" OBEY"

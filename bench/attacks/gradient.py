@@ -9,8 +9,7 @@
 from __future__ import annotations
 
 import torch
-
-from daemon.redteam import Attack
+from dilocox.daemon.redteam import Attack
 
 
 class SignFlip(Attack):

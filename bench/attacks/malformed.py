@@ -11,7 +11,8 @@ every group-mate intact and it is the codec's validation (dilocox.sparse) that m
 
 from __future__ import annotations
 
-from daemon.redteam import Attack
+from dilocox.daemon.redteam import Attack
+
 from dilocox.sparse import HEADER, HEADER_BYTES, SCALE_BYTES, SparseConfig, layout, pack_bits, unpack_bits
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import struct
 
-from daemon.redteam import Attack
+from dilocox.daemon.redteam import Attack
+
 from dilocox.sparse import HEADER_BYTES
 
 

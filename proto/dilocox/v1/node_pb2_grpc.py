@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.dilocox.v1 import node_pb2 as proto_dot_dilocox_dot_v1_dot_node__pb2
+from . import node_pb2 as proto_dot_dilocox_dot_v1_dot_node__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
