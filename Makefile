@@ -8,7 +8,7 @@ PIP    := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 
 .PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality bench-attacks bench-control \
-	compose-test proto clean
+	install-test compose-test proto clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,10 @@ bench-attacks: install
 # control-plane bytes/s per node of namespaced nodes mid-round, per configuration (needs root)
 bench-control: install
 	$(PY) -m bench.control
+
+# the wheel and sdist install into a fresh venv beside python-daemon and proto-plus, all importable (~3 min)
+install-test: install
+	PY=$(PY) TORCH_VERSION=$(TORCH_VERSION) bash tests/install_beside.sh
 
 # builds the image, runs docker/compose.yaml (bootstrap + 2 peers), checks outer step 2 with a full group
 compose-test: install

@@ -42,6 +42,7 @@ def node_main(argv: list[str] | None = None) -> int:
     """Returns the exit code on bad input; once the node has started, ends the process itself."""
     parser = argparse.ArgumentParser(prog="dilocox-node",
                                      description="Run a dilocox node (DiLoCo over a hivemind swarm).")
+    parser.add_argument("--version", action="version", version=f"dilocox-node {dilocox.__version__}")
     add_flags(parser)
     flags = vars(parser.parse_args(argv))
     try:

@@ -17,6 +17,8 @@ import grpc
 from dilocox.proto.dilocox.v1 import node_pb2, node_pb2_grpc
 from google.protobuf.json_format import MessageToDict
 
+import dilocox
+
 
 def _print_status(status: node_pb2.NodeStatus) -> None:
     r = status.last_round
@@ -77,6 +79,7 @@ def _admission_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dilocox-ctl", description="Query or control a running dilocox node.")
+    parser.add_argument("--version", action="version", version=f"dilocox-ctl {dilocox.__version__}")
     parser.add_argument("--addr", default="127.0.0.1:50051", help="node's status address HOST:PORT")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the node")
     parser.add_argument("--token-file", default=os.environ.get("DILOCOX_OPERATOR_TOKEN_FILE"), metavar="PATH",
