@@ -44,9 +44,11 @@ class Aggregation(str, Enum):
 def norm(x: torch.Tensor) -> float:
     """||x||_2 of a float64 vector, correctly rounded (math.fsum of the squares); inf when it overflows."""
     a = x.detach().to(torch.float64).numpy()
+    with np.errstate(over="ignore"):  # a square past float64's range is inf: the norm is then inf
+        squares = a * a
     try:
-        return math.sqrt(math.fsum((a * a).tolist())) if a.size else 0.0
-    except OverflowError:
+        return math.sqrt(math.fsum(squares.tolist())) if a.size else 0.0
+    except (OverflowError, ValueError):  # fsum: inf - inf or an intermediate overflow
         return math.inf
 
 
