@@ -133,7 +133,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     rates = sorted({r["rate_mbit"] for r in rows})
     names = [n for n in ["a_ddp", *VARIANTS] if any(r["run"] == n for r in rows)]
     width = 0.8 / len(names)
@@ -143,7 +143,10 @@ def plot(rows: list[dict], path: Path) -> None:
         axes[0].bar(xs, [sel[x]["tokens_per_s"] if x in sel else 0 for x in rates], width, label=name)
         axes[1].bar(xs, [sel[x]["bytes_per_token"] if x in sel else 0 for x in rates], width, label=name)
         axes[2].bar(xs, [sel[x]["compute_utilization"] if x in sel else 0 for x in rates], width, label=name)
-    for ax, title in zip(axes, ["tokens/s per replica", "bytes on the wire per token (log)", "compute utilization"]):
+        axes[3].bar(xs, [sel[x].get("val_loss_equal_tokens", sel[x]["val_loss"]) if x in sel else 0 for x in rates],
+                    width, label=name)
+    for ax, title in zip(axes, ["tokens/s per replica", "bytes on the wire per token (log)", "compute utilization",
+                                "validation loss at equal tokens (quality)"]):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rates))], [f"{r:g} Mbit/s" for r in rates])
         ax.set_title(title)
     axes[1].set_yscale("log")

@@ -99,6 +99,9 @@ def main(argv=None) -> int:
         summary.setdefault(name, {})["initial_loss"] = loss
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot(nodes, args.out / "loss.png", initial_losses)
+    from dilocox.daemon.plot import plot_run  # the same plot dilocox-ctl plot draws of one node's run
+
+    run_plot = plot_run(nodes[0].workdir / "ckpt", args.out / "node0.png") if nodes[0].metrics() else None
     console.print(f"\nexit codes: {codes}")
     for name, s in summary.items():
         if "outer_steps" not in s:
@@ -110,7 +113,9 @@ def main(argv=None) -> int:
                       f"{s['tokens_per_second_compute']:.0f} tok/s, compute {s['median_compute_s']:.1f}s + "
                       f"averaging {s['median_comm_s']:.1f}s per outer step, "
                       f"{s['median_bytes_sent_per_outer_step'] / 1e6:.1f} MB sent per outer step")
-    console.print(f"summary: {args.out / 'summary.json'}\nplot:    {args.out / 'loss.png'}")
+    console.print(f"summary: {args.out / 'summary.json'}\nplot:    {args.out / 'loss.png'}"
+                  + (f"\nnode 0:  {run_plot} (dilocox-ctl plot {nodes[0].workdir / 'ckpt'} -o FILE.png)"
+                     if run_plot else ""))
     return 0 if summary and all(c == 0 for c in codes) else 1
 
 
