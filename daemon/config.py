@@ -136,6 +136,8 @@ class NodeConfig(BaseModel):
     averaging_timeout: float = Field(60.0, gt=0)
     outer_round_deadline: float = Field(300.0, gt=0)
     startup_timeout: float = Field(60.0, gt=0, description="p2pd start-up and DHT bootstrap")
+    sync_deadline: Optional[float] = Field(None, gt=0, description="give up syncing with the swarm after this many "
+                                                                   "seconds (exit 1); none: keep trying")
     announce_period: float = Field(5.0, gt=0, description="membership record refresh interval")
     # bookkeeping
     checkpoint_dir: Optional[Path] = None

@@ -157,6 +157,7 @@ class Node:
             self.pipeline = PipelineReplica(cfg, self.state, self.progress, shard_key)
         self.transfer = StateTransfer(cfg, self.state, self.progress, self._donor_progress,
                                       self.leave_requested.is_set)
+        self.transfer.on_attempt = lambda reason, n: self.board.update(sync_reason=reason, sync_attempts=n)
         self.state.snapshot()
         # one averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors), or one
         # for the matchmaking of sparse rounds; the largest also serves our state to joiners
@@ -372,8 +373,9 @@ class Node:
 
     def _sync(self, initial: bool, keep_round: bool = False) -> int:
         """Enter the swarm at the transfer's join point; returns inner steps to skip."""
-        self._set_state(State.SYNCING)
+        self._set_state(State.SYNCING, sync_reason="", sync_attempts=0)
         point, downloaded = self.transfer.sync(initial, keep_round)
+        self.board.update(sync_reason="", sync_attempts=0)
         st, what = self.state, f"stage {self.cfg.stage_index}/{self.cfg.num_stages}" if self.staged else "the model"
         if point.kind == JoinKind.SEED:
             logger.info("no replica is training yet: starting from seed %d", self.cfg.seed)

@@ -77,6 +77,8 @@ class Status:
     global_params_digest: str = ""
     swarm_size: int = 0
     resyncs: int = 0
+    sync_reason: str = ""  # while SYNCING: why the last attempt did not join
+    sync_attempts: int = 0
     last_error: str = ""
     compute_utilization: float = 0.0
     overlap: str = "delayed"

@@ -79,6 +79,8 @@ class StateTransfer:
         self._donor_progress, self._cancelled = donor_progress, cancelled
         self.averager: Optional[PseudoGradientAverager] = None  # set by attach()
         self._busy_until = 0.0  # monotonic time until which we serve no other joiner
+        self.attempts = 0  # state downloads and waits of the current sync
+        self.on_attempt: Callable[[str, int], None] = lambda reason, attempts: None  # e.g. status
 
     def attach(self, averager: PseudoGradientAverager) -> None:
         """The averager that serves (``serve``) and downloads our stage's state."""
@@ -124,15 +126,26 @@ class StateTransfer:
         initial: a joiner's first sync (it never averages its random init into the swarm: it trains from
         a downloaded state, or from the seed when no replica trains anywhere). keep_round: we finished
         this round's compute and need the parameters it starts from (delayed overlap). Returns
-        (JoinPoint(WAIT), None) when asked to leave. Raises SyncError when no usable state arrived
-        within outer_round_deadline + the state's transfer time."""
+        (JoinPoint(WAIT), None) when asked to leave. A node that cannot sync keeps trying, with a
+        backoff between failed downloads (0.5 s doubling to 10 s), and reports each attempt's reason
+        (``on_attempt``); it raises SyncError only past ``cfg.sync_deadline`` seconds, if one is set."""
         cfg, st = self.cfg, self.state
+        self.attempts = 0
         transfer_s = self.transfer_s()
-        deadline = time.monotonic() + cfg.outer_round_deadline + transfer_s
-        first_seen, waited_for_result = time.monotonic(), False
+        deadline = time.monotonic() + cfg.sync_deadline if cfg.sync_deadline else float("inf")
+        first_seen, waited_for_result, backoff = time.monotonic(), False, 0.5
+
+        def failed(reason: str) -> None:
+            nonlocal backoff
+            self.attempts += 1
+            self.on_attempt(reason, self.attempts)
+            time.sleep(backoff)
+            backoff = min(10.0, 2 * backoff)
+
         while not self._cancelled():
             if time.monotonic() > deadline:
-                raise SyncError(f"no peer served a usable state within {cfg.outer_round_deadline + transfer_s:.0f}s")
+                raise SyncError(f"no peer served a usable state within --sync-deadline {cfg.sync_deadline:.0f}s "
+                                f"({self.attempts} attempts)")
             others = self.progress.others()
             active = [m for m in others if m.state in ACTIVE_STATES]
             if not active:
@@ -150,13 +163,13 @@ class StateTransfer:
             # bound only guards against a hang, so it allows the whole state at the slowest link
             got = self.averager.download_state(timeout_s=cfg.averaging_timeout + transfer_s)
             if got is None:
-                time.sleep(0.5)
+                failed("no donor served a state")
                 continue
             try:
                 downloaded = self.validate(*got)
             except (pydantic.ValidationError, ValueError) as e:
                 logger.warning("rejected a downloaded state: %s", e)
-                time.sleep(0.5)
+                failed(f"rejected a downloaded state: {str(e).splitlines()[0][:200]}")
                 continue
             meta = downloaded.meta
             live = next((m for m in self.progress.others() if m.peer_id == meta.donor_peer_id), None)
@@ -166,6 +179,8 @@ class StateTransfer:
                                waited_for_result=waited_for_result)
             if point.kind == JoinKind.WAIT:
                 logger.info("%s", point.reason)
+                self.attempts += 1
+                self.on_attempt(point.reason, self.attempts)
                 if point.wait_for == WaitFor.OUTER_STEP and not keep_round:
                     waited_for_result = True  # the donor's mid-round result: waited for once only
                 timeout = (3 if point.wait_for == WaitFor.NEXT_ROUND else 1) * cfg.outer_round_deadline

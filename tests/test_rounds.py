@@ -36,6 +36,9 @@ class FakeProgress:
     def input_conflicts(self, result_step, inputs):
         return {}
 
+    def wait(self, predicate, timeout_s, cancelled):
+        return predicate(self._others)
+
 
 @pytest.fixture
 def state(tmp_path):

@@ -69,3 +69,45 @@ def test_bad_state_is_rejected_with_a_reason(state, damage, message):  # noqa: F
     with pytest.raises(Exception) as err:
         transfer_for(state).validate(meta, tensors)
     assert message in str(err.value)
+
+
+class FlakyAverager:
+    """Serves nothing the first ``misses`` times, then the given state."""
+
+    def __init__(self, misses, served_state):
+        self.misses, self.served_state, self.calls = misses, served_state, 0
+
+    def download_state(self, timeout_s):
+        self.calls += 1
+        return None if self.calls <= self.misses else self.served_state
+
+    def set_priority(self, value):
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_a_joiner_keeps_trying_and_says_why(state, monkeypatch):  # noqa: F811
+    """No donor serves twice, then one does: sync retries with backoff (slept, not spun), reports each
+    attempt's reason, and joins; with --sync-deadline it gives up with the attempt count."""
+    from dilocox.daemon import transfer as transfer_module
+    from dilocox.daemon.transfer import SyncError
+
+    sleeps, real_sleep = [], time.sleep
+    monkeypatch.setattr(transfer_module.time, "sleep", sleeps.append)
+    meta, tensors = served(state)
+    donor = Record("donor", state.outer_step, state.digest)
+    donor.state, donor.round, donor.inner_step, donor.num_stages = "TRAINING", state.round, 1, 1
+    t = transfer_for(state, [donor])
+    t.averager = FlakyAverager(2, (dict(meta, donor_peer_id="donor", donor_inner_step=1), tensors))
+    reports = []
+    t.on_attempt = lambda reason, n: reports.append((reason, n))
+    point, got = t.sync(initial=False)
+    assert got is not None and t.averager.calls == 3
+    assert reports == [("no donor served a state", 1), ("no donor served a state", 2)]
+    assert sleeps[:2] == [0.5, 1.0]  # backoff doubles
+    cfg = state.cfg.model_copy(update=dict(sync_deadline=0.001))
+    t = StateTransfer(cfg, state, FakeProgress([donor]), lambda: ("TRAINING", 3), lambda: False)
+    t.averager = FlakyAverager(10**9, None)
+    monkeypatch.setattr(transfer_module.time, "sleep", lambda s: real_sleep(0.002))
+    with pytest.raises(SyncError, match="--sync-deadline"):
+        t.sync(initial=False)

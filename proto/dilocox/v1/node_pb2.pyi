@@ -69,7 +69,7 @@ class RoundInfo(_message.Message):
     def __init__(self, outer_step: _Optional[int] = ..., group_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., compression_ratio: _Optional[float] = ..., rank: _Optional[int] = ..., compute_s: _Optional[float] = ..., outcome: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., wait_s: _Optional[float] = ..., bits: _Optional[int] = ..., compression_error: _Optional[float] = ..., allreduce_s: _Optional[float] = ..., dropped: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("peer_id", "run_id", "version", "state", "listen_maddrs", "stage_index", "num_stages", "outer_step", "inner_step", "inner_steps", "loss", "tokens_per_second", "tokens_total", "bytes_sent", "bytes_received", "last_round", "global_params_digest", "swarm_size", "uptime_s", "val_loss", "resyncs", "last_error", "initial_loss", "compute_utilization", "overlap", "compression", "replica_id", "replica_members", "memory", "contributions_dropped", "attack", "admission", "val_accuracy", "outer_algorithm")
+    __slots__ = ("peer_id", "run_id", "version", "state", "listen_maddrs", "stage_index", "num_stages", "outer_step", "inner_step", "inner_steps", "loss", "tokens_per_second", "tokens_total", "bytes_sent", "bytes_received", "last_round", "global_params_digest", "swarm_size", "uptime_s", "val_loss", "resyncs", "last_error", "initial_loss", "compute_utilization", "overlap", "compression", "replica_id", "replica_members", "memory", "contributions_dropped", "attack", "admission", "val_accuracy", "outer_algorithm", "sync_reason", "sync_attempts")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class NodeStatus(_message.Message):
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     VAL_ACCURACY_FIELD_NUMBER: _ClassVar[int]
     OUTER_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    SYNC_REASON_FIELD_NUMBER: _ClassVar[int]
+    SYNC_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     run_id: str
     version: str
@@ -138,7 +140,9 @@ class NodeStatus(_message.Message):
     admission: str
     val_accuracy: float
     outer_algorithm: str
-    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., listen_maddrs: _Optional[_Iterable[str]] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., tokens_total: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., last_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., global_params_digest: _Optional[str] = ..., swarm_size: _Optional[int] = ..., uptime_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., resyncs: _Optional[int] = ..., last_error: _Optional[str] = ..., initial_loss: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., overlap: _Optional[str] = ..., compression: _Optional[str] = ..., replica_id: _Optional[str] = ..., replica_members: _Optional[_Iterable[str]] = ..., memory: _Optional[_Union[StageMemory, _Mapping]] = ..., contributions_dropped: _Optional[int] = ..., attack: _Optional[str] = ..., admission: _Optional[str] = ..., val_accuracy: _Optional[float] = ..., outer_algorithm: _Optional[str] = ...) -> None: ...
+    sync_reason: str
+    sync_attempts: int
+    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., listen_maddrs: _Optional[_Iterable[str]] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., tokens_total: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., last_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., global_params_digest: _Optional[str] = ..., swarm_size: _Optional[int] = ..., uptime_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., resyncs: _Optional[int] = ..., last_error: _Optional[str] = ..., initial_loss: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., overlap: _Optional[str] = ..., compression: _Optional[str] = ..., replica_id: _Optional[str] = ..., replica_members: _Optional[_Iterable[str]] = ..., memory: _Optional[_Union[StageMemory, _Mapping]] = ..., contributions_dropped: _Optional[int] = ..., attack: _Optional[str] = ..., admission: _Optional[str] = ..., val_accuracy: _Optional[float] = ..., outer_algorithm: _Optional[str] = ..., sync_reason: _Optional[str] = ..., sync_attempts: _Optional[int] = ...) -> None: ...
 
 class StageMemory(_message.Message):
     __slots__ = ("params_bytes", "inner_optimizer_bytes", "outer_optimizer_bytes", "error_feedback_bytes", "total_bytes")
