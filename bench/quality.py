@@ -101,6 +101,8 @@ METHODS = {m.name: m for m in [
     _sgd("sparse-k96r-a3", "sparse", 3.0, sparse=SparseConfig(topk=96, rice=True)),
     _sgd("sparse-k144r-a3", "sparse", 3.0, sparse=SparseConfig(topk=144, rice=True)),
     *[_sgd(f"sparse-k{k}r1b-a3", "sparse", 3.0, sparse=SparseConfig(topk=k, bits=1, rice=True)) for k in (160, 192)],
+    *[_sgd(f"sparse-k128r-a3.5-{r}", "sparse", 3.5, sparse=SparseConfig(topk=128, rice=True), aggregation=r,
+           norm_bound=2.0) for r in ("mean", "centered-clip", "trimmed-mean", "median")],
     _sgd("sparse-a4-delayed", "sparse", 4.0, overlap="delayed"),
     _sgd("sparse-a4-delayed-local", "sparse", 4.0, overlap="delayed", proxy="local"),
     _sgd("sparse-a4-delayed-eager", "sparse", 4.0, overlap="delayed", proxy="eager"),
@@ -108,7 +110,7 @@ METHODS = {m.name: m for m in [
 
 
 # the row that is the daemon's default configuration (daemon/config.py; tests/test_quality_bench.py keeps them equal)
-DEFAULT = "sparse-k128r-a3.5"
+DEFAULT = "sparse-k128r-a3.5-centered-clip"
 
 
 def daemon_flags(m: Method) -> list[str]:

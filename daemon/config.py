@@ -26,10 +26,13 @@ class ConfigError(ValueError):
     """A configuration problem, with a message that names the field, variable or file."""
 
 
-# outer optimizer per compression mode, from make bench-quality (docs/algorithms.md, "Choosing the default")
+# outer optimizer and aggregation per compression mode, from make bench-quality and make bench-attacks
+# (docs/algorithms.md, "Choosing the default"; docs/security.md)
 OUTER_DEFAULTS = {
-    "none": dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True),  # DiLoCo's recipe
-    "sparse": dict(outer_lr=3.5, outer_momentum=0.0, nesterov=False),  # SparseLoCo: error feedback, no momentum
+    "none": dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True,  # DiLoCo's recipe
+                 aggregation="mean", norm_bound=0.0),  # butterfly all-reduce: reducers sum parts, no robust rule
+    "sparse": dict(outer_lr=3.5, outer_momentum=0.0, nesterov=False,  # SparseLoCo: error feedback, no momentum
+                   aggregation="centered-clip", norm_bound=2.0),
 }
 
 
@@ -120,10 +123,12 @@ class NodeConfig(BaseModel):
     sparse_bits: int = Field(2, description="sparse: bits per sent value (1: a sign, 2, 4 or 8)")
     sparse_beta: float = Field(0.95, ge=0, le=1, description="sparse: error-feedback decay per outer step")
     sparse_rice: bool = Field(True, description="sparse: Rice-coded index gaps (else fixed-width indices)")
-    aggregation: Literal["mean", "centered-clip", "trimmed-mean", "median"] = Field(
-        "mean", description="how a sparse round's contributions are combined (dilocox/robust.py)")
-    norm_bound: float = Field(0.0, ge=0, description="sparse: clip each contribution to this multiple of the group's "
-                                                     "median norm before aggregating (0: off)")
+    aggregation: Optional[Literal["mean", "centered-clip", "trimmed-mean", "median"]] = Field(
+        None, description="how a sparse round's contributions are combined (dilocox/robust.py; default: "
+                          "centered-clip for sparse, mean otherwise)")
+    norm_bound: Optional[float] = Field(None, ge=0, description="sparse: clip each contribution to this multiple of "
+                                                                "the group's median norm first (0: off; default: 2 "
+                                                                "for sparse, 0 otherwise)")
     rank_min: int = Field(1, ge=1, description="adaptive: lowest PowerSGD rank")
     rank_max: int = Field(8, ge=1, description="adaptive: highest PowerSGD rank (also the first round's)")
     rank_energy: float = Field(0.5, gt=0, le=1,
@@ -159,8 +164,9 @@ class NodeConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _outer_defaults(cls, data):
-        """outer_lr / outer_momentum / nesterov left unset take the measured default of the compression
-        (OUTER_DEFAULTS; docs/algorithms.md): outer momentum does not mix with sparse error feedback."""
+        """outer_lr / outer_momentum / nesterov / aggregation / norm_bound left unset take the measured default
+        of the compression (OUTER_DEFAULTS; docs/algorithms.md): outer momentum does not mix with sparse error
+        feedback, and only all-gathered (sparse) rounds can aggregate robustly."""
         if isinstance(data, dict):
             compression = data.get("compression", cls.model_fields["compression"].default)
             # an invalid compression is reported by its own field's validation

@@ -345,7 +345,9 @@ def aggregate(contributions: Mapping[str, bytes], weights: Mapping[str, float],
         vectors[peer], accepted[peer] = dense, w
     if not vectors:
         raise ValueError(f"no contribution accepted out of {len(contributions)}: {rejected}")
-    out, _ = robust.aggregate(vectors, accepted, rule, norm_bound=norm_bound, **robust_kwargs)
+    out, report = robust.aggregate(vectors, accepted, rule, norm_bound=norm_bound, **robust_kwargs)
+    for peer, scale in report["clipped"].items():  # the caller reports drops; clipping is the rule's business
+        logger.info("contribution of %s scaled by %.3g to the group's norm bound", peer, scale)
     return _split(out.float(), shapes), rejected
 
 

@@ -1,0 +1,281 @@
+"""An in-process federation on label-sharded Fashion-MNIST that runs the daemon's own code.
+
+Per round t (1-based) of one setting:
+  1. S_t: ``per_round`` of the ``clients`` clients, drawn by numpy.random.default_rng([seed, t]); in the
+     injection window the attacker client is always in S_t (it and 9 of the other 19). The draw does
+     not depend on the setting, so every setting sees the same clients in the same rounds.
+  2. Each client of S_t runs a round (client.py): its own ``InnerLoop`` (vision.build_cnn, 46,730
+     parameters; loss ``ImageWorkload.loss_fn``, i.e. vision.classification_loss; AdamW with the
+     daemon's betas (0.9, 0.95), weight decay 0.1 and gradient clip 1.0, its moments kept across rounds
+     as on a node) on an ``ImageShard`` over its ``partition`` share; SCAFFOLD adds the daemon's
+     correction x <- x - lr (c - c_i) after each step and option II's ``ControlVariates.client_update``.
+  3. Aggregation: ``dilocox.robust.aggregate`` of the flattened pseudo-gradients (rule mean, centered-clip,
+     trimmed-mean or median; ``norm_bound``: each clipped to that multiple of the median norm), weights = K.
+  4. Outer step: ``OuterOptimizer.step`` with lr 1, momentum 0 (FedAvg: theta <- theta - mean delta =
+     the mean of the local models) or DiLoCo's Nesterov (lr 0.7, momentum 0.9; ``outer="nesterov"``).
+  5. SCAFFOLD's c: ``c_mode="channel"``: clients upload dc_i, ``server_update(mean_S dc, |S|, N)``
+     (c <- c + (|S|/N) mean dc; the paper's and Flower's way; dc is averaged plainly, the robust rule
+     applies to pseudo-gradients only, as a server that robustly aggregates models would do);
+     ``c_mode="derived"``: ``derive_c_from_aggregate(aggregate, lr_sum, |S|, N)``, the daemon's choice (no dc
+     channel). ``c_decay`` (a defense we add): c <- (1 - c_decay) c after each update.
+  6. Measure theta: PTA = accuracy on the clean test images; BTA = the fraction of the test's triggered
+     images (bright sneakers, attacks.py) classified as the target class.
+
+Every setting starts from the same model: ``pretrain_rounds`` rounds of clean FedAvg from
+``build_cnn(seed=seed)`` with uniform sampling, cached under ``<out>/badsfl/pretrain-<key>.pt`` (key: a
+hash of the settings it depends on).
+
+Scaled down from the paper's setting (CIFAR-10 and ResNet-18 there; 2 CPU cores here):
+  * model: the daemon's 46,730-parameter CNN on Fashion-MNIST (grey 28x28) instead of a ResNet on CIFAR-10;
+  * trigger: "bright sneakers" -> Bag instead of "green cars" (no colour in Fashion-MNIST; attacks.py);
+  * local training: K = 20 AdamW steps of batch 64 at a constant lr 1e-3 (the daemon's optimizer; its
+    SCAFFOLD correction is in update units, ``apply_correction_step``) instead of the paper's local SGD
+    epochs; one attacker round is K steps of batch 64 (+ 32 generated images for badsfl);
+  * pre-training: 30 rounds of clean FedAvg (the paper starts from a converged pre-trained model);
+  * rounds: 100, injection in rounds 10-40 (the paper's numbers), 20 clients, 10 per round, label-shards:2
+    (40 shards of 1,500 images, each inside one class; every client holds 1 or 2 classes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from bench.attacks.badsfl.attacks import (ATTACKERS, AttackKnobs, RoundContext, SOURCE_CLASS, TARGET_CLASS,
+                                          BRIGHT_QUANTILE, brightness_threshold, natural_trigger_mask, poison_labels)
+from bench.attacks.badsfl.client import flatten, local_round, scaffold_hook, unflatten
+from dilocox import robust, vision
+from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
+from dilocox.partition import partition
+from dilocox.scaffold import ControlVariates
+from dilocox.workload import ImageWorkload
+
+OUTERS = {"sgd1": dict(outer_lr=1.0, outer_momentum=0.0, nesterov=False),   # FedAvg / SCAFFOLD with eta_g = 1
+          "nesterov": dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True)}  # DiLoCo
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The federation's settings (defaults: the full benchmark; module docstring for what they scale)."""
+
+    clients: int = 20
+    per_round: int = 10
+    rounds: int = 100
+    attack_start: int = 10          # first injection round
+    attack_stop: int = 40           # last injection round
+    inner_steps: int = 20           # K
+    batch_size: int = 64
+    inner_lr: float = 1e-3
+    weight_decay: float = 0.1
+    partition: str = "label-shards:2"
+    pretrain_rounds: int = 30
+    pretrain_partition: str = "iid"  # the split pre-training federates over (module docstring)
+    seed: int = 0
+    source_class: int = SOURCE_CLASS
+    target_class: int = TARGET_CLASS
+    bright_quantile: float = BRIGHT_QUANTILE
+    poison_fraction: float = 0.5    # share of triggered images in the attacker's stream (oversampled)
+    train_subset: int = 0           # 0: all 60,000 training images; else the first n (--quick)
+    eval_images: int = 10_000       # clean test images for PTA (the first n)
+    outer: str = "sgd1"             # sgd1 (FedAvg's outer step) or nesterov (DiLoCo)
+    optimizer: str = "adamw"        # adamw (the daemon's InnerLoop) or sgd (its optimizer swapped for plain SGD)
+    knobs: AttackKnobs = field(default_factory=AttackKnobs)
+
+    def inner_config(self) -> InnerConfig:
+        # constant lr (min_lr_ratio 1, no warm-up): every round moves alike, so persistence is not a schedule effect
+        return InnerConfig(lr=self.inner_lr, weight_decay=self.weight_decay, betas=(0.9, 0.95), warmup_steps=0,
+                           total_steps=max(1, (self.pretrain_rounds + self.rounds) * self.inner_steps),
+                           min_lr_ratio=1.0, max_grad_norm=1.0)
+
+    def pretrain_key(self) -> str:
+        keys = ("clients", "per_round", "inner_steps", "batch_size", "inner_lr", "weight_decay", "pretrain_partition",
+                "pretrain_rounds", "seed", "train_subset", "optimizer", "outer")
+        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One line of the table: algorithm, attack and defense."""
+
+    name: str
+    algorithm: str = "scaffold"     # fedavg (no control variates) | scaffold
+    attack: str = "none"            # none | blackbox | neurotoxin | badsfl
+    c_mode: str = "channel"         # channel (dc uploaded) | derived (c from the aggregate; the daemon)
+    rule: str = "mean"              # dilocox.robust rule on pseudo-gradients
+    norm_bound: float = 0.0         # multiple of the median norm (0: off)
+    c_decay: float = 0.0            # c <- (1 - c_decay) c after each update (0: off)
+
+
+class FederatedData:
+    """The dataset, the clients' shares, the trigger, the attacker and the evaluation sets."""
+
+    def __init__(self, cfg: SimConfig, spec: Optional[str] = None):
+        """``spec``: the partition (default ``cfg.partition``; pre-training passes ``cfg.pretrain_partition``)."""
+        ds = vision.load_image_dataset("fashion-mnist")
+        n = cfg.train_subset or len(ds.train_y)
+        self.train_x, self.train_y = ds.train_x[:n], ds.train_y[:n]
+        self.num_classes = ds.num_classes
+        self.parts = partition(self.train_y, cfg.clients, spec or cfg.partition, cfg.seed)
+        self.threshold = brightness_threshold(self.train_x, self.train_y, cfg.source_class, cfg.bright_quantile)
+        triggered = natural_trigger_mask(self.train_x, self.train_y, self.threshold, cfg.source_class)
+        # the attacker: the client holding the most source-class images (it must own the feature)
+        counts = [int((self.train_y[p] == cfg.source_class).sum()) for p in self.parts]
+        self.attacker = int(np.argmax(counts))
+        own = self.parts[self.attacker]
+        self.attacker_triggered = own[triggered[own]]
+        if len(self.attacker_triggered) == 0:
+            raise ValueError(f"the attacker client {self.attacker} holds no triggered image")
+        self.missing = sorted(set(range(self.num_classes)) - set(np.unique(self.train_y[own]).tolist()))
+        self.poisoned_y = poison_labels(self.train_y, triggered, cfg.target_class)
+        # oversample the triggered images to poison_fraction of the attacker's stream
+        m, total = len(self.attacker_triggered), len(own)
+        reps = max(0, int(round((cfg.poison_fraction * total - m) / (m * (1 - cfg.poison_fraction)))))
+        self.attacker_stream = np.concatenate([own] + [self.attacker_triggered] * reps)
+        self.test_x, self.test_y = ds.test_x[:cfg.eval_images], ds.test_y[:cfg.eval_images]
+        test_trig = natural_trigger_mask(ds.test_x, ds.test_y, self.threshold, cfg.source_class)
+        self.bta_x = ds.test_x[test_trig & (ds.test_y != cfg.target_class)]
+
+    def describe(self) -> dict:
+        own = self.parts[self.attacker]
+        return dict(attacker=self.attacker, attacker_classes=np.unique(self.train_y[own]).tolist(),
+                    attacker_images=len(own), attacker_triggered=len(self.attacker_triggered),
+                    attacker_stream=len(self.attacker_stream), missing_classes=self.missing,
+                    brightness_threshold=round(self.threshold, 2), bta_images=len(self.bta_x),
+                    pta_images=len(self.test_y), train_images=len(self.train_y))
+
+
+def sample_clients(cfg: SimConfig, t: int, forced: Optional[int], salt: int = 0) -> list[int]:
+    """S_t: ``per_round`` clients, sorted; ``forced`` (the attacker in its window) always among them."""
+    rng = np.random.default_rng([cfg.seed, salt, t])
+    if forced is None:
+        return sorted(rng.choice(cfg.clients, cfg.per_round, replace=False).tolist())
+    others = [k for k in range(cfg.clients) if k != forced]
+    return sorted([forced] + rng.choice(others, cfg.per_round - 1, replace=False).tolist())
+
+
+class Federation:
+    """One setting's clients, server state (theta, c) and measurements."""
+
+    def __init__(self, cfg: SimConfig, setting: Setting, data: FederatedData, theta0: list[torch.Tensor]):
+        self.cfg, self.setting, self.data = cfg, setting, data
+        inner_cfg = cfg.inner_config()
+        self.inners = [InnerLoop(vision.build_cnn(data.num_classes, cfg.seed), inner_cfg, loss_fn=ImageWorkload.loss_fn)
+                       for _ in range(cfg.clients)]
+        if cfg.optimizer == "sgd":  # the paper's local SGD: InnerLoop sets each group's lr per step, any optimizer works
+            for inner in self.inners:
+                inner.inner_optimizer = torch.optim.SGD(inner.params, lr=cfg.inner_lr, weight_decay=cfg.weight_decay)
+        self.outer = OuterOptimizer(self.inners[0].params, **OUTERS[cfg.outer])
+        self.outer.load_state(theta0, None)
+        self.shards = [vision.ImageShard(data.train_x, data.train_y, p, cfg.batch_size, cfg.seed, k)
+                       for k, p in enumerate(data.parts)]
+        self.scaffold = setting.algorithm == "scaffold"
+        self.server = ControlVariates(self.outer.global_params) if self.scaffold else None
+        self.controls = [ControlVariates(self.outer.global_params) for _ in range(cfg.clients)] if self.scaffold else []
+        self.attacker = None
+        if setting.attack != "none":
+            stream = vision.ImageShard(data.train_x, data.poisoned_y, data.attacker_stream, cfg.batch_size, cfg.seed,
+                                       1000 + data.attacker)
+            self.attacker = ATTACKERS[setting.attack](stream, cfg.knobs, data.missing, data.num_classes, cfg.seed)
+        self.global_update: Optional[list[torch.Tensor]] = None
+        self.eval_model = vision.build_cnn(data.num_classes, cfg.seed)
+        self.lr_sum_per_round = [sum(inner_cfg.lr_at((t - 1) * cfg.inner_steps + i) for i in range(cfg.inner_steps))
+                                 for t in range(1, cfg.rounds + 2)]
+
+    def injecting(self, t: int) -> bool:
+        return self.cfg.attack_start <= t <= self.cfg.attack_stop
+
+    def round(self, t: int, salt: int = 0, force_attacker: bool = True) -> dict:
+        """Run round t; returns diagnostics (who was clipped, norms, c's norm)."""
+        cfg, s = self.cfg, self.setting
+        forced = self.data.attacker if force_attacker and self.injecting(t) else None
+        chosen = sample_clients(cfg, t, forced, salt)
+        lr_sum = self.lr_sum_per_round[t - 1] if t - 1 < len(self.lr_sum_per_round) else self.lr_sum_per_round[-1]
+        deltas, dcs = {}, {}
+        for k in chosen:
+            control = None
+            if self.scaffold:
+                control = self.controls[k]
+                control.c = [c.clone() for c in self.server.c]  # the round's c, as every member holds it
+            if self.attacker is not None and k == self.data.attacker and self.injecting(t):
+                ctx = RoundContext(self.inners[k], self.outer, control, s.c_mode, t, cfg.inner_steps, lr_sum,
+                                   len(chosen), cfg.clients, self.global_update)
+                delta, dc = self.attacker.local_round(ctx)
+            else:
+                hooks = [scaffold_hook(self.inners[k], control.correction())] if control is not None else []
+                delta = local_round(self.inners[k], self.outer, self.shards[k].next_batch, t, cfg.inner_steps, hooks)
+                dc = control.client_update(delta, cfg.inner_steps, lr_sum) if control is not None else None
+            deltas[f"c{k:02d}"], dcs[f"c{k:02d}"] = delta, dc
+        like = self.outer.global_params
+        vectors = {key: flatten(d) for key, d in deltas.items()}
+        agg, report = robust.aggregate(vectors, {key: float(cfg.inner_steps) for key in vectors}, s.rule,
+                                       norm_bound=s.norm_bound)
+        before = [p.clone() for p in like]
+        self.outer.step(unflatten(agg, like))
+        self.global_update = [a - b for a, b in zip(like, before)]
+        if self.scaffold:
+            if s.c_mode == "channel":
+                mean_dc = [torch.stack([dcs[key][i] for key in sorted(dcs)]).mean(0) for i in range(len(like))]
+                self.server.server_update(mean_dc, len(chosen), cfg.clients)
+            else:
+                self.server.derive_c_from_aggregate(unflatten(agg, like), lr_sum, len(chosen), cfg.clients)
+            if s.c_decay:
+                self.server.c = [(1.0 - s.c_decay) * c for c in self.server.c]
+        akey = f"c{self.data.attacker:02d}"
+        norms = {key: float(v.norm()) for key, v in vectors.items()}
+        honest = [v for key, v in norms.items() if key != akey]
+        return dict(clients=chosen, clipped=sorted(report["clipped"]),
+                    attacker_norm_ratio=round(norms[akey] / float(np.median(honest)), 3) if akey in norms else None,
+                    c_norm=round(float(flatten(self.server.c).norm()), 4) if self.scaffold else 0.0)
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """(PTA, BTA) of theta: clean test accuracy, and the fraction of triggered test images called the target."""
+        for p, t in zip(self.eval_model.parameters(), self.outer.global_params):
+            p.copy_(t)
+        pta = vision.evaluate(self.eval_model, self.data.test_x, self.data.test_y)[1]
+        self.eval_model.eval()
+        pred = self.eval_model(vision.preprocess(self.data.bta_x)).argmax(dim=1)
+        return pta, float((pred == self.cfg.target_class).float().mean())
+
+
+def pretrained(cfg: SimConfig, data: FederatedData, cache_dir: Path) -> list[torch.Tensor]:
+    """theta after ``pretrain_rounds`` rounds of clean FedAvg from build_cnn(seed); cached by settings."""
+    path = cache_dir / f"pretrain-{cfg.pretrain_key()}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)["theta"]
+    pre = data if cfg.pretrain_partition == cfg.partition else FederatedData(cfg, cfg.pretrain_partition)
+    theta0 = [p.detach().clone() for p in vision.build_cnn(data.num_classes, cfg.seed).parameters()]
+    fed = Federation(cfg, Setting("pretrain", algorithm="fedavg"), pre, theta0)
+    for t in range(1, cfg.pretrain_rounds + 1):
+        fed.round(t, salt=1, force_attacker=False)
+    theta = [p.clone() for p in fed.outer.global_params]
+    pta, bta = fed.evaluate()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{id(fed)}")
+    torch.save(dict(theta=theta, pta=pta, bta=bta, key=cfg.pretrain_key()), tmp)
+    tmp.replace(path)  # atomic: a second process never reads half a file
+    return theta
+
+
+def run_setting(cfg: SimConfig, setting: Setting, cache_dir: Path, data: Optional[FederatedData] = None) -> dict:
+    """Run one setting from the pre-trained model; per round PTA, BTA and diagnostics."""
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    data = data or FederatedData(cfg)
+    fed = Federation(cfg, setting, data, pretrained(cfg, data, cache_dir))
+    pta, bta = fed.evaluate()
+    curve = [dict(round=0, pta=pta, bta=bta)]
+    for t in range(1, cfg.rounds + 1):
+        info = fed.round(t)
+        pta, bta = fed.evaluate()
+        curve.append(dict(round=t, pta=pta, bta=bta, injecting=fed.injecting(t) and setting.attack != "none",
+                          **{k: v for k, v in info.items() if k != "clients"}))
+    return dict(setting=asdict(setting), curve=curve, data=data.describe(), seconds=round(time.monotonic() - started, 1))
