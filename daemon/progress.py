@@ -73,10 +73,15 @@ class ProgressTracker:
                                         inputs=self._inputs))
 
     def _heartbeat(self) -> None:
+        beats = 0
         while not self._stop.is_set():
             try:
                 self.publish()
-                self._on_refresh(len(self.swarm.members()))
+                # a read costs every member's record from every DHT peer asked (more than our store): the
+                # swarm size in status is refreshed every 6th beat, rounds read when they need to
+                if beats % 6 == 0:
+                    self._on_refresh(len(self.swarm.members(max_age_s=3 * self.announce_period_s)))
+                beats += 1
                 self._on_beat()
             except Exception as e:
                 logger.warning("membership refresh failed: %s", e)
