@@ -30,6 +30,8 @@ METRICS = {
     "dilocox_inner_steps_total": "inner steps this process ran (tokens_total / tokens per step)",
     "dilocox_loss": "training loss, mean of the last 10 inner steps (NaN before the first step)",
     "dilocox_validation_loss": "last validation loss measured (NaN before the first measurement)",
+    "dilocox_validation_accuracy": "image models: last held-out accuracy measured, 0-1 (NaN for text)",
+    "dilocox_sync_attempts": "attempts of the current sync with the swarm (0 when not syncing)",
     "dilocox_tokens_total": "tokens this process trained on",
     "dilocox_tokens_per_second": "training throughput, exponential moving average over inner steps (tokens/s)",
     "dilocox_network_sent_bytes_total": "bytes sent in outer rounds (all-reduce or contributions)",
@@ -82,7 +84,8 @@ class StatusCollector(Collector):
 
         yield InfoMetricFamily("dilocox", METRICS["dilocox_info"], value={
             "peer_id": s.peer_id, "run_id": s.run_id, "version": s.version, "compression": s.compression,
-            "overlap": s.overlap, "admission": s.admission, "stage": f"{s.stage_index}/{s.num_stages}"})
+            "overlap": s.overlap, "admission": s.admission, "outer_algorithm": s.outer_algorithm,
+            "stage": f"{s.stage_index}/{s.num_stages}"})
         state = GaugeMetricFamily("dilocox_state", METRICS["dilocox_state"], labels=["state"])
         for st in State:
             state.add_metric([st.value], 1.0 if s.state == st else 0.0)
@@ -95,6 +98,8 @@ class StatusCollector(Collector):
             yield counter("dilocox_inner_steps_total", s.tokens_total // self.tokens_per_step)
         yield gauge("dilocox_loss", s.loss)
         yield gauge("dilocox_validation_loss", s.val_loss)
+        yield gauge("dilocox_validation_accuracy", s.val_accuracy)
+        yield gauge("dilocox_sync_attempts", s.sync_attempts)
         yield counter("dilocox_tokens_total", s.tokens_total)
         yield gauge("dilocox_tokens_per_second", s.tokens_per_second)
         yield counter("dilocox_network_sent_bytes_total", s.bytes_sent)

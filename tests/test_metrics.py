@@ -68,7 +68,8 @@ def _expected(board: StatusBoard) -> dict[tuple[str, tuple], float]:
     out[("dilocox_round_outcome", (("outcome", "skipped"),))] = 0.0
     out[("dilocox_memory_bytes", (("part", "total"),))] = 300.0
     info = {"peer_id": s.peer_id, "run_id": s.run_id, "version": s.version, "compression": s.compression,
-            "overlap": s.overlap, "admission": s.admission, "stage": "0/1"}
+            "overlap": s.overlap, "admission": s.admission, "outer_algorithm": s.outer_algorithm,
+            "stage": "0/1"}
     out[("dilocox_info", tuple(sorted(info.items())))] = 1.0
     return out
 
