@@ -12,7 +12,7 @@ from dilocox.daemon import ctl
 from dilocox.peers import admission
 from dilocox.peers.admission import Admission, AdmissionError, verify_certificate, verify_revocations
 from dilocox.peers.identity import load_or_create_identity
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 NOW = 1_790_000_000  # 2026-09-21T14:13:20Z
@@ -289,7 +289,6 @@ def _only_admission_errors(call) -> None:
         pass
 
 
-@settings(max_examples=300, deadline=None)
 @given(blob=st.binary(max_size=5000))
 def test_random_bytes_raise_only_admission_error(signed, blob):
     pub, peer, _, _ = signed
@@ -297,7 +296,6 @@ def test_random_bytes_raise_only_admission_error(signed, blob):
     _only_admission_errors(lambda: verify_revocations(blob, pub))
 
 
-@settings(max_examples=300, deadline=None)
 @given(value=json_values)
 def test_random_json_values_raise_only_admission_error(signed, value):
     pub, peer, _, _ = signed
@@ -308,7 +306,6 @@ def test_random_json_values_raise_only_admission_error(signed, value):
             verify_revocations(form, pub)
 
 
-@settings(max_examples=300, deadline=None)
 @given(field=st.sampled_from(admission.CERTIFICATE_FIELDS + ("extra",)), value=json_values, drop=st.booleans())
 def test_single_field_mutations_of_a_certificate_are_refused(signed, field, value, drop):
     pub, peer, cert, _ = signed
@@ -323,7 +320,6 @@ def test_single_field_mutations_of_a_certificate_are_refused(signed, field, valu
             verify_certificate(form, pub, peer, NOW)
 
 
-@settings(max_examples=300, deadline=None)
 @given(field=st.sampled_from(admission.REVOCATION_FIELDS + ("extra",)), value=json_values, drop=st.booleans())
 def test_single_field_mutations_of_a_revocation_list_are_refused(signed, field, value, drop):
     pub, _, _, revocations = signed

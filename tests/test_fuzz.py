@@ -2,8 +2,8 @@
 metadata, downloaded states and checkpoint files. Each input either works or fails with the clear error
 of its kind; nothing else escapes, and a server keeps serving.
 
-Case counts: the ``ci`` profile (default) runs 150 per target; ``DILOCOX_FUZZ_PROFILE=long``
-(``make bench-fuzz``) runs 2,000 per target. The sparse decoder's fuzzer is in tests/test_sparse.py,
+Case counts: tests/conftest.py's profiles (``ci``: 100 per target; ``DILOCOX_FUZZ_PROFILE=long``, ``make
+bench-fuzz``: 2,000 per target). The sparse decoder's fuzzer is in tests/test_sparse.py,
 certificates' and revocation lists' in tests/test_admission.py.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
-import os
 import threading
 
 import grpc
@@ -21,19 +20,13 @@ import pytest
 import torch
 from dilocox.daemon.config import ConfigError, NodeConfig, load_config
 from dilocox.peers.allgather import screen_gathered
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from tests.test_grpc_bad_input import FakeNode
 from tests.test_rounds import state  # noqa: F401 (pytest fixture)
 from tests.test_transfer import transfer_for
-
-settings.register_profile("ci", max_examples=150, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-settings.register_profile("long", max_examples=2000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-settings.load_profile(os.environ.get("DILOCOX_FUZZ_PROFILE", "ci"))
 
 FIELDS = sorted(NodeConfig.model_fields)
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True),

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dilocox import sparse
@@ -380,7 +380,6 @@ def test_malformed_rice_streams_are_rejected():
 FUZZ_PAYLOADS = {cfg.rice: SparseCodec(SHAPES, cfg).encode(randn(SHAPES, 9)) for cfg in (CFG, RICE)}
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rice=st.booleans(), data=st.data())
 def test_fuzzed_contributions_never_crash_the_decoder(rice, data):
     """Random bytes and random edits of a valid payload: decode either accepts (finite values inside the
