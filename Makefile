@@ -8,7 +8,8 @@ PIP    := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 
 .PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality bench-attacks bench-control \
-	bench-fuzz install-test compose-test proto clean
+	bench-fuzz test-swarm install-test compose-test proto \
+	clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +35,13 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# unit tests, the fuzzers (100 cases each) and the swarm tests of the defaults, admission, SCAFFOLD and
+# process ends (~12 min on 2 cores); test-swarm: the slower multi-process swarm tests (~10 min)
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "not swarm" tests
+
+test-swarm: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m swarm tests
 
 bench: install
 	$(PY) -m bench.compare

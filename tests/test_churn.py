@@ -10,7 +10,7 @@ import pytest
 from bench.localswarm import LocalNode, group_applied
 from tests.helpers import FAST, start
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.swarm]
 
 AVERAGING_TIMEOUT, MATCHMAKING = 8, 2  # FAST
 ARGS = FAST + ["--run-id", "churn", "--compression", "int8", "--overlap", "delayed", "--checkpoint-every", "1"]

@@ -18,7 +18,7 @@ from bench.localswarm import LocalNode
 from bench.netsim import NetSim
 
 ok, why = NetSim.available()
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(not ok, reason=why)]
+pytestmark = [pytest.mark.integration, pytest.mark.swarm, pytest.mark.skipif(not ok, reason=why)]
 
 RATE_MBIT = 10
 AVERAGING_TIMEOUT, MATCHMAKING = 8, 2

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import FAST, digests_by_step, start
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.swarm]
 
 
 def test_two_nodes_then_late_joiner(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from bench.netsim import NetSim
 
 ok, why = NetSim.available()
-pytestmark = pytest.mark.skipif(not ok, reason=why)
+pytestmark = [pytest.mark.swarm, pytest.mark.skipif(not ok, reason=why)]
 
 RECEIVER = """
 import socket, sys, time

@@ -20,7 +20,7 @@ from hivemind.proto import averaging_pb2
 from dilocox.consensus import Verdict, judge_result
 from dilocox.diloco import params_digest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.swarm]
 
 
 class TruncatingAverager(PseudoGradientAverager):

@@ -9,7 +9,7 @@ import pytest
 from bench.localswarm import group_applied
 from tests.helpers import FAST, start
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.swarm]
 
 # 1 decoder layer per stage of the tiny model; 8-bit low-rank codes per stage. Synchronous rounds: with the
 # delayed overlap a replica restored after a pause can keep missing the other replica's matchmaking window on

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests.helpers import FAST, LocalNode, digests_by_step, node_env, start
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.swarm]
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,20 @@ every group-mate intact and it is the codec's validation (dilocox.sparse) that m
 
 from __future__ import annotations
 
+import numpy as np
 from dilocox.daemon.redteam import Attack
 
-from dilocox.sparse import HEADER, HEADER_BYTES, SCALE_BYTES, SparseConfig, layout, pack_bits, unpack_bits
+from dilocox.sparse import (
+    HEADER,
+    HEADER_BYTES,
+    RICE_FLAG,
+    SCALE_BYTES,
+    UNARY,
+    SparseConfig,
+    layout,
+    pack_bits,
+    unpack_bits,
+)
 
 
 class Truncated(Attack):
@@ -46,8 +57,11 @@ class Cycle(Attack):
 
 
 def out_of_range(payload: bytes) -> bytes:
-    """Rewrite the first index of the last chunk to chunk - 1 (>= that chunk's length when it is short)."""
-    _, _, bits, _, total, chunk, topk = HEADER.unpack_from(payload)
+    """Push an index of the last chunk past that chunk's end: fixed-width indices, its first index set to
+    chunk - 1 (>= the length of a short last chunk); Rice-coded indices, the last gap grown by a chunk."""
+    _, _, bits, flags, total, chunk, topk = HEADER.unpack_from(payload)
+    if flags & RICE_FLAG:
+        return _rice_out_of_range(payload, SparseConfig(chunk=chunk, topk=topk, bits=bits, rice=True), total)
     cfg = SparseConfig(chunk=chunk, topk=topk, bits=bits)
     lay = layout(total, cfg)
     if lay.last == chunk:
@@ -56,3 +70,16 @@ def out_of_range(payload: bytes) -> bytes:
     idx = unpack_bits(payload, start, lay.nidx, cfg.index_bits, "index")
     idx[(lay.nchunks - 1) * topk] = chunk - 1
     return payload[:start] + pack_bits(idx, cfg.index_bits) + payload[start + lay.index_bytes:]
+
+
+def _rice_out_of_range(payload: bytes, cfg: SparseConfig, total: int) -> bytes:
+    lay = layout(total, cfg)
+    (unary_bits,) = UNARY.unpack_from(payload, HEADER_BYTES)
+    start = HEADER_BYTES + UNARY.size + SCALE_BYTES * lay.nchunks + lay.index_bytes  # the unary stream
+    end = start + -(-unary_bits // 8)
+    bits = np.unpackbits(np.frombuffer(payload[start:end], dtype=np.uint8), count=unary_bits, bitorder="little")
+    extra = -(-cfg.chunk // (1 << cfg.rice_bits))  # quotient ones worth a whole chunk
+    bits = np.concatenate([bits[:-1], np.ones(extra, dtype=np.uint8), bits[-1:]])  # before the last stop bit
+    stream = np.packbits(bits, bitorder="little").tobytes()
+    return (payload[:HEADER_BYTES] + UNARY.pack(len(bits)) + payload[HEADER_BYTES + UNARY.size:start] + stream
+            + payload[end:])

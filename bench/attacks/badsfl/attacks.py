@@ -246,6 +246,7 @@ class AttackKnobs:
     gan_batch: int = 64
     gan_lr: float = 2e-3
     gan_per_batch: int = 32         # generated images appended to each attacker batch of B real ones
+    step_factor: int = 1            # the attacker runs step_factor * K inner steps (its weight still says K)
 
 
 @dataclass
@@ -279,8 +280,11 @@ class Blackbox:
     def hooks(self, ctx: RoundContext) -> list:
         return [scaffold_hook(ctx.inner, ctx.control.correction())] if ctx.control is not None else []
 
+    def steps(self, ctx: RoundContext) -> int:
+        return self.knobs.step_factor * ctx.inner_steps
+
     def train(self, ctx: RoundContext) -> list[torch.Tensor]:
-        return local_round(ctx.inner, ctx.outer, self.next_batch, ctx.round_index, ctx.inner_steps, self.hooks(ctx))
+        return local_round(ctx.inner, ctx.outer, self.next_batch, ctx.round_index, self.steps(ctx), self.hooks(ctx))
 
     def dc(self, ctx: RoundContext, honest_dc: list[torch.Tensor], c_before: list[torch.Tensor]) -> list[torch.Tensor]:
         """The dc uploaded in channel mode (honest here)."""
@@ -292,7 +296,8 @@ class Blackbox:
         if ctx.control is None:
             return delta, None
         c_before = [t.clone() for t in ctx.control.c]
-        honest = ctx.control.client_update(delta, ctx.inner_steps, ctx.lr_sum)
+        # its own c_i by option II over the steps it really ran (constant lr: lr_sum scales with them)
+        honest = ctx.control.client_update(delta, self.steps(ctx), ctx.lr_sum * self.knobs.step_factor)
         return delta, (self.dc(ctx, honest, c_before) if ctx.c_mode == "channel" else None)
 
 
@@ -368,6 +373,8 @@ class BadSFL(Blackbox):
             ctx.inner.loss_fn = honest_loss
 
     def dc(self, ctx: RoundContext, honest_dc: list[torch.Tensor], c_before: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.knobs.dc_pull <= 0:  # ablation: honest dc
+            return honest_dc
         return crafted_dc(ctx.control.c_i, c_before, ctx.total_clients, self.knobs.dc_pull)
 
 
