@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality bench-attacks bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality bench-quality-ablations bench-attacks bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -55,10 +55,17 @@ bench-stages: install
 bench-faults: install
 	$(PY) -m bench.faults
 
-# validation loss vs tokens per codec: 4 in-process replicas, H=30, 100 outer steps, 3 seeds (~30 min on 2 cores)
+# validation loss vs tokens: fp32 DiLoCo, 8-bit codes, the old default (PowerSGD, delayed) and the default,
+# 4 in-process replicas, H=30, 100 outer steps, 3 seeds (~75 min on 2 cores)
 bench-quality: install
-	$(PY) -m bench.quality --methods fp32 fp32-delayed int8 adaptive adaptive-delayed sparse sparse-a4 sparse-a8 \
-		sparse-nesterov0.7 --seeds 7 8 9
+	$(PY) -m bench.quality --methods fp32 int8 adaptive-delayed sparse-k128r-a3.5-centered-clip --seeds 7 8 9
+
+# one ablation per row (docs/algorithms.md, "Choosing the default"), seed 7 (~3 h on 2 cores)
+bench-quality-ablations: install
+	$(PY) -m bench.quality --out runs/bench/ablations --seeds 7 --methods fp32 fp32-delayed int8 adaptive \
+		adaptive-delayed adaptive-noef adaptive-sgd1 adaptive-dense-embed adaptive-warmup10 adaptive-power2 \
+		adaptive-refresh5 adaptive-rank32 sparse-a3 sparse-k128-a3 sparse-k128r-a3 sparse-k128r-a3.5 \
+		sparse-nesterov0.35 sparse4b-a3 sparse-k160r1b-a3 sparse-a4-delayed
 
 # every attack of bench/attacks/ against 5 real nodes (1 and 2 malicious), default defense vs plain mean (~35 min)
 bench-attacks: install
