@@ -271,7 +271,8 @@ def _job(args):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--methods", nargs="+", default=["fp32", "int8", "adaptive-delayed", DEFAULT], choices=sorted(METHODS))
+    ap.add_argument("--methods", nargs="+", default=["fp32", "int8", "adaptive-delayed", DEFAULT],
+                    choices=sorted(METHODS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[7, 8, 9])
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--inner-steps", type=int, default=30)
