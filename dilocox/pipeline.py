@@ -14,7 +14,7 @@ as ``clip_grad_norm_`` does on the whole model.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -89,11 +89,13 @@ class PipelinedInnerLoop(InnerLoop):
             raise PipelineBroken(f"replica all-reduce failed: {e}") from e
         return values
 
-    def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, global_step: int, stop: bool = False) -> float:
+    def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, global_step: int, stop: bool = False,
+                   after_step: Optional[Callable[[float], None]] = None) -> float:
         """One pipelined AdamW step of this stage; returns the replica's loss (nats/token).
 
         ``stop``: this node wants to leave; every stage learns it from ``stop_requested`` after
-        the step, so all of them abandon the round at the same step.
+        the step, so all of them abandon the round at the same step. ``after_step(lr)``: as in
+        ``InnerLoop.inner_step`` (SCAFFOLD's drift correction of this stage's parameters).
         """
         lr = self.config.lr_at(global_step)
         for group in self.inner_optimizer.param_groups:
@@ -106,6 +108,9 @@ class PipelinedInnerLoop(InnerLoop):
         stats = self.all_reduce(torch.stack([local_sq, loss_sum.double(), torch.tensor(float(stop), dtype=f64)]))
         torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, stats[0].sqrt().float())
         self.inner_optimizer.step()
+        if after_step is not None:
+            with torch.no_grad():
+                after_step(lr)
         self.inner_optimizer.zero_grad(set_to_none=True)
         self.stop_requested = bool(stats[2] > 0)
         return float(stats[1]) / self.microbatches

@@ -125,3 +125,13 @@ def test_two_stages_hold_half_the_memory_per_node():
     # params 4 B + AdamW 8 B + theta, momentum, round start 12 B + error feedback 4 B per parameter
     assert whole == 28 * 133_440
     assert sum(halves) == whole and 0.49 < max(halves) / whole < 0.51, (halves, whole)
+
+
+def test_a_stage_takes_the_same_inner_step_arguments_as_a_whole_model():
+    # ReplicaState calls either loop with the same keywords (SCAFFOLD's after_step included): a stage
+    # node that lacked one failed its first inner step
+    import inspect
+
+    from dilocox.pipeline import PipelinedInnerLoop
+    whole, stage = (inspect.signature(c.inner_step).parameters for c in (InnerLoop, PipelinedInnerLoop))
+    assert list(stage) == list(whole)

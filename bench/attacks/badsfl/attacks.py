@@ -272,7 +272,8 @@ class Blackbox:
 
     def __init__(self, shard: vision.ImageShard, knobs: AttackKnobs, missing_classes: list[int], num_classes: int,
                  seed: int):
-        self.shard, self.knobs, self.missing, self.num_classes, self.seed = shard, knobs, missing_classes, num_classes, seed
+        self.shard, self.knobs, self.missing = shard, knobs, missing_classes
+        self.num_classes, self.seed = num_classes, seed
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.shard.next_batch()

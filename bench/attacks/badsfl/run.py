@@ -39,7 +39,8 @@ DEFAULT_DEFENSE = dict(c_mode="derived", rule="centered-clip", norm_bound=2.0)
 SETTINGS = [
     *[Setting(f"fedavg{'' if a == 'none' else '+' + a}", algorithm="fedavg", attack=a)
       for a in ("none", "blackbox", "neurotoxin", "badsfl")],
-    *[Setting(f"scaffold{'' if a == 'none' else '+' + a}", attack=a) for a in ("none", "blackbox", "neurotoxin", "badsfl")],
+    *[Setting(f"scaffold{'' if a == 'none' else '+' + a}", attack=a)
+      for a in ("none", "blackbox", "neurotoxin", "badsfl")],
     Setting("scaffold+badsfl/cclip-nb2", attack="badsfl", rule="centered-clip", norm_bound=2.0),
     Setting("scaffold+badsfl/nb2", attack="badsfl", norm_bound=2.0),
     Setting("scaffold+badsfl/derived", attack="badsfl", c_mode="derived"),

@@ -48,8 +48,17 @@ from typing import Optional
 import numpy as np
 import torch
 
-from bench.attacks.badsfl.attacks import (ATTACKERS, AttackKnobs, RoundContext, SOURCE_CLASS, TARGET_CLASS,
-                                          BRIGHT_QUANTILE, brightness_threshold, natural_trigger_mask, poison_labels)
+from bench.attacks.badsfl.attacks import (
+    ATTACKERS,
+    BRIGHT_QUANTILE,
+    SOURCE_CLASS,
+    TARGET_CLASS,
+    AttackKnobs,
+    RoundContext,
+    brightness_threshold,
+    natural_trigger_mask,
+    poison_labels,
+)
 from bench.attacks.badsfl.client import flatten, local_round, scaffold_hook, unflatten
 from dilocox import robust, vision
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
@@ -169,7 +178,8 @@ class Federation:
         inner_cfg = cfg.inner_config()
         self.inners = [InnerLoop(vision.build_cnn(data.num_classes, cfg.seed), inner_cfg, loss_fn=ImageWorkload.loss_fn)
                        for _ in range(cfg.clients)]
-        if cfg.optimizer == "sgd":  # the paper's local SGD: InnerLoop sets each group's lr per step, any optimizer works
+        # the paper's local SGD: InnerLoop sets each group's lr per step, any optimizer works
+        if cfg.optimizer == "sgd":
             for inner in self.inners:
                 inner.inner_optimizer = torch.optim.SGD(inner.params, lr=cfg.inner_lr, weight_decay=cfg.weight_decay)
         self.outer = OuterOptimizer(self.inners[0].params, **OUTERS[cfg.outer])
@@ -278,4 +288,5 @@ def run_setting(cfg: SimConfig, setting: Setting, cache_dir: Path, data: Optiona
         pta, bta = fed.evaluate()
         curve.append(dict(round=t, pta=pta, bta=bta, injecting=fed.injecting(t) and setting.attack != "none",
                           **{k: v for k, v in info.items() if k != "clients"}))
-    return dict(setting=asdict(setting), curve=curve, data=data.describe(), seconds=round(time.monotonic() - started, 1))
+    seconds = round(time.monotonic() - started, 1)
+    return dict(setting=asdict(setting), curve=curve, data=data.describe(), seconds=seconds)
