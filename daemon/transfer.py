@@ -217,11 +217,12 @@ class StateTransfer:
                 raise ValueError("downloaded control variate does not match the donor's digest")
         if params_digest(theta) != meta.digest:
             raise ValueError("downloaded parameters do not match the donor's digest")
-        vouched = [m.peer_id for m in self.progress.others(max_age_s=0.2)
-                   if (m.outer_step, m.global_params_digest) == (meta.outer_step, meta.digest)]
+        records = self.progress.others(max_age_s=0.2)
+        vouched = [m.peer_id for m in records if (m.outer_step, m.global_params_digest) == (meta.outer_step, meta.digest)]
         if not vouched:  # whoever served it, a member's signed record (certified, in a certified swarm) must hold it
+            held = ", ".join(f"{m.peer_id[-6:]}: {m.outer_step}/{m.global_params_digest}" for m in records)
             raise ValueError(f"no member's record holds the downloaded state (outer step {meta.outer_step}, digest "
-                             f"{meta.digest}): not adopted")
+                             f"{meta.digest}; records hold {held or 'nothing'}): not adopted")
         if self.state.compressor.shared_digest(meta.compression_rank, shared_tensors) != meta.compression_digest:
             raise ValueError("downloaded compression state does not match the donor's digest")
         return DownloadedState(meta, theta, momentum, shared_tensors, control or None)

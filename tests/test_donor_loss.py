@@ -2,7 +2,10 @@
 
 A tiny model with a wide MLP (~0.46 M parameters: theta + outer momentum ~3.7 MB) takes ~3 s to
 download at 10 Mbit/s, so the donor is killed while the bytes are on the wire. The joiner must get
-the state from the other donor and train with the swarm; the surviving donor must not stall.
+the state from the other donor and train with the swarm; the surviving donor must not stall. Rounds
+(240 inner steps, ~12 s) are kept well above the download: a download that spans the survivor's
+outer step is fetched again, and with rounds close to the download time that race is lost for
+minutes (a known limit of the join point, docs/operations.md).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ WIDE = dict(hidden_size=64, intermediate_size=1024, num_hidden_layers=2, num_att
             batch_size=8)
 ARGS = ["--status-addr", "127.0.0.1:0", "--run-id", "donor-loss", "--compression", "int8", "--overlap", "delayed",
         "--request-timeout", "1", "--matchmaking-time", str(MATCHMAKING), "--averaging-timeout", str(AVERAGING_TIMEOUT),
-        "--outer-round-deadline", "30", "--announce-period", "1", "--inner-steps", "120", "--warmup-steps", "5",
+        "--outer-round-deadline", "30", "--announce-period", "1", "--inner-steps", "240", "--warmup-steps", "5",
         "--total-steps", "2000", "--eval-batches", "1"]
 
 
@@ -70,7 +73,7 @@ def test_joiner_survives_a_donor_dying_mid_download(tmp_path):
             survivor = b if donor is a else a
             nodes.remove(donor)
 
-            _poll(lambda: "synced state of outer step" in c.err_path.read_text(), 90, "c to load a state", nodes)
+            _poll(lambda: "synced state of outer step" in c.err_path.read_text(), 150, "c to load a state", nodes)
             log = c.err_path.read_text()
             # The cut stream never became c's state. hivemind either fails it ("Failed to download") or, when
             # the stream just ends, hands over what arrived as a finished download; our checks reject that.
