@@ -218,7 +218,8 @@ class StateTransfer:
         if params_digest(theta) != meta.digest:
             raise ValueError("downloaded parameters do not match the donor's digest")
         records = self.progress.others(max_age_s=0.2)
-        vouched = [m.peer_id for m in records if (m.outer_step, m.global_params_digest) == (meta.outer_step, meta.digest)]
+        held_here = (meta.outer_step, meta.digest)
+        vouched = [m.peer_id for m in records if (m.outer_step, m.global_params_digest) == held_here]
         if not vouched:  # whoever served it, a member's signed record (certified, in a certified swarm) must hold it
             held = ", ".join(f"{m.peer_id[-6:]}: {m.outer_step}/{m.global_params_digest}" for m in records)
             raise ValueError(f"no member's record holds the downloaded state (outer step {meta.outer_step}, digest "
