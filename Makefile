@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality bench-quality-ablations bench-attacks bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality bench-quality-ablations bench-attacks bench-badsfl bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -70,6 +70,11 @@ bench-quality-ablations: install
 # every attack of bench/attacks/ against 5 real nodes (1 and 2 malicious), default defense vs plain mean (~35 min)
 bench-attacks: install
 	$(PY) -m bench.attacks.run
+
+# BadSFL (arXiv 2411.16167) vs black-box and Neurotoxin, FedAvg vs SCAFFOLD, with defenses: 20 clients of
+# label-sharded Fashion-MNIST in one process (bench/attacks/badsfl/run.py; < 60 min on 2 cores)
+bench-badsfl: install
+	$(PY) -m bench.attacks.badsfl.run --workers 2
 
 # every fuzzer with 2,000 cases per target (10 targets: config, gRPC, gathered metadata, states, checkpoints,
 # sparse payloads, certificates, revocation lists) instead of make test's 100
