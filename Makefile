@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality bench-quality-ablations bench-attacks bench-badsfl bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality bench-quality-ablations bench-attacks bench-badsfl bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -55,10 +55,11 @@ bench-stages: install
 bench-faults: install
 	$(PY) -m bench.faults
 
-# validation loss vs tokens: fp32 DiLoCo, 8-bit codes, the old default (PowerSGD, delayed) and the default,
-# 4 in-process replicas, H=30, 100 outer steps, 3 seeds (~75 min on 2 cores)
+# validation loss vs tokens: fp32 DiLoCo, 8-bit codes, the old default (PowerSGD, delayed), sparse with
+# beta 0.95 and the default (beta 0.9); 4 in-process replicas, H=30, 100 outer steps, 3 seeds (~90 min on 2 cores)
 bench-quality: install
-	$(PY) -m bench.quality --methods fp32 int8 adaptive-delayed sparse-k128r-a3.5-centered-clip --seeds 7 8 9
+	$(PY) -m bench.quality --methods fp32 int8 adaptive-delayed sparse-k128r-a3.5-centered-clip \
+		sparse-k128r-a3.5-b0.9-cc --seeds 7 8 9
 
 # one ablation per row (docs/algorithms.md, "Choosing the default"), seed 7 (~3 h on 2 cores)
 bench-quality-ablations: install
@@ -75,6 +76,10 @@ bench-attacks: install
 # label-sharded Fashion-MNIST in one process (bench/attacks/badsfl/run.py; < 60 min on 2 cores)
 bench-badsfl: install
 	$(PY) -m bench.attacks.badsfl.run --workers 2
+
+# a lone node's tokens/s with and without its metrics endpoint scraped back to back (~4 min)
+bench-scrape: install
+	$(PY) -m bench.scrape
 
 # every fuzzer with 2,000 cases per target (10 targets: config, gRPC, gathered metadata, states, checkpoints,
 # sparse payloads, certificates, revocation lists) instead of make test's 100

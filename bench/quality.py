@@ -114,7 +114,7 @@ METHODS = {m.name: m for m in [
 
 
 # the row that is the daemon's default configuration (daemon/config.py; tests/test_quality_bench.py keeps them equal)
-DEFAULT = "sparse-k128r-a3.5-centered-clip"
+DEFAULT = "sparse-k128r-a3.5-b0.9-cc"
 
 
 def daemon_flags(m: Method) -> list[str]:

@@ -121,7 +121,8 @@ class NodeConfig(BaseModel):
     sparse_chunk: int = Field(4096, ge=2, lt=2**32, description="sparse: values per chunk")
     sparse_topk: int = Field(128, ge=1, description="sparse: values sent per chunk")
     sparse_bits: int = Field(2, description="sparse: bits per sent value (1: a sign, 2, 4 or 8)")
-    sparse_beta: float = Field(0.95, ge=0, le=1, description="sparse: error-feedback decay per outer step")
+    sparse_beta: float = Field(0.9, ge=0, le=1, description="sparse: error-feedback decay per outer step "
+                                "(0.9: measured, docs/algorithms.md)")
     sparse_rice: bool = Field(True, description="sparse: Rice-coded index gaps (else fixed-width indices)")
     aggregation: Optional[Literal["mean", "centered-clip", "trimmed-mean", "median"]] = Field(
         None, description="how a sparse round's contributions are combined (dilocox/robust.py; default: "

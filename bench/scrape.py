@@ -1,0 +1,88 @@
+"""``make bench-scrape``: what scraping the metrics endpoint costs a training node.
+
+Two lone ``tiny`` nodes run one after the other for the same number of outer steps (H = 50,
+synchronous, one thread each): one untouched, one scraped back to back (1,000 scrapes or more,
+each parsed with prometheus_client's parser). Reports scrape errors, the median and p99 latency,
+and the median tokens/s of the rounds of each run (the daemon's own per-round figure).
+
+    python -m bench.scrape --outer-steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.localswarm import REPO, LocalNode, leave_all
+
+ARGS = ["--model", "tiny", "--inner-steps", "50", "--warmup-steps", "5", "--min-replicas", "1",
+        "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0",
+        "--announce-period", "2", "--eval-batches", "1"]
+
+
+def scrape_loop(url: str, stop: threading.Event, out: dict) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    while not stop.is_set():
+        t = time.monotonic()
+        try:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            families = {f.name for f in text_string_to_metric_families(text)}
+            if "dilocox_outer_step" not in families:
+                raise ValueError("dilocox_outer_step missing")
+            out["latencies"].append(time.monotonic() - t)
+        except Exception as e:  # counted: the figure is how many scrapes fail
+            out["errors"].append(repr(e))
+
+
+def run_one(workdir: Path, outer_steps: int, scrape: bool) -> dict:
+    node = LocalNode("scraped" if scrape else "quiet", workdir, ARGS + ["--run-id", f"scrape-{int(scrape)}"])
+    node.wait_started()
+    out: dict = dict(latencies=[], errors=[])
+    stop = threading.Event()
+    try:
+        if scrape:
+            url = next(line.split()[-1] for line in node.out_path.read_text().splitlines()
+                       if line.startswith("metrics:"))
+            thread = threading.Thread(target=scrape_loop, args=(url, stop, out), daemon=True)
+            thread.start()
+        node.wait_for(lambda n: len(n.metrics()) >= outer_steps, 60 * outer_steps, f"{outer_steps} outer steps")
+    finally:
+        stop.set()
+        leave_all([node])
+    rounds = node.metrics()[1:]  # the first round holds the start-up
+    return dict(scrape=scrape, tokens_per_second=statistics.median(r["tokens_per_second"] for r in rounds),
+                scrapes=len(out["latencies"]), errors=len(out["errors"]), first_errors=out["errors"][:3],
+                median_ms=1000 * statistics.median(out["latencies"]) if out["latencies"] else None,
+                p99_ms=1000 * sorted(out["latencies"])[int(0.99 * len(out["latencies"]))] if out["latencies"] else None)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--outer-steps", type=int, default=6)
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "scrape.json")
+    a = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="dilocox-scrape-"))
+    try:
+        quiet = run_one(work / "quiet", a.outer_steps, scrape=False)
+        scraped = run_one(work / "scraped", a.outer_steps, scrape=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ratio = scraped["tokens_per_second"] / quiet["tokens_per_second"]
+    report = dict(quiet=quiet, scraped=scraped, tokens_per_second_ratio=round(ratio, 4))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=1))
+    print(f"{scraped['scrapes']} scrapes, {scraped['errors']} errors, median {scraped['median_ms']:.1f} ms, "
+          f"p99 {scraped['p99_ms']:.1f} ms; tokens/s median {quiet['tokens_per_second']:.0f} quiet vs "
+          f"{scraped['tokens_per_second']:.0f} scraped ({100 * (ratio - 1):+.1f}%) -> {a.out}")
+
+
+if __name__ == "__main__":
+    main()
