@@ -131,6 +131,7 @@ class Swarm:
         self.peer_id = self.dht.peer_id.to_base58()
         self._lock = threading.Lock()  # one DHT pipe shared by our threads
         self._cache = None  # (monotonic time, the last DHT read of the records)
+        self._seen: Dict[bytes, object] = {}  # subkey -> the newest unexpired ValueWithExpiration read
 
     async def replicate_p2p(self):
         """A P2P client on this node's p2pd (hivemind's public ``DHT.replicate_p2p``), for RPC handlers of
@@ -160,13 +161,20 @@ class Swarm:
             else:
                 found = self.dht.get(self.key, latest=True)
                 self._cache = (now_m, found)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        now, out = get_dht_time(), []
-        for subkey, item in found.value.items():
-            value = getattr(item, "value", None)
-            if value is None:
-                continue
+                # A read can miss records that have not expired (it merges the subkeys of the DHT peers it
+                # reached, and those need not hold every record, e.g. a peer that has just joined). A record
+                # seen once counts until its expiration, as the DHT itself keeps it.
+                if found is not None and isinstance(found.value, dict):
+                    for subkey, item in found.value.items():
+                        if getattr(item, "value", None) is not None and (
+                                subkey not in self._seen or item.expiration_time > self._seen[subkey].expiration_time):
+                            self._seen[subkey] = item
+            now = get_dht_time()
+            self._seen = {k: v for k, v in self._seen.items() if v.expiration_time > now}
+            seen = dict(self._seen)
+        out = []
+        for subkey, item in seen.items():
+            value = item.value
             try:
                 record = MemberRecord.parse_obj(value)
             except pydantic.ValidationError:
