@@ -164,6 +164,9 @@ def main(argv=None) -> int:
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--inner-lr", default="2e-3")
     p.add_argument("--ddp-seconds", type=float, default=60, help="DDP wall-time cap below the fastest rate")
+    p.add_argument("--ddp-capped", action="store_true",
+                   help="cap DDP at --ddp-seconds at every rate, the fastest too (bytes/token and tokens/s only; "
+                        "DDP's loss at equal tokens is then not measured)")
     p.add_argument("--dilocox-args", default="", help="extra dilocox-node flags for (d), e.g. '--rank-max 32'")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     args = p.parse_args(argv)
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
             for name in args.runs:
                 started = time.monotonic()
                 if name == "a_ddp":
-                    full = rate == max(args.rates)
+                    full = rate == max(args.rates) and not args.ddp_capped
                     res = run_ddp(net, args, args.outer_steps * args.inner_steps, 0 if full else args.ddp_seconds)
                 else:
                     extra = VARIANTS[name] + (args.dilocox_args.split() if name == "d_dilocox" else [])
@@ -190,7 +193,10 @@ def main(argv=None) -> int:
                 (args.out / "compare.json").write_text(json.dumps(dict(rows=rows), indent=2))
     full_ddp = next((r for r in rows if r["run"] == "a_ddp" and r.get("full")), None)
     for r in rows:
-        r["val_loss_equal_tokens"] = full_ddp["val_loss"] if r["run"] == "a_ddp" and full_ddp else r["val_loss"]
+        if r["run"] == "a_ddp":  # a capped DDP run stopped early: its own loss is not at equal tokens
+            r["val_loss_equal_tokens"] = full_ddp["val_loss"] if full_ddp else float("nan")
+        else:
+            r["val_loss_equal_tokens"] = r["val_loss"]
         ddp = next((x for x in rows if x["run"] == "a_ddp" and x["rate_mbit"] == r["rate_mbit"]), None)
         if ddp:
             r["speedup_vs_ddp"] = r["tokens_per_s"] / ddp["tokens_per_s"]
