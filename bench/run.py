@@ -38,19 +38,30 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels, compute, comm = [], [], []
+    labels, compute, comm, first_val, last_val = [], [], [], [], []
     for r in results:
         for name, s in r["nodes"].items():
             labels.append(f"{r['replicas']}x {r['overlap']} {name}")
             compute.append(s["median_compute_s"])
             comm.append(s["median_wait_s"])
-    fig, ax = plt.subplots(figsize=(8, 4))
+            first_val.append(s["first_val_loss"])
+            last_val.append(s["last_val_loss"])
+    fig, (ax, qx) = plt.subplots(1, 2, figsize=(13, 4.5))
     ax.bar(labels, compute, label="inner steps (compute)")
     ax.bar(labels, comm, bottom=compute, label="blocked on averaging (matchmaking + all-reduce)")
     ax.set_ylabel("seconds per outer step (median)")
     ax.set_title("DiLoCo rounds on loopback, small model, H=20")
     ax.legend()
-    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    # the quality panel: validation loss of theta after the first and the last outer step, per node
+    xs = range(len(labels))
+    qx.bar([x - 0.2 for x in xs], first_val, width=0.4, label="after the first outer step")
+    qx.bar([x + 0.2 for x in xs], last_val, width=0.4, label="after the last outer step")
+    qx.set_xticks(list(xs), labels)
+    qx.set_ylabel("validation loss (nats/byte)")
+    qx.set_title("quality")
+    qx.legend()
+    for a in (ax, qx):
+        plt.setp(a.get_xticklabels(), rotation=30, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
