@@ -9,6 +9,7 @@ A record expires ``ttl_s`` after it was stored; a node that stops refreshing dro
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
@@ -130,7 +131,7 @@ class Swarm:
             raise JoinError(f"could not start or join the DHT ({', '.join(initial_peers) or 'new swarm'}): {e}") from e
         self.peer_id = self.dht.peer_id.to_base58()
         self._lock = threading.Lock()  # one DHT pipe shared by our threads
-        self._cache = None  # (monotonic time, the last DHT read of the records)
+        self._read_at = -math.inf  # monotonic time of the last DHT read of the records
         self._seen: Dict[bytes, object] = {}  # subkey -> the newest unexpired ValueWithExpiration read
 
     async def replicate_p2p(self):
@@ -145,7 +146,7 @@ class Swarm:
 
     def publish(self, record: MemberRecord) -> bool:
         with self._lock:
-            self._cache = None  # the next read sees our own new record
+            self._read_at = -math.inf  # the next read sees our own new record
             return bool(self.dht.store(self.key, subkey=self.public_key, value=record.dict(),
                                        expiration_time=get_dht_time() + self.ttl_s))
 
@@ -156,11 +157,9 @@ class Swarm:
         included), so reads are shared: one made less than ``max_age_s`` seconds ago is reused."""
         with self._lock:
             now_m = time.monotonic()
-            if self._cache is not None and now_m - self._cache[0] < max_age_s:
-                found = self._cache[1]
-            else:
+            if now_m - self._read_at >= max_age_s:
                 found = self.dht.get(self.key, latest=True)
-                self._cache = (now_m, found)
+                self._read_at = now_m
                 # A read can miss records that have not expired (it merges the subkeys of the DHT peers it
                 # reached, and those need not hold every record, e.g. a peer that has just joined). A record
                 # seen once counts until its expiration, as the DHT itself keeps it.
