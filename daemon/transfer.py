@@ -135,10 +135,13 @@ class StateTransfer:
         deadline = time.monotonic() + cfg.sync_deadline if cfg.sync_deadline else float("inf")
         first_seen, waited_for_result, backoff = time.monotonic(), False, 0.5
 
-        def failed(reason: str) -> None:
-            nonlocal backoff
+        def attempted(reason: str) -> None:
             self.attempts += 1
             self.on_attempt(reason, self.attempts)
+
+        def failed(reason: str) -> None:
+            nonlocal backoff
+            attempted(reason)
             time.sleep(backoff)
             backoff = min(10.0, 2 * backoff)
 
@@ -179,8 +182,7 @@ class StateTransfer:
                                waited_for_result=waited_for_result)
             if point.kind == JoinKind.WAIT:
                 logger.info("%s", point.reason)
-                self.attempts += 1
-                self.on_attempt(point.reason, self.attempts)
+                attempted(point.reason)
                 if point.wait_for == WaitFor.OUTER_STEP and not keep_round:
                     waited_for_result = True  # the donor's mid-round result: waited for once only
                 timeout = (3 if point.wait_for == WaitFor.NEXT_ROUND else 1) * cfg.outer_round_deadline
