@@ -156,7 +156,7 @@ class Node:
         if self.staged:
             self.pipeline = PipelineReplica(cfg, self.state, self.progress, shard_key)
         self.transfer = StateTransfer(cfg, self.state, self.progress, self._donor_progress,
-                                      self.leave_requested.is_set)
+                                      self.leave_requested.is_set, self.workload.samples_per_step)
         self.transfer.on_attempt = lambda reason, n: self.board.update(sync_reason=reason, sync_attempts=n)
         self.state.snapshot()
         # one averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors), or one

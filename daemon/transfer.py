@@ -29,6 +29,7 @@ from dilocox.consensus import (
     WaitFor,
     current_join,
     join_point,
+    late_steps,
     no_donor_join,
     wait_satisfied,
 )
@@ -74,8 +75,10 @@ class StateTransfer:
     ``donor_progress()`` -> (state name, inner step) of this node, put in the served metadata."""
 
     def __init__(self, cfg: NodeConfig, state: ReplicaState, progress: ProgressTracker,
-                 donor_progress: Callable[[], tuple[str, int]], cancelled: Callable[[], bool]):
+                 donor_progress: Callable[[], tuple[str, int]], cancelled: Callable[[], bool],
+                 samples_per_step: int = 0):
         self.cfg, self.state, self.progress = cfg, state, progress
+        self.samples_per_step = samples_per_step  # tokens (or images) per inner step: a donor's step time
         self._donor_progress, self._cancelled = donor_progress, cancelled
         self.averager: Optional[PseudoGradientAverager] = None  # set by attach()
         self._busy_until = 0.0  # monotonic time until which we serve no other joiner
@@ -133,7 +136,7 @@ class StateTransfer:
         self.attempts = 0
         transfer_s = self.transfer_s()
         deadline = time.monotonic() + cfg.sync_deadline if cfg.sync_deadline else float("inf")
-        first_seen, waited_for_result, backoff = time.monotonic(), False, 0.5
+        first_seen, waited_for_result, backoff, late_waits = time.monotonic(), False, 0.5, 0
 
         def attempted(reason: str) -> None:
             self.attempts += 1
@@ -179,12 +182,15 @@ class StateTransfer:
             point = join_point(DonorMeta(meta.outer_step, meta.donor_state, meta.donor_inner_step, meta.donor_round,
                                          meta.donor_peer_id), live, inner_steps=st.H, our_round=st.round,
                                keep_round=keep_round, early_apply=cfg.overlap == "delayed" and cfg.num_stages == 1,
-                               waited_for_result=waited_for_result)
+                               waited_for_result=waited_for_result,
+                               # twice at most: where a download always lands late (a slow link), join anyway
+                               late=self._late_steps(live) if late_waits < 2 else 0)
             if point.kind == JoinKind.WAIT:
                 logger.info("%s", point.reason)
                 attempted(point.reason)
                 if point.wait_for == WaitFor.OUTER_STEP and not keep_round:
                     waited_for_result = True  # the donor's mid-round result: waited for once only
+                late_waits += point.late
                 timeout = (3 if point.wait_for == WaitFor.NEXT_ROUND else 1) * cfg.outer_round_deadline
                 self.progress.wait(lambda others, p=point: wait_satisfied(p, others), timeout, self._cancelled)
                 continue
@@ -193,6 +199,15 @@ class StateTransfer:
                 continue
             return point, downloaded
         return JoinPoint(JoinKind.WAIT, reason="asked to leave"), None
+
+    def _late_steps(self, live) -> int:
+        """The donor's round's last inner steps in which its group forms (synchronous sparse rounds of whole
+        models match early: daemon/node.py); 0 where groups form at the round's end or the pace is unknown."""
+        cfg = self.cfg
+        if cfg.compression != "sparse" or cfg.overlap != "none" or cfg.num_stages > 1 or live is None:
+            return 0
+        step_s = self.samples_per_step / live.tokens_per_second if live.tokens_per_second > 0 else 0.0
+        return late_steps(self.state.H, step_s, cfg.matchmaking_time + cfg.request_timeout)
 
     def validate(self, raw_meta, tensors: list) -> DownloadedState:
         """Check a donor's state against ours; raises ValueError / ValidationError naming the problem."""

@@ -9,6 +9,7 @@ the rules in prose. ``PeerProgress`` is whatever carries a member's published pr
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
@@ -129,7 +130,8 @@ class JoinPoint:
     steps of it already done by the swarm; ``keep_round``: the local progress of the current round
     is kept (re-based onto the new theta) and its pseudo-gradient is still ours to send;
     ``outer_step``: the outer step the node holds afterwards (ALONE may adopt round - 1);
-    ``wait_for``/``after_step``: for WAIT, the condition on other members' records."""
+    ``wait_for``/``after_step``: for WAIT, the condition on other members' records; ``late``: WAIT
+    because the round's group already forms (``late_steps``)."""
 
     kind: JoinKind
     round: int = 0
@@ -139,6 +141,7 @@ class JoinPoint:
     wait_for: Optional[WaitFor] = None
     after_step: int = 0
     reason: str = ""
+    late: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,14 +189,29 @@ def donor_progress(meta: DonorMeta, live: Optional[PeerProgress], inner_steps: i
     return min(max(meta.donor_inner_step, live.inner_step), inner_steps - 1)
 
 
+def late_steps(inner_steps: int, step_s: float, window_s: float) -> int:
+    """How many of a round's last inner steps its group already forms in: synchronous sparse rounds begin
+    matchmaking once their inner steps have ``window_s`` seconds left (matchmaking_time + request_timeout,
+    daemon/node.py), so a replica that starts later in the round cannot make its group.
+
+    ``step_s``: seconds per inner step (0 or less: unknown, returns 0). Capped at half a round, so a
+    joiner always has rounds it can join however fast the swarm steps."""
+    if step_s <= 0:
+        return 0
+    return min(inner_steps // 2, math.ceil(window_s / step_s))
+
+
 def join_point(meta: DonorMeta, live: Optional[PeerProgress], *, inner_steps: int, our_round: int,
-               keep_round: bool, early_apply: bool, waited_for_result: bool) -> JoinPoint:
+               keep_round: bool, early_apply: bool, waited_for_result: bool, late: int = 0) -> JoinPoint:
     """The join-point rule for a downloaded state.
 
     ``live``: the donor's current membership record (None if not seen); ``keep_round``: we finished
     this round's compute and need the parameters it starts from (outer step our_round - 1);
     ``early_apply``: donors apply a round's outer step mid-round (delayed overlap, whole-model nodes);
-    ``waited_for_result``: we already waited once for a donor's mid-round result.
+    ``waited_for_result``: we already waited once for a donor's mid-round result; ``late``: the round's
+    last inner steps in which its group forms (``late_steps``): a joiner that would start there waits for
+    the next round instead (it would miss the group, find the round gone on without it and re-sync: on a
+    busy machine, again and again).
     """
     if not keep_round and (meta.donor_state == AVERAGING or meta.donor_inner_step >= inner_steps):
         # the next round has begun once a member trains in it (outer_step may advance before that)
@@ -214,8 +232,12 @@ def join_point(meta: DonorMeta, live: Optional[PeerProgress], *, inner_steps: in
     if skip is None:
         return JoinPoint(JoinKind.REFETCH, reason=f"the donor finished round {meta.donor_round} during the "
                                                   f"download; fetching a newer state")
-    return JoinPoint(JoinKind.DOWNLOAD, round=our_round if keep else max(meta.donor_round, meta.outer_step + 1),
-                     skip=skip, keep_round=keep, outer_step=meta.outer_step)
+    round_ = our_round if keep else max(meta.donor_round, meta.outer_step + 1)
+    if not keep and skip > 0 and skip >= inner_steps - late:
+        return JoinPoint(JoinKind.WAIT, wait_for=WaitFor.NEXT_ROUND, after_step=round_, late=True,
+                         reason=f"donor is at inner step {skip} of {inner_steps}: round {round_}'s group is "
+                                f"already forming; waiting for the next round")
+    return JoinPoint(JoinKind.DOWNLOAD, round=round_, skip=skip, keep_round=keep, outer_step=meta.outer_step)
 
 
 def wait_satisfied(point: JoinPoint, others: Sequence[PeerProgress]) -> bool:

@@ -21,6 +21,7 @@ from dilocox.consensus import (
     in_round,
     join_point,
     judge_result,
+    late_steps,
     no_donor_join,
     round_start_action,
     wait_satisfied,
@@ -167,3 +168,20 @@ def test_keep_round_needs_exactly_the_previous_step():
     # the donor is further ahead: our round is lost, join the donor's round
     ahead = plan(meta(outer_step=6, donor_round=7), Peer("a", round=7, inner_step=9), keep_round=True, our_round=5)
     assert (ahead.keep_round, ahead.round, ahead.skip) == (False, 7, 9)
+
+
+def test_join_waits_for_the_next_round_when_its_group_is_forming():
+    # synchronous sparse rounds match during their last inner steps: a joiner starting there misses the group
+    assert late_steps(H, step_s=0.5, window_s=3.0) == 6 and late_steps(H, 0.0, 3.0) == 0
+    assert late_steps(H, step_s=0.01, window_s=3.0) == H // 2  # fast steps: still half a round to join in
+    point = plan(meta(donor_inner_step=H - 6), late=6)
+    assert (point.kind, point.wait_for, point.after_step) == (JoinKind.WAIT, WaitFor.NEXT_ROUND, 5)
+    assert point.late and "group is already forming" in point.reason
+    assert not plan(meta(donor_state="AVERAGING"), late=6).late
+    assert plan(meta(donor_inner_step=H - 7), late=6).kind == JoinKind.DOWNLOAD
+    # the donor went on during the transfer: its live step counts
+    assert plan(meta(donor_inner_step=2), Peer("a", round=5, inner_step=H - 1), late=6).kind == JoinKind.WAIT
+    assert plan(meta(donor_inner_step=0), late=H).kind == JoinKind.DOWNLOAD  # a round's start is always joinable
+    # keeping our round (we computed it) never waits for the next one
+    assert plan(meta(outer_step=4, donor_inner_step=H - 1), keep_round=True, our_round=5, late=6).kind == \
+        JoinKind.DOWNLOAD

@@ -19,7 +19,9 @@ FP32_BYTES = 133_440 * 4  # the tiny preset's parameters in fp32
 
 
 def test_defaults_with_a_malformed_peer_a_sign_flipper_and_a_joiner(tmp_path):
-    args = FAST + ["--run-id", "defaults", "--min-replicas", "4"]
+    # rounds of 40 inner steps (~5 s here) outlast the early matchmaking window (3 s) with room to spare, as
+    # production rounds do by far; with 20, a joiner a second behind the swarm could miss group after group
+    args = FAST + ["--run-id", "defaults", "--min-replicas", "4", "--inner-steps", "40"]
     a = start(tmp_path, "a", args + ["--metrics-addr", "127.0.0.1:0"])
     b = start(tmp_path, "b", args + ["--join", a.join_maddr, "--log-format", "json"])
     # a node that announces and serves malformed payloads: truncated, oversized, out-of-range index by round

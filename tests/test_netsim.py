@@ -65,6 +65,9 @@ def test_two_nodes_train_over_a_10_mbit_link(tmp_path):
         for i in range(2):
             a = list(args)
             a[a.index("--listen") + 1] = f"/ip4/{net.address(i)}/tcp/0"
+            # FAST's 1 s request timeout is tight for a queued 10 Mbit link on a busy 2-core machine (a round's
+            # all-reduce timed out in CI); these stay far below the defaults (5 s, 15 s)
+            a[a.index("--request-timeout") + 1], a[a.index("--matchmaking-time") + 1] = "2", "3"
             if nodes:
                 a += ["--join", nodes[0].join_maddr]
             nodes.append(LocalNode(f"h{i}", tmp_path / f"h{i}", a, wrapper=net.wrapper(i)).wait_started())
