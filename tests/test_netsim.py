@@ -54,20 +54,17 @@ def test_bad_arguments():
 
 
 def test_two_nodes_train_over_a_10_mbit_link(tmp_path):
-    """The whole stack over shaped links with the defaults (delayed overlap, adaptive compression):
-    equal digests at every outer step, and payloads at least 10x below fp32 once scales are known."""
+    """The whole stack over shaped links with the defaults (synchronous rounds whose sparse 2-bit
+    contributions are all-gathered): joint rounds, equal digests at every outer step, and payloads
+    over 100x below fp32."""
     from tests.helpers import FAST, LocalNode, digests_by_step
 
     with NetSim(2, 10, prefix="dlxn") as net:
-        args = FAST + ["--overlap", "delayed", "--compression", "adaptive", "--min-replicas", "2",
-                       "--max-outer-steps", "6", "--run-id", "slow"]
+        args = FAST + ["--min-replicas", "2", "--max-outer-steps", "6", "--run-id", "slow"]
         nodes = []
         for i in range(2):
             a = list(args)
             a[a.index("--listen") + 1] = f"/ip4/{net.address(i)}/tcp/0"
-            # FAST's 1 s request timeout is tight for a queued 10 Mbit link on a busy 2-core machine (a round's
-            # all-reduce timed out in CI); these stay far below the defaults (5 s, 15 s)
-            a[a.index("--request-timeout") + 1], a[a.index("--matchmaking-time") + 1] = "2", "3"
             if nodes:
                 a += ["--join", nodes[0].join_maddr]
             nodes.append(LocalNode(f"h{i}", tmp_path / f"h{i}", a, wrapper=net.wrapper(i)).wait_started())
@@ -79,15 +76,12 @@ def test_two_nodes_train_over_a_10_mbit_link(tmp_path):
                 n.terminate()
         assert codes == [0, 0], [n.log_tail() for n in nodes]
         rows = [n.metrics() for n in nodes]
-        # hivemind's butterfly over a queued shaped link sometimes returns a partial result ("received 0.0%
-        # results"): that round is skipped by both, or applied alone and re-synced (docs/operations.md, Known
-        # hazards); replicas must agree at every outer step all the same, and most rounds must be joint
-        joint = [r["outer_step"] for r in rows[0] if r["group_size"] == 2 and r["outcome"] == "applied"]
-        assert len(joint) >= 4, rows[0]
+        # a round may fail over a busy shaped link (it is then skipped by both, or applied alone and re-synced:
+        # docs/operations.md, Known hazards); replicas agree at every outer step all the same
+        joint = [r for r in rows[0] + rows[1] if r["group_size"] == 2 and r["outcome"] == "applied"]
+        assert len(joint) >= 8, rows
         assert all(len(d) == 1 for d in digests_by_step(nodes).values())
         fp32 = 133_440 * 4  # the tiny model's pseudo-gradient in fp32
-        for r in rows[0] + rows[1]:
-            assert r["bits"] == 8 and 1 <= r["rank"] <= 8 and r["compression_ratio"] > 1
-            assert r["bytes_sent"] < 2 * (1 / 2) * fp32  # below an fp32 butterfly, fp32 deltas back included
-        # until a round is applied jointly there are no shared scales (fp32 exact path); then 8-bit low-rank codes
-        assert all(r["payload_bytes"] * 10 <= fp32 for r in rows[0] + rows[1] if r["outer_step"] > joint[0]), rows
+        for r in joint:
+            assert r["bits"] == 2 and r["rank"] == 0 and 100 * r["payload_bytes"] <= fp32, r
+            assert 10 * r["bytes_sent"] < fp32, r  # our payload to one peer, and the group's metadata
