@@ -68,9 +68,11 @@ def judge_result(mine: str, results: Dict[str, str], members: Optional[int] = No
 
 
 def in_round(others: Sequence[PeerProgress], r: int, delayed: bool) -> List[PeerProgress]:
-    """Other replicas that take part in the all-reduce of round r. With delayed overlap a replica
-    whose round r all-reduce is in flight already computes round r + 1."""
-    window = (r, r + 1) if delayed else (r,)
+    """Other replicas that take part in the all-reduce of round r, or are about to: a replica whose
+    record still shows round r - 1 (finishing its all-reduce, or a record a moment old) starts round r
+    next, so nobody goes solo or gives up on it. With delayed overlap a replica whose round r all-reduce
+    is in flight already computes round r + 1."""
+    window = (r - 1, r, r + 1) if delayed else (r - 1, r)
     return [m for m in others if m.state in ACTIVE_STATES and m.round in window]
 
 

@@ -71,6 +71,9 @@ def test_solo_only_when_nobody_could_take_part():
     # delayed: a replica already computing round 6 still averages round 5
     assert round_start_action([Peer(round=6)], 5, delayed=True) == StartAction.ALLREDUCE
     assert round_start_action([Peer(round=6)], 5, delayed=False) == StartAction.SOLO
+    # a replica whose record still shows the previous round comes next: going solo would split the round
+    assert round_start_action([Peer(round=4, state="AVERAGING")], 5, delayed=False) == StartAction.ALLREDUCE
+    assert round_start_action([Peer(round=3)], 5, delayed=False) == StartAction.SOLO
     # a whole-model replica that is syncing may start this round: wait for it in matchmaking
     assert round_start_action([Peer(state="SYNCING", round=3)], 5, delayed=False) == StartAction.ALLREDUCE
     # a syncing stage node waits for its replica's other stages: not counted on
@@ -86,9 +89,11 @@ def test_round_already_applied_by_others_needs_resync():
 
 
 def test_in_round_window():
-    peers = [Peer("a", round=5), Peer("b", round=6), Peer("c", round=7), Peer("d", round=5, state="SYNCING")]
-    assert [p.peer_id for p in in_round(peers, 5, delayed=False)] == ["a"]
-    assert [p.peer_id for p in in_round(peers, 5, delayed=True)] == ["a", "b"]
+    peers = [Peer("a", round=5), Peer("b", round=6), Peer("c", round=7), Peer("d", round=5, state="SYNCING"),
+             Peer("e", round=4), Peer("f", round=3)]
+    # e still finishes round 4 (or its record is a moment old): it starts round 5 next
+    assert [p.peer_id for p in in_round(peers, 5, delayed=False)] == ["a", "e"]
+    assert [p.peer_id for p in in_round(peers, 5, delayed=True)] == ["a", "b", "e"]
 
 
 # ---------------------------------------------------------------- joining
