@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality bench-quality-ablations bench-attacks bench-badsfl bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality bench-quality-ablations bench-quality-swarm bench-attacks bench-badsfl bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -67,6 +67,10 @@ bench-quality-ablations: install
 		adaptive-delayed adaptive-noef adaptive-sgd1 adaptive-dense-embed adaptive-warmup10 adaptive-power2 \
 		adaptive-refresh5 adaptive-rank32 sparse-a3 sparse-k128-a3 sparse-k128r-a3 sparse-k128r-a3.5 \
 		sparse-nesterov0.35 sparse4b-a3 sparse-k160r1b-a3 sparse-a4-delayed
+
+# one bench-quality curve (the default, seed 7) confirmed with 4 real dilocox-node processes, 20 outer steps
+bench-quality-swarm: install
+	$(PY) -m bench.quality_swarm --replicas 4 --inner-steps 30 --outer-steps 20 --seed 7
 
 # every attack of bench/attacks/ against 5 real nodes (1 and 2 malicious), default defense vs plain mean (~35 min)
 bench-attacks: install
