@@ -47,6 +47,17 @@ class NodeConfig(BaseModel):
     def num_stages(self) -> int:
         return int(self.stage.split("/")[1])
 
+    @property
+    def matches_early(self) -> bool:
+        """Rounds form their group during their last inner steps: synchronous sparse rounds of whole models
+        (the all-gather needs nothing of the butterfly's per-phase data)."""
+        return self.compression == "sparse" and self.overlap == "none" and self.num_stages == 1
+
+    @property
+    def early_window_s(self) -> float:
+        """Seconds before a round's inner steps end at which its early matchmaking begins."""
+        return self.matchmaking_time + self.request_timeout
+
     # swarm and identity
     run_id: str = Field("dilocox", pattern=r"^[A-Za-z0-9_-]{1,64}$",
                         description="swarm name; nodes with another run_id never average with us")

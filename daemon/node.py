@@ -330,7 +330,7 @@ class Node:
             if not self.staged and self.rounds.early_wanted():
                 # form the round's group during its last inner steps: matchmaking takes matchmaking_time
                 eta_s = (self.H - i - 1) * x.numel() / ema
-                if eta_s <= self.cfg.matchmaking_time + self.cfg.request_timeout:
+                if eta_s <= self.cfg.early_window_s:
                     self.rounds.begin_early(self.H - skip, time.monotonic() - start + eta_s, eta_s)
         return losses, time.monotonic() - start, skip
 

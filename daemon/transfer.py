@@ -203,11 +203,10 @@ class StateTransfer:
     def _late_steps(self, live) -> int:
         """The donor's round's last inner steps in which its group forms (synchronous sparse rounds of whole
         models match early: daemon/node.py); 0 where groups form at the round's end or the pace is unknown."""
-        cfg = self.cfg
-        if cfg.compression != "sparse" or cfg.overlap != "none" or cfg.num_stages > 1 or live is None:
+        if not self.cfg.matches_early or live is None:
             return 0
         step_s = self.samples_per_step / live.tokens_per_second if live.tokens_per_second > 0 else 0.0
-        return late_steps(self.state.H, step_s, cfg.matchmaking_time + cfg.request_timeout)
+        return late_steps(self.state.H, step_s, self.cfg.early_window_s)
 
     def validate(self, raw_meta, tensors: list) -> DownloadedState:
         """Check a donor's state against ours; raises ValueError / ValidationError naming the problem."""
