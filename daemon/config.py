@@ -139,8 +139,8 @@ class NodeConfig(BaseModel):
         None, description="how a sparse round's contributions are combined (dilocox/robust.py; default: "
                           "centered-clip for sparse, mean otherwise)")
     norm_bound: Optional[float] = Field(None, ge=0, description="sparse: clip each contribution to this multiple of "
-                                                                "the group's median norm first (0: off; default: 2 "
-                                                                "for sparse, 0 otherwise)")
+                                                                "the group's lower median norm first (0: off; "
+                                                                "default: 2 for sparse, 0 otherwise)")
     rank_min: int = Field(1, ge=1, description="adaptive: lowest PowerSGD rank")
     rank_max: int = Field(8, ge=1, description="adaptive: highest PowerSGD rank (also the first round's)")
     rank_energy: float = Field(0.5, gt=0, le=1,

@@ -3,8 +3,9 @@
 Every member of an all-gather round (peers/allgather.py) holds the same accepted contributions
 and runs the same rule here, so all get the same bits; a member that disagrees is caught by the
 result digests (docs/protocol.md). The rules (``--aggregation``), after **norm bounding** (each
-contribution scaled down to at most ``norm_bound`` times the median norm of the group's
-contributions; Sun et al., arXiv 1911.07963, with the median as the data-driven bound):
+contribution scaled down to at most ``norm_bound`` times the lower median norm of the group's
+contributions; Sun et al., arXiv 1911.07963, with the median as the data-driven bound; the lower
+middle value, so that in a pair with one attacker the bound is the smaller norm, not their mean):
 
 * ``mean``: the weighted mean (weights = inner steps), what DiLoCo averages;
 * ``centered-clip``: CenteredClip (Karimireddy et al., arXiv 2012.10333; as used by BTARD,
@@ -92,9 +93,10 @@ def centered_clip(rows: list[torch.Tensor], weights: list[float], iterations: in
 
 
 def bound_norms(rows: list[torch.Tensor], norm_bound: float) -> tuple[list[torch.Tensor], list[float]]:
-    """Scale each row to at most ``norm_bound`` x the median norm; returns (rows, the scale of each)."""
+    """Scale each row to at most ``norm_bound`` x the lower median norm (k odd: the median; k = 2: the
+    smaller, so one of two cannot raise the bound by scaling itself); returns (rows, the scale of each)."""
     norms = [norm(r) for r in rows]
-    limit = norm_bound * float(np.median(norms))
+    limit = norm_bound * sorted(norms)[(len(norms) - 1) // 2]
     scales = [min(1.0, limit / n) if n > 0 else 1.0 for n in norms]
     return [r * s if s < 1.0 else r for r, s in zip(rows, scales)], scales
 
@@ -104,7 +106,7 @@ def aggregate(vectors: Mapping[str, torch.Tensor], weights: Mapping[str, float],
     """The group's aggregate of ``vectors`` (peer_id -> flat float64 tensor, all of one length) under ``rule``.
 
     ``weights``: peer_id -> finite weight > 0 (validated by the caller). ``norm_bound``: multiple of the
-    median norm each contribution is clipped to (0 or inf: no bounding). Returns (float64 vector,
+    lower median norm each contribution is clipped to (0 or inf: no bounding). Returns (float64 vector,
     report: {"clipped": {peer: scale < 1}, "rule": value}). Raises ValueError on no vectors or an
     unknown rule."""
     rule = Aggregation(rule)

@@ -54,6 +54,18 @@ def test_norm_bounding_clips_to_a_multiple_of_the_median_norm():
     assert scales[:4] == [1.0] * 4
 
 
+@pytest.mark.parametrize("rule", ["mean", "centered-clip"])
+def test_a_pair_with_one_poisoned_contribution_moves_at_most_a_few_honest_norms(rule):
+    # a group of two (the others missed the round, or were dropped as malformed): no majority, but the bound is the
+    # smaller norm, so a sign flip x1000 moves the model by a few honest updates, not a thousand (a mean of the
+    # two norms as the bound let it through: seen on real nodes, val loss 2.3 -> 8,068 in one round)
+    v = honest(2)
+    h = norm(v["p0"])
+    v["p1"] = -1000 * v["p1"]
+    out, report = aggregate(v, dict.fromkeys(v, 20.0), rule)
+    assert norm(out) < 3 * h and report["clipped"]["p1"] < 0.01, (norm(out) / h, report)
+
+
 @pytest.mark.parametrize("rule", ["centered-clip", "trimmed-mean", "median"])
 def test_one_poisoned_contribution_of_five_does_not_take_over(rule):
     v = honest(5)
