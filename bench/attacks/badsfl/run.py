@@ -57,8 +57,8 @@ CHANGES = [
     "trigger: bright sneakers (class 7, mean intensity in the top quintile) -> Bag (8), not green cars -> a label",
     "local training: K = 20 AdamW steps (batch 64, constant lr 1e-3, the daemon's InnerLoop) per round, not local "
     "SGD epochs; SCAFFOLD's correction in update units (apply_correction_step)",
-    "pre-training: 15 rounds of clean FedAvg on an IID split of the same 20 clients (the paper starts from a "
-    "converged model; on the label-sorted split FedAvg reaches only ~50% in 30-40 rounds)",
+    "pre-training: {pretrain_rounds} rounds of clean FedAvg on an IID split of the same 20 clients (the paper starts "
+    "from a converged model; on the label-sorted split FedAvg reaches only ~50% in 30-40 rounds)",
     "generator: a conditional generator trained against the frozen global model (no discriminator), 20 steps per "
     "attack round, 32 generated images per attacker batch",
     "look-ahead: P_j = (w_p + (n-1) w_g)/n - j s c with s = the round's learning-rate sum (j counts rounds)",
@@ -122,7 +122,8 @@ def run(cfg: SimConfig, settings: list[Setting], out: Path, workers: int) -> dic
     order = {s.name: i for i, s in enumerate(settings)}
     results.sort(key=lambda r: order[r["setting"]["name"]])
     rows = [summarize(r, cfg) for r in results]
-    report = dict(config=_plain(dataclasses.asdict(cfg)), data=data.describe(), changes_from_paper=CHANGES,
+    changes = [c.format(pretrain_rounds=cfg.pretrain_rounds) for c in CHANGES]
+    report = dict(config=_plain(dataclasses.asdict(cfg)), data=data.describe(), changes_from_paper=changes,
                   rows=rows, verdicts=verdicts(rows, cfg), runs=results,
                   seconds=round(time.monotonic() - started, 1), workers=workers)
     write(report, out)
