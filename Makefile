@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-quality bench-quality-ablations bench-quality-swarm bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-soak bench-quality bench-quality-ablations bench-quality-swarm bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -54,6 +54,11 @@ bench-stages: install
 
 bench-faults: install
 	$(PY) -m bench.faults
+
+# 100 seeded trials of kill / SIGTERM / join / restart / CPU-load bursts with one busy process throughout
+# (one trial took 176 s on a loaded 2-core machine: expect 3-5 hours)
+bench-soak: install
+	$(PY) -m bench.faults --trials 100 --events 5 --cpu-load 1 --bursts --seed 1000 --out runs/bench/soak.json
 
 # validation loss vs tokens: fp32 DiLoCo, 8-bit codes, the old default (PowerSGD, delayed), sparse with
 # beta 0.95 and the default (beta 0.9); 4 in-process replicas, H=30, 100 outer steps, 3 seeds (~90 min on 2 cores)

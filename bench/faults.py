@@ -1,16 +1,21 @@
-"""Randomised fault schedule on a loopback swarm (``make bench-faults``): churn statistics.
+"""Randomised fault schedule on a loopback swarm (``make bench-faults``, ``make bench-soak``): churn statistics.
 
 Each trial (seeded) starts 3 nodes (tiny model, int8, delayed overlap, checkpoint every round),
 then applies ``--events`` faults at random intervals: SIGKILL of a random node (not the
-bootstrap), SIGTERM leave, a new joiner, or the restart of a killed node from its checkpoint.
-After the last event the swarm runs two more rounds. Counted over all trials:
+bootstrap), SIGTERM leave, a new joiner, the restart of a killed node from its checkpoint, or
+(with ``--bursts``) a CPU-load burst of ``--burst-procs`` busy processes until the next event.
+``--cpu-load K`` keeps K busy processes running through the whole trial (a volunteer's machine
+doing other work). After the last event the swarm runs two more rounds. Counted over all trials:
   rounds (outer steps applied by some group), node_rounds, stalls (a round that blocked training
   on communication for longer than averaging_timeout), longest_stall_s, resyncs (log lines
   "re-syncing from peers"), skipped (rounds a group refused: partial or disagreeing results),
   splits (outer steps with two different group-applied digests: hivemind matchmaking formed two
   groups), lone_results (a group-applied digest no other node holds: would be a partial average),
-  unclean_leaves (SIGTERM exits != 0), converged (trials whose live nodes end on one digest).
-Results: runs/bench/faults.json.
+  unclean_leaves (SIGTERM exits != 0), converged (trials whose live nodes end on one digest),
+  failed_joins (a joiner or restarted node that never reached TRAINING, or exited non-zero on its
+  own), lost_nodes (a first-three node that exited on its own), failed_trials (a trial the harness
+  could not finish: counted with its error, and the run goes on).
+Results: runs/bench/faults.json (``--out``).
 """
 
 from __future__ import annotations
@@ -20,9 +25,14 @@ import json
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Optional
+
+import grpc
 
 from bench.localswarm import LocalNode, group_applied
 
@@ -32,66 +42,166 @@ ARGS = ["--model", "tiny", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", 
         "--warmup-steps", "10", "--total-steps", "4000", "--eval-batches", "1",
         "--compression", "int8", "--checkpoint-every", "1"]
 AVERAGING_TIMEOUT = 8.0
+JOIN_TIMEOUT = 180.0  # a joiner that is not TRAINING this long after its start counts as a failed join
+ACTIVE = ("TRAINING", "AVERAGING")
+
+
+class Burner:
+    """Busy processes (``python -c 'while True: pass'``), each in its own session: CPU load beside the swarm."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, n: int) -> list[subprocess.Popen]:
+        new = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+               for _ in range(n)]
+        self.procs += new
+        return new
+
+    def stop(self, procs: Optional[list[subprocess.Popen]] = None) -> None:
+        for proc in list(self.procs if procs is None else procs):
+            proc.kill()
+            proc.wait()
+            self.procs.remove(proc)
+
+
+class Watch:
+    """The nodes a trial started, whether each reached TRAINING, and which ones the harness stopped."""
+
+    def __init__(self):
+        self.nodes: list[LocalNode] = []
+        self.joiners: set[int] = set()     # id(node) of nodes started after the first three
+        self.active: set[int] = set()      # id(node) of nodes seen TRAINING or AVERAGING
+        self.stopped: set[int] = set()     # id(node) of nodes the harness killed or asked to leave
+        self.started_at: dict[int, float] = {}
+
+    def add(self, node: LocalNode, joiner: bool) -> LocalNode:
+        self.nodes.append(node)
+        self.started_at[id(node)] = time.monotonic()
+        if joiner:
+            self.joiners.add(id(node))
+        return node
+
+    def poll(self) -> None:
+        """Record which live nodes are past syncing (one GetStatus each)."""
+        for n in self.nodes:
+            if id(n) in self.active or n.proc.poll() is not None or not n.addr:
+                continue
+            try:
+                if n.status(timeout=2.0).state in ACTIVE:
+                    self.active.add(id(n))
+            except grpc.RpcError:
+                pass
+
+    def sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.poll()
+            time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+
+    def failed_join(self, n: LocalNode) -> bool:
+        """A joiner that exited non-zero on its own, or that is still not TRAINING after JOIN_TIMEOUT."""
+        if id(n) not in self.joiners or id(n) in self.stopped:
+            return False
+        if n.proc.poll() is not None:
+            return n.proc.returncode != 0 or id(n) not in self.active
+        return id(n) not in self.active and time.monotonic() - self.started_at[id(n)] >= JOIN_TIMEOUT
+
+    def lost(self, n: LocalNode) -> bool:
+        """One of the first three nodes that exited without the harness stopping it."""
+        return id(n) not in self.joiners and id(n) not in self.stopped and n.proc.poll() is not None
 
 
 def _live(nodes):
     return [n for n in nodes if n.proc.poll() is None]
 
 
-def trial(seed: int, events: int, workdir: Path) -> dict:
+def _start(name: str, workdir: Path, args: list[str], watch: Watch, joiner: bool) -> LocalNode:
+    node = watch.add(LocalNode(name, workdir, args), joiner)
+    try:
+        node.wait_started()
+    except (RuntimeError, TimeoutError):
+        pass  # counted by failed_join (it exited, or it never reaches TRAINING)
+    return node
+
+
+def trial(seed: int, events: int, workdir: Path, cpu_load: int = 0, bursts: bool = False,
+          burst_procs: int = 2) -> dict:
     rng = random.Random(seed)
     shutil.rmtree(workdir, ignore_errors=True)  # old checkpoints would be resumed
     args = ARGS + ["--run-id", f"faults{seed}"]
-    boot = LocalNode("n0", workdir / "n0", args + ["--min-replicas", "3"]).wait_started()
-    join = ["--join", boot.join_maddr]
-    nodes = [boot] + [LocalNode(f"n{i}", workdir / f"n{i}", args + join + ["--min-replicas", "3"]) for i in (1, 2)]
-    for n in nodes[1:]:
-        n.wait_started()
+    watch, burner = Watch(), Burner()
+    burner.start(cpu_load)
+    burst: list[subprocess.Popen] = []
     killed, log, unclean = [], [], 0
     try:
+        boot = watch.add(LocalNode("n0", workdir / "n0", args + ["--min-replicas", "3"]).wait_started(), False)
+        join = ["--join", boot.join_maddr]
+        for i in (1, 2):
+            watch.add(LocalNode(f"n{i}", workdir / f"n{i}", args + join + ["--min-replicas", "3"]), False)
+        for n in watch.nodes[1:]:
+            n.wait_started()
         boot.wait_for(lambda p: p.status().outer_step >= 2, 120, "outer step 2")
         for _ in range(events):
-            time.sleep(rng.uniform(3.0, 9.0))
+            watch.sleep(rng.uniform(3.0, 9.0))
+            burner.stop(burst)
+            burst = []
+            nodes = watch.nodes
             victims = [n for n in _live(nodes) if n is not boot]
-            choices = ["join"] + (["kill", "leave"] if len(victims) >= 2 else []) + (["restart"] if killed else [])
+            choices = (["join"] + (["kill", "leave"] if len(victims) >= 2 else []) + (["restart"] if killed else [])
+                       + (["burst"] if bursts else []))
             event = rng.choice(choices)
             if event == "kill":
                 victim = rng.choice(victims)
+                watch.stopped.add(id(victim))
                 victim.terminate(signal.SIGKILL)
                 killed.append(victim)
             elif event == "leave":
                 victim = rng.choice(victims)
+                watch.stopped.add(id(victim))
                 unclean += victim.terminate(signal.SIGTERM, timeout=60) != 0
             elif event == "join":
                 name = f"n{len(nodes)}"
-                nodes.append(LocalNode(name, workdir / name, args + join).wait_started())
-            else:
+                _start(name, workdir / name, args + join, watch, joiner=True)
+            elif event == "restart":
                 old = killed.pop(0)
                 old.err_path.rename(old.err_path.with_name(f"stderr.{len(log)}"))  # keep its first life's log
-                nodes.append(LocalNode(old.name, old.workdir, args + join).wait_started())
+                _start(old.name, old.workdir, args + join, watch, joiner=True)
+            else:
+                burst = burner.start(burst_procs)
             log.append((round(time.monotonic(), 1), event))
+        burner.stop(burst)
         target = boot.status().outer_step + 2
-        for n in _live(nodes):
-            n.wait_for(lambda p: p.status().outer_step >= target, 180, f"outer step {target}")
+        for n in _live(watch.nodes):
+            try:
+                n.wait_for(lambda p: p.status().outer_step >= target, JOIN_TIMEOUT, f"outer step {target}")
+            except (RuntimeError, TimeoutError):
+                pass  # a joiner that never got there is a failed join; an original one is a lost node
+            watch.poll()
         time.sleep(2.0)
-        return _count(nodes, log, unclean, target)
+        return _count(watch, log, unclean, target)
     finally:
-        for n in nodes:
+        burner.stop()
+        for n in watch.nodes:
             n.terminate(signal.SIGKILL)
 
 
-def _count(nodes, log, unclean, target) -> dict:
+def _count(watch: Watch, log, unclean, target) -> dict:
+    nodes = watch.nodes
     by_dir = {n.workdir: n for n in nodes}  # a restarted node shares its metrics file with its first life
     rows = {d: list({r["outer_step"]: r for r in n.metrics()}.values()) for d, n in by_dir.items()}
     held = group_applied(list(by_dir.values()), upto=target)
     digests_at = Counter(step for step, _ in held)
     all_rows = [r for rs in rows.values() for r in rs]
     live = [n for n in nodes if n.proc.poll() is None]
-    finals = {n.status().outer_step: set() for n in live}
+    finals: dict[int, set] = {}
     for n in live:
-        s = n.status()
-        finals[s.outer_step].add(s.global_params_digest)
-    top = max(finals)
+        try:
+            s = n.status()
+        except grpc.RpcError:
+            continue
+        finals.setdefault(s.outer_step, set()).add(s.global_params_digest)
+    top = max(finals, default=None)
     return dict(
         events=[e for _, e in log],
         rounds=len({r["outer_step"] for r in all_rows if r["outcome"] in ("applied", "solo", "applied_alone")}),
@@ -101,7 +211,39 @@ def _count(nodes, log, unclean, target) -> dict:
         skipped=sum(r["outcome"] == "skipped" for r in all_rows),
         splits=sum(n > 1 for n in digests_at.values()),
         lone_results=sum(c == 1 for c in held.values()),
-        unclean_leaves=unclean, converged=len(finals[top]) == 1, live_nodes=len(live))
+        unclean_leaves=unclean, failed_joins=sum(watch.failed_join(n) for n in nodes),
+        lost_nodes=sum(watch.lost(n) for n in nodes),
+        converged=top is not None and len(finals[top]) == 1, live_nodes=len(live))
+
+
+KEYS = ["rounds", "node_rounds", "stalls", "resyncs", "skipped", "splits", "lone_results", "unclean_leaves",
+        "failed_joins", "lost_nodes"]
+
+
+def totals(results: list[dict]) -> dict:
+    """Sums over trials; a failed trial (``{"seed", "error"}``) counts in failed_trials and nowhere else."""
+    done = [r for r in results if "error" not in r]
+    total = {k: sum(r[k] for r in done) for k in KEYS}
+    total.update(trials=len(results), failed_trials=len(results) - len(done),
+                 events=sum(len(r["events"]) for r in done),
+                 longest_stall_s=max((r["longest_stall_s"] for r in done), default=0.0),
+                 converged=sum(r["converged"] for r in done))
+    return total
+
+
+def run_trials(seeds: list[int], run_one) -> list[dict]:
+    """``run_one(seed)`` for each seed; an exception becomes ``{"seed", "error"}`` and the run goes on."""
+    results = []
+    for seed in seeds:
+        started = time.monotonic()
+        try:
+            r = dict(seed=seed, **run_one(seed))
+        except Exception as exc:  # noqa: BLE001 -- a harness failure is a result to count, not a crash
+            r = dict(seed=seed, error=f"{type(exc).__name__}: {str(exc)[-1500:]}")
+        r["seconds"] = round(time.monotonic() - started, 1)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    return results
 
 
 def main(argv=None) -> None:
@@ -109,21 +251,24 @@ def main(argv=None) -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--events", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-load", type=int, default=0, metavar="K",
+                        help="K busy processes running through every trial")
+    parser.add_argument("--bursts", action="store_true", help="CPU-load bursts among the random events")
+    parser.add_argument("--burst-procs", type=int, default=2, help="busy processes per burst")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/faults.json"))
     a = parser.parse_args(argv)
-    out = Path("runs/bench")
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for t in range(a.trials):
-        r = trial(a.seed + t, a.events, out / f"faults-{a.seed + t}")
-        results.append(r)
-        print(json.dumps(r), flush=True)
-    keys = ["rounds", "node_rounds", "stalls", "resyncs", "skipped", "splits", "lone_results", "unclean_leaves"]
-    total = {k: sum(r[k] for r in results) for k in keys}
-    total.update(trials=len(results), events=sum(len(r["events"]) for r in results),
-                 longest_stall_s=max(r["longest_stall_s"] for r in results),
-                 converged=sum(r["converged"] for r in results))
+    if min(a.trials, a.events, a.cpu_load, a.burst_procs) < 0:
+        parser.error("--trials, --events, --cpu-load and --burst-procs must be >= 0")
+    work = Path("runs/bench")
+    work.mkdir(parents=True, exist_ok=True)
+    results = run_trials(list(range(a.seed, a.seed + a.trials)),
+                         lambda seed: trial(seed, a.events, work / f"faults-{seed}", a.cpu_load, a.bursts,
+                                            a.burst_procs))
+    total = totals(results)
     print("TOTAL " + json.dumps(total), flush=True)
-    (out / "faults.json").write_text(json.dumps(dict(args=vars(a), trials=results, total=total), indent=2))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(dict(args={k: str(v) for k, v in vars(a).items()}, trials=results, total=total),
+                                indent=2))
 
 
 if __name__ == "__main__":

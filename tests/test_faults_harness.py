@@ -1,0 +1,72 @@
+"""The fault benchmark's counting rules (bench/faults.py), with fakes for the nodes: a failed trial is
+counted and the run goes on; a joiner that never trains or dies on its own is a failed join; the CPU
+burners it starts are real processes and are gone after stop()."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from bench import faults
+
+
+def _trial_result(**over) -> dict:
+    r = {k: 1 for k in faults.KEYS}
+    r.update(events=["join", "kill"], longest_stall_s=2.5, converged=True, live_nodes=3)
+    r.update(over)
+    return r
+
+
+def test_a_trial_that_raises_is_counted_and_the_run_goes_on(capsys):
+    def run_one(seed):
+        if seed == 101:
+            raise TimeoutError("n3: no outer step 9 within 180s")
+        return _trial_result(failed_joins=seed - 100)
+
+    results = faults.run_trials([100, 101, 102], run_one)
+    assert [r["seed"] for r in results] == [100, 101, 102]
+    assert results[1]["error"].startswith("TimeoutError: n3: no outer step 9")
+    total = faults.totals(results)
+    assert total["trials"] == 3 and total["failed_trials"] == 1
+    assert total["failed_joins"] == 0 + 2  # seeds 100 and 102; the failed trial adds nothing
+    assert total["rounds"] == 2 and total["events"] == 4 and total["converged"] == 2
+    assert capsys.readouterr().out.count("\n") == 3  # one line per trial, printed as it ends
+
+
+class _Node:
+    def __init__(self, code=None, addr="127.0.0.1:1"):
+        self.proc = SimpleNamespace(poll=lambda: code, returncode=code)
+        self.addr = addr
+
+
+def test_failed_join_rules():
+    watch = faults.Watch()
+    first = watch.add(_Node(code=1), joiner=False)         # an original node that died: lost, not a failed join
+    trained = watch.add(_Node(), joiner=True)
+    crashed = watch.add(_Node(code=1), joiner=True)        # exited non-zero on its own
+    quit_early = watch.add(_Node(code=0), joiner=True)     # exited 0 without ever training
+    killed = watch.add(_Node(code=-9), joiner=True)        # the harness killed it
+    syncing = watch.add(_Node(), joiner=True)              # alive, never TRAINING
+    watch.active |= {id(trained), id(crashed)}
+    watch.stopped.add(id(killed))
+    assert watch.lost(first) and not watch.failed_join(first)
+    assert not watch.failed_join(trained) and not watch.failed_join(killed)
+    assert watch.failed_join(crashed) and watch.failed_join(quit_early)
+    assert not watch.failed_join(syncing)  # still inside JOIN_TIMEOUT
+    watch.started_at[id(syncing)] = time.monotonic() - faults.JOIN_TIMEOUT - 1
+    assert watch.failed_join(syncing)
+    assert not any(watch.lost(n) for n in (trained, crashed, syncing))
+
+
+def test_burner_processes_burn_and_are_gone_after_stop():
+    burner = faults.Burner()
+    procs = burner.start(2)
+    time.sleep(0.5)
+    assert all(p.poll() is None for p in procs)
+    cpu = [float(Path(f"/proc/{p.pid}/stat").read_text().split()[13]) for p in procs]  # utime, clock ticks
+    assert sum(cpu) > 0
+    burner.stop(procs[:1])
+    assert procs[0].poll() is not None and procs[1].poll() is None and burner.procs == procs[1:]
+    burner.stop()
+    assert procs[1].poll() is not None and burner.procs == []
