@@ -4,10 +4,10 @@ Every setting is one in-process federation (sim.py: the daemon's InnerLoop, Oute
 and robust.aggregate) started from the same pre-trained model, with the same clients sampled in the same
 rounds and the same data order; settings differ only in algorithm, attack and defense. Per round: PTA
 (clean test accuracy of theta) and BTA (the fraction of the test set's bright sneakers classified as Bag).
-Table: PTA at the end, the highest BTA during injection, BTA at the end, and persistence: rounds after
-injection stops until BTA falls below 90% and below 50% ("> n": not within the n remaining rounds; 0:
-already below when it stopped). Writes <out>/badsfl.json, badsfl.csv (one row per setting and round) and
-badsfl.png (BTA and PTA per round per setting).
+Table: PTA at the end and its mean over the last 20 rounds, the highest BTA during injection, BTA at the end,
+and persistence: rounds after injection stops until BTA falls below 90% and below 50% ("> n": not within the n
+remaining rounds; 0: already below when it stopped). Writes <out>/badsfl.json, badsfl.csv (one row per setting
+and round) and badsfl.png (BTA and PTA per round per setting).
 
     python -m bench.attacks.badsfl.run                  # the full benchmark (2 workers, < 60 min on 2 cores)
     python -m bench.attacks.badsfl.run --quick          # a smoke run (< 60 s)
@@ -15,8 +15,9 @@ badsfl.png (BTA and PTA per round per setting).
 
 Defenses: ``cclip-nb2``: centered-clip + norm bound 2 on the pseudo-gradients (dc still averaged plainly);
 ``nb2``: norm bounding alone (mean); ``derived``: c derived from the aggregate (no dc channel: the daemon);
-``c-decay``: c <- 0.8 c after every update; ``default`` (our recommendation for --outer-algorithm scaffold):
-derived c + centered-clip + norm bound 2.
+``c-decay``: c <- 0.8 c after every update; ``default`` (the daemon's for --outer-algorithm scaffold): derived c +
+norm bound 2 + mean; ``derived-cclip-nb2``: derived c + norm bound 2 + centered-clip (the default until 2026-11-24:
+it cost about 4 points of clean accuracy over 3 seeds, docs/security.md).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from bench.attacks.badsfl.attacks import AttackKnobs
 from bench.attacks.badsfl.sim import FederatedData, Setting, SimConfig, pretrained, run_setting
 
 OUT = Path("runs/bench")
-DEFAULT_DEFENSE = dict(c_mode="derived", rule="centered-clip", norm_bound=2.0)
+DEFAULT_DEFENSE = dict(c_mode="derived", norm_bound=2.0)  # the daemon's for --outer-algorithm scaffold (mean)
+OLD_DEFAULT = dict(c_mode="derived", rule="centered-clip", norm_bound=2.0)  # the default until 2026-11-24
 SETTINGS = [
     *[Setting(f"fedavg{'' if a == 'none' else '+' + a}", algorithm="fedavg", attack=a)
       for a in ("none", "blackbox", "neurotoxin", "badsfl")],
@@ -47,6 +49,9 @@ SETTINGS = [
     Setting("scaffold+badsfl/c-decay", attack="badsfl", c_decay=0.2),
     Setting("scaffold+badsfl/default", attack="badsfl", **DEFAULT_DEFENSE),
     Setting("scaffold/default", **DEFAULT_DEFENSE),
+    Setting("scaffold/derived", c_mode="derived"),
+    Setting("scaffold+badsfl/derived-cclip-nb2", attack="badsfl", **OLD_DEFAULT),
+    Setting("scaffold/derived-cclip-nb2", **OLD_DEFAULT),
 ]
 BY_NAME = {s.name: s for s in SETTINGS}
 QUICK = dict(clients=6, per_round=3, rounds=6, attack_start=2, attack_stop=4, inner_steps=2, batch_size=16,
@@ -86,6 +91,7 @@ def summarize(result: dict, cfg: SimConfig) -> dict:
     return dict(setting=s["name"], algorithm=s["algorithm"], attack=s["attack"], c_mode=s["c_mode"] if
                 s["algorithm"] == "scaffold" else "-", rule=s["rule"], norm_bound=s["norm_bound"], c_decay=s["c_decay"],
                 pta_start=round(curve[0]["pta"], 4), pta_end=round(curve[-1]["pta"], 4),
+                pta_last20=round(sum(p["pta"] for p in curve[-20:]) / len(curve[-20:]), 4),
                 bta_max_injection=round(max(window), 4) if window else None,
                 bta_stop_plus_5=round(after5[0], 4) if after5 else None, bta_end=round(curve[-1]["bta"], 4),
                 persist_below_90=persistence(curve, cfg.attack_stop, cfg.rounds, 0.9) if s["attack"] != "none" else "-",
@@ -151,12 +157,13 @@ def verdicts(rows: list[dict], cfg: SimConfig) -> dict:
         d = by["scaffold+badsfl/default"]
         out["default_bta_stop_plus_5"] = d["bta_stop_plus_5"]
         out["default_bta_below_10pct_within_5"] = d["bta_stop_plus_5"] is not None and d["bta_stop_plus_5"] < 0.1
-        out["default_pta_vs_clean_points"] = round(100 * (d["pta_end"] - by["scaffold"]["pta_end"]), 2)
+        # PTA swings by 10 points from round to round on label shards: compare means of the last 20 rounds
+        out["default_pta_vs_clean_points"] = round(100 * (d["pta_last20"] - by["scaffold"]["pta_last20"]), 2)
     if "scaffold/default" in by and "scaffold" in by:
-        out["default_clean_pta_cost_points"] = round(100 * (by["scaffold/default"]["pta_end"]
-                                                            - by["scaffold"]["pta_end"]), 2)
+        out["default_clean_pta_cost_points"] = round(100 * (by["scaffold/default"]["pta_last20"]
+                                                            - by["scaffold"]["pta_last20"]), 2)
     if "scaffold" in by and "fedavg" in by:
-        out["clean_pta_end_scaffold_vs_fedavg"] = [by["scaffold"]["pta_end"], by["fedavg"]["pta_end"]]
+        out["clean_pta_last20_scaffold_vs_fedavg"] = [by["scaffold"]["pta_last20"], by["fedavg"]["pta_last20"]]
     return out
 
 
@@ -208,7 +215,7 @@ def print_table(report: dict) -> None:
     print("\nchanges from the paper's setting:")
     for c in report["changes_from_paper"]:
         print(f"  - {c}")
-    cols = ["setting", "pta_end", "bta_max_injection", "bta_stop_plus_5", "bta_end", "persist_below_90",
+    cols = ["setting", "pta_end", "pta_last20", "bta_max_injection", "bta_stop_plus_5", "bta_end", "persist_below_90",
             "persist_below_50", "seconds"]
     print("\n" + " | ".join(f"{c:>17}" if i else f"{c:<28}" for i, c in enumerate(cols)))
     for r in report["rows"]:

@@ -10,7 +10,7 @@ Per round t (1-based) of one setting:
      as on a node) on an ``ImageShard`` over its ``partition`` share; SCAFFOLD adds the daemon's
      correction x <- x - lr (c - c_i) after each step and option II's ``ControlVariates.client_update``.
   3. Aggregation: ``dilocox.robust.aggregate`` of the flattened pseudo-gradients (rule mean, centered-clip,
-     trimmed-mean or median; ``norm_bound``: each clipped to that multiple of the median norm), weights = K.
+     trimmed-mean or median; ``norm_bound``: each clipped to that multiple of the lower median norm), weights = K.
   4. Outer step: ``OuterOptimizer.step`` with lr 1, momentum 0 (FedAvg: theta <- theta - mean delta =
      the mean of the local models) or DiLoCo's Nesterov (lr 0.7, momentum 0.9; ``outer="nesterov"``).
   5. SCAFFOLD's c: ``c_mode="channel"``: clients upload dc_i, ``server_update(mean_S dc, |S|, N)``
@@ -119,7 +119,7 @@ class Setting:
     attack: str = "none"            # none | blackbox | neurotoxin | badsfl
     c_mode: str = "channel"         # channel (dc uploaded) | derived (c from the aggregate; the daemon)
     rule: str = "mean"              # dilocox.robust rule on pseudo-gradients
-    norm_bound: float = 0.0         # multiple of the median norm (0: off)
+    norm_bound: float = 0.0         # multiple of the lower median norm (0: off)
     c_decay: float = 0.0            # c <- (1 - c_decay) c after each update (0: off)
 
 
@@ -203,7 +203,8 @@ class Federation:
         return self.cfg.attack_start <= t <= self.cfg.attack_stop
 
     def round(self, t: int, salt: int = 0, force_attacker: bool = True) -> dict:
-        """Run round t; returns diagnostics (who was clipped, norms, c's norm)."""
+        """Run round t; returns diagnostics (who was clipped, norms, c's norm, the aggregate's cosine with and norm
+        over the plain mean of the round's contributions)."""
         cfg, s = self.cfg, self.setting
         forced = self.data.attacker if force_attacker and self.injecting(t) else None
         chosen = sample_clients(cfg, t, forced, salt)
@@ -240,10 +241,16 @@ class Federation:
                 self.server.c = [(1.0 - s.c_decay) * c for c in self.server.c]
         akey = f"c{self.data.attacker:02d}"
         norms = {key: float(v.norm()) for key, v in vectors.items()}
+        # how far the rule moved the aggregate from the plain mean (1.0, 1.0 for the mean itself)
+        mean = torch.stack([vectors[key].to(torch.float64) for key in sorted(vectors)]).mean(0)
+        agg64 = agg.to(torch.float64)
+        denom = float(agg64.norm() * mean.norm())
         honest = [v for key, v in norms.items() if key != akey]
         return dict(clients=chosen, clipped=sorted(report["clipped"]),
                     attacker_norm_ratio=round(norms[akey] / float(np.median(honest)), 3) if akey in norms else None,
-                    c_norm=round(float(flatten(self.server.c).norm()), 4) if self.scaffold else 0.0)
+                    c_norm=round(float(flatten(self.server.c).norm()), 4) if self.scaffold else 0.0,
+                    agg_vs_mean_cos=round(float(agg64 @ mean) / denom, 4) if denom > 0 else None,
+                    agg_vs_mean_norm=round(float(agg64.norm() / mean.norm()), 4) if float(mean.norm()) > 0 else None)
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
