@@ -88,7 +88,8 @@ BADSFL_SETTINGS = fedavg fedavg+badsfl scaffold scaffold+blackbox scaffold+badsf
 bench-badsfl: install
 	$(PY) -m bench.attacks.badsfl.run --workers 2 --settings $(BADSFL_SETTINGS)
 
-# all 14 settings: also Neurotoxin, fedavg+blackbox and each part of the defense alone (about 75 min on 2 cores)
+# all 17 settings: also Neurotoxin, fedavg+blackbox, each part of the defense alone and the default until 2026-11-24
+# (derived c + CenteredClip) (about 90 min on 2 cores)
 bench-badsfl-all: install
 	$(PY) -m bench.attacks.badsfl.run --workers 2
 

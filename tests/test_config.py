@@ -39,6 +39,17 @@ def test_outer_optimizer_defaults_follow_the_compression_and_explicit_values_win
         load_config(parse(["--sparse-topk", "64", "--sparse-chunk", "32"]), {})
 
 
+def test_scaffold_defaults_to_the_norm_bounded_mean_and_explicit_rules_win():
+    # CenteredClip cost SCAFFOLD clean accuracy on label shards (docs/security.md); DiLoCo keeps it
+    assert (load_config({}, {}).aggregation, load_config({}, {}).norm_bound) == ("centered-clip", 2.0)
+    scaffold = load_config(parse(["--outer-algorithm", "scaffold"]), {})
+    assert (scaffold.aggregation, scaffold.norm_bound, scaffold.outer_lr) == ("mean", 2.0, 3.5)
+    chosen = load_config(parse(["--outer-algorithm", "scaffold", "--aggregation", "centered-clip"]), {})
+    assert chosen.aggregation == "centered-clip"
+    from_env = load_config({}, {"DILOCOX_OUTER_ALGORITHM": "scaffold"})
+    assert from_env.aggregation == "mean"
+
+
 def test_config_file_from_env(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("inner_steps = 3\n")
