@@ -70,26 +70,26 @@ class Watch:
 
     def __init__(self):
         self.nodes: list[LocalNode] = []
-        self.joiners: set[int] = set()     # id(node) of nodes started after the first three
-        self.active: set[int] = set()      # id(node) of nodes seen TRAINING or AVERAGING
-        self.stopped: set[int] = set()     # id(node) of nodes the harness killed or asked to leave
-        self.started_at: dict[int, float] = {}
+        self.joiners: set[LocalNode] = set()  # nodes started after the first three
+        self.active: set[LocalNode] = set()   # nodes seen TRAINING or AVERAGING
+        self.stopped: set[LocalNode] = set()  # nodes the harness killed or asked to leave
+        self.started_at: dict[LocalNode, float] = {}
 
     def add(self, node: LocalNode, joiner: bool) -> LocalNode:
         self.nodes.append(node)
-        self.started_at[id(node)] = time.monotonic()
+        self.started_at[node] = time.monotonic()
         if joiner:
-            self.joiners.add(id(node))
+            self.joiners.add(node)
         return node
 
     def poll(self) -> None:
         """Record which live nodes are past syncing (one GetStatus each)."""
         for n in self.nodes:
-            if id(n) in self.active or n.proc.poll() is not None or not n.addr:
+            if n in self.active or n.proc.poll() is not None or not n.addr:
                 continue
             try:
                 if n.status(timeout=2.0).state in ACTIVE:
-                    self.active.add(id(n))
+                    self.active.add(n)
             except grpc.RpcError:
                 pass
 
@@ -101,15 +101,15 @@ class Watch:
 
     def failed_join(self, n: LocalNode) -> bool:
         """A joiner that exited non-zero on its own, or that is still not TRAINING after JOIN_TIMEOUT."""
-        if id(n) not in self.joiners or id(n) in self.stopped:
+        if n not in self.joiners or n in self.stopped:
             return False
         if n.proc.poll() is not None:
-            return n.proc.returncode != 0 or id(n) not in self.active
-        return id(n) not in self.active and time.monotonic() - self.started_at[id(n)] >= JOIN_TIMEOUT
+            return n.proc.returncode != 0 or n not in self.active
+        return n not in self.active and time.monotonic() - self.started_at[n] >= JOIN_TIMEOUT
 
     def lost(self, n: LocalNode) -> bool:
         """One of the first three nodes that exited without the harness stopping it."""
-        return id(n) not in self.joiners and id(n) not in self.stopped and n.proc.poll() is not None
+        return n not in self.joiners and n not in self.stopped and n.proc.poll() is not None
 
 
 def _live(nodes):
@@ -153,12 +153,12 @@ def trial(seed: int, events: int, workdir: Path, cpu_load: int = 0, bursts: bool
             event = rng.choice(choices)
             if event == "kill":
                 victim = rng.choice(victims)
-                watch.stopped.add(id(victim))
+                watch.stopped.add(victim)
                 victim.terminate(signal.SIGKILL)
                 killed.append(victim)
             elif event == "leave":
                 victim = rng.choice(victims)
-                watch.stopped.add(id(victim))
+                watch.stopped.add(victim)
                 unclean += victim.terminate(signal.SIGTERM, timeout=60) != 0
             elif event == "join":
                 name = f"n{len(nodes)}"

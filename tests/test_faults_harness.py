@@ -48,13 +48,13 @@ def test_failed_join_rules():
     quit_early = watch.add(_Node(code=0), joiner=True)     # exited 0 without ever training
     killed = watch.add(_Node(code=-9), joiner=True)        # the harness killed it
     syncing = watch.add(_Node(), joiner=True)              # alive, never TRAINING
-    watch.active |= {id(trained), id(crashed)}
-    watch.stopped.add(id(killed))
+    watch.active |= {trained, crashed}
+    watch.stopped.add(killed)
     assert watch.lost(first) and not watch.failed_join(first)
     assert not watch.failed_join(trained) and not watch.failed_join(killed)
     assert watch.failed_join(crashed) and watch.failed_join(quit_early)
     assert not watch.failed_join(syncing)  # still inside JOIN_TIMEOUT
-    watch.started_at[id(syncing)] = time.monotonic() - faults.JOIN_TIMEOUT - 1
+    watch.started_at[syncing] = time.monotonic() - faults.JOIN_TIMEOUT - 1
     assert watch.failed_join(syncing)
     assert not any(watch.lost(n) for n in (trained, crashed, syncing))
 
