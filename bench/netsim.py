@@ -7,18 +7,27 @@ link are limited to ``rate_mbit`` with a token bucket (tbf) on the egress of eac
 some kernels (the CI machines' among them), so only tbf is used. Only addresses inside the
 namespaces this object created carry traffic.
 
-Needs root and ``ip netns``; ``NetSim.available()`` says whether this machine allows it.
+Hosts listed in ``nat`` sit behind a router of their own, as volunteers at home do: host i is then
+10.78.{i}.2/24 in ``{prefix}-h{i}``, with its default route via router namespace ``{prefix}-r{i}``
+(10.78.{i}.1 inside, 10.77.0.{i+1} on the bridge), which forwards and masquerades (nftables) what
+leaves it. Such a host reaches every public host; nobody can connect to it, and two NAT'd hosts
+cannot connect to each other. The shaped link is the router's (bridge side and router side).
+
+Needs root and ``ip netns``; ``NetSim.available()`` says whether this machine allows it (and
+``nat_available()`` whether ``nft`` is installed too).
 Everything is deleted on ``close`` (also on exceptions, via the context manager).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
-from typing import Optional
+from typing import Optional, Sequence
 
 SUBNET = "10.77.0"
+NAT_SUBNET = "10.78"  # 10.78.{i}.0/24: behind host i's router
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -26,9 +35,13 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class NetSim:
-    def __init__(self, n_hosts: int, rate_mbit: float, prefix: str = "dlx", burst_kbit: Optional[int] = None):
+    def __init__(self, n_hosts: int, rate_mbit: float, prefix: str = "dlx", burst_kbit: Optional[int] = None,
+                 nat: Sequence[int] = ()):
+        """``nat``: indices of the hosts that sit behind a NAT router each (module docstring)."""
         if not 1 <= n_hosts <= 200:
             raise ValueError(f"n_hosts must be 1..200, got {n_hosts}")
+        if any(not 0 <= i < n_hosts for i in nat):
+            raise ValueError(f"nat: host indices must be in 0..{n_hosts - 1}, got {list(nat)}")
         if rate_mbit <= 0:
             raise ValueError(f"rate_mbit must be positive, got {rate_mbit}")
         self.n_hosts, self.rate_mbit, self.prefix = n_hosts, rate_mbit, prefix
@@ -36,6 +49,8 @@ class NetSim:
         self.burst_kbit = burst_kbit or max(32, int(rate_mbit * 1000 / 250))
         self.bridge_ns = f"{prefix}-br"
         self.hosts = [f"{prefix}-h{i}" for i in range(n_hosts)]
+        self.nat = sorted(set(nat))
+        self.routers = {i: f"{prefix}-r{i}" for i in self.nat}
         self._procs: list[subprocess.Popen] = []
 
     @staticmethod
@@ -53,8 +68,17 @@ class NetSim:
         _ip("netns", "del", probe, check=False)
         return True, ""
 
+    @staticmethod
+    def nat_available() -> tuple[bool, str]:
+        """(True, "") if NAT'd hosts can be made here: namespaces and nftables's ``nft``."""
+        ok, why = NetSim.available()
+        if ok and shutil.which("nft") is None:
+            return False, "nftables (nft) is not installed"
+        return ok, why
+
     def address(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
+        """Host i's own address (a private one behind its router for a NAT'd host)."""
+        return f"{NAT_SUBNET}.{i}.2" if i in self.routers else f"{SUBNET}.{i + 1}"
 
     def __enter__(self) -> "NetSim":
         self.close()  # leftovers of a crashed run with the same prefix
@@ -78,6 +102,9 @@ class NetSim:
         _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
         for i, ns in enumerate(self.hosts):
+            if i in self.routers:
+                self._build_nat(i, ns)
+                continue
             host_dev, br_dev = f"dlxh{i}", f"dlxb{i}"
             _ip("netns", "add", ns)
             _ip("link", "add", host_dev, "netns", ns, "type", "veth", "peer", "name", br_dev, "netns", self.bridge_ns)
@@ -87,6 +114,26 @@ class NetSim:
             _ip("-n", ns, "link", "set", "lo", "up")
             self._shape(ns, host_dev)             # host -> network
             self._shape(self.bridge_ns, br_dev)   # network -> host
+
+    def _build_nat(self, i: int, ns: str) -> None:
+        router, out_dev, br_dev, host_dev, in_dev = self.routers[i], f"dlxr{i}", f"dlxb{i}", f"dlxh{i}", f"dlxp{i}"
+        _ip("netns", "add", router)
+        _ip("netns", "add", ns)
+        _ip("link", "add", out_dev, "netns", router, "type", "veth", "peer", "name", br_dev, "netns", self.bridge_ns)
+        _ip("-n", self.bridge_ns, "link", "set", br_dev, "master", "br0", "up")
+        _ip("-n", router, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", out_dev)
+        _ip("link", "add", host_dev, "netns", ns, "type", "veth", "peer", "name", in_dev, "netns", router)
+        _ip("-n", router, "addr", "add", f"{NAT_SUBNET}.{i}.1/24", "dev", in_dev)
+        _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", host_dev)
+        for where, dev in ((router, out_dev), (router, in_dev), (router, "lo"), (ns, host_dev), (ns, "lo")):
+            _ip("-n", where, "link", "set", dev, "up")
+        _ip("-n", ns, "route", "add", "default", "via", f"{NAT_SUBNET}.{i}.1")
+        for cmd in (["sysctl", "-qw", "net.ipv4.ip_forward=1"], ["nft", "add", "table", "ip", "nat"],
+                    ["nft", "add chain ip nat post { type nat hook postrouting priority 100 ; }"],
+                    ["nft", "add", "rule", "ip", "nat", "post", "oifname", out_dev, "masquerade"]):
+            subprocess.run(["ip", "netns", "exec", router, *cmd], check=True, capture_output=True, text=True)
+        self._shape(router, out_dev)          # router -> network
+        self._shape(self.bridge_ns, br_dev)   # network -> router
 
     def wrapper(self, i: int) -> list[str]:
         """Command prefix that runs a program inside host i."""
@@ -112,6 +159,6 @@ class NetSim:
                 proc.wait()
         self._procs.clear()
         existing = _ip("netns", "list", check=False).stdout.split()
-        for ns in [*self.hosts, self.bridge_ns]:
+        for ns in [*self.hosts, *self.routers.values(), self.bridge_ns]:
             if ns in existing:
                 _ip("netns", "del", ns, check=False)

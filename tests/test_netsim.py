@@ -85,3 +85,24 @@ def test_two_nodes_train_over_a_10_mbit_link(tmp_path):
         for r in joint:
             assert r["bits"] == 2 and r["rank"] == 0 and 100 * r["payload_bytes"] <= fp32, r
             assert 10 * r["bytes_sent"] < fp32, r  # our payload to one peer, and the group's metadata
+
+
+@pytest.mark.skipif(not NetSim.nat_available()[0], reason=NetSim.nat_available()[1])
+def test_nated_hosts_reach_public_hosts_only_and_appear_as_their_router():
+    server = ("import socket\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+              "s.bind(('0.0.0.0',5599));s.listen(5);print('ready',flush=True)\n"
+              "while True:\n c,a=s.accept();c.sendall(a[0].encode());c.close()")
+    client = ("import socket,sys\ntry:\n c=socket.create_connection((sys.argv[1],5599),timeout=3)\n"
+              " print('from',c.recv(100).decode())\nexcept OSError as e: print('failed',e)")
+    with NetSim(3, 100, prefix="dlxq", nat=[1, 2]) as net:
+        assert net.address(0) == "10.77.0.1" and net.address(1) == "10.78.1.2"
+        for i in range(3):
+            assert net.popen(i, [sys.executable, "-c", server], stdout=subprocess.PIPE,
+                             text=True).stdout.readline().strip() == "ready"
+        seen = {(a, b): net.run(a, [sys.executable, "-c", client, net.address(b)]).stdout.split()
+                for a in range(3) for b in range(3) if a != b}
+    assert seen[1, 0] == ["from", "10.77.0.2"] and seen[2, 0] == ["from", "10.77.0.3"]  # masqueraded
+    for pair in ((0, 1), (0, 2), (1, 2), (2, 1)):
+        assert seen[pair][0] == "failed", (pair, seen[pair])
+    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if ns.startswith("dlxq-")]
