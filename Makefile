@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-soak bench-quality bench-quality-ablations bench-quality-swarm bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-soak bench-quality bench-quality-ablations bench-quality-swarm bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -51,6 +51,15 @@ bench-swarm: install
 
 bench-stages: install
 	$(PY) -m bench.stages
+
+# one public node, two NAT'd nodes (different routers) and a NAT'd joiner, with --client-mode (~5 min; needs root
+# and nftables); `python -m bench.nat --no-client-mode` shows what happens without it
+bench-nat: install
+	$(PY) -m bench.nat
+
+# the download deadlines nodes choose at 1000, 100 and 10 Mbit/s, beside --no-adaptive-deadlines (~15 min)
+bench-deadlines: install
+	$(PY) -m bench.deadlines --fixed
 
 bench-faults: install
 	$(PY) -m bench.faults

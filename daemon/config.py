@@ -69,6 +69,13 @@ class NodeConfig(BaseModel):
     listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
                               description="multiaddr to listen on (repeatable)")
     announce: list[str] = Field(default_factory=list, description="multiaddr others should dial (repeatable)")
+    client_mode: bool = Field(False, description="behind a NAT or firewall: accept no inbound connections (hivemind's "
+                                                 "client mode for the DHT and the averagers); this node still trains, "
+                                                 "sends its contribution and gets the result, but never serves its "
+                                                 "state to joiners nor reduces for others; pipeline stages still "
+                                                 "need direct links")
+    auto_relay: bool = Field(False, description="look for a public peer to relay inbound connections (libp2p "
+                                                "circuit relay, hivemind's use_auto_relay)")
     identity: Optional[Path] = Field(None, description="libp2p RSA key file; created if missing; pins the peer_id")
     authority: Optional[Path] = Field(None, description="the swarm authority's public key (authority.pub): only peers "
                                                         "it certified take part; none: an open swarm")
@@ -155,6 +162,9 @@ class NodeConfig(BaseModel):
     matchmaking_time: float = Field(15.0, gt=0)
     averaging_timeout: float = Field(60.0, gt=0)
     outer_round_deadline: float = Field(300.0, gt=0)
+    adaptive_deadlines: bool = Field(True, description="sparse rounds: wait for downloads as long as the measured "
+                                                       "link needs for their bytes (3x, at least 5 s), with "
+                                                       "--averaging-timeout as the cap; off: always that timeout")
     startup_timeout: float = Field(60.0, gt=0, description="p2pd start-up and DHT bootstrap")
     sync_deadline: Optional[float] = Field(None, gt=0, description="give up syncing with the swarm after this many "
                                                                    "seconds (exit 1); none: keep trying")

@@ -24,7 +24,8 @@ def _print_status(status: node_pb2.NodeStatus) -> None:
     r = status.last_round
     lines = [
         ("peer_id", status.peer_id), ("run_id", status.run_id), ("state", status.state),
-        ("listen", ", ".join(status.listen_maddrs)), ("outer_step", status.outer_step),
+        ("listen", ", ".join(status.listen_maddrs)), ("reachability", status.reachability),
+        ("outer_step", status.outer_step),
         ("inner_step", f"{status.inner_step}/{status.inner_steps}"), ("loss", f"{status.loss:.4f}"),
         ("val_loss", f"{status.val_loss:.4f}"), ("tokens/s", f"{status.tokens_per_second:.0f}"),
         ("tokens_total", status.tokens_total), ("bytes sent/recv", f"{status.bytes_sent} / {status.bytes_received}"),
@@ -32,6 +33,7 @@ def _print_status(status: node_pb2.NodeStatus) -> None:
                        f"comm {r.duration_s:.2f}s (blocked {r.wait_s:.2f}s) payload {r.payload_bytes} B"),
         ("compression", f"{status.compression}: rank {r.rank} bits {r.bits} ratio {r.compression_ratio:.1f}x "
                         f"error {r.compression_error:.2f}"),
+        ("deadlines", status.deadlines or "(no round yet)"),
         ("utilization", f"{status.compute_utilization:.0%} compute ({status.overlap} overlap)"),
         ("stage", f"{status.stage_index}/{status.num_stages}" + (
             f" of replica {status.replica_id} ({', '.join(status.replica_members)})" if status.num_stages > 1 else "")),
@@ -142,8 +144,11 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:
                     print(json.dumps([_as_dict(p) for p in peers]))
                 for p in peers if not args.json else []:
+                    reach = "client" if p.client_mode else (
+                        f"undialable by {len(p.undialable_by)}" if p.undialable_by else "reachable")
                     print(f"{p.peer_id}  {p.state:<9} outer {p.outer_step:<5} inner {p.inner_step:<5} "
-                          f"loss {p.loss:.3f}  {p.tokens_per_second:.0f} tok/s  digest {p.global_params_digest}")
+                          f"loss {p.loss:.3f}  {p.tokens_per_second:.0f} tok/s  {reach:<16} "
+                          f"digest {p.global_params_digest}")
             elif args.command == "watch":
                 for status in stub.WatchStatus(node_pb2.WatchStatusRequest(interval_s=1.0), metadata=auth):
                     print(f"{status.state:<9} outer {status.outer_step} inner {status.inner_step}/{status.inner_steps} "

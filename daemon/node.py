@@ -33,6 +33,7 @@ from dilocox.daemon.rounds import Finished, OuterRounds, RoundOutcome
 from dilocox.daemon.staging import PipelineReplica, stage_tag
 from dilocox.daemon.status import RoundInfo, State, StatusBoard
 from dilocox.daemon.transfer import StateTransfer
+from dilocox.peers import deadlines, reachability
 from dilocox.peers.admission import Admission
 from dilocox.peers.allgather import ContributionServer
 from dilocox.peers.averaging import PseudoGradientAverager
@@ -123,9 +124,11 @@ class Node:
         self.swarm = Swarm(self.cfg.run_id, key, initial_peers=self.cfg.join, host_maddrs=self.cfg.listen,
                            announce_maddrs=self.cfg.announce, identity_path=identity_path,
                            startup_timeout_s=self.cfg.startup_timeout, ttl_s=3 * self.cfg.announce_period,
-                           admission=self.admission)
+                           admission=self.admission, client_mode=self.cfg.client_mode,
+                           auto_relay=self.cfg.auto_relay)
         maddrs = self.swarm.visible_maddrs()
-        self.board.update(peer_id=self.swarm.peer_id, listen_maddrs=maddrs)
+        self.board.update(peer_id=self.swarm.peer_id, listen_maddrs=maddrs, client_mode=self.cfg.client_mode,
+                          reachability="client" if self.cfg.client_mode else "reachable")
         logger.info("joined DHT as %s, listening on %s", self.swarm.peer_id, ", ".join(maddrs))
         print(f"join with: dilocox-node --join {maddrs[0]}", flush=True)
 
@@ -151,7 +154,7 @@ class Node:
         keeper = RevocationKeeper(self.swarm, self.admission, cfg.revocations, self.request_leave) \
             if self.admission is not None else None
         self.progress = ProgressTracker(self.swarm, self._describe, cfg.stage_index, cfg.num_stages,
-                                        cfg.announce_period, lambda n: self.board.update(swarm_size=n),
+                                        cfg.announce_period, self._on_refresh,
                                         keeper.tick if keeper else (lambda: None))
         if self.staged:
             self.pipeline = PipelineReplica(cfg, self.state, self.progress, shard_key)
@@ -213,7 +216,32 @@ class Node:
                     stage_index=cfg.stage_index, num_stages=cfg.num_stages, replica_id=s.replica_id,
                     rendezvous=self.pipeline.rendezvous_addr if self.pipeline else "",
                     replica_members=s.replica_members,
-                    certificate=self.admission.certificate_blob if self.admission else "")
+                    certificate=self.admission.certificate_blob if self.admission else "",
+                    client_mode=cfg.client_mode,
+                    undialable=self.contributions.dials.undialable() if self.contributions else [])
+
+    def _deadlines(self, info: RoundInfo) -> str:
+        """Status line: the deadlines the last round had (flags, and the downloads' measured one)."""
+        cfg = self.cfg
+        text = f"matchmaking {cfg.matchmaking_time:g}s, round {cfg.outer_round_deadline:g}s (flags), "
+        if self.contributions is None:
+            return text + f"all-reduce {cfg.averaging_timeout:g}s (flag)"
+        return text + deadlines.describe(self.contributions.link.snapshot(), info.download_deadline_s or None,
+                                         cfg.averaging_timeout)
+
+    def _on_refresh(self, swarm_size: int) -> None:
+        """Heartbeat thread, every few beats: the swarm's size and our reachability (peers/reachability.py)."""
+        members = self.progress.members(max_age_s=3 * self.cfg.announce_period) if self.progress else []
+        verdict, reporters = reachability.verdict(self.swarm.peer_id, self.cfg.client_mode,
+                                                  [(m.peer_id, m.undialable) for m in members])
+        text = reachability.describe(verdict, reporters)
+        previous = self.board.snapshot().reachability
+        if text != previous and verdict == reachability.Reachability.UNREACHABLE:
+            logger.warning("%s; not serving our state to joiners meanwhile", text)
+        if self.transfer is not None and (previous.startswith("unreachable")) != (
+                verdict == reachability.Reachability.UNREACHABLE):
+            self.transfer.offer_state(verdict != reachability.Reachability.UNREACHABLE)  # joiners cannot dial us
+        self.board.update(swarm_size=swarm_size, reachability=text)
 
     def _donor_progress(self) -> tuple[str, int]:
         s = self.board.snapshot()
@@ -446,7 +474,8 @@ class Node:
                         val_accuracy=val_accuracy, last_round=info, memory=st.memory(),
                         bytes_sent=s.bytes_sent + info.bytes_sent,
                         bytes_received=s.bytes_received + info.bytes_received,
-                        contributions_dropped=s.contributions_dropped + len(info.dropped))
+                        contributions_dropped=s.contributions_dropped + len(info.dropped),
+                        deadlines=self._deadlines(info))
         self._checkpoint()
         record = dict(asdict(info), peer_id=self.swarm.peer_id, digest=st.digest, val_loss=val_loss,
                       val_accuracy=val_accuracy, control_digest=st.control.digest() if st.control else "",

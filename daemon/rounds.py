@@ -165,7 +165,8 @@ class OuterRounds:
             pseudo_gradient = self.attack.pseudo_gradient([g.clone() for g in pseudo_gradient], r)
         compression = self.state.compressor.begin(pseudo_gradient, self.state.pseudo_gradient_bounds(r), r)
         gather = RoundGather(outer_step=r - 1, start_digest=self.state.start_digest(), weight=float(weight),
-                             bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s)
+                             bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s,
+                             client_mode=cfg.client_mode)
         if early is not None and (early.index, early.weight) == (r, weight):
             early.ready.set_result(compression)  # the comm thread offers it and lets the all-reduce begin
             return PendingRound(r, honest, compression, early.future, compute_s, losses, early.started,
@@ -192,7 +193,8 @@ class OuterRounds:
             cfg.averaging_timeout, cancel, lambda: not in_round(self.progress.others(), r, self.delayed),
             tamper_gather=attack.gather if attack else None,
             tamper_contribution=attack.contribution if attack else None, scheduled_in_s=scheduled_in_s,
-            rule=cfg.aggregation, norm_bound=cfg.norm_bound, admitted=self.admitted)
+            rule=cfg.aggregation, norm_bound=cfg.norm_bound, admitted=self.admitted,
+            adaptive_deadline=cfg.adaptive_deadlines)
 
     # ------------------------------------------------------------------ equivocation
     def _exclude_equivocators(self, r: int, inputs: dict) -> None:
@@ -233,7 +235,8 @@ class OuterRounds:
         if round_start_action(self.progress.others(FRESH_S), r, False) != StartAction.ALLREDUCE:
             return False
         gather = RoundGather(outer_step=r - 1, start_digest=self.state.start_digest(), weight=float(weight),
-                             bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s)
+                             bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s,
+                             client_mode=self.cfg.client_mode)
         ready, cancel = Future(), threading.Event()
         future = self._submit_sparse(ready, r, gather, cancel, scheduled_in_s=eta_s)
         self.early = EarlyRound(r, weight, ready, future, cancel, time.monotonic())
@@ -389,4 +392,5 @@ class OuterRounds:
             info.rank, info.bits, info.compression_error = stats.rank, stats.bits, stats.relative_error
             info.allreduce_s = result.allreduce_s
             info.dropped = sorted(result.dropped)
+            info.download_deadline_s, info.link_mbps = result.download_deadline_s, result.link_bps / 1e6
         return info

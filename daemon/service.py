@@ -79,7 +79,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
         members = await asyncio.get_running_loop().run_in_executor(None, swarm.members)
         peers = [node_pb2.PeerInfo(peer_id=m.peer_id, state=m.state, outer_step=m.outer_step, inner_step=m.inner_step,
                                    tokens_per_second=m.tokens_per_second, loss=m.loss,
-                                   global_params_digest=m.global_params_digest, expires_in_s=ttl)
+                                   global_params_digest=m.global_params_digest, expires_in_s=ttl,
+                                   client_mode=m.client_mode,
+                                   undialable_by=sorted(o.peer_id for o, _ in members if m.peer_id in o.undialable))
                  for m, ttl in sorted(members, key=lambda item: item[0].peer_id)]
         return node_pb2.ListPeersResponse(peers=peers)
 

@@ -42,6 +42,8 @@ class RoundInfo:
     compression_error: float = 0.0  # ||M - C(M)|| / ||M|| of this node's contribution (before feedback)
     allreduce_s: float = 0.0  # time in the all-reduce itself (no matchmaking), all phases
     dropped: list[str] = field(default_factory=list)  # peer_ids left out of the mean (sparse rounds)
+    download_deadline_s: float = 0.0  # sparse rounds: the measured deadline the downloads had
+    link_mbps: float = 0.0  # sparse rounds: our measured download rate after the round (0: not measured)
 
 
 @dataclass
@@ -90,6 +92,9 @@ class Status:
     attack: str = ""
     admission: str = ""
     outer_algorithm: str = "diloco"
+    client_mode: bool = False
+    reachability: str = "reachable"  # peers/reachability.py: describe()
+    deadlines: str = ""  # the deadlines in use and what they came from (peers/deadlines.py: describe())
 
 
 class StatusBoard:

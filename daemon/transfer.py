@@ -95,6 +95,11 @@ class StateTransfer:
         if self.averager is not None:
             self.averager.set_priority(float(self.state.outer_step))
 
+    def offer_state(self, allowed: bool) -> None:
+        """Serve our state to joiners or not (a node others report they cannot dial withdraws)."""
+        if self.averager is not None:
+            self.averager.share_state(allowed)
+
     # ------------------------------------------------------------------ donor
     def serve(self):
         """hivemind's state provider (runs on the averager's thread in this process): (meta, tensors).

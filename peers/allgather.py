@@ -9,7 +9,11 @@ all-reduce, so a sparse round (``exchange_sparse``) is:
 2. **download**: every member fetches every other member's payload directly from it
    (``ContributionServer.rpc_contribution``, a ``hivemind.p2p.ServicerBase`` handler, hivemind's
    documented way to add P2P RPCs) and checks length and digest against the gathered metadata, so
-   a member that sends different bytes to different peers is caught by whoever got the others;
+   a member that sends different bytes to different peers is caught by whoever got the others.
+   A member nobody can dial (``--client-mode``, or a direct dial that failed: peers/reachability.py)
+   is fetched through a **relay**: a reachable member serves the copy it fetched (over the connection
+   the NAT'd member opened to it), checked against the same digest. Clients never dial clients;
+   a peer whose dial failed is not dialed again for a while, so the round does not wait on it;
 3. **aggregation**: every member validates the same bytes and runs the same deterministic
    reduction (``dilocox.sparse.aggregate``: sorted peer order, float64), so equal inputs give a
    bit-identical mean everywhere. Contributions whose metadata is malformed, whose start digest
@@ -32,6 +36,8 @@ from typing import AsyncIterator, Callable, Dict, Optional, Tuple, Union
 import pydantic.v1 as pydantic
 import torch
 from dilocox.peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
+from dilocox.peers.deadlines import LinkEstimate, download_deadline
+from dilocox.peers.reachability import DialLog
 from dilocox.proto.dilocox.v1.swarm_pb2 import ContributionChunk, ContributionRequest
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
@@ -42,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # pieces of a payload on the wire (hivemind's unary limit is 4 MiB; streams have none)
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+NOT_HELD = "not held"  # a relay's answer when it has no copy (yet) of the asked member's contribution
+RELAY_WAIT_S = 2.0     # a relay waits this long for its copy before answering NOT_HELD
+RELAY_POLL_S = 0.5     # a fetcher asks the relays again after this pause while none holds a copy
+COPY_KEYS = 2          # rounds whose fetched contributions are kept to relay
 # tamper(payload, requester peer_id, key) -> bytes: the red-team hook's view of what we serve
 Tamper = Callable[[bytes, str, str], bytes]
 
@@ -63,12 +73,16 @@ class ContributionServer(ServicerBase):
         self.namespace, self.keep, self.tamper, self.admitted = namespace, keep, tamper, admitted
         self._refused: Dict[str, str] = {}
         self._offers: "OrderedDict[str, bytes]" = OrderedDict()
+        self._copies: "OrderedDict[str, Dict[str, bytes]]" = OrderedDict()  # key -> owner -> checked payload
+        self.dials = DialLog()
+        self.link = LinkEstimate()  # our download rate and latency, measured on every round's downloads
         self._served: Dict[str, int] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="contributions", daemon=True)
         self._thread.start()
         self._p2p: P2P = self._call(self._setup(replicate_p2p), startup_timeout_s)
+        self.peer_id = self._p2p.peer_id.to_base58()
 
     async def _setup(self, replicate_p2p) -> P2P:
         p2p = await replicate_p2p()
@@ -106,29 +120,55 @@ class ContributionServer(ServicerBase):
                 self._refused[requester] = refusal
             yield ContributionChunk(error=f"not admitted: {refusal}")
             return
-        with self._lock:
-            payload = self._offers.get(request.key)
-        if payload is None:
-            yield ContributionChunk(error=f"no contribution under key {request.key[:40]!r}")
-            return
-        if self.tamper is not None:
-            payload = self.tamper(payload, requester, request.key)
+        if request.owner and request.owner != self.peer_id:
+            payload = await self._copy(request.key, request.owner)
+            if payload is None:
+                yield ContributionChunk(error=f"{NOT_HELD}: no copy of {request.owner[:16]}'s contribution")
+                return
+        else:
+            with self._lock:
+                payload = self._offers.get(request.key)
+            if payload is None:
+                yield ContributionChunk(error=f"no contribution under key {request.key[:40]!r}")
+                return
+            if self.tamper is not None:
+                payload = self.tamper(payload, requester, request.key)
         with self._lock:
             if request.key in self._served:
                 self._served[request.key] += len(payload)
         for i in range(0, max(len(payload), 1), CHUNK_BYTES):
             yield ContributionChunk(data=payload[i:i + CHUNK_BYTES])
 
+    async def _copy(self, key: str, owner: str) -> Optional[bytes]:
+        """Our checked copy of ``owner``'s contribution under ``key``, waiting up to RELAY_WAIT_S for it."""
+        deadline = time.monotonic() + RELAY_WAIT_S
+        while True:
+            with self._lock:
+                payload = self._copies.get(key, {}).get(owner)
+            if payload is not None or time.monotonic() >= deadline:
+                return payload
+            await asyncio.sleep(0.1)
+
+    def _keep_copy(self, key: str, owner: str, payload: bytes) -> None:
+        with self._lock:
+            self._copies.setdefault(key, {})[owner] = payload
+            self._copies.move_to_end(key)
+            while len(self._copies) > COPY_KEYS:
+                self._copies.popitem(last=False)
+
     # ------------------------------------------------------------------ fetching
-    def fetch(self, wanted: Dict[str, Tuple[Optional[str], int]], key: str,
-              timeout_s: float) -> Tuple[Dict[str, bytes], Dict[str, str]]:
+    def fetch(self, wanted: Dict[str, Tuple[Optional[str], int]], key: str, timeout_s: float,
+              relays: Tuple[str, ...] = (),
+              no_direct: frozenset = frozenset()) -> Tuple[Dict[str, bytes], Dict[str, str]]:
         """Download the payloads of ``wanted`` (peer_id -> (sha256 hex, exact length in bytes), or (None,
         the largest valid length) when nothing was announced) under ``key``, all at once, within
-        ``timeout_s`` seconds. Returns (peer_id -> payload whose length and digest match, peer_id -> why
-        it was not accepted)."""
+        ``timeout_s`` seconds. A peer is dialed directly unless it is in ``no_direct`` or a dial to it
+        failed recently (``dials``); else, or when that fails, its contribution is asked of ``relays``
+        (members that may hold a copy), in order. Returns (peer_id -> payload whose length and digest
+        match, peer_id -> why it was not accepted)."""
         if not wanted:
             return {}, {}
-        results = self._call(self._fetch_all(wanted, key, timeout_s), timeout_s + 5.0)
+        results = self._call(self._fetch_all(wanted, key, timeout_s, tuple(relays), no_direct), timeout_s + 5.0)
         got, failed = {}, {}
         for peer, outcome in results.items():
             if isinstance(outcome, bytes):
@@ -137,10 +177,16 @@ class ContributionServer(ServicerBase):
                 failed[peer] = outcome
         return got, failed
 
-    async def _fetch_all(self, wanted, key, timeout_s) -> Dict[str, object]:
-        peers = sorted(wanted)
-        outcomes = await asyncio.gather(*[asyncio.wait_for(self._fetch_one(p, *wanted[p], key), timeout_s)
+    async def _fetch_all(self, wanted, key, timeout_s, relays, no_direct) -> Dict[str, object]:
+        peers, timings = sorted(wanted), []
+        started = time.monotonic()
+        outcomes = await asyncio.gather(*[asyncio.wait_for(self._fetch_one(p, *wanted[p], key, relays, no_direct,
+                                                                           timings), timeout_s)
                                           for p in peers], return_exceptions=True)
+        if timings:  # the direct downloads that succeeded measure our link (peers/deadlines.py); waits on a
+            # dead peer or a relay's copy are no measure of it
+            self.link.observe(sum(n for n, _, _ in timings), max(done for _, _, done in timings) - started,
+                              min(first for _, first, _ in timings) - started)
         out: Dict[str, object] = {}
         for peer, o in zip(peers, outcomes):
             if isinstance(o, bytes):
@@ -151,21 +197,66 @@ class ContributionServer(ServicerBase):
                 out[peer] = f"not received: {o}"
         return out
 
-    async def _fetch_one(self, peer: str, sha256: Optional[str], size: int, key: str) -> bytes:
-        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.namespace)
+    async def _fetch_one(self, peer: str, sha256: Optional[str], size: int, key: str, relays: Tuple[str, ...],
+                         no_direct: frozenset, timings: list) -> bytes:
+        """``peer``'s payload, from itself or from a relay (module docstring). Raises ContributionError if
+        the peer itself served bad bytes or no source could serve it."""
+        sources = [peer] if peer not in no_direct and self.dials.worth_dialing(peer) else []
+        sources += [r for r in relays if r not in (peer, self.peer_id)]
+        errors: Dict[str, str] = {}
+        while sources:
+            for src in list(sources):
+                try:
+                    payload = await self._download(src, peer, sha256, size, key, timings)
+                except _NotHeld:
+                    continue  # the relay has no copy yet: ask again after a pause
+                except ContributionError as e:
+                    if src == peer:
+                        raise  # the contributor itself served bad bytes
+                    sources.remove(src)  # a relay that serves bad bytes is not asked again
+                    errors[src] = str(e)
+                    continue
+                except Exception as e:  # not reached: p2pd could not dial it, or the stream broke
+                    if src == peer or "dial" in str(e):  # p2pd's "failed to dial" (hivemind P2PDaemonError)
+                        self.dials.failed(src)
+                    sources.remove(src)
+                    errors[src] = f"{type(e).__name__}: {str(e)[:120]}"
+                    continue
+                if src == peer:
+                    self.dials.succeeded(peer)
+                else:
+                    logger.info("fetched %s's contribution via relay %s", peer, src)
+                self._keep_copy(key, peer, payload)
+                return payload
+            if sources:
+                await asyncio.sleep(RELAY_POLL_S)
+        raise ContributionError("neither the peer nor a relay served it (" +
+                                ("; ".join(f"{s[:12]}: {e}" for s, e in errors.items()) or "no relay") + ")")
+
+    async def _download(self, src: str, peer: str, sha256: Optional[str], size: int, key: str,
+                        timings: list) -> bytes:
+        """One payload from ``src`` (``peer``'s own, or a relay's copy). A direct download that succeeds
+        appends (bytes, monotonic time of its first byte, of its last) to ``timings``."""
+        first = None
+        stub = self.get_stub(self._p2p, PeerID.from_base58(src), namespace=self.namespace)
         buf = bytearray()
-        async for chunk in await stub.rpc_contribution(ContributionRequest(key=key)):
+        request = ContributionRequest(key=key, owner="" if src == peer else peer)
+        async for chunk in await stub.rpc_contribution(request):
             if chunk.error:
+                if chunk.error.startswith(NOT_HELD):
+                    raise _NotHeld(chunk.error)
                 raise ContributionError(f"the peer answered: {chunk.error[:200]}")
+            first = first or time.monotonic()
             buf += chunk.data
             if len(buf) > size:
                 raise ContributionError(f"oversized payload: more than the {size} bytes expected")
-        if sha256 is None:  # nothing announced: the codec checks the exact length
-            return bytes(buf)
-        if len(buf) != size:
-            raise ContributionError(f"truncated payload: {len(buf)} of the {size} bytes expected")
-        if hashlib.sha256(buf).hexdigest() != sha256:
-            raise ContributionError("the bytes do not match the digest announced in matchmaking")
+        if sha256 is not None:  # else nothing was announced: the codec checks the exact length
+            if len(buf) != size:
+                raise ContributionError(f"truncated payload: {len(buf)} of the {size} bytes expected")
+            if hashlib.sha256(buf).hexdigest() != sha256:
+                raise ContributionError("the bytes do not match the digest announced in matchmaking")
+        if src == peer and first is not None:
+            timings.append((len(buf), first, time.monotonic()))
         return bytes(buf)
 
     def shutdown(self) -> None:
@@ -185,6 +276,10 @@ class ContributionServer(ServicerBase):
         finally:
             await self._p2p.shutdown()  # a replica owns no p2pd: this closes our connections to it
             await asyncio.sleep(0.05)  # let the transports finish closing on this loop
+
+
+class _NotHeld(Exception):
+    """A relay has no copy of the asked contribution (yet)."""
 
 
 class SparseGather(pydantic.BaseModel):
@@ -253,7 +348,8 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
                     tamper_gather: Optional[Callable[[dict, int], dict]] = None,
                     tamper_contribution: Optional[Callable[[bytes, int], bytes]] = None,
                     scheduled_in_s: Optional[float] = None, rule: str = "mean", norm_bound: float = 0.0,
-                    admitted: Optional[Callable[[str], Optional[str]]] = None) -> RoundResult:
+                    admitted: Optional[Callable[[str], Optional[str]]] = None,
+                    adaptive_deadline: bool = True) -> RoundResult:
     """Average one round's sparse contribution by all-gather (module docstring); blocking.
 
     ``rnd``: the round's SparseRound, or a Future that will hold it (**early** matchmaking: the group
@@ -262,7 +358,8 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     ``rule`` / ``norm_bound``: how the accepted contributions are combined (dilocox/robust.py).
     ``admitted(peer_id)``: None if that member may contribute, else why not (default: the server's rule).
     ``me``: our peer_id (our payload is used as is, not fetched). ``max_weight``: the largest weight a
-    member may claim (H inner steps). Waits at most ``fetch_timeout_s`` for the downloads.
+    member may claim (H inner steps). Waits for the downloads as long as our measured link needs for
+    their bytes (peers/deadlines.py), at most ``fetch_timeout_s`` (always that, without ``adaptive_deadline``).
     ``tamper_gather`` / ``tamper_contribution``: red-team hooks on our gathered metadata and on the payload
     we announce and serve (daemon/redteam.py). Raises RoundCancelled /
     RoundFailed as ``PseudoGradientAverager.run_phase`` does, and RoundFailed when no contribution
@@ -303,7 +400,13 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     metas, announced, dropped = screen_gathered(res.gathered, round_index, max_weight, rnd.codec.payload_bytes(),
                                                 admitted or server.admitted)
     wanted = {p: announced[p] for p in announced if p != me and p not in dropped}
-    got, failed = server.fetch(wanted, key, fetch_timeout_s)
+    # clients (no inbound connections) never dial clients: a reachable member relays between them
+    clients = frozenset(p for p, m in metas.items() if m is not None and m.client_mode)
+    relays = tuple(sorted(p for p in wanted if p not in clients))
+    no_direct = clients if meta.client_mode else frozenset()
+    fetch_s = download_deadline(server.link.snapshot(), sum(size for _, size in wanted.values()), fetch_timeout_s,
+                                relayed=any(p in no_direct for p in wanted)) if adaptive_deadline else fetch_timeout_s
+    got, failed = server.fetch(wanted, key, fetch_s, relays, no_direct)
     dropped.update(failed)
     if me in announced and me not in dropped:
         got[me] = payload
@@ -322,4 +425,5 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     received = sum(len(b) for p, b in got.items() if p != me) + res.bytes_received
     inputs = {p: hashlib.sha256(b).hexdigest()[:16] for p, b in got.items() if p not in dropped}
     return RoundResult(mean, metas, len(payload), sent, received, res.allreduce_s + time.monotonic() - started,
-                       int(2 * (n - 1) / n * 4 * numel), dropped=dropped, inputs=inputs)
+                       int(2 * (n - 1) / n * 4 * numel), dropped=dropped, inputs=inputs, download_deadline_s=fetch_s,
+                       link_bps=server.link.snapshot().bps)

@@ -56,6 +56,7 @@ class RoundGather(pydantic.BaseModel):
     # for the adaptive rank's bandwidth cap, which every member must compute from the same figures
     bandwidth_bps: pydantic.confloat(ge=0) = 0.0  # the sender's measured link rate (0: unknown)
     compute_s: pydantic.confloat(ge=0) = 0.0      # the sender's compute time for one round
+    client_mode: bool = False  # the sender accepts no inbound connections: fetch its contribution via a relay
 
 
 def group_limits(gathered: Dict[str, Optional[RoundGather]]) -> Tuple[float, float]:
@@ -86,6 +87,8 @@ class RoundResult:
     fp32_bytes_sent: int             # what the same round would send uncompressed (fp32 both ways)
     dropped: Dict[str, str] = field(default_factory=dict)  # peer_id -> why its contribution was not used
     inputs: Dict[str, str] = field(default_factory=dict)   # sparse: peer_id -> digest of the payload used
+    download_deadline_s: float = 0.0  # sparse: the deadline the downloads had (peers/deadlines.py; 0: none)
+    link_bps: float = 0.0  # sparse: our measured download rate after this round (bit/s; 0: not measured)
 
 
 def group_bits(round_index: int) -> str:
@@ -123,7 +126,8 @@ class PseudoGradientAverager(DecentralizedAverager):
             next_chunk_timeout=request_timeout_s * 2,
             compression=NarrowingCompression(),
             part_size_bytes=part_size_bytes,
-            allow_state_sharing=state_provider is not None,
+            # a client (no inbound connections) cannot serve its state: hivemind refuses it
+            allow_state_sharing=state_provider is not None and not dht.client_mode,
             # joiners read donors' priorities (outer steps) from these declarations; a few seconds of staleness
             # costs nothing (the downloaded state is checked), each declaration a DHT store
             declare_state_period=max(15.0, matchmaking_time_s),
@@ -229,8 +233,18 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     def set_priority(self, value: float) -> None:
         """``state_sharing_priority`` (joiners download from the highest), under the pipe lock."""
+        if self.client_mode:
+            return  # nobody downloads from a client (hivemind raises if it is set)
         with self._pipe_lock:
             self.state_sharing_priority = value
+
+    def share_state(self, allowed: bool) -> None:
+        """Declare (or withdraw) this node as a state donor: hivemind's public ``allow_state_sharing``, under
+        the pipe lock. A node others cannot dial withdraws, so joiners do not wait on it; no-op for a client."""
+        if self.client_mode or self._state_provider is None:
+            return
+        with self._pipe_lock:
+            self.allow_state_sharing = allowed
 
 
 def _stats(data: Any) -> dict:

@@ -57,11 +57,14 @@ class MemberRecord(pydantic.BaseModel):
     # sparse round `result_step`: contributor peer_id -> first 16 hex digits of the SHA-256 of the payload we
     # used, so members can see a contributor that served different bytes to different peers
     inputs: Dict[pydantic.constr(strict=True, max_length=64), pydantic.constr(strict=True, max_length=16)] = {}
+    # reachability (peers/reachability.py): we accept no inbound connections; peers we could not dial lately
+    client_mode: pydantic.StrictBool = False
+    undialable: List[pydantic.constr(strict=True, max_length=64)] = []
 
-    @pydantic.validator("inputs")
-    def _few_inputs(cls, value):
+    @pydantic.validator("inputs", "undialable")
+    def _few_peers(cls, value):
         if len(value) > 1024:
-            raise ValueError(f"{len(value)} inputs: at most 1024")
+            raise ValueError(f"{len(value)} peers: at most 1024")
         return value
 
     class Config:
@@ -103,8 +106,12 @@ class Swarm:
 
     def __init__(self, run_id: str, private_key: RSAPrivateKey, *, initial_peers: List[str],
                  host_maddrs: List[str], announce_maddrs: List[str], identity_path: str,
-                 startup_timeout_s: float = 30.0, ttl_s: float = 15.0, admission: Optional[Admission] = None):
-        """``admission``: with a swarm authority, records of peers without a valid certificate are ignored."""
+                 startup_timeout_s: float = 30.0, ttl_s: float = 15.0, admission: Optional[Admission] = None,
+                 client_mode: bool = False, auto_relay: bool = False):
+        """``admission``: with a swarm authority, records of peers without a valid certificate are ignored.
+        ``client_mode``: hivemind's DHT client mode (no inbound requests; p2pd's DHT in client mode too).
+        ``auto_relay``: p2pd looks for circuit relays among its peers to become reachable (hivemind's
+        ``use_auto_relay``; relaying itself, ``use_relay``, is on in hivemind by default)."""
         self.run_id, self.ttl_s, self.admission = run_id, ttl_s, admission
         self.key = f"{run_id}_members"
         self.revocations_key = f"{run_id}_revocations"
@@ -124,6 +131,8 @@ class Swarm:
                 identity_path=identity_path,
                 record_validators=[SchemaValidator(SwarmSchema, prefix=run_id), signer],
                 nat_port_map=False,  # UPnP discovery would multicast off the machine
+                client_mode=client_mode,
+                use_auto_relay=auto_relay,
                 startup_timeout=startup_timeout_s,
                 await_ready=True,
             )

@@ -104,3 +104,45 @@ def test_old_offers_are_forgotten(servers):
     assert "no contribution" in failed[a_id]
     got, _ = b.fetch({a_id: (hashlib.sha256(b"x").hexdigest(), 1)}, "old5", 30)
     assert got == {a_id: b"x"}
+
+
+@pytest.fixture(scope="module")
+def trio():
+    """Three honest servers and the peer_id of a peer that has left (nobody can dial it)."""
+    dhts, out = [], []
+    try:
+        for _ in range(4):
+            dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs() if dhts else None, start=True,
+                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, startup_timeout=60))
+        gone = dhts.pop()
+        gone_id = gone.peer_id.to_base58()
+        gone.shutdown()
+        out = [ContributionServer(d.replicate_p2p, "test_relay") for d in dhts]
+        yield [(d.peer_id.to_base58(), s) for d, s in zip(dhts, out)], gone_id
+    finally:
+        for s in out:
+            s.shutdown()
+        for d in dhts:
+            d.shutdown()
+
+
+def test_a_contribution_nobody_can_dial_comes_through_a_relay_and_a_failed_dial_is_remembered(trio):
+    ((a_id, a), (b_id, b), (c_id, c)), gone_id = trio
+    payload = b"a client's contribution" * 5000
+    wanted = {c_id: (hashlib.sha256(payload).hexdigest(), len(payload))}
+    c.offer("k1", payload)
+    got, _ = a.fetch(wanted, "k1", 30)  # a reaches c directly and keeps a checked copy
+    assert got == {c_id: payload}
+    assert c.served_bytes("k1") == len(payload)
+    got, failed = b.fetch(wanted, "k1", 30, relays=(a_id,), no_direct=frozenset({c_id}))
+    assert got == {c_id: payload} and not failed
+    assert c.served_bytes("k1") == len(payload)  # b never dialed c: a relayed it
+    # a relay without a copy is asked again until the timeout, then the round goes on without it
+    c.offer("k2", payload)
+    _, failed = b.fetch(wanted, "k2", 3, relays=(a_id,), no_direct=frozenset({c_id}))
+    assert "not received within 3s" in failed[c_id]
+    # a peer that cannot be dialed: the failure is remembered, published, and the peer not dialed again
+    _, failed = b.fetch({gone_id: (SHA, 10)}, "k1", 20)
+    assert gone_id in failed and gone_id in b.dials.undialable() and not b.dials.worth_dialing(gone_id)
+    _, failed = b.fetch({gone_id: (SHA, 10)}, "k1", 20)
+    assert "neither the peer nor a relay" in failed[gone_id] and "no relay" in failed[gone_id]

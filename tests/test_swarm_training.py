@@ -68,11 +68,15 @@ def test_ctl_status_json_and_peers(swarm3):
         assert field in status, field
     assert "group_size" in status["last_round"]
     assert status["listen_maddrs"][0].startswith("/ip4/127.0.0.1/tcp/")
+    assert status["reachability"] == "reachable" and status["client_mode"] is False
+    # butterfly rounds (compression none) keep the flag as hivemind's all-reduce timeout
+    assert status["deadlines"] == "matchmaking 2s, round 30s (flags), all-reduce 8s (flag)", status["deadlines"]
     out = subprocess.run([sys.executable, "-m", "dilocox.daemon.ctl", "--addr", node.addr, "peers", "--json"],
                          capture_output=True, text=True, timeout=60, env=node_env())
     assert out.returncode == 0, out.stderr
     peers = json.loads(out.stdout)
     assert {p["peer_id"] for p in peers} == {n.status().peer_id for n in swarm3}
+    assert all(p["client_mode"] is False and p["undialable_by"] == [] for p in peers), peers
 
 
 def test_health_reflection_and_bad_requests(swarm3):

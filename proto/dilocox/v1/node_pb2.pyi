@@ -35,7 +35,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("outer_step", "group_size", "payload_bytes", "duration_s", "compression_ratio", "rank", "compute_s", "outcome", "bytes_sent", "bytes_received", "wait_s", "bits", "compression_error", "allreduce_s", "dropped")
+    __slots__ = ("outer_step", "group_size", "payload_bytes", "duration_s", "compression_ratio", "rank", "compute_s", "outcome", "bytes_sent", "bytes_received", "wait_s", "bits", "compression_error", "allreduce_s", "dropped", "download_deadline_s", "link_mbps")
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class RoundInfo(_message.Message):
     COMPRESSION_ERROR_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_S_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    LINK_MBPS_FIELD_NUMBER: _ClassVar[int]
     outer_step: int
     group_size: int
     payload_bytes: int
@@ -66,10 +68,12 @@ class RoundInfo(_message.Message):
     compression_error: float
     allreduce_s: float
     dropped: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, outer_step: _Optional[int] = ..., group_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., compression_ratio: _Optional[float] = ..., rank: _Optional[int] = ..., compute_s: _Optional[float] = ..., outcome: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., wait_s: _Optional[float] = ..., bits: _Optional[int] = ..., compression_error: _Optional[float] = ..., allreduce_s: _Optional[float] = ..., dropped: _Optional[_Iterable[str]] = ...) -> None: ...
+    download_deadline_s: float
+    link_mbps: float
+    def __init__(self, outer_step: _Optional[int] = ..., group_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., compression_ratio: _Optional[float] = ..., rank: _Optional[int] = ..., compute_s: _Optional[float] = ..., outcome: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., wait_s: _Optional[float] = ..., bits: _Optional[int] = ..., compression_error: _Optional[float] = ..., allreduce_s: _Optional[float] = ..., dropped: _Optional[_Iterable[str]] = ..., download_deadline_s: _Optional[float] = ..., link_mbps: _Optional[float] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("peer_id", "run_id", "version", "state", "listen_maddrs", "stage_index", "num_stages", "outer_step", "inner_step", "inner_steps", "loss", "tokens_per_second", "tokens_total", "bytes_sent", "bytes_received", "last_round", "global_params_digest", "swarm_size", "uptime_s", "val_loss", "resyncs", "last_error", "initial_loss", "compute_utilization", "overlap", "compression", "replica_id", "replica_members", "memory", "contributions_dropped", "attack", "admission", "val_accuracy", "outer_algorithm", "sync_reason", "sync_attempts")
+    __slots__ = ("peer_id", "run_id", "version", "state", "listen_maddrs", "stage_index", "num_stages", "outer_step", "inner_step", "inner_steps", "loss", "tokens_per_second", "tokens_total", "bytes_sent", "bytes_received", "last_round", "global_params_digest", "swarm_size", "uptime_s", "val_loss", "resyncs", "last_error", "initial_loss", "compute_utilization", "overlap", "compression", "replica_id", "replica_members", "memory", "contributions_dropped", "attack", "admission", "val_accuracy", "outer_algorithm", "sync_reason", "sync_attempts", "client_mode", "reachability", "deadlines")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +110,9 @@ class NodeStatus(_message.Message):
     OUTER_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     SYNC_REASON_FIELD_NUMBER: _ClassVar[int]
     SYNC_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_MODE_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINES_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     run_id: str
     version: str
@@ -142,7 +149,10 @@ class NodeStatus(_message.Message):
     outer_algorithm: str
     sync_reason: str
     sync_attempts: int
-    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., listen_maddrs: _Optional[_Iterable[str]] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., tokens_total: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., last_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., global_params_digest: _Optional[str] = ..., swarm_size: _Optional[int] = ..., uptime_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., resyncs: _Optional[int] = ..., last_error: _Optional[str] = ..., initial_loss: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., overlap: _Optional[str] = ..., compression: _Optional[str] = ..., replica_id: _Optional[str] = ..., replica_members: _Optional[_Iterable[str]] = ..., memory: _Optional[_Union[StageMemory, _Mapping]] = ..., contributions_dropped: _Optional[int] = ..., attack: _Optional[str] = ..., admission: _Optional[str] = ..., val_accuracy: _Optional[float] = ..., outer_algorithm: _Optional[str] = ..., sync_reason: _Optional[str] = ..., sync_attempts: _Optional[int] = ...) -> None: ...
+    client_mode: bool
+    reachability: str
+    deadlines: str
+    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., listen_maddrs: _Optional[_Iterable[str]] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., tokens_total: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., last_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., global_params_digest: _Optional[str] = ..., swarm_size: _Optional[int] = ..., uptime_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., resyncs: _Optional[int] = ..., last_error: _Optional[str] = ..., initial_loss: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., overlap: _Optional[str] = ..., compression: _Optional[str] = ..., replica_id: _Optional[str] = ..., replica_members: _Optional[_Iterable[str]] = ..., memory: _Optional[_Union[StageMemory, _Mapping]] = ..., contributions_dropped: _Optional[int] = ..., attack: _Optional[str] = ..., admission: _Optional[str] = ..., val_accuracy: _Optional[float] = ..., outer_algorithm: _Optional[str] = ..., sync_reason: _Optional[str] = ..., sync_attempts: _Optional[int] = ..., client_mode: _Optional[bool] = ..., reachability: _Optional[str] = ..., deadlines: _Optional[str] = ...) -> None: ...
 
 class StageMemory(_message.Message):
     __slots__ = ("params_bytes", "inner_optimizer_bytes", "outer_optimizer_bytes", "error_feedback_bytes", "total_bytes")
@@ -159,7 +169,7 @@ class StageMemory(_message.Message):
     def __init__(self, params_bytes: _Optional[int] = ..., inner_optimizer_bytes: _Optional[int] = ..., outer_optimizer_bytes: _Optional[int] = ..., error_feedback_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "state", "outer_step", "inner_step", "tokens_per_second", "loss", "global_params_digest", "expires_in_s")
+    __slots__ = ("peer_id", "state", "outer_step", "inner_step", "tokens_per_second", "loss", "global_params_digest", "expires_in_s", "client_mode", "undialable_by")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +178,8 @@ class PeerInfo(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_PARAMS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_MODE_FIELD_NUMBER: _ClassVar[int]
+    UNDIALABLE_BY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     state: str
     outer_step: int
@@ -176,7 +188,9 @@ class PeerInfo(_message.Message):
     loss: float
     global_params_digest: str
     expires_in_s: float
-    def __init__(self, peer_id: _Optional[str] = ..., state: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., global_params_digest: _Optional[str] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    client_mode: bool
+    undialable_by: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer_id: _Optional[str] = ..., state: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., global_params_digest: _Optional[str] = ..., expires_in_s: _Optional[float] = ..., client_mode: _Optional[bool] = ..., undialable_by: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListPeersResponse(_message.Message):
     __slots__ = ("peers",)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/dilocox/v1/swarm.proto\x12\ndilocox.v1\"\"\n\x13\x43ontributionRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"0\n\x11\x43ontributionChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x65rror\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/dilocox/v1/swarm.proto\x12\ndilocox.v1\"1\n\x13\x43ontributionRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\"0\n\x11\x43ontributionChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x65rror\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.dilocox.v1.swarm_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CONTRIBUTIONREQUEST']._serialized_start=44
-  _globals['_CONTRIBUTIONREQUEST']._serialized_end=78
-  _globals['_CONTRIBUTIONCHUNK']._serialized_start=80
-  _globals['_CONTRIBUTIONCHUNK']._serialized_end=128
+  _globals['_CONTRIBUTIONREQUEST']._serialized_end=93
+  _globals['_CONTRIBUTIONCHUNK']._serialized_start=95
+  _globals['_CONTRIBUTIONCHUNK']._serialized_end=143
 # @@protoc_insertion_point(module_scope)

@@ -5,10 +5,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ContributionRequest(_message.Message):
-    __slots__ = ("key",)
+    __slots__ = ("key", "owner")
     KEY_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     key: str
-    def __init__(self, key: _Optional[str] = ...) -> None: ...
+    owner: str
+    def __init__(self, key: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ContributionChunk(_message.Message):
     __slots__ = ("data", "error")
