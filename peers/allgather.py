@@ -217,7 +217,7 @@ class ContributionServer(ServicerBase):
                     errors[src] = str(e)
                     continue
                 except Exception as e:  # not reached: p2pd could not dial it, or the stream broke
-                    if src == peer or "dial" in str(e):  # p2pd's "failed to dial" (hivemind P2PDaemonError)
+                    if "dial" in str(e).lower():  # p2pd's "failed to dial ... all dials failed" (ControlFailure)
                         self.dials.failed(src)
                     sources.remove(src)
                     errors[src] = f"{type(e).__name__}: {str(e)[:120]}"

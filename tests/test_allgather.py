@@ -3,6 +3,7 @@ metadata, and the contribution server between real hivemind peers on loopback.""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import hivemind
@@ -51,22 +52,29 @@ def test_screen_is_the_same_for_every_member_whatever_the_order():
     assert first == again and set(first) == {"p3", "p4", "p5"}  # the tie goes to the smallest peer id's digest
 
 
-@pytest.fixture(scope="module")
-def servers():
+@contextlib.contextmanager
+def peers_on_loopback(n: int, namespace: str, tampers=()):
+    """n real hivemind peers on loopback, each with a ContributionServer (``tampers[i]``: peer i's hook);
+    yields [(peer_id, server, dht)]."""
     dhts, out = [], []
     try:
-        for i in range(2):
-            dht = hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs() if dhts else None, start=True,
-                               host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, startup_timeout=60)
-            dhts.append(dht)
-            tamper = (lambda payload, requester, key: payload[:-1] + b"X") if i == 1 else None
-            out.append(ContributionServer(dht.replicate_p2p, "test_allgather", tamper=tamper))
-        yield [(d.peer_id.to_base58(), s) for d, s in zip(dhts, out)]
+        for i in range(n):
+            dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs() if dhts else None, start=True,
+                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, startup_timeout=60))
+            tamper = tampers[i] if i < len(tampers) else None
+            out.append(ContributionServer(dhts[-1].replicate_p2p, namespace, tamper=tamper))
+        yield [(d.peer_id.to_base58(), s, d) for d, s in zip(dhts, out)]
     finally:
         for s in out:
-            s.shutdown()
+            s.shutdown()  # idempotent, as is DHT.shutdown: a test may stop a peer early
         for d in dhts:
             d.shutdown()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with peers_on_loopback(2, "test_allgather", (None, lambda payload, requester, key: payload[:-1] + b"X")) as out:
+        yield [(peer_id, server) for peer_id, server, _ in out]
 
 
 def test_fetch_checks_length_and_digest(servers):
@@ -108,26 +116,13 @@ def test_old_offers_are_forgotten(servers):
 
 @pytest.fixture(scope="module")
 def trio():
-    """Three honest servers and the peer_id of a peer that has left (nobody can dial it)."""
-    dhts, out = [], []
-    try:
-        for _ in range(4):
-            dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs() if dhts else None, start=True,
-                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, startup_timeout=60))
-        gone = dhts.pop()
-        gone_id = gone.peer_id.to_base58()
-        gone.shutdown()
-        out = [ContributionServer(d.replicate_p2p, "test_relay") for d in dhts]
-        yield [(d.peer_id.to_base58(), s) for d, s in zip(dhts, out)], gone_id
-    finally:
-        for s in out:
-            s.shutdown()
-        for d in dhts:
-            d.shutdown()
+    """Four servers; the test makes the last one leave (a group-mate whose address nobody can dial any more)."""
+    with peers_on_loopback(4, "test_relay") as out:
+        yield out
 
 
 def test_a_contribution_nobody_can_dial_comes_through_a_relay_and_a_failed_dial_is_remembered(trio):
-    ((a_id, a), (b_id, b), (c_id, c)), gone_id = trio
+    (a_id, a, _), (b_id, b, _), (c_id, c, _), (gone_id, gone, gone_dht) = trio
     payload = b"a client's contribution" * 5000
     wanted = {c_id: (hashlib.sha256(payload).hexdigest(), len(payload))}
     c.offer("k1", payload)
@@ -141,7 +136,12 @@ def test_a_contribution_nobody_can_dial_comes_through_a_relay_and_a_failed_dial_
     c.offer("k2", payload)
     _, failed = b.fetch(wanted, "k2", 3, relays=(a_id,), no_direct=frozenset({c_id}))
     assert "not received within 3s" in failed[c_id]
-    # a peer that cannot be dialed: the failure is remembered, published, and the peer not dialed again
+    # a group-mate that left: dialing its known address fails; that is remembered, published, and the peer
+    # is not dialed again for a while
+    _, failed = b.fetch({gone_id: (SHA, 10)}, "k1", 20)  # while it is up: it answers (no such offer)
+    assert "no contribution under key" in failed[gone_id] and b.dials.undialable() == []
+    gone.shutdown()
+    gone_dht.shutdown()
     _, failed = b.fetch({gone_id: (SHA, 10)}, "k1", 20)
     assert gone_id in failed and gone_id in b.dials.undialable() and not b.dials.worth_dialing(gone_id)
     _, failed = b.fetch({gone_id: (SHA, 10)}, "k1", 20)
