@@ -15,7 +15,8 @@ doing other work). After the last event the swarm runs two more rounds. Counted 
   failed_joins (a joiner or restarted node that never reached TRAINING, or exited non-zero on its
   own), lost_nodes (a first-three node that exited on its own), failed_trials (a trial the harness
   could not finish: counted with its error, and the run goes on).
-Results: runs/bench/faults.json (``--out``).
+Results: runs/bench/faults.json (``--out``), with each trial's timeline (events and every node's rounds),
+and beside it a PNG of the trial with the most events (bench/timeline.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Optional
 import grpc
 
 from bench.localswarm import LocalNode, group_applied
+from bench.timeline import plot_timeline
 
 ARGS = ["--model", "tiny", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0",
         "--request-timeout", "1", "--matchmaking-time", "2", "--averaging-timeout", "8",
@@ -133,7 +135,8 @@ def trial(seed: int, events: int, workdir: Path, cpu_load: int = 0, bursts: bool
     watch, burner = Watch(), Burner()
     burner.start(cpu_load)
     burst: list[subprocess.Popen] = []
-    killed, log, unclean = [], [], 0
+    killed, log, unclean = [], [], 0  # log: (time.time(), event, node name)
+    started = time.time()
     try:
         boot = watch.add(LocalNode("n0", workdir / "n0", args + ["--min-replicas", "3"]).wait_started(), False)
         join = ["--join", boot.join_maddr]
@@ -150,26 +153,29 @@ def trial(seed: int, events: int, workdir: Path, cpu_load: int = 0, bursts: bool
             victims = [n for n in _live(nodes) if n is not boot]
             choices = (["join"] + (["kill", "leave"] if len(victims) >= 2 else []) + (["restart"] if killed else [])
                        + (["burst"] if bursts else []))
-            event = rng.choice(choices)
+            event, hit = rng.choice(choices), ""
             if event == "kill":
                 victim = rng.choice(victims)
                 watch.stopped.add(victim)
+                hit = victim.name
                 victim.terminate(signal.SIGKILL)
                 killed.append(victim)
             elif event == "leave":
                 victim = rng.choice(victims)
                 watch.stopped.add(victim)
+                hit = victim.name
                 unclean += victim.terminate(signal.SIGTERM, timeout=60) != 0
             elif event == "join":
-                name = f"n{len(nodes)}"
-                _start(name, workdir / name, args + join, watch, joiner=True)
+                hit = f"n{len(nodes)}"
+                _start(hit, workdir / hit, args + join, watch, joiner=True)
             elif event == "restart":
                 old = killed.pop(0)
+                hit = old.name
                 old.err_path.rename(old.err_path.with_name(f"stderr.{len(log)}"))  # keep its first life's log
                 _start(old.name, old.workdir, args + join, watch, joiner=True)
             else:
                 burst = burner.start(burst_procs)
-            log.append((round(time.monotonic(), 1), event))
+            log.append((round(time.time(), 1), event, hit))
         burner.stop(burst)
         target = boot.status().outer_step + 2
         for n in _live(watch.nodes):
@@ -179,7 +185,7 @@ def trial(seed: int, events: int, workdir: Path, cpu_load: int = 0, bursts: bool
                 pass  # a joiner that never got there is a failed join; an original one is a lost node
             watch.poll()
         time.sleep(2.0)
-        return _count(watch, log, unclean, target)
+        return dict(_count(watch, log, unclean, target), timeline=_timeline(watch, log, started))
     finally:
         burner.stop()
         for n in watch.nodes:
@@ -203,7 +209,7 @@ def _count(watch: Watch, log, unclean, target) -> dict:
         finals.setdefault(s.outer_step, set()).add(s.global_params_digest)
     top = max(finals, default=None)
     return dict(
-        events=[e for _, e in log],
+        events=[e for _, e, _ in log],
         rounds=len({r["outer_step"] for r in all_rows if r["outcome"] in ("applied", "solo", "applied_alone")}),
         node_rounds=len(all_rows), stalls=sum(r["wait_s"] > AVERAGING_TIMEOUT for r in all_rows),
         longest_stall_s=round(max((r["wait_s"] for r in all_rows), default=0.0), 2),
@@ -214,6 +220,14 @@ def _count(watch: Watch, log, unclean, target) -> dict:
         unclean_leaves=unclean, failed_joins=sum(watch.failed_join(n) for n in nodes),
         lost_nodes=sum(watch.lost(n) for n in nodes),
         converged=top is not None and len(finals[top]) == 1, live_nodes=len(live))
+
+
+def _timeline(watch: Watch, log, started: float) -> dict:
+    """The trial for bench/timeline.py: events and every node's rounds (time, outer step, group, outcome)."""
+    rounds = {}
+    for n in {n.workdir: n for n in watch.nodes}.values():  # a restarted node's two lives share one file
+        rounds[n.name] = [[round(r["time"], 1), r["outer_step"], r["group_size"], r["outcome"]] for r in n.metrics()]
+    return dict(start=round(started, 1), events=[list(e) for e in log], rounds=rounds)
 
 
 KEYS = ["rounds", "node_rounds", "stalls", "resyncs", "skipped", "splits", "lone_results", "unclean_leaves",
@@ -269,6 +283,12 @@ def main(argv=None) -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(dict(args={k: str(v) for k, v in vars(a).items()}, trials=results, total=total),
                                 indent=2))
+    drawn = [r for r in results if r.get("timeline", {}).get("rounds")]
+    if drawn:
+        pick = max(drawn, key=lambda r: len(r["events"]))
+        png = plot_timeline(pick["timeline"], a.out.with_suffix(".png"),
+                            f"fault trial seed {pick['seed']}: rounds per node (colour: group size) and events")
+        print(f"wrote {a.out} and {png}", flush=True)
 
 
 if __name__ == "__main__":

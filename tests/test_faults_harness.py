@@ -70,3 +70,20 @@ def test_burner_processes_burn_and_are_gone_after_stop():
     assert procs[0].poll() is not None and procs[1].poll() is None and burner.procs == procs[1:]
     burner.stop()
     assert procs[1].poll() is not None and burner.procs == []
+
+
+def test_the_timeline_png_draws_nodes_rounds_and_events(tmp_path):
+    import pytest
+
+    from bench.timeline import plot_timeline
+
+    t0 = 1_800_000_000.0
+    timeline = dict(start=t0, events=[[t0 + 10, "kill", "n2"], [t0 + 20, "join", "n3"], [t0 + 25, "burst", ""]],
+                    rounds={"n0": [[t0 + 3 * i, i, 3 if i < 4 else 2, "applied"] for i in range(1, 10)],
+                            "n2": [[t0 + 3, 1, 3, "applied"], [t0 + 6, 2, 3, "resynced"]],
+                            "n3": [[t0 + 27, 9, 2, "applied"]]})
+    png = plot_timeline(timeline, tmp_path / "trial.png", "seed 1")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    with pytest.raises(ValueError, match="no rounds"):
+        plot_timeline(dict(start=t0, events=[], rounds={}), tmp_path / "empty.png")
