@@ -56,7 +56,7 @@ class RoundGather(pydantic.BaseModel):
     # for the adaptive rank's bandwidth cap, which every member must compute from the same figures
     bandwidth_bps: pydantic.confloat(ge=0) = 0.0  # the sender's measured link rate (0: unknown)
     compute_s: pydantic.confloat(ge=0) = 0.0      # the sender's compute time for one round
-    client_mode: bool = False  # the sender accepts no inbound connections: fetch its contribution via a relay
+    client_mode: pydantic.StrictBool = False  # the sender accepts no inbound connections: fetch via a relay
 
 
 def group_limits(gathered: Dict[str, Optional[RoundGather]]) -> Tuple[float, float]:
