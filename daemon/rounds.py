@@ -320,6 +320,15 @@ class OuterRounds:
                                                                 self.cfg.request_timeout, result.inputs)
                 self._exclude_equivocators(p.index, result.inputs)
                 verdict = judge_result(result_digest, results, members=len(starts))
+                outside = [m for m in self.progress.others(FRESH_S) if m.peer_id not in starts]
+                if verdict == Verdict.SKIP and failure_action(outside, p.index) == Verdict.RESYNC:
+                    # our group fell apart (e.g. two late members matched each other, and one left for a
+                    # re-sync) while the other replicas applied the round: skipping would diverge from them
+                    finished = self._resync(p, early, f"round {p.index}: no majority among our group's results "
+                                                      f"{sorted(set(results.values()))}, and other replicas "
+                                                      f"applied it")
+                    finished.info = self._info(p, group_size, RoundOutcome.RESYNCED, result, waited_from)
+                    return finished
                 if verdict == Verdict.SKIP:
                     # e.g. two replicas, one with a partial average: nobody can tell which is right, so every
                     # member consumes the round without an update (theta_r = theta_{r-1}) and all stay aligned

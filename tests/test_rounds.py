@@ -100,6 +100,23 @@ def test_no_majority_is_skipped_without_an_update(state):
     assert (state.outer_step, state.digest) == (1, theta0)  # round consumed, theta_1 = theta_0
 
 
+def test_no_majority_is_still_skipped_when_only_group_mates_advanced(state):
+    theta0 = state.digest
+    # group-mate "a" skipped the round too (its outer_step is 1): that alone does not make us re-sync
+    skipped = rounds_for(state, FakeProgress([Peer(peer_id="a", outer_step=1, round=2)],
+                                             results={"a": "x", "b": "y"})).finish(pending(state, None))
+    assert skipped.outcome == RoundOutcome.SKIPPED and (state.outer_step, state.digest) == (1, theta0)
+
+
+def test_a_group_fragment_without_a_majority_resyncs_when_replicas_outside_it_applied_the_round(state):
+    theta0 = state.digest
+    # our group (me, a, b) had no majority while "z", outside it, applied round 1: skipping would diverge
+    done = rounds_for(state, FakeProgress([Peer(peer_id="z", outer_step=1, round=2)],
+                                          results={"a": "x", "b": "y"})).finish(pending(state, None))
+    assert done.outcome == RoundOutcome.RESYNC and "other replicas applied it" in done.reason
+    assert done.info.outcome == "resynced" and (state.outer_step, state.digest) == (0, theta0)
+
+
 def test_different_start_means_resync(state):
     theta0 = state.digest
     done = rounds_for(state, FakeProgress()).finish(pending(state, None, gathered_start="elsewhere"))
