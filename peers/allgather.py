@@ -52,6 +52,7 @@ NOT_HELD = "not held"  # a relay's answer when it has no copy (yet) of the asked
 RELAY_WAIT_S = 2.0     # a relay waits this long for its copy before answering NOT_HELD
 RELAY_POLL_S = 0.5     # a fetcher asks the relays again after this pause while none holds a copy
 COPY_KEYS = 2          # rounds whose fetched contributions are kept to relay
+EMPTY_RETRIES = 2      # an empty stream without an error is asked for again this often (see _Empty)
 # tamper(payload, requester peer_id, key) -> bytes: the red-team hook's view of what we serve
 Tamper = Callable[[bytes, str, str], bytes]
 
@@ -204,12 +205,24 @@ class ContributionServer(ServicerBase):
         sources = [peer] if peer not in no_direct and self.dials.worth_dialing(peer) else []
         sources += [r for r in relays if r not in (peer, self.peer_id)]
         errors: Dict[str, str] = {}
+        empty = 0
         while sources:
             for src in list(sources):
                 try:
                     payload = await self._download(src, peer, sha256, size, key, timings)
                 except _NotHeld:
                     continue  # the relay has no copy yet: ask again after a pause
+                except _Empty as e:
+                    empty += 1
+                    if empty <= EMPTY_RETRIES:  # a stream cut before its first byte: ask again after a pause
+                        logger.info("the download of %s's contribution from %s ended before its first byte; "
+                                    "asking again", peer, src)
+                        continue
+                    if src == peer:
+                        raise ContributionError(f"empty payload: {e}, {empty} times") from e
+                    sources.remove(src)
+                    errors[src] = str(e)
+                    continue
                 except ContributionError as e:
                     if src == peer:
                         raise  # the contributor itself served bad bytes
@@ -250,6 +263,8 @@ class ContributionServer(ServicerBase):
             buf += chunk.data
             if len(buf) > size:
                 raise ContributionError(f"oversized payload: more than the {size} bytes expected")
+        if not buf:  # never a valid payload: hivemind ends a stream cut before a response as an empty one
+            raise _Empty("the stream ended before its first byte")
         if sha256 is not None:  # else nothing was announced: the codec checks the exact length
             if len(buf) != size:
                 raise ContributionError(f"truncated payload: {len(buf)} of the {size} bytes expected")
@@ -280,6 +295,12 @@ class ContributionServer(ServicerBase):
 
 class _NotHeld(Exception):
     """A relay has no copy of the asked contribution (yet)."""
+
+
+class _Empty(Exception):
+    """A download ended without a byte and without an error. hivemind's stream reader treats a closed
+    connection as the end of the stream, so a stream cut under load looks like an empty payload; in
+    an early-matched round (no digest) it would be dropped by us alone, and the group's results differ."""
 
 
 class SparseGather(pydantic.BaseModel):

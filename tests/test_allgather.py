@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 
 import hivemind
 import pytest
@@ -147,3 +148,12 @@ def test_a_contribution_nobody_can_dial_comes_through_a_relay_and_a_failed_dial_
     assert gone_id in failed and gone_id in b.dials.undialable() and not b.dials.worth_dialing(gone_id)
     _, failed = b.fetch({gone_id: (SHA, 10)}, "k1", 20)
     assert "neither the peer nor a relay" in failed[gone_id] and "no relay" in failed[gone_id]
+
+
+def test_an_empty_stream_is_asked_for_again_then_dropped_with_its_reason(trio):
+    (a_id, a, _), (_, b, _) = trio[0], trio[1]
+    a.offer("empty", b"")  # what a cut stream looks like to hivemind's reader: no bytes, no error
+    started = time.monotonic()
+    _, failed = b.fetch({a_id: (None, 100)}, "empty", 20)
+    assert failed[a_id].startswith("not received: empty payload") and "3 times" in failed[a_id], failed
+    assert time.monotonic() - started >= 2 * 0.5  # two pauses before giving up
