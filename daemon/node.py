@@ -32,7 +32,7 @@ from dilocox.daemon.replica_state import ReplicaState
 from dilocox.daemon.rounds import Finished, OuterRounds, RoundOutcome
 from dilocox.daemon.staging import PipelineReplica, stage_tag
 from dilocox.daemon.status import RoundInfo, State, StatusBoard
-from dilocox.daemon.transfer import StateTransfer
+from dilocox.daemon.transfer import StateTransfer, update_key
 from dilocox.peers import deadlines, reachability
 from dilocox.peers.admission import Admission
 from dilocox.peers.allgather import ContributionServer
@@ -40,6 +40,7 @@ from dilocox.peers.averaging import PseudoGradientAverager
 from dilocox.peers.identity import load_or_create_identity
 from dilocox.peers.swarm import Swarm
 
+from dilocox.catchup import encode
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from dilocox.consensus import JoinKind
 from dilocox.model import ModelSpecError
@@ -79,6 +80,7 @@ class Node:
         self.admission: Optional[Admission] = None  # the swarm authority's view (None: an open swarm)
         self.averagers: dict[int, PseudoGradientAverager] = {}  # buffer size -> averager (one per rank)
         self.contributions: Optional[ContributionServer] = None  # sparse rounds: all-gather of payloads
+        self.updates: Optional[ContributionServer] = None  # sparse rounds: applied updates, for catch-up
         self.skip_steps = 0  # inner steps of the next round the swarm has already done (joiners)
         self.resumed_from = 0  # outer step of the checkpoint we resumed from (0: none)
         self.round_log: list[tuple[float, float]] = []  # (monotonic time a round was recorded, its compute_s)
@@ -171,12 +173,17 @@ class Node:
                                                     startup_timeout_s=cfg.startup_timeout,
                                                     tamper=self.attack.payload if self.attack else None,
                                                     admitted=self.progress.admitted if self.admission else None)
+            if cfg.catch_up_steps:  # applied updates for joiners that missed them (dilocox/catchup.py)
+                self.updates = ContributionServer(self.swarm.replicate_p2p, f"{prefix}_updates",
+                                                  keep=cfg.catch_up_steps, startup_timeout_s=cfg.startup_timeout,
+                                                  admitted=self.progress.admitted if self.admission else None)
+                self.state.on_applied = lambda u: self.updates.offer(update_key(u.outer_step), encode(u))
         for size in sizes:
             self.averagers[size] = PseudoGradientAverager(
                 size, self.swarm.dht, f"{prefix}{size}", self.transfer.serve if size == sizes[0] else None,
                 matchmaking_time_s=cfg.matchmaking_time, request_timeout_s=cfg.request_timeout,
                 averaging_timeout_s=cfg.averaging_timeout)
-        self.transfer.attach(self.averagers[sizes[0]])
+        self.transfer.attach(self.averagers[sizes[0]], self.updates)
         self.state.on_snapshot = self.transfer.published
         self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
                                   self.contributions, self.attack)
@@ -195,7 +202,7 @@ class Node:
             self.progress.stop()
         if self.rounds is not None:
             self.rounds.shutdown()
-        for closer in (self.pipeline, self.contributions, *self.averagers.values(), self.swarm):
+        for closer in (self.pipeline, self.contributions, self.updates, *self.averagers.values(), self.swarm):
             try:
                 if closer is not None:
                     closer.shutdown()

@@ -21,6 +21,7 @@ from dilocox.daemon.status import StageMemory
 
 import dilocox
 from dilocox import exact_mean
+from dilocox.catchup import AppliedUpdate, Replayed, replay
 from dilocox.compression import CompressionConfig, Compressor
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, params_digest
 from dilocox.overlap import OuterSchedule
@@ -97,6 +98,7 @@ class ReplicaState:
         self._served_lock = threading.Lock()
         self._served: Optional[tuple[dict, list[torch.Tensor]]] = None
         self.on_snapshot: Callable[[], None] = lambda: None  # e.g. raise our donor priority
+        self.on_applied: Callable[[AppliedUpdate], None] = lambda update: None  # e.g. serve it for catch-up
 
     # ------------------------------------------------------------------ reading
     @property
@@ -189,13 +191,17 @@ class ReplicaState:
 
     def apply_outer(self, averaged: Optional[Sequence[torch.Tensor]], index: int, group_size: int = 1) -> None:
         """theta_index = outer_optimizer(theta_{index-1}, averaged); None: the round is consumed
-        without an update (skipped), theta_index = theta_{index-1}. Local parameters are untouched."""
+        without an update (skipped), theta_index = theta_{index-1}. Local parameters are untouched.
+        ``on_applied`` gets the update, for joiners that missed it (dilocox/catchup.py)."""
+        parent = self.digest
         if averaged is not None:
             self.schedule.update_theta(list(averaged), group_size)
             if self.control is not None:  # c from the aggregate every member holds: no channel of its own
                 self.control.derive_c_from_aggregate(list(averaged), self.lr_sum(index), 1, 1)
         self.outer_step, self.digest = index, params_digest(self.outer.global_params)
         self.snapshot()
+        self.on_applied(AppliedUpdate(index, parent, self.digest, max(1, group_size),
+                                      None if averaged is None else [a.to("cpu", torch.float32) for a in averaged]))
 
     # ------------------------------------------------------------------ state transfer
     def snapshot(self) -> None:
@@ -234,6 +240,20 @@ class ReplicaState:
             self.round = round_
         self.outer_step, self.digest = outer_step, digest
         self.snapshot()
+
+    def replay(self, theta: list[torch.Tensor], momentum: list[torch.Tensor], control: Optional[list[torch.Tensor]],
+               outer_step: int, updates: Sequence[AppliedUpdate]) -> Replayed:
+        """A downloaded state (theta, momentum, SCAFFOLD's c at ``outer_step``) with ``updates`` applied by
+        our outer optimizer's rule on scratch copies; nothing of ours changes. Raises CatchUpError
+        (dilocox/catchup.py) if an update does not continue the state or replays to another digest."""
+        cfg = self.cfg
+        outer = OuterOptimizer(theta, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+        outer.load_state(theta, momentum)
+        scratch = None
+        if self.control is not None:
+            scratch = ControlVariates(theta)
+            scratch.c = [c.clone() for c in control]
+        return replay(outer, outer_step, updates, scratch, self.lr_sum)
 
     def claim_outer_step(self, outer_step: int) -> None:
         """Take our theta as ``outer_step`` (no other copy of our stage exists to say otherwise)."""

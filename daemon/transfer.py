@@ -1,8 +1,12 @@
 """StateTransfer: serving this node's state to joiners, and fetching the swarm's state.
 
 A donor serves theta, outer momentum and the shared compression state through hivemind's
-``load_state_from_peers`` (peers/averaging.py). Everything that arrives is validated here before
-the node adopts it (it comes from another machine). ``sync`` returns a ``JoinPoint``
+``load_state_from_peers`` (peers/averaging.py): a consistent snapshot of one outer step, taken when
+it was applied, served at any phase of the donor's round. A joiner whose download took longer than
+the swarm's rounds catches up by replaying the updates applied since (dilocox/catchup.py), fetched
+from members that keep the last ``catch_up_steps`` of them, instead of downloading again. Everything
+that arrives is validated here before the node adopts it (it comes from another machine), and the
+state it adopts must be one a member's record holds. ``sync`` returns a ``JoinPoint``
 (dilocox/consensus.py) and the validated state; the node adopts them, this class changes nothing
 of the replica's state itself.
 """
@@ -19,8 +23,10 @@ import torch
 from dilocox.daemon.config import NodeConfig
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.replica_state import ReplicaState
+from dilocox.peers.allgather import ContributionServer
 from dilocox.peers.averaging import PseudoGradientAverager
 
+from dilocox.catchup import CatchUpError, decode, max_encoded_bytes
 from dilocox.consensus import (
     ACTIVE_STATES,
     DonorMeta,
@@ -81,13 +87,16 @@ class StateTransfer:
         self.samples_per_step = samples_per_step  # tokens (or images) per inner step: a donor's step time
         self._donor_progress, self._cancelled = donor_progress, cancelled
         self.averager: Optional[PseudoGradientAverager] = None  # set by attach()
+        self.updates: Optional[ContributionServer] = None  # set by attach(): applied updates, for catch-up
+        self.caught_up = 0  # outer steps replayed by catch-up since start
         self._busy_until = 0.0  # monotonic time until which we serve no other joiner
         self.attempts = 0  # state downloads and waits of the current sync
         self.on_attempt: Callable[[str, int], None] = lambda reason, attempts: None  # e.g. status
 
-    def attach(self, averager: PseudoGradientAverager) -> None:
-        """The averager that serves (``serve``) and downloads our stage's state."""
-        self.averager = averager
+    def attach(self, averager: PseudoGradientAverager, updates: Optional[ContributionServer] = None) -> None:
+        """The averager that serves (``serve``) and downloads our stage's state, and the server of applied
+        updates (sparse rounds; None: no catch-up, a joiner that missed steps downloads again)."""
+        self.averager, self.updates = averager, updates
         self.published()
 
     def published(self) -> None:
@@ -141,7 +150,7 @@ class StateTransfer:
         self.attempts = 0
         transfer_s = self.transfer_s()
         deadline = time.monotonic() + cfg.sync_deadline if cfg.sync_deadline else float("inf")
-        first_seen, waited_for_result, backoff, late_waits = time.monotonic(), False, 0.5, 0
+        first_seen, backoff = time.monotonic(), 0.5
 
         def attempted(reason: str) -> None:
             self.attempts += 1
@@ -182,28 +191,120 @@ class StateTransfer:
                 logger.warning("rejected a downloaded state: %s", e)
                 failed(f"rejected a downloaded state: {str(e).splitlines()[0][:200]}")
                 continue
-            meta = downloaded.meta
-            live = next((m for m in self.progress.others() if m.peer_id == meta.donor_peer_id), None)
-            point = join_point(DonorMeta(meta.outer_step, meta.donor_state, meta.donor_inner_step, meta.donor_round,
-                                         meta.donor_peer_id), live, inner_steps=st.H, our_round=st.round,
-                               keep_round=keep_round, early_apply=cfg.overlap == "delayed" and cfg.num_stages == 1,
-                               waited_for_result=waited_for_result,
-                               # twice at most: where a download always lands late (a slow link), join anyway
-                               late=self._late_steps(live) if late_waits < 2 else 0)
-            if point.kind == JoinKind.WAIT:
-                logger.info("%s", point.reason)
-                attempted(point.reason)
-                if point.wait_for == WaitFor.OUTER_STEP and not keep_round:
-                    waited_for_result = True  # the donor's mid-round result: waited for once only
-                late_waits += point.late
-                timeout = (3 if point.wait_for == WaitFor.NEXT_ROUND else 1) * cfg.outer_round_deadline
-                self.progress.wait(lambda others, p=point: wait_satisfied(p, others), timeout, self._cancelled)
-                continue
-            if point.kind == JoinKind.REFETCH:
-                logger.info("%s", point.reason)
-                continue
-            return point, downloaded
+            point, downloaded = self._enter(downloaded, keep_round, deadline, attempted, failed)
+            if point is not None:
+                return point, downloaded
         return JoinPoint(JoinKind.WAIT, reason="asked to leave"), None
+
+    def _enter(self, held: DownloadedState, keep_round: bool, deadline: float,
+               attempted: Callable[[str], None],
+               failed: Callable[[str], None]) -> tuple[Optional[JoinPoint], DownloadedState]:
+        """The join point for a downloaded state, served at any phase of the donor's round: catch up on
+        the outer steps applied since (``_catch_up``), then join the round the members at our outer step
+        compute, or wait for the next one and catch up again. One download suffices however long it took,
+        as long as the members keep the updates we missed (``catch_up_steps``). Returns (None, held) when
+        a new download is needed: updates we cannot get, or a wait that ran out."""
+        st, cfg = self.state, self.cfg
+        waited_for_result, late_waits = False, 0
+        while not self._cancelled() and time.monotonic() <= deadline:
+            held, why = self._catch_up(held)
+            if why:
+                logger.info("%s; downloading the state again", why)
+                failed(why)  # with the backoff of a failed download
+                return None, held
+            meta, others = held.meta, self.progress.others()
+            ref = self._reference(meta, others)
+            donor = DonorMeta(meta.outer_step, ref.state, ref.inner_step, ref.round, ref.peer_id) if ref is not None \
+                else DonorMeta(meta.outer_step, meta.donor_state, meta.donor_inner_step, meta.donor_round,
+                               meta.donor_peer_id)
+            live = ref or next((m for m in others if m.peer_id == meta.donor_peer_id), None)
+            point = join_point(donor, live, inner_steps=st.H, our_round=st.round, keep_round=keep_round,
+                               early_apply=cfg.overlap == "delayed" and cfg.num_stages == 1,
+                               waited_for_result=waited_for_result,
+                               # twice at most: where a join always lands late (a slow link), join anyway
+                               late=self._late_steps(live) if late_waits < 2 else 0)
+            if point.kind == JoinKind.REFETCH:  # the swarm moved on meanwhile: catch up again
+                logger.info("%s", point.reason)
+                if ref is None:  # nobody's record is at our step: only a new download helps
+                    return None, held
+                continue
+            if point.kind != JoinKind.WAIT:
+                return point, held
+            logger.info("%s", point.reason)
+            attempted(point.reason)
+            if point.wait_for == WaitFor.OUTER_STEP and not keep_round:
+                waited_for_result = True  # the donor's mid-round result: waited for once only
+            late_waits += point.late
+            timeout = (3 if point.wait_for == WaitFor.NEXT_ROUND else 1) * cfg.outer_round_deadline
+            if not self.progress.wait(lambda others, p=point: wait_satisfied(p, others), timeout, self._cancelled):
+                return None, held  # nothing moved for a whole deadline: look for a donor afresh
+        return None, held
+
+    def _reference(self, meta: StateMeta, others: list) -> Optional[object]:
+        """The live member whose round a node holding ``meta``'s outer step joins: the donor if it is still
+        at that step, else the most advanced member at it; None if nobody is (the served meta stands in)."""
+        at = [m for m in others if m.state in ACTIVE_STATES and m.outer_step == meta.outer_step]
+        donor = [m for m in at if m.peer_id == meta.donor_peer_id]
+        return (donor or sorted(at, key=lambda m: (m.round, m.inner_step), reverse=True) or [None])[0]
+
+    def _catch_up(self, held: DownloadedState) -> tuple[DownloadedState, str]:
+        """``held`` advanced to the newest outer step a live member of our stage holds, by replaying the
+        updates applied since (dilocox/catchup.py), fetched from members that applied them (the donor
+        first). Returns (state, "") when current, or (held, why not) when the updates cannot be had or do
+        not replay to a state a member's record holds; the caller downloads again then."""
+        meta = held.meta
+        active = [m for m in self.progress.others() if m.state in ACTIVE_STATES]
+        newest = max((m.outer_step for m in active), default=meta.outer_step)
+        if newest > meta.outer_step:
+            if self.updates is None:
+                return held, f"the swarm applied outer step {newest} during the download (no catch-up without " \
+                              f"sparse rounds and --catch-up-steps)"
+            updates, nbytes, why = self._fetch_updates(meta, newest, active)
+            if why:
+                return held, why
+            try:
+                replayed = self.state.replay(held.theta, held.momentum, held.control, meta.outer_step, updates)
+            except (CatchUpError, ValueError) as e:
+                return held, f"catch-up from outer step {meta.outer_step} failed: {e}"
+            caught = DownloadedState(meta.copy(update=dict(outer_step=replayed.outer_step, digest=replayed.digest)),
+                                     replayed.theta, replayed.momentum, held.compression_shared, replayed.control)
+        else:
+            caught, updates, nbytes = held, [], 0
+        try:
+            self.vouch(caught.meta)
+        except ValueError as e:
+            return held, str(e)
+        if updates:
+            logger.info("caught up from outer step %d to %d by replaying %d applied updates (%d bytes)",
+                        meta.outer_step, caught.meta.outer_step, len(updates), nbytes)
+            self.caught_up += len(updates)
+        return caught, ""
+
+    def _fetch_updates(self, meta: StateMeta, newest: int, active: list) -> tuple[list, int, str]:
+        """The updates of outer steps meta.outer_step + 1 .. newest, each from the first member that applied
+        it and serves it (the donor first; clients accept no connections): (updates, bytes, "") or
+        ([], 0, why not)."""
+        shapes = [tuple(p.shape) for p in self.state.outer.global_params]
+        sources = [m.peer_id for m in sorted(active, key=lambda m: m.peer_id != meta.donor_peer_id)
+                   if m.outer_step >= newest and not m.client_mode]
+        updates, nbytes = [], 0
+        for step in range(meta.outer_step + 1, newest + 1):
+            update, errors = None, []
+            for peer in sources:
+                got, failed = self.updates.fetch({peer: (None, max_encoded_bytes(shapes))}, update_key(step),
+                                                 self.cfg.request_timeout + self.transfer_s())
+                try:
+                    if peer in got:
+                        update, nbytes = decode(got[peer], shapes), nbytes + len(got[peer])
+                        break
+                except CatchUpError as e:
+                    failed[peer] = str(e)
+                errors += [f"{peer[-6:]}: {why[:100]}" for why in failed.values()]
+            if update is None:
+                return [], 0, f"no member served the update of outer step {step} " \
+                              f"({'; '.join(errors) or 'none asked'})"
+            updates.append(update)
+        return updates, nbytes, ""
 
     def _late_steps(self, live) -> int:
         """The donor's round's last inner steps in which its group forms (synchronous sparse rounds of whole
@@ -214,7 +315,8 @@ class StateTransfer:
         return late_steps(self.state.H, step_s, self.cfg.early_window_s)
 
     def validate(self, raw_meta, tensors: list) -> DownloadedState:
-        """Check a donor's state against ours; raises ValueError / ValidationError naming the problem."""
+        """Check a donor's state against ours; raises ValueError / ValidationError naming the problem. Whether
+        a member holds it is checked after catch-up (``vouch``)."""
         meta = StateMeta.parse_obj(raw_meta)
         n = len(self.state.outer.global_params)
         if meta.run_id != self.cfg.run_id or meta.num_params != n:
@@ -238,13 +340,22 @@ class StateTransfer:
                 raise ValueError("downloaded control variate does not match the donor's digest")
         if params_digest(theta) != meta.digest:
             raise ValueError("downloaded parameters do not match the donor's digest")
-        records = self.progress.others(max_age_s=0.2)
-        held_here = (meta.outer_step, meta.digest)
-        vouched = [m.peer_id for m in records if (m.outer_step, m.global_params_digest) == held_here]
-        if not vouched:  # whoever served it, a member's signed record (certified, in a certified swarm) must hold it
-            held = ", ".join(f"{m.peer_id[-6:]}: {m.outer_step}/{m.global_params_digest}" for m in records)
-            raise ValueError(f"no member's record holds the downloaded state (outer step {meta.outer_step}, digest "
-                             f"{meta.digest}; records hold {held or 'nothing'}): not adopted")
         if self.state.compressor.shared_digest(meta.compression_rank, shared_tensors) != meta.compression_digest:
             raise ValueError("downloaded compression state does not match the donor's digest")
         return DownloadedState(meta, theta, momentum, shared_tensors, control or None)
+
+    def vouch(self, meta: StateMeta) -> None:
+        """Raise ValueError unless a live member's record holds theta at (meta.outer_step, meta.digest).
+        Whoever served a state, a member's signed record (certified, in a certified swarm) must hold it
+        before it is adopted; a state caught up by replay (``_catch_up``) is vouched for at its final step,
+        so a download older than every record is fine once the updates since bring it to one."""
+        records = self.progress.others(max_age_s=0.2)
+        if not any((m.outer_step, m.global_params_digest) == (meta.outer_step, meta.digest) for m in records):
+            held = ", ".join(f"{m.peer_id[-6:]}: {m.outer_step}/{m.global_params_digest}" for m in records)
+            raise ValueError(f"no member's record holds the downloaded state (outer step {meta.outer_step}, digest "
+                             f"{meta.digest}; records hold {held or 'nothing'}): not adopted")
+
+
+def update_key(outer_step: int) -> str:
+    """Key under which a node serves the update it applied at ``outer_step`` (dilocox/catchup.py)."""
+    return f"update/{outer_step}"

@@ -1,0 +1,296 @@
+"""Catch-up (dilocox/catchup.py) and the join rule it enables (daemon/transfer.py), with real ReplicaStates and
+a simulated swarm: a donor at every phase of its round, and downloads longer than a round."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from dilocox.daemon.config import NodeConfig
+from dilocox.daemon.replica_state import ReplicaState
+from dilocox.daemon.transfer import StateTransfer, SyncError, update_key
+
+from dilocox.catchup import AppliedUpdate, CatchUpError, decode, encode, max_encoded_bytes
+from dilocox.consensus import JoinKind
+from dilocox.diloco import params_digest
+from dilocox.workload import make_workload
+
+H = 4
+
+
+def make_state(tmp_path, **overrides) -> ReplicaState:
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question. " * 400)
+    # compression none by default: Nesterov momentum, which replay must carry
+    cfg = NodeConfig(**dict(dict(model="tiny", data=str(text), inner_steps=H, compression="none", overlap="none",
+                                 seq_len=16, batch_size=2), **overrides))
+    st = ReplicaState(cfg, make_workload(cfg.model, cfg.data, 16, 2, cfg.eval_batches), shard_key=1)
+    st.snapshot()
+    return st
+
+
+def aggregate(st: ReplicaState, seed: int, density: float = 0.05) -> list[torch.Tensor]:
+    """A sparse-looking averaged pseudo-gradient (most values zero, as sparse rounds give)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.where(torch.rand(p.shape, generator=g) < density, torch.randn(p.shape, generator=g) * 1e-2, 0.0)
+            for p in st.outer.global_params]
+
+
+@dataclasses.dataclass
+class Record:
+    """The MemberRecord fields the join rule reads."""
+
+    peer_id: str
+    state: str
+    outer_step: int
+    round: int
+    inner_step: int
+    global_params_digest: str
+    client_mode: bool = False
+    tokens_per_second: float = 0.0
+
+
+class SimSwarm:
+    """A donor replica going through rounds: H ticks TRAINING (inner steps 0..H-1), one tick AVERAGING, then
+    round r's update is applied (outer step r) and round r + 1 begins. Keeps the encoded updates it applied."""
+
+    def __init__(self, donor: ReplicaState):
+        self.donor, self.tick, self.updates = donor, 0, {}
+        donor.on_applied = lambda u: self.updates.__setitem__(u.outer_step, encode(u))
+
+    def record(self) -> Record:
+        d = self.donor
+        return Record("donor", "TRAINING" if self.tick < H else "AVERAGING", d.outer_step, d.round,
+                      min(self.tick, H), d.digest)
+
+    def advance(self, ticks: int) -> None:
+        for _ in range(ticks):
+            self.tick += 1
+            if self.tick > H:
+                r = self.donor.round
+                self.donor.apply_outer(aggregate(self.donor, r), r, group_size=2)
+                self.donor.round, self.tick = r + 1, 0
+
+
+class SimProgress:
+    peer_id = "joiner"
+
+    def __init__(self, swarm: SimSwarm):
+        self.swarm = swarm
+
+    def others(self, max_age_s: float = 1.0):
+        return [self.swarm.record()]
+
+    def wait(self, predicate, timeout_s, cancelled):
+        for _ in range(100 * (H + 1)):  # simulated time passes while we wait
+            if predicate(self.others()):
+                return True
+            self.swarm.advance(1)
+        return False
+
+
+class SlowDownloads:
+    """hivemind's state download, taking ``ticks`` of the swarm's time: the donor's snapshot of when it began."""
+
+    def __init__(self, swarm: SimSwarm, ticks: int):
+        self.swarm, self.ticks, self.calls = swarm, ticks, 0
+
+    def download_state(self, timeout_s):
+        self.calls += 1
+        rec = self.swarm.record()
+        meta, tensors = self.swarm.donor.served()
+        meta = dict(meta, donor_state=rec.state, donor_inner_step=rec.inner_step, donor_round=rec.round,
+                    donor_peer_id="donor")
+        tensors = [t.clone() for t in tensors]
+        self.swarm.advance(self.ticks)
+        return meta, tensors
+
+    def set_priority(self, value):
+        pass
+
+
+class UpdateServer:
+    """ContributionServer.fetch over the donor's kept updates; ``tamper(step, payload)`` changes what it serves."""
+
+    def __init__(self, swarm: SimSwarm, tamper=None):
+        self.swarm, self.tamper, self.fetched = swarm, tamper, []
+
+    def fetch(self, wanted, key, timeout_s, relays=(), no_direct=frozenset()):
+        (peer, (_, max_size)), = wanted.items()
+        step = int(key.split("/")[1])
+        payload = self.swarm.updates.get(step)
+        if payload is None:
+            return {}, {peer: f"no contribution under key {key!r}"}
+        if self.tamper is not None:
+            payload = self.tamper(step, payload)
+        assert len(payload) <= max_size
+        self.fetched.append(step)
+        return {peer: payload}, {}
+
+
+def joiner_for(tmp_path, donor, swarm, download_ticks, catch_up=True, **overrides):
+    joiner = make_state(tmp_path, **overrides)
+    t = StateTransfer(joiner.cfg, joiner, SimProgress(swarm), lambda: ("SYNCING", 0), lambda: False)
+    t.averager = SlowDownloads(swarm, download_ticks)
+    t.updates = UpdateServer(swarm) if catch_up else None
+    return joiner, t
+
+
+# ----------------------------------------------------------------------------- the update format
+
+def test_an_update_round_trips_bit_for_bit_and_a_sparse_one_is_smaller(tmp_path):
+    st = make_state(tmp_path)
+    shapes = [tuple(p.shape) for p in st.outer.global_params]
+    agg = aggregate(st, 1)
+    agg[0].view(-1)[:3] = torch.tensor([-0.0, 0.0, -0.0])  # kept by their bits
+    u = AppliedUpdate(3, "a" * 16, "b" * 16, 2, agg)
+    back = decode(encode(u), shapes)
+    assert (back.outer_step, back.parent_digest, back.digest, back.group_size) == (3, "a" * 16, "b" * 16, 2)
+    assert params_digest(back.aggregate) == params_digest(agg)
+    dense = AppliedUpdate(3, "a" * 16, "b" * 16, 2, aggregate(st, 1, density=1.0))
+    assert params_digest(decode(encode(dense), shapes).aggregate) == params_digest(dense.aggregate)
+    theta_bytes = sum(4 * p.numel() for p in st.outer.global_params)
+    assert len(encode(u)) < 0.15 * theta_bytes < len(encode(dense)) <= max_encoded_bytes(shapes)
+    skipped = decode(encode(AppliedUpdate(4, "b" * 16, "b" * 16, 1, None)), shapes)
+    assert skipped.aggregate is None and skipped.outer_step == 4
+
+
+def _reencode(u: AppliedUpdate, **fields) -> bytes:
+    import io
+
+    raw = torch.load(io.BytesIO(encode(u)), weights_only=True)
+    raw.update(fields)
+    buf = io.BytesIO()
+    torch.save(raw, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda u, shapes: b"\x00" * 100, "unreadable update"),
+    (lambda u, shapes: b"\x00" * (max_encoded_bytes(shapes) + 1), "oversized update"),
+    (lambda u, shapes: _reencode(u, format=99), "not an update of this format"),
+    (lambda u, shapes: _reencode(u, outer_step=-1), "bad outer_step"),
+    (lambda u, shapes: _reencode(u, digest="short"), "bad digests"),
+    (lambda u, shapes: _reencode(u, parts=[]), "aggregate of 0 tensors"),
+    (lambda u, shapes: _reencode(u, parts=[dict(indices=torch.tensor([10 ** 9], dtype=torch.int32),
+                                                values=torch.ones(1))] * len(shapes)), "an index outside"),
+    (lambda u, shapes: _reencode(u, parts=[dict(indices=torch.tensor([0], dtype=torch.int32),
+                                                values=torch.tensor([float("nan")]))] * len(shapes)), "NaN/Inf"),
+    (lambda u, shapes: _reencode(u, parts=[dict(indices=torch.tensor([0, 1], dtype=torch.int32),
+                                                values=torch.ones(1))] * len(shapes)), "2 indices for 1 values"),
+    (lambda u, shapes: _reencode(u, parts=[dict(dense=torch.ones(3))] * len(shapes)), "dense values"),
+    (lambda u, shapes: _reencode(u, parts=[dict(dense=torch.ones(3, dtype=torch.float64))] * len(shapes)),
+     "1-D torch.float32"),
+])
+def test_a_bad_update_is_rejected_with_a_reason(tmp_path, damage, message):
+    st = make_state(tmp_path)
+    shapes = [tuple(p.shape) for p in st.outer.global_params]
+    u = AppliedUpdate(3, "a" * 16, "b" * 16, 2, aggregate(st, 1))
+    with pytest.raises(CatchUpError, match=message):
+        decode(damage(u, shapes), shapes)
+
+
+# ----------------------------------------------------------------------------- replay
+
+def test_replay_reaches_the_donors_theta_and_momentum_bit_for_bit(tmp_path):
+    donor = make_state(tmp_path)
+    swarm = SimSwarm(donor)
+    meta, tensors = donor.served()
+    n = len(donor.outer.global_params)
+    swarm.advance(4 * (H + 1))  # 4 outer steps, one of them skipped
+    assert donor.outer_step == 4
+    joiner = make_state(tmp_path)
+    shapes = [tuple(p.shape) for p in donor.outer.global_params]
+    updates = [decode(swarm.updates[s], shapes) for s in range(1, 5)]
+    out = joiner.replay(tensors[:n], tensors[n:2 * n], None, meta["outer_step"], updates)
+    assert (out.outer_step, out.digest) == (4, donor.digest)
+    assert params_digest(out.momentum) == params_digest(donor.outer.momentum_buffers())
+    assert joiner.outer_step == 0  # scratch copies: nothing of the joiner changed
+    with pytest.raises(CatchUpError, match="does not continue"):
+        joiner.replay(tensors[:n], tensors[n:2 * n], None, meta["outer_step"], updates[1:])
+    forged = dataclasses.replace(updates[0], aggregate=[a * 2 for a in updates[0].aggregate])
+    with pytest.raises(CatchUpError, match="replayed to digest"):
+        joiner.replay(tensors[:n], tensors[n:2 * n], None, meta["outer_step"], [forged] + updates[1:])
+
+
+def test_replay_carries_scaffolds_control_variate(tmp_path):
+    donor = make_state(tmp_path, outer_algorithm="scaffold", compression="sparse")
+    swarm = SimSwarm(donor)
+    meta, tensors = donor.served()
+    n = len(donor.outer.global_params)
+    swarm.advance(2 * (H + 1))
+    joiner = make_state(tmp_path, outer_algorithm="scaffold", compression="sparse")
+    shapes = [tuple(p.shape) for p in donor.outer.global_params]
+    out = joiner.replay(tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], 0,
+                        [decode(swarm.updates[s], shapes) for s in (1, 2)])
+    assert out.digest == donor.digest and params_digest(out.control) == donor.control.digest()
+
+
+# ----------------------------------------------------------------------------- the join rule
+
+@pytest.mark.parametrize("phase", range(H + 1))
+@pytest.mark.parametrize("download_ticks", [2, 2 * (H + 1) + 1, 5 * (H + 1) + 3])
+def test_one_download_joins_from_any_donor_phase_even_when_it_is_slower_than_a_round(tmp_path, phase,
+                                                                                     download_ticks):
+    """The donor serves at every phase of its round (training early or late, averaging); the download takes
+    from under one round to over five. One download, then catch-up: the joiner holds the swarm's theta and
+    momentum bit for bit and joins the round the donor computes, where it is."""
+    donor = make_state(tmp_path)
+    swarm = SimSwarm(donor)
+    swarm.advance(2 * (H + 1) + phase)
+    joiner, t = joiner_for(tmp_path, donor, swarm, download_ticks)
+    point, got = t.sync(initial=True)
+    assert t.averager.calls == 1
+    assert point.kind == JoinKind.DOWNLOAD, point
+    assert (got.meta.outer_step, got.meta.digest) == (donor.outer_step, donor.digest)
+    assert params_digest(got.theta) == donor.digest
+    assert params_digest(got.momentum) == params_digest(donor.outer.momentum_buffers())
+    assert point.round == donor.round and point.skip == swarm.tick < H
+    assert t.caught_up == len(t.updates.fetched) >= download_ticks // (H + 1) - 1
+
+
+def test_without_catch_up_a_download_slower_than_a_round_never_joins(tmp_path, monkeypatch):
+    """The race the catch-up removes: each new download lands after the swarm moved on again."""
+    from dilocox.daemon import transfer as transfer_module
+
+    monkeypatch.setattr(transfer_module.time, "sleep", lambda s: None)
+    donor = make_state(tmp_path)
+    swarm = SimSwarm(donor)
+    swarm.advance(2 * (H + 1))
+    joiner, t = joiner_for(tmp_path, donor, swarm, 2 * (H + 1), catch_up=False, sync_deadline=1.0)
+    reasons = []
+    t.on_attempt = lambda reason, n: reasons.append(reason)
+    with pytest.raises(SyncError, match="--sync-deadline"):
+        t.sync(initial=True)
+    assert t.averager.calls >= 3 and all("during the download" in r for r in reasons), reasons[:3]
+
+
+def test_a_forged_update_is_not_adopted_and_the_joiner_downloads_again(tmp_path, monkeypatch):
+    from dilocox.daemon import transfer as transfer_module
+
+    monkeypatch.setattr(transfer_module.time, "sleep", lambda s: None)
+    donor = make_state(tmp_path)
+    swarm = SimSwarm(donor)
+    swarm.advance(2 * (H + 1))
+    joiner, t = joiner_for(tmp_path, donor, swarm, H + 1)
+    shapes = [tuple(p.shape) for p in donor.outer.global_params]
+    forged = set()
+
+    def tamper(step, payload):
+        if forged:
+            return payload
+        forged.add(step)
+        u = decode(payload, shapes)
+        return encode(dataclasses.replace(u, aggregate=[a * -1 for a in u.aggregate]))
+
+    t.updates = UpdateServer(swarm, tamper)
+    reasons = []
+    t.on_attempt = lambda reason, n: reasons.append(reason)
+    point, got = t.sync(initial=True)
+    assert point.kind == JoinKind.DOWNLOAD and got.meta.digest == donor.digest
+    assert t.averager.calls == 2 and any("replayed to digest" in r for r in reasons), reasons
+
+
+def test_update_keys_name_the_outer_step():
+    assert update_key(7) == "update/7" != update_key(8)
