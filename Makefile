@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-soak bench-quality bench-quality-ablations bench-quality-swarm bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-quality bench-quality-ablations bench-quality-swarm bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -60,6 +60,10 @@ bench-nat: install
 # the download deadlines nodes choose at 1000, 100 and 10 Mbit/s, beside --no-adaptive-deadlines (~15 min)
 bench-deadlines: install
 	$(PY) -m bench.deadlines --fixed
+
+# a joiner on a 2 Mbit/s link whose state download outlasts the swarm's rounds, with and without catch-up (~5 min)
+bench-slowjoin: install
+	$(PY) -m bench.slowjoin --compare
 
 bench-faults: install
 	$(PY) -m bench.faults

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.localswarm import LocalNode
+from bench.localswarm import LocalNode, wait_all
 from bench.netsim import NetSim
 
 MODEL_4X_TINY = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
@@ -40,11 +40,10 @@ def run_rate(workdir: Path, rate_mbit: float, rounds: int, adaptive: bool, timeo
                 join = ["--join", nodes[0].join_maddr] if nodes else []
                 nodes.append(LocalNode(f"n{i}", workdir / f"n{i}", ARGS + extra + join + [
                     "--listen", f"/ip4/{net.address(i)}/tcp/0"], wrapper=net.wrapper(i)).wait_started())
-            deadline = time.monotonic() + timeout_s
-            while not all(len(n.metrics()) >= rounds for n in nodes) and time.monotonic() < deadline:
-                if any(n.proc.poll() is not None for n in nodes):
-                    raise RuntimeError("a node exited:\n" + "\n".join(n.log_tail(1500) for n in nodes))
-                time.sleep(0.5)
+            try:
+                wait_all(nodes, lambda: all(len(n.metrics()) >= rounds for n in nodes), timeout_s, f"{rounds} rounds")
+            except TimeoutError:
+                pass  # reported as lost rounds
             rows = {n.name: n.metrics() for n in nodes}
         finally:
             for n in nodes:

@@ -113,6 +113,25 @@ class LocalNode:
         return code
 
 
+def wait_all(nodes: list[LocalNode], predicate, timeout_s: float, what: str) -> None:
+    """Poll ``predicate()`` until truthy; raises RuntimeError (with the logs) if a node exits first,
+    TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        dead = [n.name for n in nodes if n.proc.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{dead} exited while waiting for {what}:\n" +
+                               "\n".join(n.log_tail(1500) for n in nodes))
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:.0f}s:\n" + "\n".join(n.log_tail(1500) for n in nodes))
+        time.sleep(0.2)
+
+
+def steps_of(node: LocalNode) -> dict[int, dict]:
+    """The node's metrics rows by outer step."""
+    return {r["outer_step"]: r for r in node.metrics()}
+
+
 def start_swarm(n: int, workdir: Path, args: list[str], threads: int = 1) -> list[LocalNode]:
     """n nodes, the first one bootstrapping, all waiting for each other (--min-replicas n)."""
     common = args + ["--min-replicas", str(n), "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0"]

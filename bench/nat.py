@@ -17,10 +17,9 @@ import json
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench.localswarm import LocalNode
+from bench.localswarm import LocalNode, steps_of, wait_all
 from bench.netsim import NetSim
 
 ARGS = ["--status-addr", "127.0.0.1:0", "--run-id", "nat", "--model", "tiny", "--inner-steps", "10",
@@ -43,22 +42,6 @@ def _status(net: NetSim, i: int, node: LocalNode) -> dict:
         return {}
 
 
-def _steps(node: LocalNode) -> dict[int, dict]:
-    return {r["outer_step"]: r for r in node.metrics()}
-
-
-def _wait(nodes: list[LocalNode], predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        dead = [n.name for n in nodes if n.proc.poll() is not None]
-        if dead:
-            raise RuntimeError(f"{dead} exited while waiting for {what}:\n" +
-                               "\n".join(n.log_tail(1500) for n in nodes))
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout_s:.0f}s:\n" + "\n".join(n.log_tail(1500) for n in nodes))
-        time.sleep(0.2)
-
-
 def run(workdir: Path, rounds: int = 8, client_mode: bool = True, joiner: bool = True, rate_mbit: float = 100,
         timeout_s: float = 300, prefix: str = "dlxn") -> dict:
     """Run the NAT swarm; returns its figures (module docstring). Raises RuntimeError if a node exits; a wait
@@ -71,14 +54,14 @@ def run(workdir: Path, rounds: int = 8, client_mode: bool = True, joiner: bool =
             nodes.append(_start(net, 0, "public", workdir, ["--min-replicas", "3"]))
             join = ["--min-replicas", "3", "--join", nodes[0].join_maddr] + nat
             nodes += [_start(net, i, f"nat{i}", workdir, join) for i in (1, 2)]
-            _wait(nodes, lambda: all(len(n.metrics()) >= rounds for n in nodes), timeout_s, f"{rounds} rounds each")
+            wait_all(nodes, lambda: all(len(n.metrics()) >= rounds for n in nodes), timeout_s, f"{rounds} rounds each")
             if joiner:
-                joined_at = max(max(_steps(n)) for n in nodes)  # outer steps already applied when it starts
+                joined_at = max(max(steps_of(n)) for n in nodes)  # outer steps already applied when it starts
                 late = _start(net, 3, "nat3", workdir, ["--join", nodes[0].join_maddr] + nat)
                 nodes.append(late)
-                _wait(nodes, lambda: any(r["outcome"] == "applied" and r["group_size"] >= 2
+                wait_all(nodes, lambda: any(r["outcome"] == "applied" and r["group_size"] >= 2
                                          for r in late.metrics()), timeout_s, "an averaged round of the joiner")
-                rows = _steps(late)
+                rows = steps_of(late)
                 first = min(s for s, r in rows.items() if r["outcome"] == "applied" and r["group_size"] >= 2)
                 first_round = min(rows)  # its first round in the swarm (after start-up and state download)
                 joined_in = first - first_round + 1
@@ -87,7 +70,7 @@ def run(workdir: Path, rounds: int = 8, client_mode: bool = True, joiner: bool =
         finally:
             steps = {}
             for node in nodes:
-                for step, r in _steps(node).items():
+                for step, r in steps_of(node).items():
                     steps.setdefault(step, {})[node.name] = (r["outcome"], r["group_size"], r["digest"])
             logs = {n.name: n.err_path.read_text() for n in nodes}
             reach = {n.name: _status(net, i, n).get("reachability", "?") for i, n in enumerate(nodes)}

@@ -36,14 +36,20 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 class NetSim:
     def __init__(self, n_hosts: int, rate_mbit: float, prefix: str = "dlx", burst_kbit: Optional[int] = None,
-                 nat: Sequence[int] = ()):
-        """``nat``: indices of the hosts that sit behind a NAT router each (module docstring)."""
+                 nat: Sequence[int] = (), host_rates: Optional[dict[int, float]] = None,
+                 sysctls: Optional[dict[str, str]] = None):
+        """``nat``: indices of the hosts that sit behind a NAT router each (module docstring); ``host_rates``:
+        host index -> its link's rate in Mbit/s, where it differs from ``rate_mbit``; ``sysctls``: set in
+        every host's namespace (e.g. net.ipv4.tcp_notsent_lowat)."""
         if not 1 <= n_hosts <= 200:
             raise ValueError(f"n_hosts must be 1..200, got {n_hosts}")
         if any(not 0 <= i < n_hosts for i in nat):
             raise ValueError(f"nat: host indices must be in 0..{n_hosts - 1}, got {list(nat)}")
-        if rate_mbit <= 0:
-            raise ValueError(f"rate_mbit must be positive, got {rate_mbit}")
+        self.host_rates, self.sysctls = dict(host_rates or {}), dict(sysctls or {})
+        if rate_mbit <= 0 or any(r <= 0 for r in self.host_rates.values()):
+            raise ValueError(f"rates must be positive, got {rate_mbit} and {self.host_rates}")
+        if any(not 0 <= i < n_hosts for i in self.host_rates):
+            raise ValueError(f"host_rates: host indices must be in 0..{n_hosts - 1}, got {list(self.host_rates)}")
         self.n_hosts, self.rate_mbit, self.prefix = n_hosts, rate_mbit, prefix
         # burst: at least one MTU-sized packet per timer tick; ~rate/250 is tbf's usual advice
         self.burst_kbit = burst_kbit or max(32, int(rate_mbit * 1000 / 250))
@@ -92,9 +98,12 @@ class NetSim:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _shape(self, ns: str, dev: str) -> None:
+    def _shape(self, ns: str, dev: str, i: int) -> None:
+        """tbf on ``dev`` at host i's rate."""
+        rate = self.host_rates.get(i, self.rate_mbit)
+        burst = self.burst_kbit if i not in self.host_rates else max(32, int(rate * 1000 / 250))
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                        "rate", f"{self.rate_mbit}mbit", "burst", f"{self.burst_kbit}kbit", "latency", "400ms"],
+                        "rate", f"{rate}mbit", "burst", f"{burst}kbit", "latency", "400ms"],
                        check=True, capture_output=True, text=True)
 
     def _build(self) -> None:
@@ -112,8 +121,11 @@ class NetSim:
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", host_dev)
             _ip("-n", ns, "link", "set", host_dev, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            self._shape(ns, host_dev)             # host -> network
-            self._shape(self.bridge_ns, br_dev)   # network -> host
+            self._shape(ns, host_dev, i)             # host -> network
+            for key, value in self.sysctls.items():
+                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}"], check=True,
+                               capture_output=True, text=True)
+            self._shape(self.bridge_ns, br_dev, i)   # network -> host
 
     def _build_nat(self, i: int, ns: str) -> None:
         router, out_dev, br_dev, host_dev, in_dev = self.routers[i], f"dlxr{i}", f"dlxb{i}", f"dlxh{i}", f"dlxp{i}"
@@ -132,8 +144,8 @@ class NetSim:
                     ["nft", "add chain ip nat post { type nat hook postrouting priority 100 ; }"],
                     ["nft", "add", "rule", "ip", "nat", "post", "oifname", out_dev, "masquerade"]):
             subprocess.run(["ip", "netns", "exec", router, *cmd], check=True, capture_output=True, text=True)
-        self._shape(router, out_dev)          # router -> network
-        self._shape(self.bridge_ns, br_dev)   # network -> router
+        self._shape(router, out_dev, i)          # router -> network
+        self._shape(self.bridge_ns, br_dev, i)   # network -> router
 
     def wrapper(self, i: int) -> list[str]:
         """Command prefix that runs a program inside host i."""

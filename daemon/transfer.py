@@ -150,7 +150,7 @@ class StateTransfer:
         self.attempts = 0
         transfer_s = self.transfer_s()
         deadline = time.monotonic() + cfg.sync_deadline if cfg.sync_deadline else float("inf")
-        first_seen, backoff = time.monotonic(), 0.5
+        first_seen, backoff, seen_active = time.monotonic(), 0.5, False
 
         def attempted(reason: str) -> None:
             self.attempts += 1
@@ -168,9 +168,13 @@ class StateTransfer:
                                 f"({self.attempts} attempts)")
             others = self.progress.others()
             active = [m for m in others if m.state in ACTIVE_STATES]
+            seen_active = seen_active or bool(active)
             if not active:
-                point = no_donor_join(initial, keep_round, time.monotonic() - first_seen,
-                                      2 * cfg.announce_period + 2, st.outer_step, st.round, cfg.min_replicas)
+                # a joiner that saw the swarm train never starts from the seed: records can vanish for a moment
+                # (a busy or saturated link delays DHT reads), and the seed would fork the swarm
+                point = None if initial and seen_active else no_donor_join(
+                    initial, keep_round, time.monotonic() - first_seen, 2 * cfg.announce_period + 2, st.outer_step,
+                    st.round, cfg.min_replicas)
                 if point is not None:
                     return point, None
                 time.sleep(0.3)
@@ -181,6 +185,7 @@ class StateTransfer:
                     return point, None
             # hivemind fails a donor that stalls for next_chunk_timeout and tries the next one; this
             # bound only guards against a hang, so it allows the whole state at the slowest link
+            began = time.monotonic()
             got = self.averager.download_state(timeout_s=cfg.averaging_timeout + transfer_s)
             if got is None:
                 failed("no donor served a state")
@@ -191,6 +196,9 @@ class StateTransfer:
                 logger.warning("rejected a downloaded state: %s", e)
                 failed(f"rejected a downloaded state: {str(e).splitlines()[0][:200]}")
                 continue
+            logger.info("downloaded the state of outer step %d from %s in %.1f s (%d bytes)",
+                        downloaded.meta.outer_step, downloaded.meta.donor_peer_id or "a donor",
+                        time.monotonic() - began, sum(t.numel() * t.element_size() for t in got[1]))
             point, downloaded = self._enter(downloaded, keep_round, deadline, attempted, failed)
             if point is not None:
                 return point, downloaded
@@ -212,8 +220,10 @@ class StateTransfer:
                 logger.info("%s; downloading the state again", why)
                 failed(why)  # with the backoff of a failed download
                 return None, held
-            meta, others = held.meta, self.progress.others()
+            meta, others = held.meta, self.progress.others(max_age_s=0.2)
             ref = self._reference(meta, others)
+            if ref is None and any(m.outer_step > meta.outer_step for m in others if m.state in ACTIVE_STATES):
+                continue  # the swarm moved on during the catch-up: catch up again
             donor = DonorMeta(meta.outer_step, ref.state, ref.inner_step, ref.round, ref.peer_id) if ref is not None \
                 else DonorMeta(meta.outer_step, meta.donor_state, meta.donor_inner_step, meta.donor_round,
                                meta.donor_peer_id)
@@ -253,7 +263,8 @@ class StateTransfer:
         first). Returns (state, "") when current, or (held, why not) when the updates cannot be had or do
         not replay to a state a member's record holds; the caller downloads again then."""
         meta = held.meta
-        active = [m for m in self.progress.others() if m.state in ACTIVE_STATES]
+        records = self.progress.others(max_age_s=0.2)  # one read: the step we replay to is vouched by it
+        active = [m for m in records if m.state in ACTIVE_STATES]
         newest = max((m.outer_step for m in active), default=meta.outer_step)
         if newest > meta.outer_step:
             if self.updates is None:
@@ -271,7 +282,7 @@ class StateTransfer:
         else:
             caught, updates, nbytes = held, [], 0
         try:
-            self.vouch(caught.meta)
+            self.vouch(caught.meta, records)
         except ValueError as e:
             return held, str(e)
         if updates:
@@ -344,12 +355,13 @@ class StateTransfer:
             raise ValueError("downloaded compression state does not match the donor's digest")
         return DownloadedState(meta, theta, momentum, shared_tensors, control or None)
 
-    def vouch(self, meta: StateMeta) -> None:
+    def vouch(self, meta: StateMeta, records: Optional[list] = None) -> None:
         """Raise ValueError unless a live member's record holds theta at (meta.outer_step, meta.digest).
         Whoever served a state, a member's signed record (certified, in a certified swarm) must hold it
         before it is adopted; a state caught up by replay (``_catch_up``) is vouched for at its final step,
-        so a download older than every record is fine once the updates since bring it to one."""
-        records = self.progress.others(max_age_s=0.2)
+        so a download older than every record is fine once the updates since bring it to one. ``records``:
+        the members' records to check against (default: a fresh read)."""
+        records = self.progress.others(max_age_s=0.2) if records is None else records
         if not any((m.outer_step, m.global_params_digest) == (meta.outer_step, meta.digest) for m in records):
             held = ", ".join(f"{m.peer_id[-6:]}: {m.outer_step}/{m.global_params_digest}" for m in records)
             raise ValueError(f"no member's record holds the downloaded state (outer step {meta.outer_step}, digest "
