@@ -81,6 +81,7 @@ class Node:
         self.averagers: dict[int, PseudoGradientAverager] = {}  # buffer size -> averager (one per rank)
         self.contributions: Optional[ContributionServer] = None  # sparse rounds: all-gather of payloads
         self.updates: Optional[ContributionServer] = None  # sparse rounds: applied updates, for catch-up
+        self._reachability = reachability.Reachability.REACHABLE  # the last verdict (peers/reachability.py)
         self.skip_steps = 0  # inner steps of the next round the swarm has already done (joiners)
         self.resumed_from = 0  # outer step of the checkpoint we resumed from (0: none)
         self.round_log: list[tuple[float, float]] = []  # (monotonic time a round was recorded, its compute_s)
@@ -242,12 +243,12 @@ class Node:
         verdict, reporters = reachability.verdict(self.swarm.peer_id, self.cfg.client_mode,
                                                   [(m.peer_id, m.undialable) for m in members])
         text = reachability.describe(verdict, reporters)
-        previous = self.board.snapshot().reachability
-        if text != previous and verdict == reachability.Reachability.UNREACHABLE:
+        unreachable = verdict == reachability.Reachability.UNREACHABLE
+        if text != self.board.snapshot().reachability and unreachable:
             logger.warning("%s; not serving our state to joiners meanwhile", text)
-        if self.transfer is not None and (previous.startswith("unreachable")) != (
-                verdict == reachability.Reachability.UNREACHABLE):
-            self.transfer.offer_state(verdict != reachability.Reachability.UNREACHABLE)  # joiners cannot dial us
+        if self.transfer is not None and unreachable != (self._reachability == reachability.Reachability.UNREACHABLE):
+            self.transfer.offer_state(not unreachable)  # joiners cannot dial us
+        self._reachability = verdict
         self.board.update(swarm_size=swarm_size, reachability=text)
 
     def _donor_progress(self) -> tuple[str, int]:

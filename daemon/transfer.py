@@ -223,7 +223,8 @@ class StateTransfer:
             meta, others = held.meta, self.progress.others(max_age_s=0.2)
             ref = self._reference(meta, others)
             if ref is None and any(m.outer_step > meta.outer_step for m in others if m.state in ACTIVE_STATES):
-                continue  # the swarm moved on during the catch-up: catch up again
+                time.sleep(0.1)  # the swarm moved on during the catch-up (or our reads disagree): catch up again
+                continue
             donor = DonorMeta(meta.outer_step, ref.state, ref.inner_step, ref.round, ref.peer_id) if ref is not None \
                 else DonorMeta(meta.outer_step, meta.donor_state, meta.donor_inner_step, meta.donor_round,
                                meta.donor_peer_id)
