@@ -89,6 +89,7 @@ class StateTransfer:
         self.averager: Optional[PseudoGradientAverager] = None  # set by attach()
         self.updates: Optional[ContributionServer] = None  # set by attach(): applied updates, for catch-up
         self.caught_up = 0  # outer steps replayed by catch-up since start
+        self._waited_for_result, self._late_waits = False, 0
         self._busy_until = 0.0  # monotonic time until which we serve no other joiner
         self.attempts = 0  # state downloads and waits of the current sync
         self.on_attempt: Callable[[str, int], None] = lambda reason, attempts: None  # e.g. status
@@ -148,6 +149,7 @@ class StateTransfer:
         (``on_attempt``); it raises SyncError only past ``cfg.sync_deadline`` seconds, if one is set."""
         cfg, st = self.cfg, self.state
         self.attempts = 0
+        self._waited_for_result, self._late_waits = False, 0  # per sync, across downloads (``_enter``)
         transfer_s = self.transfer_s()
         deadline = time.monotonic() + cfg.sync_deadline if cfg.sync_deadline else float("inf")
         first_seen, backoff, seen_active = time.monotonic(), 0.5, False
@@ -213,12 +215,14 @@ class StateTransfer:
         as long as the members keep the updates we missed (``catch_up_steps``). Returns (None, held) when
         a new download is needed: updates we cannot get, or a wait that ran out."""
         st, cfg = self.state, self.cfg
-        waited_for_result, late_waits = False, 0
         while not self._cancelled() and time.monotonic() <= deadline:
             held, why = self._catch_up(held)
             if why:
                 logger.info("%s; downloading the state again", why)
-                failed(why)  # with the backoff of a failed download
+                if self.updates is None:
+                    attempted(why)  # no catch-up here: a newer download is the way on, at once
+                else:
+                    failed(why)  # updates nobody serves, or that do not replay: with a failed download's backoff
                 return None, held
             meta, others = held.meta, self.progress.others(max_age_s=0.2)
             ref = self._reference(meta, others)
@@ -231,9 +235,9 @@ class StateTransfer:
             live = ref or next((m for m in others if m.peer_id == meta.donor_peer_id), None)
             point = join_point(donor, live, inner_steps=st.H, our_round=st.round, keep_round=keep_round,
                                early_apply=cfg.overlap == "delayed" and cfg.num_stages == 1,
-                               waited_for_result=waited_for_result,
+                               waited_for_result=self._waited_for_result,
                                # twice at most: where a join always lands late (a slow link), join anyway
-                               late=self._late_steps(live) if late_waits < 2 else 0)
+                               late=self._late_steps(live) if self._late_waits < 2 else 0)
             if point.kind == JoinKind.REFETCH:  # the swarm moved on meanwhile: catch up again
                 logger.info("%s", point.reason)
                 if ref is None:  # nobody's record is at our step: only a new download helps
@@ -244,8 +248,8 @@ class StateTransfer:
             logger.info("%s", point.reason)
             attempted(point.reason)
             if point.wait_for == WaitFor.OUTER_STEP and not keep_round:
-                waited_for_result = True  # the donor's mid-round result: waited for once only
-            late_waits += point.late
+                self._waited_for_result = True  # the donor's mid-round result: waited for once per sync
+            self._late_waits += point.late
             timeout = (3 if point.wait_for == WaitFor.NEXT_ROUND else 1) * cfg.outer_round_deadline
             if not self.progress.wait(lambda others, p=point: wait_satisfied(p, others), timeout, self._cancelled):
                 return None, held  # nothing moved for a whole deadline: look for a donor afresh
