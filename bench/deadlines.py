@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.localswarm import LocalNode, wait_all
+from bench.localswarm import LocalNode, wait_all, write_json
 from bench.netsim import NetSim
 
 MODEL_4X_TINY = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
@@ -86,9 +86,7 @@ def main(argv=None) -> int:
                   f"{r['download_deadline_s']['median_measured']} s (link {r['link_mbps_median']} Mbit/s, payload "
                   f"{r['payload_bytes']} B), full-group rounds {r['full_group_rounds']}, lost {r['lost_rounds']}, "
                   f"max wait {r['max_wait_s']:.1f} s", flush=True)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=1))
-    print(f"wrote {a.out}")
+    write_json(a.out, results)
     return 0
 
 

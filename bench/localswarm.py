@@ -127,6 +127,13 @@ def wait_all(nodes: list[LocalNode], predicate, timeout_s: float, what: str) -> 
         time.sleep(0.2)
 
 
+def write_json(path: Path, data) -> None:
+    """Write a benchmark's results (creating the directory) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    print(f"wrote {path}")
+
+
 def steps_of(node: LocalNode) -> dict[int, dict]:
     """The node's metrics rows by outer step."""
     return {r["outer_step"]: r for r in node.metrics()}

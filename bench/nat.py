@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.localswarm import LocalNode, steps_of, wait_all
+from bench.localswarm import LocalNode, steps_of, wait_all, write_json
 from bench.netsim import NetSim
 
 ARGS = ["--status-addr", "127.0.0.1:0", "--run-id", "nat", "--model", "tiny", "--inner-steps", "10",
@@ -104,8 +104,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench.nat needs NAT'd namespaces: {why}")
     with tempfile.TemporaryDirectory(prefix="dilocox-nat-") as tmp:
         result = run(Path(tmp), a.rounds, a.client_mode, a.joiner, a.rate_mbit, a.timeout)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
+    write_json(a.out, result)
     for row in result["steps"]:
         print(f"outer step {row['outer_step']:>3}: groups {row['group_sizes']} {'/'.join(row['outcomes'])} "
               f"{'equal' if row['equal_digests'] else 'DIFFERENT'} digests")
@@ -114,7 +113,7 @@ def main(argv=None) -> int:
     print(f"joiner started after outer step {result['joiner_started_after_step']}, trained from round "
           f"{result['joiner_first_round']} on and averaged in its round {result['joiner_averaged_within_rounds']}; "
           f"reachability {result['reachability']}; "
-          f"failed dials in logs {result['failed_dials']}; wrote {a.out}")
+          f"failed dials in logs {result['failed_dials']}")
     return 0
 
 

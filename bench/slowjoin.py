@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from bench.deadlines import MODEL_4X_TINY
-from bench.localswarm import LocalNode, steps_of, wait_all
+from bench.localswarm import LocalNode, steps_of, wait_all, write_json
 from bench.netsim import NetSim
 
 # timeouts a 2-core machine keeps with three nodes, one of them starting (1 s request timeouts are missed there)
@@ -127,9 +127,7 @@ def main(argv=None) -> int:
               f"{sum(c['bytes'] for c in r['caught_up'])} bytes; averaged in its round "
               f"{r['joiner_averaged_in_round']}; equal digests {r['equal_digests_from_join']}"
               + (f"; TIMED OUT: {r['timed_out']}" if r["timed_out"] else ""), flush=True)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=1))
-    print(f"wrote {a.out}")
+    write_json(a.out, results)
     return 0
 
 
