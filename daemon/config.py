@@ -168,9 +168,10 @@ class NodeConfig(BaseModel):
     startup_timeout: float = Field(60.0, gt=0, description="p2pd start-up and DHT bootstrap")
     sync_deadline: Optional[float] = Field(None, gt=0, description="give up syncing with the swarm after this many "
                                                                    "seconds (exit 1); none: keep trying")
-    catch_up_steps: int = Field(16, ge=0, description="sparse rounds: applied outer updates kept to serve joiners that "
-                                                      "replay the steps missed during their state download "
-                                                      "(0: none kept; a joiner that missed steps downloads again)")
+    catch_up_steps: int = Field(16, ge=0, description="sparse rounds: applied outer updates kept (within a state "
+                                                      "download's bytes) to serve joiners that replay the steps "
+                                                      "missed during their download (0: none kept; a joiner that "
+                                                      "missed steps downloads again)")
     announce_period: float = Field(5.0, gt=0, description="membership record refresh interval")
     # bookkeeping
     checkpoint_dir: Optional[Path] = None

@@ -174,10 +174,12 @@ class Node:
                                                     startup_timeout_s=cfg.startup_timeout,
                                                     tamper=self.attack.payload if self.attack else None,
                                                     admitted=self.progress.admitted if self.admission else None)
-            if cfg.catch_up_steps:  # applied updates for joiners that missed them (dilocox/catchup.py)
+            if cfg.catch_up_steps:  # applied updates for joiners that missed them (dilocox/catchup.py); more
+                # bytes of them than a state download holds would be slower to replay than to download again
                 self.updates = ContributionServer(self.swarm.replicate_p2p, f"{prefix}_updates",
                                                   keep=cfg.catch_up_steps, startup_timeout_s=cfg.startup_timeout,
-                                                  admitted=self.progress.admitted if self.admission else None)
+                                                  admitted=self.progress.admitted if self.admission else None,
+                                                  max_bytes=self.state.state_bytes())
                 self.state.on_applied = lambda u: self.updates.offer(update_key(u.outer_step), encode(u))
         for size in sizes:
             self.averagers[size] = PseudoGradientAverager(

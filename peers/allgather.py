@@ -68,10 +68,12 @@ class ContributionServer(ServicerBase):
 
     def __init__(self, replicate_p2p: Callable[[], "asyncio.Future[P2P]"], namespace: str, *,
                  keep: int = 4, tamper: Optional[Tamper] = None, startup_timeout_s: float = 30.0,
-                 admitted: Optional[Callable[[str], Optional[str]]] = None):
+                 admitted: Optional[Callable[[str], Optional[str]]] = None, max_bytes: Optional[int] = None):
         """``admitted(peer_id)``: None if that peer may fetch our contributions, else why not (a certified
-        swarm: peers/admission.py); None for an open swarm."""
+        swarm: peers/admission.py); None for an open swarm. ``max_bytes``: the oldest offers are also dropped
+        while all of them together hold more (the newest is always kept)."""
         self.namespace, self.keep, self.tamper, self.admitted = namespace, keep, tamper, admitted
+        self.max_bytes = max_bytes
         self._refused: Dict[str, str] = {}
         self._offers: "OrderedDict[str, bytes]" = OrderedDict()
         self._copies: "OrderedDict[str, Dict[str, bytes]]" = OrderedDict()  # key -> owner -> checked payload
@@ -100,7 +102,8 @@ class ContributionServer(ServicerBase):
             self._offers[key] = bytes(payload)
             self._offers.move_to_end(key)
             self._served.setdefault(key, 0)
-            while len(self._offers) > self.keep:
+            while len(self._offers) > self.keep or (self.max_bytes is not None and len(self._offers) > 1 and
+                                                    sum(map(len, self._offers.values())) > self.max_bytes):
                 old, _ = self._offers.popitem(last=False)
                 self._served.pop(old, None)
 

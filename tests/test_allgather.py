@@ -116,6 +116,21 @@ def test_old_offers_are_forgotten(servers):
     assert got == {a_id: b"x"}
 
 
+def test_offers_beyond_the_byte_budget_are_forgotten_oldest_first_but_the_newest_stays(servers):
+    (a_id, a), (b_id, b) = servers
+    a.max_bytes = 10  # the catch-up server's budget: a state download's bytes (daemon/node.py)
+    try:
+        for key, payload in (("m0", b"123456"), ("m1", b"abcdef"), ("m2", b"z" * 20)):
+            a.offer(key, payload)
+            got, _ = b.fetch({a_id: (hashlib.sha256(payload).hexdigest(), len(payload))}, key, 30)
+            assert got == {a_id: payload}  # the newest is served even when it alone is over the budget
+        for key in ("m0", "m1"):  # m1 went when m2 came; m0 when m1 came (12 bytes > 10)
+            _, failed = b.fetch({a_id: (SHA, 6)}, key, 30)
+            assert "no contribution" in failed[a_id]
+    finally:
+        a.max_bytes = None
+
+
 @pytest.fixture(scope="module")
 def trio():
     """Four servers; the test makes the last one leave (a group-mate whose address nobody can dial any more)."""
