@@ -294,3 +294,47 @@ def test_a_forged_update_is_not_adopted_and_the_joiner_downloads_again(tmp_path,
 
 def test_update_keys_name_the_outer_step():
     assert update_key(7) == "update/7" != update_key(8)
+
+
+class VanishingRecords:
+    """Records that show the swarm training once, then nothing (a saturated link delays DHT reads)."""
+
+    peer_id = "joiner"
+
+    def __init__(self, record):
+        self.calls, self.record = 0, record
+
+    def others(self, max_age_s: float = 1.0):
+        self.calls += 1
+        return [self.record] if self.calls == 1 else []
+
+    def wait(self, predicate, timeout_s, cancelled):
+        return False
+
+
+class NoDonor:
+    def download_state(self, timeout_s):
+        return None
+
+    def set_priority(self, value):
+        pass
+
+
+def test_a_joiner_that_saw_the_swarm_train_never_starts_from_the_seed(tmp_path, monkeypatch):
+    """With --min-replicas 2 a joiner that sees no active member starts from the seed at once (the swarm starts
+    together). One that saw the swarm train must keep looking instead: the seed would fork the swarm."""
+    from dilocox.daemon import transfer as transfer_module
+
+    monkeypatch.setattr(transfer_module.time, "sleep", lambda s: None)
+    joiner = make_state(tmp_path, min_replicas=2, sync_deadline=0.3)
+    seen = VanishingRecords(Record("donor", "TRAINING", 5, 6, 1, "f" * 16))
+    t = StateTransfer(joiner.cfg, joiner, seen, lambda: ("SYNCING", 0), lambda: False)
+    t.averager = NoDonor()
+    with pytest.raises(SyncError, match="--sync-deadline"):
+        t.sync(initial=True)
+    assert seen.calls > 2
+    never = VanishingRecords(None)
+    never.calls = 1  # no record from the start: the swarm starts together, from the seed
+    t = StateTransfer(joiner.cfg, joiner, never, lambda: ("SYNCING", 0), lambda: False)
+    point, got = t.sync(initial=True)
+    assert point.kind == JoinKind.SEED and got is None
