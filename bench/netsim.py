@@ -52,7 +52,7 @@ class NetSim:
             raise ValueError(f"host_rates: host indices must be in 0..{n_hosts - 1}, got {list(self.host_rates)}")
         self.n_hosts, self.rate_mbit, self.prefix = n_hosts, rate_mbit, prefix
         # burst: at least one MTU-sized packet per timer tick; ~rate/250 is tbf's usual advice
-        self.burst_kbit = burst_kbit or max(32, int(rate_mbit * 1000 / 250))
+        self.burst_kbit = burst_kbit  # None: from each link's rate
         self.bridge_ns = f"{prefix}-br"
         self.hosts = [f"{prefix}-h{i}" for i in range(n_hosts)]
         self.nat = sorted(set(nat))
@@ -101,7 +101,7 @@ class NetSim:
     def _shape(self, ns: str, dev: str, i: int) -> None:
         """tbf on ``dev`` at host i's rate."""
         rate = self.host_rates.get(i, self.rate_mbit)
-        burst = self.burst_kbit if i not in self.host_rates else max(32, int(rate * 1000 / 250))
+        burst = self.burst_kbit or max(32, int(rate * 1000 / 250))
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                         "rate", f"{rate}mbit", "burst", f"{burst}kbit", "latency", "400ms"],
                        check=True, capture_output=True, text=True)

@@ -252,7 +252,7 @@ class ReplicaState:
         scratch = None
         if self.control is not None:
             scratch = ControlVariates(theta)
-            scratch.c = [c.clone() for c in control]
+            scratch.load_state_dict(dict(c=control, c_i=[torch.zeros_like(c) for c in control]))
         return replay(outer, outer_step, updates, scratch, self.lr_sum)
 
     def claim_outer_step(self, outer_step: int) -> None:

@@ -22,6 +22,7 @@ ContributionServer moves them), ``replay`` applies updates to a downloaded state
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -54,7 +55,7 @@ class AppliedUpdate:
 
 def max_encoded_bytes(shapes: Sequence[Sequence[int]]) -> int:
     """The largest valid encoding for parameters of these shapes (bytes): every tensor dense."""
-    return HEADER_BYTES + sum(4 * _numel(s) for s in shapes)
+    return HEADER_BYTES + sum(4 * math.prod(s) for s in shapes)
 
 
 def encode(update: AppliedUpdate) -> bytes:
@@ -67,7 +68,7 @@ def encode(update: AppliedUpdate) -> bytes:
             flat = t.detach().to("cpu", torch.float32).reshape(-1)
             nz = torch.nonzero(flat.view(torch.int32), as_tuple=True)[0]  # by bits: -0.0 is kept, exactly
             if 2 * nz.numel() < flat.numel():
-                parts.append(dict(indices=nz.to(torch.int32), values=flat[nz].clone()))
+                parts.append(dict(indices=nz.to(torch.int32), values=flat[nz]))  # indexing copies
             else:
                 parts.append(dict(dense=flat.clone()))
     buf = io.BytesIO()
@@ -103,7 +104,7 @@ def decode(payload: bytes, shapes: Sequence[Sequence[int]]) -> AppliedUpdate:
 
 
 def _part(part, shape: tuple, i: int) -> torch.Tensor:
-    n = _numel(shape)
+    n = math.prod(shape)
 
     def tensor(key: str, dtype: torch.dtype) -> torch.Tensor:
         t = part.get(key) if isinstance(part, dict) else None
@@ -164,9 +165,3 @@ def replay(outer: OuterOptimizer, outer_step: int, updates: Sequence[AppliedUpda
     return Replayed([p.clone() for p in outer.global_params], outer.momentum_buffers(),
                     control.state_dict()["c"] if control is not None else None, outer_step, digest)
 
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
