@@ -46,8 +46,10 @@ class NetSim:
         if any(not 0 <= i < n_hosts for i in nat):
             raise ValueError(f"nat: host indices must be in 0..{n_hosts - 1}, got {list(nat)}")
         self.host_rates, self.sysctls = dict(host_rates or {}), dict(sysctls or {})
-        if rate_mbit <= 0 or any(r <= 0 for r in self.host_rates.values()):
-            raise ValueError(f"rates must be positive, got {rate_mbit} and {self.host_rates}")
+        if rate_mbit <= 0:
+            raise ValueError(f"rate_mbit must be positive, got {rate_mbit}")
+        if any(r <= 0 for r in self.host_rates.values()):
+            raise ValueError(f"host_rates must be positive, got {self.host_rates}")
         if any(not 0 <= i < n_hosts for i in self.host_rates):
             raise ValueError(f"host_rates: host indices must be in 0..{n_hosts - 1}, got {list(self.host_rates)}")
         self.n_hosts, self.rate_mbit, self.prefix = n_hosts, rate_mbit, prefix
