@@ -68,10 +68,10 @@ bench-slowjoin: install
 bench-faults: install
 	$(PY) -m bench.faults
 
-# 100 seeded trials of kill / SIGTERM / join / restart / CPU-load bursts with one busy process throughout
-# (one trial took 176 s on a loaded 2-core machine: expect 3-5 hours)
+# 100 seeded trials of kill / SIGTERM / join / restart / CPU-load bursts with one busy process throughout, on
+# the default sparse rounds (about 110 s a trial on 2 cores: about 3 hours; --jobs 2 is not faster there)
 bench-soak: install
-	$(PY) -m bench.faults --trials 100 --events 5 --cpu-load 1 --bursts --seed 1000 --out runs/bench/soak.json
+	$(PY) -m bench.faults --trials 100 --events 5 --cpu-load 1 --bursts --compression sparse --seed 1000 --out runs/bench/soak.json
 
 # validation loss vs tokens: fp32 DiLoCo, 8-bit codes, the old default (PowerSGD, delayed), sparse with
 # beta 0.95 and the default (beta 0.9); 4 in-process replicas, H=30, 100 outer steps, 3 seeds (~90 min on 2 cores)

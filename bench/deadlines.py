@@ -1,10 +1,10 @@
-"""The download deadlines nodes choose from their measured links, at 1000, 100 and 10 Mbit/s.
+"""The deadlines nodes choose from their measurements, at 1000, 100 and 10 Mbit/s.
 
 Three public nodes on tbf-shaped links (bench/netsim.py) train a model 4x the tiny preset with the
-default sparse rounds and default timeouts; per rate it reports the deadline of the downloads the
-nodes chose after measuring (peers/deadlines.py), their measured rate, and the rounds each node
-applied in a full group or lost. ``--fixed`` also runs each rate with ``--no-adaptive-deadlines``
-(the fixed ``--averaging-timeout`` of before), side by side.
+default sparse rounds and default timeouts; per rate it reports the deadlines the nodes chose after
+measuring (peers/deadlines.py: downloads, matchmaking, group wait), their measured rate, and the
+rounds each node applied in a full group or lost. ``--fixed`` also runs each rate with
+``--no-adaptive-deadlines`` (the fixed flags of before), side by side.
 
     python -m bench.deadlines [--rates 1000 100 10] [--rounds 8] [--fixed] [--out runs/bench/deadlines.json]
 """
@@ -60,6 +60,12 @@ def run_rate(workdir: Path, rate_mbit: float, rounds: int, adaptive: bool, timeo
         download_deadline_s=dict(
             first=[rs[0]["download_deadline_s"] for rs in rows.values() if rs],
             median_measured=statistics.median(r["download_deadline_s"] for r in measured) if measured else None),
+        matchmaking_s=dict(first=[rs[0].get("matchmaking_s") for rs in rows.values() if rs],
+                           median_measured=statistics.median(r.get("matchmaking_s", 0) for r in measured)
+                           if measured else None),
+        group_wait_s=dict(first=[rs[0].get("group_wait_s") for rs in rows.values() if rs],
+                          median_measured=statistics.median(r.get("group_wait_s", 0) for r in measured)
+                          if measured else None),
         link_mbps_median=statistics.median(r["link_mbps"] for r in measured) if measured else None,
         median_download_s=statistics.median(r["allreduce_s"] for rs in rows.values() for r in rs) if measured else None,
         max_wait_s=max((r["wait_s"] for rs in rows.values() for r in rs), default=None),
@@ -83,7 +89,9 @@ def main(argv=None) -> int:
                 r = run_rate(Path(tmp), rate, a.rounds, adaptive)
             results.append(r)
             print(f"{rate:>6g} Mbit/s {'measured' if adaptive else 'fixed   '}: download deadline "
-                  f"{r['download_deadline_s']['median_measured']} s (link {r['link_mbps_median']} Mbit/s, payload "
+                  f"{r['download_deadline_s']['median_measured']} s, matchmaking "
+                  f"{r['matchmaking_s']['median_measured']} s, group wait {r['group_wait_s']['median_measured']} s "
+                  f"(link {r['link_mbps_median']} Mbit/s, payload "
                   f"{r['payload_bytes']} B), full-group rounds {r['full_group_rounds']}, lost {r['lost_rounds']}, "
                   f"max wait {r['max_wait_s']:.1f} s", flush=True)
     write_json(a.out, results)

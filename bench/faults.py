@@ -1,11 +1,13 @@
 """Randomised fault schedule on a loopback swarm (``make bench-faults``, ``make bench-soak``): churn statistics.
 
-Each trial (seeded) starts 3 nodes (tiny model, int8, delayed overlap, checkpoint every round),
+Each trial (seeded) starts 3 nodes (tiny model, ``--compression``: the default sparse rounds or int8,
+synchronous, checkpoint every round),
 then applies ``--events`` faults at random intervals: SIGKILL of a random node (not the
 bootstrap), SIGTERM leave, a new joiner, the restart of a killed node from its checkpoint, or
 (with ``--bursts``) a CPU-load burst of ``--burst-procs`` busy processes until the next event.
 ``--cpu-load K`` keeps K busy processes running through the whole trial (a volunteer's machine
-doing other work). After the last event the swarm runs two more rounds. Counted over all trials:
+doing other work). ``--jobs J`` runs J trials at once (each is load on the others). After the last
+event the swarm runs two more rounds. Counted over all trials:
   rounds (outer steps applied by some group), node_rounds, stalls (a round that blocked training
   on communication for longer than averaging_timeout), longest_stall_s, resyncs (log lines
   "re-syncing from peers"), skipped (rounds a group refused: partial or disagreeing results),
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -41,8 +44,7 @@ from bench.timeline import plot_timeline
 ARGS = ["--model", "tiny", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0",
         "--request-timeout", "1", "--matchmaking-time", "2", "--averaging-timeout", "8",
         "--outer-round-deadline", "30", "--announce-period", "1", "--inner-steps", "20",
-        "--warmup-steps", "10", "--total-steps", "4000", "--eval-batches", "1",
-        "--compression", "int8", "--checkpoint-every", "1"]
+        "--warmup-steps", "10", "--total-steps", "4000", "--eval-batches", "1", "--checkpoint-every", "1"]
 AVERAGING_TIMEOUT = 8.0
 JOIN_TIMEOUT = 180.0  # a joiner that is not TRAINING this long after its start counts as a failed join
 ACTIVE = ("TRAINING", "AVERAGING")
@@ -128,10 +130,10 @@ def _start(name: str, workdir: Path, args: list[str], watch: Watch, joiner: bool
 
 
 def trial(seed: int, events: int, workdir: Path, cpu_load: int = 0, bursts: bool = False,
-          burst_procs: int = 2) -> dict:
+          burst_procs: int = 2, compression: str = "int8") -> dict:
     rng = random.Random(seed)
     shutil.rmtree(workdir, ignore_errors=True)  # old checkpoints would be resumed
-    args = ARGS + ["--run-id", f"faults{seed}"]
+    args = ARGS + ["--run-id", f"faults{seed}", "--compression", compression]
     watch, burner = Watch(), Burner()
     burner.start(cpu_load)
     burst: list[subprocess.Popen] = []
@@ -245,19 +247,22 @@ def totals(results: list[dict]) -> dict:
     return total
 
 
-def run_trials(seeds: list[int], run_one) -> list[dict]:
-    """``run_one(seed)`` for each seed; an exception becomes ``{"seed", "error"}`` and the run goes on."""
-    results = []
-    for seed in seeds:
+def run_trials(seeds: list[int], run_one, jobs: int = 1) -> list[dict]:
+    """``run_one(seed)`` for each seed, ``jobs`` at once; an exception becomes ``{"seed", "error"}`` and the
+    run goes on. Results in seed order; each is printed as it ends."""
+
+    def one(seed: int) -> dict:
         started = time.monotonic()
         try:
             r = dict(seed=seed, **run_one(seed))
         except Exception as exc:  # noqa: BLE001 -- a harness failure is a result to count, not a crash
             r = dict(seed=seed, error=f"{type(exc).__name__}: {str(exc)[-1500:]}")
         r["seconds"] = round(time.monotonic() - started, 1)
-        results.append(r)
         print(json.dumps(r), flush=True)
-    return results
+        return r
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, seeds))
 
 
 def main(argv=None) -> None:
@@ -269,15 +274,17 @@ def main(argv=None) -> None:
                         help="K busy processes running through every trial")
     parser.add_argument("--bursts", action="store_true", help="CPU-load bursts among the random events")
     parser.add_argument("--burst-procs", type=int, default=2, help="busy processes per burst")
+    parser.add_argument("--jobs", type=int, default=1, help="trials at once")
+    parser.add_argument("--compression", default="int8", choices=["sparse", "int8", "fp16", "none", "adaptive"])
     parser.add_argument("--out", type=Path, default=Path("runs/bench/faults.json"))
     a = parser.parse_args(argv)
-    if min(a.trials, a.events, a.cpu_load, a.burst_procs) < 0:
-        parser.error("--trials, --events, --cpu-load and --burst-procs must be >= 0")
+    if min(a.trials, a.events, a.cpu_load, a.burst_procs) < 0 or a.jobs < 1:
+        parser.error("--trials, --events, --cpu-load and --burst-procs must be >= 0, --jobs >= 1")
     work = Path("runs/bench")
     work.mkdir(parents=True, exist_ok=True)
     results = run_trials(list(range(a.seed, a.seed + a.trials)),
                          lambda seed: trial(seed, a.events, work / f"faults-{seed}", a.cpu_load, a.bursts,
-                                            a.burst_procs))
+                                            a.burst_procs, a.compression), a.jobs)
     total = totals(results)
     print("TOTAL " + json.dumps(total), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -163,8 +163,10 @@ class NodeConfig(BaseModel):
     averaging_timeout: float = Field(60.0, gt=0)
     outer_round_deadline: float = Field(300.0, gt=0)
     adaptive_deadlines: bool = Field(True, description="sparse rounds: wait for downloads as long as the measured "
-                                                       "link needs for their bytes (3x, at least 5 s), with "
-                                                       "--averaging-timeout as the cap; off: always that timeout")
+                                                       "link needs for their bytes (3x, at least 5 s), match for "
+                                                       "3x four request latencies (at least 6 s) and look for a "
+                                                       "group for 3x (matchmaking + the slowest member's compute "
+                                                       "lag) (at least 60 s), each flag the cap; off: the flags")
     startup_timeout: float = Field(60.0, gt=0, description="p2pd start-up and DHT bootstrap")
     sync_deadline: Optional[float] = Field(None, gt=0, description="give up syncing with the swarm after this many "
                                                                    "seconds (exit 1); none: keep trying")

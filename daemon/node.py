@@ -37,6 +37,7 @@ from dilocox.peers import deadlines, reachability
 from dilocox.peers.admission import Admission
 from dilocox.peers.allgather import ContributionServer
 from dilocox.peers.averaging import PseudoGradientAverager
+from dilocox.peers.deadlines import RoundDeadlines
 from dilocox.peers.identity import load_or_create_identity
 from dilocox.peers.swarm import Swarm
 
@@ -181,15 +182,22 @@ class Node:
                                                   admitted=self.progress.admitted if self.admission else None,
                                                   max_bytes=self.state.state_bytes())
                 self.state.on_applied = lambda u: self.updates.offer(update_key(u.outer_step), encode(u))
+        # sparse whole-model rounds derive matchmaking and the group wait from measurement (flags as caps);
+        # all-reduce rounds and pipeline stages keep the flags
+        measured = self.contributions.link if self.contributions and cfg.adaptive_deadlines and not self.staged \
+            else None
+        self.deadlines = RoundDeadlines(measured, matchmaking_cap_s=cfg.matchmaking_time,
+                                        group_wait_cap_s=cfg.outer_round_deadline - cfg.averaging_timeout,
+                                        request_timeout_s=cfg.request_timeout)
         for size in sizes:
             self.averagers[size] = PseudoGradientAverager(
                 size, self.swarm.dht, f"{prefix}{size}", self.transfer.serve if size == sizes[0] else None,
-                matchmaking_time_s=cfg.matchmaking_time, request_timeout_s=cfg.request_timeout,
+                matchmaking_time_s=self.deadlines.floor_s, request_timeout_s=cfg.request_timeout,
                 averaging_timeout_s=cfg.averaging_timeout)
         self.transfer.attach(self.averagers[sizes[0]], self.updates)
         self.state.on_snapshot = self.transfer.published
         self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
-                                  self.contributions, self.attack)
+                                  self.deadlines, self.contributions, self.attack)
         self.board.update(outer_step=self.state.outer_step, inner_steps=self.H, global_params_digest=self.state.digest,
                           overlap=cfg.overlap, outer_algorithm=cfg.outer_algorithm, compression=cfg.compression,
                           stage_index=cfg.stage_index,
@@ -231,13 +239,16 @@ class Node:
                     undialable=self.contributions.dials.undialable() if self.contributions else [])
 
     def _deadlines(self, info: RoundInfo) -> str:
-        """Status line: the deadlines the last round had (flags, and the downloads' measured one)."""
+        """Status line: the deadlines in use (measured, or the flags) and what they came from."""
         cfg = self.cfg
-        text = f"matchmaking {cfg.matchmaking_time:g}s, round {cfg.outer_round_deadline:g}s (flags), "
         if self.contributions is None:
-            return text + f"all-reduce {cfg.averaging_timeout:g}s (flag)"
-        return text + deadlines.describe(self.contributions.link.snapshot(), info.download_deadline_s or None,
-                                         cfg.averaging_timeout)
+            return (f"matchmaking {cfg.matchmaking_time:g}s, round {cfg.outer_round_deadline:g}s (flags), "
+                    f"all-reduce {cfg.averaging_timeout:g}s (flag)")
+        if self.deadlines.link is None:  # pipeline stages, or --no-adaptive-deadlines
+            return (f"matchmaking {cfg.matchmaking_time:g}s, round {cfg.outer_round_deadline:g}s (flags), "
+                    + deadlines.describe(self.contributions.link.snapshot(), info.download_deadline_s or None,
+                                         cfg.averaging_timeout))
+        return self.deadlines.describe(info.download_deadline_s or None, cfg.averaging_timeout)
 
     def _on_refresh(self, swarm_size: int) -> None:
         """Heartbeat thread, every few beats: the swarm's size and our reachability (peers/reachability.py)."""
@@ -368,7 +379,7 @@ class Node:
             if not self.staged and self.rounds.early_wanted():
                 # form the round's group during its last inner steps: matchmaking takes matchmaking_time
                 eta_s = (self.H - i - 1) * x.numel() / ema
-                if eta_s <= self.cfg.early_window_s:
+                if eta_s <= self.rounds.early_window_s():
                     self.rounds.begin_early(self.H - skip, time.monotonic() - start + eta_s, eta_s)
         return losses, time.monotonic() - start, skip
 

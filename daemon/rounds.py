@@ -44,6 +44,7 @@ from dilocox.peers.averaging import (
     exchange,
     group_limits,
 )
+from dilocox.peers.deadlines import RoundDeadlines, RoundTimes
 
 from dilocox.compression import CompressionRound
 from dilocox.consensus import (
@@ -124,10 +125,13 @@ class OuterRounds:
 
     def __init__(self, cfg: NodeConfig, state: ReplicaState, progress: ProgressTracker,
                  averagers: dict[int, PseudoGradientAverager], leave_requested: threading.Event,
-                 contributions: Optional[ContributionServer] = None, attack: Optional[Attack] = None):
-        """``contributions``: serves and fetches all-gathered contributions (sparse compression);
+                 deadlines: RoundDeadlines, contributions: Optional[ContributionServer] = None,
+                 attack: Optional[Attack] = None):
+        """``deadlines``: the matchmaking time and group wait each round uses (peers/deadlines.py);
+        ``contributions``: serves and fetches all-gathered contributions (sparse compression);
         ``attack``: the red-team hook (daemon/redteam.py), None on an honest node."""
         self.cfg, self.state, self.progress, self.averagers = cfg, state, progress, averagers
+        self.deadlines = deadlines
         self.leave_requested, self.contributions, self.attack = leave_requested, contributions, attack
         self.delayed = cfg.overlap == "delayed"
         self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
@@ -135,6 +139,7 @@ class OuterRounds:
         self.early: Optional[EarlyRound] = None  # synchronous sparse round matched before its end
         self.excluded: dict[str, int] = {}  # peer_id -> last round its contributions are dropped (equivocation)
         self.measured_bps = 0.0
+        self.times: dict[int, RoundTimes] = {}  # round index -> the deadlines its exchange was given
 
     def bandwidth_bps(self) -> float:
         """Our link rate for the rank cap (bit/s): configured, else the best all-reduce throughput seen
@@ -175,7 +180,8 @@ class OuterRounds:
         averager = self.averagers[self.state.averager_sizes()[0] if isinstance(compression, SparseRound)
                                   else self.state.compressor.buffer_size()]
         p = PendingRound(r, honest, compression, None, compute_s, losses, started)
-        deadline_s = cfg.outer_round_deadline - cfg.averaging_timeout
+        self.times[r] = self.deadlines.current()
+        deadline_s = self.times[r].group_wait_s
         abandon = lambda: not in_round(self.progress.others(), r, self.delayed)  # noqa: E731
         if isinstance(compression, SparseRound):
             p.future = self._submit_sparse(compression, r, gather, p.cancel)
@@ -186,10 +192,14 @@ class OuterRounds:
 
     def _submit_sparse(self, compression, r: int, gather: RoundGather, cancel: threading.Event,
                        scheduled_in_s: Optional[float] = None) -> Future:
-        cfg, attack = self.cfg, self.attack
+        cfg, attack, times = self.cfg, self.attack, self.deadlines.current()
+        # the all-reduce begins after the matchmaking time in use, or when the early round's steps end if later
+        scheduled_in_s = max(times.matchmaking_s, scheduled_in_s or 0.0)
+        self.times[r] = times
+        group_wait_s = max(times.group_wait_s, scheduled_in_s + cfg.request_timeout)  # hivemind: schedule < timeout
         return self.comm.submit(
             exchange_sparse, self.averagers[self.state.averager_sizes()[0]], self.contributions, self.progress.peer_id,
-            compression, r, gather, float(cfg.inner_steps), cfg.outer_round_deadline - cfg.averaging_timeout,
+            compression, r, gather, float(cfg.inner_steps), group_wait_s,
             cfg.averaging_timeout, cancel, lambda: not in_round(self.progress.others(), r, self.delayed),
             tamper_gather=attack.gather if attack else None,
             tamper_contribution=attack.contribution if attack else None, scheduled_in_s=scheduled_in_s,
@@ -219,6 +229,11 @@ class OuterRounds:
         return None
 
     # ------------------------------------------------------------------ early matchmaking
+    def early_window_s(self) -> float:
+        """Seconds before a round's inner steps end at which its early matchmaking begins: the matchmaking
+        time in use (measured, or --matchmaking-time) and one request."""
+        return self.deadlines.current().matchmaking_s + self.cfg.request_timeout
+
     def early_wanted(self) -> bool:
         """Synchronous sparse rounds form their group while their last inner steps compute (``begin_early``):
         the all-gather needs nothing of the butterfly's per-phase data, so only the payload is late."""
@@ -307,6 +322,7 @@ class OuterRounds:
                 logger.warning("round %d: %s; applying our own pseudo-gradient", p.index, e)
                 outcome = RoundOutcome.APPLIED_ALONE
             else:
+                self.deadlines.observe_group(p.compute_s, [g.compute_s for g in result.gathered.values() if g])
                 starts = {q: g.start_digest for q, g in result.gathered.items()
                           if g is not None and g.outer_step == p.index - 1}
                 canon, _ = canonical_digest(starts)
@@ -387,12 +403,15 @@ class OuterRounds:
         self.drop_pending()
         self.comm.shutdown(wait=False, cancel_futures=True)
 
-    @staticmethod
-    def _info(p: PendingRound, group_size: int, outcome: RoundOutcome, result: Optional[RoundResult],
+    def _info(self, p: PendingRound, group_size: int, outcome: RoundOutcome, result: Optional[RoundResult],
               waited_from: float) -> RoundInfo:
         now = time.monotonic()
         info = RoundInfo(outer_step=p.index, group_size=group_size, duration_s=now - p.started,
                          compute_s=p.compute_s, outcome=outcome.value, wait_s=now - waited_from)
+        times = self.times.get(p.index)
+        self.times = {r: t for r, t in self.times.items() if r > p.index}
+        if times is not None:
+            info.matchmaking_s, info.group_wait_s = times.matchmaking_s, times.group_wait_s
         if result is not None:
             stats = p.compression.stats
             info.payload_bytes, info.bytes_sent = result.payload_bytes, result.bytes_sent

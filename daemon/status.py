@@ -44,6 +44,8 @@ class RoundInfo:
     dropped: list[str] = field(default_factory=list)  # peer_ids left out of the mean (sparse rounds)
     download_deadline_s: float = 0.0  # sparse rounds: the measured deadline the downloads had
     link_mbps: float = 0.0  # sparse rounds: our measured download rate after the round (0: not measured)
+    matchmaking_s: float = 0.0  # matchmaking time the round scheduled (peers/deadlines.py: RoundTimes)
+    group_wait_s: float = 0.0  # how long the round could look for its group
 
 
 @dataclass

@@ -5,7 +5,21 @@ from __future__ import annotations
 import math
 
 import pytest
-from dilocox.peers.deadlines import FLOOR_S, MARGIN, LinkEstimate, LinkSnapshot, describe, download_deadline
+from dilocox.peers.deadlines import (
+    FLOOR_S,
+    GROUP_WAIT_FLOOR_S,
+    LAG_WINDOW,
+    MARGIN,
+    MATCHMAKING_FLOOR_S,
+    MATCHMAKING_TRIPS,
+    LinkEstimate,
+    LinkSnapshot,
+    RoundDeadlines,
+    RoundTimes,
+    describe,
+    download_deadline,
+    matchmaking_floor,
+)
 
 
 def measured(mbit: float, latency_s: float = 0.02, batches: int = 12, nbytes: int = 4 << 20) -> LinkSnapshot:
@@ -58,3 +72,63 @@ def test_an_unmeasured_link_uses_the_cap_and_nonsense_is_ignored():
 def test_the_status_line_names_the_measurement_and_the_cap():
     text = describe(measured(10, 0.0004), 7.5, 60.0)
     assert text == "downloads 7.5s (measured 10.0 Mbit/s, 0 ms to first byte, 12 rounds; cap 60s)"
+
+
+def round_deadlines(latency_s: float = 0.02, lags=(0.0,), mm_cap: float = 15.0, wait_cap: float = 240.0,
+                    request_timeout: float = 5.0) -> RoundDeadlines:
+    """RoundDeadlines after a measured link (``latency_s`` to the first byte) and one round per compute lag."""
+    link = LinkEstimate()
+    for _ in range(4):
+        link.observe(1 << 20, latency_s + 0.1, latency_s)
+    d = RoundDeadlines(link, matchmaking_cap_s=mm_cap, group_wait_cap_s=wait_cap, request_timeout_s=request_timeout)
+    for lag in lags:
+        d.observe_group(10.0, [10.0, 10.0 + lag, 9.0])
+    return d
+
+
+def test_matchmaking_follows_latency_within_floor_and_cap():
+    assert matchmaking_floor(15.0, 5.0) == MATCHMAKING_FLOOR_S == 6.0
+    assert matchmaking_floor(15.0, 8.0) == 9.0      # longer than a request: hivemind warns otherwise
+    assert matchmaking_floor(4.0, 1.0) == 4.0       # never above the flag
+    assert round_deadlines(0.02).current().matchmaking_s == MATCHMAKING_FLOOR_S  # loopback, LAN, WAN alike
+    relay = round_deadlines(0.8).current().matchmaking_s  # a satellite hop or a relay across continents
+    assert relay == pytest.approx(MARGIN * MATCHMAKING_TRIPS * 0.8) and MATCHMAKING_FLOOR_S < relay < 15.0
+    assert round_deadlines(3.0).current().matchmaking_s == 15.0  # the flag caps it
+
+
+def test_the_group_wait_covers_the_slowest_members_compute_lag():
+    fast = round_deadlines(lags=(0.0,)).current()
+    assert fast.measured and fast.group_wait_s == GROUP_WAIT_FLOOR_S  # 3 x (6 + 0) < the floor
+    slow = round_deadlines(lags=(30.0,)).current()
+    assert slow.group_wait_s == pytest.approx(MARGIN * (MATCHMAKING_FLOOR_S + 30.0))  # 108 s
+    assert round_deadlines(lags=(200.0,)).current().group_wait_s == 240.0  # the cap
+    # the largest lag of the last LAG_WINDOW rounds counts: one fast round does not forget a slow member
+    d = round_deadlines(lags=(30.0,) + (0.0,) * (LAG_WINDOW - 1))
+    assert d.current().group_wait_s == pytest.approx(108.0)
+    d.observe_group(10.0, [10.0])
+    assert d.current().group_wait_s == GROUP_WAIT_FLOOR_S
+    # flags below the floors (tests run with a few seconds) stay as they are
+    small = round_deadlines(lags=(0.0,), mm_cap=4.0, wait_cap=22.0, request_timeout=1.0).current()
+    assert (small.matchmaking_s, small.group_wait_s) == (4.0, 22.0)
+
+
+def test_round_deadlines_use_the_flags_until_measured_and_ignore_nonsense():
+    caps = RoundTimes(15.0, 240.0, measured=False)
+    flags_only = RoundDeadlines(None, matchmaking_cap_s=15.0, group_wait_cap_s=240.0, request_timeout_s=5.0)
+    flags_only.observe_group(10.0, [50.0])
+    assert flags_only.current() == caps and flags_only.floor_s == 15.0  # no link: the averager keeps the flag
+    d = RoundDeadlines(LinkEstimate(), matchmaking_cap_s=15.0, group_wait_cap_s=240.0, request_timeout_s=5.0)
+    d.observe_group(10.0, [50.0])
+    assert d.current() == caps  # a group, but no download measured yet
+    d = round_deadlines(lags=())
+    assert d.current() == caps  # a link, but no group yet
+    for own, group in ((0.0, [5.0]), (math.inf, [5.0]), (10.0, [math.nan, -1.0, math.inf]), (10.0, [])):
+        d.observe_group(own, group)
+    assert d.current() == caps
+    assert "(flags; not measured yet)" in d.describe(None, 60.0)
+
+
+def test_the_round_status_line_names_each_deadline_and_its_source():
+    text = round_deadlines(lags=(30.0,)).describe(7.5, 60.0)
+    assert text.startswith("matchmaking 6.0s (cap 15s), round 115.5s (group wait 108.0s for a compute lag of "
+                           "30.0s, cap 240s; plus downloads), downloads 7.5s (measured "), text

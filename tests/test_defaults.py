@@ -64,6 +64,10 @@ def test_defaults_with_a_malformed_peer_a_sign_flipper_and_a_joiner(tmp_path):
             for reason in ("truncated payload", "oversized payload", "out of range in chunk"):
                 assert re.search(rf"dropped the contribution of {bad}: .*{reason}", log), reason
             assert f"contribution of {flipper} scaled by" in log  # norm bounding, then CenteredClip
+        # measured deadlines are in use once a round was measured, each within its flag (2 s; 30 - 8 s here)
+        assert a.status().deadlines.startswith("matchmaking 2.0s (cap 2s), round "), a.status().deadlines
+        applied = [(r["matchmaking_s"], r["group_wait_s"]) for r in a.metrics() if r["outcome"] == "applied"]
+        assert applied and set(applied) == {(2.0, 22.0)}, applied
         val = [r["val_loss"] for r in a.metrics()]
         assert val[-1] < val[0] - 0.3 and max(val) < val[0] + 0.2, val  # it learns, the flipper notwithstanding
         c = start(tmp_path, "c", args + ["--join", a.join_maddr])

@@ -13,6 +13,7 @@ from dilocox.daemon.config import NodeConfig
 from dilocox.daemon.replica_state import ReplicaState
 from dilocox.daemon.rounds import OuterRounds, PendingRound, RoundOutcome
 from dilocox.peers.averaging import RoundCancelled, RoundFailed, RoundGather, RoundResult
+from dilocox.peers.deadlines import RoundDeadlines
 
 from dilocox.diloco import params_digest
 from dilocox.workload import make_workload
@@ -54,7 +55,10 @@ def state(tmp_path):
 
 def rounds_for(state, progress, delayed=False):
     cfg = state.cfg.model_copy(update=dict(overlap="delayed" if delayed else "none"))
-    return OuterRounds(cfg, state, progress, averagers={}, leave_requested=threading.Event())
+    flags = RoundDeadlines(None, matchmaking_cap_s=cfg.matchmaking_time,
+                           group_wait_cap_s=cfg.outer_round_deadline - cfg.averaging_timeout,
+                           request_timeout_s=cfg.request_timeout)
+    return OuterRounds(cfg, state, progress, averagers={}, leave_requested=threading.Event(), deadlines=flags)
 
 
 def pending(state, outcome, gathered_start=None, averaged=None):
