@@ -7,7 +7,10 @@ have averaged a few rounds; it reports per outer step the group sizes and whethe
 equal parameters, in which of its own rounds the joiner first averaged (its first round is the one
 after its start-up and state download), and the failed dials in the logs.
 
-    python -m bench.nat [--rounds 8] [--no-client-mode] [--no-joiner] [--out runs/bench/nat.json]
+``--no-client-mode --auto-relay`` runs the NAT'd nodes as ordinary nodes that ask p2pd for a circuit
+relay through the public node instead; the figures then include the relay addresses each announced.
+
+    python -m bench.nat [--rounds 8] [--no-client-mode [--auto-relay]] [--no-joiner] [--out runs/bench/nat.json]
 """
 
 from __future__ import annotations
@@ -43,10 +46,10 @@ def _status(net: NetSim, i: int, node: LocalNode) -> dict:
 
 
 def run(workdir: Path, rounds: int = 8, client_mode: bool = True, joiner: bool = True, rate_mbit: float = 100,
-        timeout_s: float = 300, prefix: str = "dlxn") -> dict:
+        timeout_s: float = 300, prefix: str = "dlxn", auto_relay: bool = False) -> dict:
     """Run the NAT swarm; returns its figures (module docstring). Raises RuntimeError if a node exits; a wait
     longer than ``timeout_s`` ends the run and is reported in ``timed_out``."""
-    nat = ["--client-mode"] if client_mode else []
+    nat = ["--client-mode"] if client_mode else (["--auto-relay"] if auto_relay else [])
     with NetSim(4 if joiner else 3, rate_mbit, prefix=prefix, nat=[1, 2, 3] if joiner else [1, 2]) as net:
         nodes: list[LocalNode] = []
         joined_at = joined_in = first_round = timed_out = None
@@ -73,7 +76,10 @@ def run(workdir: Path, rounds: int = 8, client_mode: bool = True, joiner: bool =
                 for step, r in steps_of(node).items():
                     steps.setdefault(step, {})[node.name] = (r["outcome"], r["group_size"], r["digest"])
             logs = {n.name: n.err_path.read_text() for n in nodes}
-            reach = {n.name: _status(net, i, n).get("reachability", "?") for i, n in enumerate(nodes)}
+            status = {n.name: _status(net, i, n) for i, n in enumerate(nodes)}
+            reach = {name: s.get("reachability", "?") for name, s in status.items()}
+            circuits = {name: [m for m in s.get("listen_maddrs", []) if "p2p-circuit" in m]
+                        for name, s in status.items()}
             for n in nodes:
                 n.terminate(signal.SIGKILL)
     table = []
@@ -82,7 +88,8 @@ def run(workdir: Path, rounds: int = 8, client_mode: bool = True, joiner: bool =
         table.append(dict(outer_step=step, nodes=len(row), group_sizes=sorted(g for _, g, _ in row.values()),
                           outcomes=sorted({o for o, _, _ in row.values()}),
                           equal_digests=len({d for _, _, d in row.values()}) == 1))
-    return dict(client_mode=client_mode, rate_mbit=rate_mbit, timed_out=timed_out, steps=table,
+    return dict(client_mode=client_mode, auto_relay=auto_relay, rate_mbit=rate_mbit, timed_out=timed_out, steps=table,
+                relay_addrs=circuits,
                 joiner_started_after_step=joined_at, joiner_first_round=first_round,
                 joiner_averaged_within_rounds=joined_in,
                 failed_dials={name: log.count("failed to dial") for name, log in logs.items()},
@@ -95,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=8, help="outer steps every first node must record")
     p.add_argument("--no-client-mode", dest="client_mode", action="store_false", help="NAT'd nodes without it")
     p.add_argument("--no-joiner", dest="joiner", action="store_false", help="no NAT'd joiner")
+    p.add_argument("--auto-relay", action="store_true", help="with --no-client-mode: NAT'd nodes use --auto-relay")
     p.add_argument("--rate-mbit", type=float, default=100)
     p.add_argument("--timeout", type=float, default=300, help="seconds for each wait")
     p.add_argument("--out", type=Path, default=Path("runs/bench/nat.json"))
@@ -103,7 +111,7 @@ def main(argv=None) -> int:
     if not ok:
         raise SystemExit(f"bench.nat needs NAT'd namespaces: {why}")
     with tempfile.TemporaryDirectory(prefix="dilocox-nat-") as tmp:
-        result = run(Path(tmp), a.rounds, a.client_mode, a.joiner, a.rate_mbit, a.timeout)
+        result = run(Path(tmp), a.rounds, a.client_mode, a.joiner, a.rate_mbit, a.timeout, auto_relay=a.auto_relay)
     write_json(a.out, result)
     for row in result["steps"]:
         print(f"outer step {row['outer_step']:>3}: groups {row['group_sizes']} {'/'.join(row['outcomes'])} "
@@ -113,7 +121,7 @@ def main(argv=None) -> int:
     print(f"joiner started after outer step {result['joiner_started_after_step']}, trained from round "
           f"{result['joiner_first_round']} on and averaged in its round {result['joiner_averaged_within_rounds']}; "
           f"reachability {result['reachability']}; "
-          f"failed dials in logs {result['failed_dials']}")
+          f"failed dials in logs {result['failed_dials']}; relay addresses {result['relay_addrs']}")
     return 0
 
 

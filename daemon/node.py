@@ -263,6 +263,8 @@ class Node:
             self.transfer.offer_state(not unreachable)  # joiners cannot dial us
         self._reachability = verdict
         self.board.update(swarm_size=swarm_size, reachability=text)
+        if self.cfg.auto_relay:  # a relay reservation adds /p2p-circuit addresses after start-up
+            self.board.update(listen_maddrs=self.swarm.visible_maddrs(latest=True))
 
     def _donor_progress(self) -> tuple[str, int]:
         s = self.board.snapshot()

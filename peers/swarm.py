@@ -133,6 +133,9 @@ class Swarm:
                 nat_port_map=False,  # UPnP discovery would multicast off the machine
                 client_mode=client_mode,
                 use_auto_relay=auto_relay,
+                # AutoNAT needs several peers to dial back before it calls us private, and autorelay waits
+                # for that verdict: a node told to use a relay is behind a NAT (hivemind's force_reachability)
+                force_reachability="private" if auto_relay else None,
                 startup_timeout=startup_timeout_s,
                 await_ready=True,
             )
@@ -150,8 +153,11 @@ class Swarm:
         with self._lock:
             return await self.dht.replicate_p2p()
 
-    def visible_maddrs(self) -> List[str]:
-        return [str(m) for m in self.dht.get_visible_maddrs()]
+    def visible_maddrs(self, latest: bool = False) -> List[str]:
+        """Multiaddrs others can dial us at (hivemind's ``get_visible_maddrs``; ``latest``: ask p2pd again,
+        e.g. for the ``/p2p-circuit`` addresses an auto-relay reservation adds)."""
+        with self._lock:
+            return [str(m) for m in self.dht.get_visible_maddrs(latest=latest)]
 
     def publish(self, record: MemberRecord) -> bool:
         with self._lock:
