@@ -69,7 +69,8 @@ bench-faults: install
 	$(PY) -m bench.faults
 
 # 100 seeded trials of kill / SIGTERM / join / restart / CPU-load bursts with one busy process throughout, on
-# the default sparse rounds (about 110 s a trial on 2 cores: about 3 hours; --jobs 2 is not faster there)
+# the default sparse rounds (about 100 s a trial on 2 cores, so about 3 hours; --jobs 2 ran two trials in
+# 165 s, each then load on the other)
 bench-soak: install
 	$(PY) -m bench.faults --trials 100 --events 5 --cpu-load 1 --bursts --compression sparse --seed 1000 --out runs/bench/soak.json
 

@@ -69,6 +69,12 @@ def run_rate(workdir: Path, rate_mbit: float, rounds: int, adaptive: bool, timeo
         link_mbps_median=statistics.median(r["link_mbps"] for r in measured) if measured else None,
         median_download_s=statistics.median(r["allreduce_s"] for rs in rows.values() for r in rs) if measured else None,
         max_wait_s=max((r["wait_s"] for rs in rows.values() for r in rs), default=None),
+        median_wait_s=statistics.median(r["wait_s"] for rs in rows.values() for r in rs) if measured else None,
+        median_round_s=statistics.median(b - a for rs in rows.values() for a, b in
+                                         zip([r["time"] for r in rs], [r["time"] for r in rs][1:]))
+        if measured else None,
+        median_utilization=statistics.median(r["compute_utilization"] for rs in rows.values() for r in rs[1:])
+        if measured else None,
     )
 
 
@@ -93,7 +99,8 @@ def main(argv=None) -> int:
                   f"{r['matchmaking_s']['median_measured']} s, group wait {r['group_wait_s']['median_measured']} s "
                   f"(link {r['link_mbps_median']} Mbit/s, payload "
                   f"{r['payload_bytes']} B), full-group rounds {r['full_group_rounds']}, lost {r['lost_rounds']}, "
-                  f"max wait {r['max_wait_s']:.1f} s", flush=True)
+                  f"max wait {r['max_wait_s']:.1f} s, median wait {r['median_wait_s']} s, median time between "
+                  f"rounds {r['median_round_s']} s, median compute utilization {r['median_utilization']}", flush=True)
     write_json(a.out, results)
     return 0
 
