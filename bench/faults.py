@@ -6,8 +6,11 @@ then applies ``--events`` faults at random intervals: SIGKILL of a random node (
 bootstrap), SIGTERM leave, a new joiner, the restart of a killed node from its checkpoint, or
 (with ``--bursts``) a CPU-load burst of ``--burst-procs`` busy processes until the next event.
 ``--cpu-load K`` keeps K busy processes running through the whole trial (a volunteer's machine
-doing other work). ``--jobs J`` runs J trials at once (each is load on the others). After the last
-event the swarm runs two more rounds. Counted over all trials:
+doing other work). ``--netns`` puts every node on a host of its own in network namespaces (100
+Mbit/s links, status over a unix socket) and adds two events: a link-rate change of a random node
+(to 10, 100 or 1000 Mbit/s) and a NAT'd joiner (behind a router of its own, with ``--client-mode``).
+``--jobs J`` runs J trials at once (each is load on the others). After the last event the swarm
+runs two more rounds. Counted over all trials:
   rounds (outer steps applied by some group), node_rounds, stalls (a round that blocked training
   on communication for longer than averaging_timeout), longest_stall_s, resyncs (log lines
   "re-syncing from peers"), skipped (rounds a group refused: partial or disagreeing results),
@@ -39,13 +42,17 @@ from typing import Optional
 import grpc
 
 from bench.localswarm import LocalNode, group_applied
+from bench.netsim import NetSim
 from bench.timeline import plot_timeline
 
-ARGS = ["--model", "tiny", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0",
+LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0"]
+ARGS = ["--model", "tiny",
         "--request-timeout", "1", "--matchmaking-time", "2", "--averaging-timeout", "8",
         "--outer-round-deadline", "30", "--announce-period", "1", "--inner-steps", "20",
         "--warmup-steps", "10", "--total-steps", "4000", "--eval-batches", "1", "--checkpoint-every", "1"]
 AVERAGING_TIMEOUT = 8.0
+RATES_MBIT = (10, 100, 1000)  # --netns: a link-rate event sets one of these
+NAT_HOSTS = 2  # --netns: hosts behind routers of their own, for NAT'd joiners
 JOIN_TIMEOUT = 180.0  # a joiner that is not TRAINING this long after its start counts as a failed join
 ACTIVE = ("TRAINING", "AVERAGING")
 
@@ -116,12 +123,47 @@ class Watch:
         return n not in self.joiners and n not in self.stopped and n.proc.poll() is not None
 
 
+class Hosts:
+    """Where a trial's nodes run: all on loopback (``net`` None), or each on a host of its own in network
+    namespaces (bench/netsim.py): the first ``public`` hosts reachable, the rest behind NAT routers. A node
+    keeps its host when it restarts; a NAT'd one runs with --client-mode. Status goes over a unix socket
+    in the node's directory, which the harness reaches from any namespace."""
+
+    def __init__(self, net: Optional[NetSim] = None, public: int = 0):
+        self.net, self.public = net, public
+        self.of: dict[str, int] = {}  # node name -> host index
+
+    def free(self, nat: bool) -> bool:
+        """Whether a host of that kind is left for a new node."""
+        return self.net is not None and self._next(nat) is not None
+
+    def _next(self, nat: bool) -> Optional[int]:
+        pool = range(self.public, self.net.n_hosts) if nat else range(self.public)
+        return next((i for i in pool if i not in self.of.values()), None)
+
+    def place(self, name: str, workdir: Path, nat: bool = False) -> tuple[list[str], list[str]]:
+        """(arguments, command wrapper) for node ``name``; raises RuntimeError if no host of the kind is free."""
+        if self.net is None:
+            return LOOPBACK, []
+        if name not in self.of:
+            i = self._next(nat)
+            if i is None:
+                raise RuntimeError(f"no {'NAT' if nat else 'public'} host left for {name}")
+            self.of[name] = i
+        i = self.of[name]
+        args = ["--listen", f"/ip4/{self.net.address(i)}/tcp/0",
+                "--status-addr", f"unix:{(workdir / 'status.sock').resolve()}"]
+        return args + (["--client-mode"] if i >= self.public else []), self.net.wrapper(i)
+
+
 def _live(nodes):
     return [n for n in nodes if n.proc.poll() is None]
 
 
-def _start(name: str, workdir: Path, args: list[str], watch: Watch, joiner: bool) -> LocalNode:
-    node = watch.add(LocalNode(name, workdir, args), joiner)
+def _start(name: str, workdir: Path, args: list[str], watch: Watch, joiner: bool, hosts: Hosts,
+           nat: bool = False) -> LocalNode:
+    where, wrapper = hosts.place(name, workdir, nat)
+    node = watch.add(LocalNode(name, workdir, args + where, wrapper=wrapper), joiner)
     try:
         node.wait_started()
     except (RuntimeError, TimeoutError):
@@ -130,7 +172,18 @@ def _start(name: str, workdir: Path, args: list[str], watch: Watch, joiner: bool
 
 
 def trial(seed: int, events: int, workdir: Path, cpu_load: int = 0, bursts: bool = False,
-          burst_procs: int = 2, compression: str = "int8") -> dict:
+          burst_procs: int = 2, compression: str = "int8", netns: bool = False) -> dict:
+    """One seeded trial (module docstring). ``netns``: every node on a host of its own in network namespaces
+    (100 Mbit/s links), with link-rate changes and NAT'd joiners among the events."""
+    if not netns:
+        return _trial(seed, events, workdir, cpu_load, bursts, burst_procs, compression, Hosts())
+    public = 3 + events  # the first three and a joiner per event at most
+    with NetSim(public + NAT_HOSTS, 100, prefix=f"dlf{seed}", nat=range(public, public + NAT_HOSTS)) as net:
+        return _trial(seed, events, workdir, cpu_load, bursts, burst_procs, compression, Hosts(net, public))
+
+
+def _trial(seed: int, events: int, workdir: Path, cpu_load: int, bursts: bool, burst_procs: int, compression: str,
+           hosts: Hosts) -> dict:
     rng = random.Random(seed)
     shutil.rmtree(workdir, ignore_errors=True)  # old checkpoints would be resumed
     args = ARGS + ["--run-id", f"faults{seed}", "--compression", compression]
@@ -140,10 +193,14 @@ def trial(seed: int, events: int, workdir: Path, cpu_load: int = 0, bursts: bool
     killed, log, unclean = [], [], 0  # log: (time.time(), event, node name)
     started = time.time()
     try:
-        boot = watch.add(LocalNode("n0", workdir / "n0", args + ["--min-replicas", "3"]).wait_started(), False)
+        where, wrapper = hosts.place("n0", workdir / "n0")
+        boot = watch.add(LocalNode("n0", workdir / "n0", args + ["--min-replicas", "3"] + where,
+                                   wrapper=wrapper).wait_started(), False)
         join = ["--join", boot.join_maddr]
         for i in (1, 2):
-            watch.add(LocalNode(f"n{i}", workdir / f"n{i}", args + join + ["--min-replicas", "3"]), False)
+            where, wrapper = hosts.place(f"n{i}", workdir / f"n{i}")
+            watch.add(LocalNode(f"n{i}", workdir / f"n{i}", args + join + ["--min-replicas", "3"] + where,
+                                wrapper=wrapper), False)
         for n in watch.nodes[1:]:
             n.wait_started()
         boot.wait_for(lambda p: p.status().outer_step >= 2, 120, "outer step 2")
@@ -154,7 +211,8 @@ def trial(seed: int, events: int, workdir: Path, cpu_load: int = 0, bursts: bool
             nodes = watch.nodes
             victims = [n for n in _live(nodes) if n is not boot]
             choices = (["join"] + (["kill", "leave"] if len(victims) >= 2 else []) + (["restart"] if killed else [])
-                       + (["burst"] if bursts else []))
+                       + (["burst"] if bursts else []) + (["rate"] if hosts.net else [])
+                       + (["natjoin"] if hosts.free(nat=True) else []))
             event, hit = rng.choice(choices), ""
             if event == "kill":
                 victim = rng.choice(victims)
@@ -167,14 +225,18 @@ def trial(seed: int, events: int, workdir: Path, cpu_load: int = 0, bursts: bool
                 watch.stopped.add(victim)
                 hit = victim.name
                 unclean += victim.terminate(signal.SIGTERM, timeout=60) != 0
-            elif event == "join":
+            elif event in ("join", "natjoin"):
                 hit = f"n{len(nodes)}"
-                _start(hit, workdir / hit, args + join, watch, joiner=True)
+                _start(hit, workdir / hit, args + join, watch, joiner=True, hosts=hosts, nat=event == "natjoin")
             elif event == "restart":
                 old = killed.pop(0)
                 hit = old.name
                 old.err_path.rename(old.err_path.with_name(f"stderr.{len(log)}"))  # keep its first life's log
-                _start(old.name, old.workdir, args + join, watch, joiner=True)
+                _start(old.name, old.workdir, args + join, watch, joiner=True, hosts=hosts)
+            elif event == "rate":
+                target_node, rate = rng.choice(_live(nodes)), rng.choice(RATES_MBIT)
+                hosts.net.set_rate(hosts.of[target_node.name], rate)
+                hit = f"{target_node.name} {rate} Mbit/s"
             else:
                 burst = burner.start(burst_procs)
             log.append((round(time.time(), 1), event, hit))
@@ -276,15 +338,20 @@ def main(argv=None) -> None:
     parser.add_argument("--burst-procs", type=int, default=2, help="busy processes per burst")
     parser.add_argument("--jobs", type=int, default=1, help="trials at once")
     parser.add_argument("--compression", default="int8", choices=["sparse", "int8", "fp16", "none", "adaptive"])
+    parser.add_argument("--netns", action="store_true",
+                        help="each node on a host of its own in network namespaces (100 Mbit/s), with link-rate "
+                             "changes and NAT'd joiners (--client-mode) among the events")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/faults.json"))
     a = parser.parse_args(argv)
     if min(a.trials, a.events, a.cpu_load, a.burst_procs) < 0 or a.jobs < 1:
         parser.error("--trials, --events, --cpu-load and --burst-procs must be >= 0, --jobs >= 1")
+    if a.netns and not NetSim.nat_available()[0]:
+        parser.error(f"--netns needs NAT'd network namespaces: {NetSim.nat_available()[1]}")
     work = Path("runs/bench")
     work.mkdir(parents=True, exist_ok=True)
     results = run_trials(list(range(a.seed, a.seed + a.trials)),
                          lambda seed: trial(seed, a.events, work / f"faults-{seed}", a.cpu_load, a.bursts,
-                                            a.burst_procs, a.compression), a.jobs)
+                                            a.burst_procs, a.compression, a.netns), a.jobs)
     total = totals(results)
     print("TOTAL " + json.dumps(total), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -100,13 +100,25 @@ class NetSim:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _shape(self, ns: str, dev: str, i: int) -> None:
-        """tbf on ``dev`` at host i's rate."""
+    def _shape(self, ns: str, dev: str, i: int, op: str = "add") -> None:
+        """tbf on ``dev`` at host i's rate (``op``: tc's add, or change in place)."""
         rate = self.host_rates.get(i, self.rate_mbit)
         burst = self.burst_kbit or max(32, int(rate * 1000 / 250))
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", op, "dev", dev, "root", "tbf",
                         "rate", f"{rate}mbit", "burst", f"{burst}kbit", "latency", "400ms"],
                        check=True, capture_output=True, text=True)
+
+    def set_rate(self, i: int, rate_mbit: float) -> None:
+        """Change host i's link rate, both directions, while it carries traffic (tc's ``change`` of its tbf:
+        queued packets stay; a volunteer's uplink that another program starts to share)."""
+        if not 0 <= i < self.n_hosts:
+            raise ValueError(f"host index must be in 0..{self.n_hosts - 1}, got {i}")
+        if rate_mbit <= 0:
+            raise ValueError(f"rate_mbit must be positive, got {rate_mbit}")
+        self.host_rates[i] = rate_mbit
+        near = (self.routers[i], f"dlxr{i}") if i in self.routers else (self.hosts[i], f"dlxh{i}")
+        for ns, dev in (near, (self.bridge_ns, f"dlxb{i}")):
+            self._shape(ns, dev, i, op="change")
 
     def _build(self) -> None:
         _ip("netns", "add", self.bridge_ns)

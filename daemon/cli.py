@@ -165,6 +165,9 @@ class _BadInput(Exception):
 
 def _check_port_free(address: str) -> None:
     """Fail fast, before joining the swarm, if the status port is taken (the real bind comes later)."""
+    if address.startswith("unix:"):
+        _check_socket_free(address)
+        return
     host, port = address.rsplit(":", 1)
     if int(port) == 0:
         return
@@ -181,6 +184,22 @@ def _check_port_free(address: str) -> None:
             probe.bind(sockaddr)
         except OSError as e:
             raise _BadInput(f"status address {address} is not available: {e.strerror}") from e
+
+
+def _check_socket_free(address: str) -> None:
+    """``unix:PATH``: its directory must exist and no process may answer on it (a stale file is replaced:
+    gRPC unlinks it before binding)."""
+    path = address[len("unix:"):]
+    if not os.path.isdir(os.path.dirname(path) or "."):
+        raise _BadInput(f"status address {address}: no directory {os.path.dirname(path)!r}")
+    if not os.path.exists(path):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return  # nobody listens: a file left by a process that died
+    raise _BadInput(f"status address {address} is in use by a running process")
 
 
 def drain_budget_s(cfg) -> float:
@@ -200,8 +219,8 @@ async def _serve(node, status_addr: str, stop: _StopSignals) -> int:
     except (PortInUseError, OSError, ValueError) as e:
         raise _BadInput(str(e)) from e
     await set_health(health_servicer, False)
-    host = status_addr.rsplit(":", 1)[0]
-    print(f"status: dilocox-ctl --addr {host}:{port} status", flush=True)
+    shown = status_addr if status_addr.startswith("unix:") else f"{status_addr.rsplit(':', 1)[0]}:{port}"
+    print(f"status: dilocox-ctl --addr {shown} status", flush=True)
     metrics = None
     if cfg.metrics_addr:  # after node.start(): hivemind's forked processes must not inherit its socket
         from dilocox.daemon.metrics import start_metrics_server

@@ -83,8 +83,9 @@ class NodeConfig(BaseModel):
                                                           "(dilocox-ctl authority issue)")
     revocations: Optional[Path] = Field(None, description="the authority's revoked.json: read at start and whenever "
                                                           "it changes, and passed on to the swarm")
-    status_addr: str = Field("127.0.0.1:50051", pattern=r"^[^:\s]+:\d{1,5}$",
-                             description="gRPC HOST:PORT (port 0 picks a free one)")
+    status_addr: str = Field("127.0.0.1:50051", pattern=r"^([^:\s]+:\d{1,5}|unix:/\S+)$",
+                             description="gRPC HOST:PORT (port 0 picks a free one), or unix:/PATH: a local socket, "
+                                         "guarded by file permissions and reachable from other network namespaces")
     operator_token_file: Optional[Path] = Field(
         None, description="file holding the operator token (created with a random one if missing): Leave needs it; "
                           "required when status_addr is not loopback")
@@ -224,7 +225,8 @@ class NodeConfig(BaseModel):
         if self.rank_min > self.rank_max:
             raise ValueError(f"rank_min={self.rank_min} must be <= rank_max={self.rank_max}")
         host = self.status_addr.rsplit(":", 1)[0].strip("[]")
-        if host not in ("127.0.0.1", "localhost", "::1") and self.operator_token_file is None:
+        local = self.status_addr.startswith("unix:") or host in ("127.0.0.1", "localhost", "::1")
+        if not local and self.operator_token_file is None:
             raise ValueError(f"status_addr {self.status_addr} is not loopback: set operator_token_file, so that only "
                              f"an operator can make the node leave")
         if self.status_read == "token" and self.operator_token_file is None:

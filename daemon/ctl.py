@@ -82,7 +82,7 @@ def _admission_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dilocox-ctl", description="Query or control a running dilocox node.")
     parser.add_argument("--version", action="version", version=f"dilocox-ctl {dilocox.__version__}")
-    parser.add_argument("--addr", default="127.0.0.1:50051", help="node's status address HOST:PORT")
+    parser.add_argument("--addr", default="127.0.0.1:50051", help="node's status address HOST:PORT, or unix:/PATH")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the node")
     parser.add_argument("--token-file", default=os.environ.get("DILOCOX_OPERATOR_TOKEN_FILE"), metavar="PATH",
                         help="the node's operator token file (its --operator-token-file): needed by leave, and by "

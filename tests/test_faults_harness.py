@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from bench import faults
 
 
@@ -87,3 +89,34 @@ def test_the_timeline_png_draws_nodes_rounds_and_events(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     with pytest.raises(ValueError, match="no rounds"):
         plot_timeline(dict(start=t0, events=[], rounds={}), tmp_path / "empty.png")
+
+
+class FakeNet:
+    """The two NetSim methods Hosts uses, for 5 hosts."""
+
+    n_hosts = 5
+
+    def address(self, i):
+        return f"10.0.0.{i + 1}"
+
+    def wrapper(self, i):
+        return ["ip", "netns", "exec", f"h{i}"]
+
+
+def test_hosts_place_nodes_keep_them_on_restart_and_run_natd_ones_as_clients(tmp_path):
+    assert faults.Hosts().place("n0", tmp_path / "n0") == (faults.LOOPBACK, [])
+    assert not faults.Hosts().free(nat=True)
+    hosts = faults.Hosts(FakeNet(), public=3)
+    placed = {name: hosts.place(name, tmp_path / name) for name in ("n0", "n1", "n2")}
+    assert [w[-1] for _, w in placed.values()] == ["h0", "h1", "h2"]
+    args, _ = placed["n1"]
+    assert args[:2] == ["--listen", "/ip4/10.0.0.2/tcp/0"] and "--client-mode" not in args
+    assert args[3] == f"unix:{(tmp_path / 'n1' / 'status.sock').resolve()}"
+    with pytest.raises(RuntimeError, match="no public host left for n3"):
+        hosts.place("n3", tmp_path / "n3")
+    assert hosts.free(nat=True)
+    args, wrapper = hosts.place("n3", tmp_path / "n3", nat=True)
+    assert wrapper[-1] == "h3" and args[-1] == "--client-mode"
+    assert hosts.place("n3", tmp_path / "n3") == (args, wrapper)  # a restart: same host, still a client
+    hosts.place("n4", tmp_path / "n4", nat=True)
+    assert not hosts.free(nat=True)

@@ -206,3 +206,35 @@ def test_a_public_status_address_needs_an_operator_token():
     with pytest.raises(ConfigError, match="not loopback"):
         load_config({"status_addr": "0.0.0.0:50051"}, {})
     assert load_config({"status_addr": "0.0.0.0:50051", "operator_token_file": "/tmp/t"}, {}).status_read == "open"
+
+
+def test_status_over_a_unix_socket_needs_no_token_and_a_live_socket_is_not_taken_over(tmp_path, capsys):
+    """unix:/PATH serves the same API (dilocox-ctl reads it); it is local, so no operator token is required;
+    a socket a running node answers on is refused before the node starts, a stale file is replaced."""
+    import socket
+
+    from dilocox.daemon import cli, ctl
+    from dilocox.daemon.config import load_config
+
+    sock = tmp_path / "status.sock"
+    assert load_config({"status_addr": f"unix:{sock}"}, {}).operator_token_file is None
+
+    async def serve_and_ask():
+        server, port, _ = await start_server(FakeNode(), f"unix:{sock}")
+        loop = asyncio.get_running_loop()
+        try:
+            code = await loop.run_in_executor(None, ctl.main, ["--addr", f"unix:{sock}", "status", "--json"])
+            with pytest.raises(cli._BadInput, match="in use by a running process"):
+                cli._check_port_free(f"unix:{sock}")
+            return port, code
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(serve_and_ask()) == (1, 0)
+    assert '"run_id": "bad-input"' in capsys.readouterr().out
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(stale))  # bound, never listening: what a killed process leaves
+    cli._check_port_free(f"unix:{stale}")
+    with pytest.raises(cli._BadInput, match="no directory"):
+        cli._check_port_free(f"unix:{tmp_path}/missing/status.sock")

@@ -30,22 +30,39 @@ s.sendall(b"x" * int(sys.argv[2])); s.close()
 """
 
 
+def _measured_mbit(net: NetSim, rate_mbit: float, src: int = 0, dst: int = 1) -> float:
+    """Send ~1.5 s of traffic at ``rate_mbit`` from host ``src`` to host ``dst``; the receiver's measured rate."""
+    nbytes = int(rate_mbit * 1e6 / 8 * 1.5)
+    receiver = net.popen(dst, [sys.executable, "-c", RECEIVER, net.address(dst)], stdout=subprocess.PIPE, text=True)
+    assert receiver.stdout.readline().strip() == "ready"
+    sent = net.run(src, [sys.executable, "-c", SENDER, net.address(dst), str(nbytes)], timeout=60)
+    assert sent.returncode == 0, sent.stderr
+    got, seconds = receiver.stdout.readline().split()
+    receiver.wait(10)
+    assert int(got) == nbytes
+    return int(got) * 8 / float(seconds) / 1e6
+
+
 @pytest.mark.parametrize("rate_mbit", [10, 100])
 def test_link_rate_and_cleanup(rate_mbit):
-    nbytes = int(rate_mbit * 1e6 / 8 * 1.5)  # ~1.5 s of traffic at the shaped rate
     with NetSim(2, rate_mbit, prefix=f"dlxt{rate_mbit}") as net:
-        receiver = net.popen(1, [sys.executable, "-c", RECEIVER, net.address(1)], stdout=subprocess.PIPE, text=True)
-        assert receiver.stdout.readline().strip() == "ready"
-        sent = net.run(0, [sys.executable, "-c", SENDER, net.address(1), str(nbytes)], timeout=60)
-        assert sent.returncode == 0, sent.stderr
-        got, seconds = receiver.stdout.readline().split()
-        receiver.wait(10)
-        mbit_s = int(got) * 8 / float(seconds) / 1e6
-        assert int(got) == nbytes
+        mbit_s = _measured_mbit(net, rate_mbit)
         assert 0.7 * rate_mbit < mbit_s < 1.15 * rate_mbit, mbit_s
         hosts = list(net.hosts)
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(h in left for h in hosts)
+
+
+@pytest.mark.parametrize("nat", [[], [1]])
+def test_a_link_rate_changes_in_place(nat):
+    """set_rate: host 1's link (its router's, behind a NAT) drops from 100 to 10 Mbit/s while the hosts stay up."""
+    with NetSim(2, 100, prefix="dlxtc", nat=nat) as net:
+        net.set_rate(1, 10)
+        # nobody can connect to a NAT'd host: it sends to host 0 instead
+        mbit_s = _measured_mbit(net, 10, src=1, dst=0) if nat else _measured_mbit(net, 10)
+        assert 7 < mbit_s < 11.5, mbit_s
+        with pytest.raises(ValueError, match="rate_mbit"):
+            net.set_rate(1, 0)
 
 
 def test_bad_arguments():
