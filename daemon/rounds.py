@@ -146,12 +146,20 @@ class OuterRounds:
         (bytes sent / time in the all-reduce: a lower bound, as latency counts against it); 0: unknown."""
         return self.cfg.bandwidth_mbps * 1e6 if self.cfg.bandwidth_mbps else self.measured_bps
 
+    def _gather(self, weight: int, compute_s: float) -> RoundGather:
+        """Our metadata for round ``state.round`` (peers/averaging.py: RoundGather)."""
+        link = self.contributions.link.snapshot() if self.contributions is not None else None
+        return RoundGather(outer_step=self.state.round - 1, start_digest=self.state.start_digest(),
+                           weight=float(weight), bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s,
+                           client_mode=self.cfg.client_mode, link_bps=link.bps if link else 0.0,
+                           link_latency_s=link.latency_s if link else 0.0)
+
     # ------------------------------------------------------------------ starting
     def start(self, pseudo_gradient: list[torch.Tensor], weight: int, compute_s: float,
               losses: list[float]) -> Union[PendingRound, Finished]:
         """Send round ``state.round``'s pseudo-gradient (``weight``: inner steps it covers) into the
         all-reduce, or make it a solo round; Finished(RESYNC) if others already applied the round."""
-        r, cfg, started = self.state.round, self.cfg, time.monotonic()
+        r, started = self.state.round, time.monotonic()
         action = round_start_action(self.progress.others(FRESH_S), r, self.delayed)
         early, self.early = self.early, None
         if action == StartAction.ALREADY_DONE:
@@ -169,9 +177,7 @@ class OuterRounds:
         if self.attack is not None:
             pseudo_gradient = self.attack.pseudo_gradient([g.clone() for g in pseudo_gradient], r)
         compression = self.state.compressor.begin(pseudo_gradient, self.state.pseudo_gradient_bounds(r), r)
-        gather = RoundGather(outer_step=r - 1, start_digest=self.state.start_digest(), weight=float(weight),
-                             bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s,
-                             client_mode=cfg.client_mode)
+        gather = self._gather(weight, compute_s)
         if early is not None and (early.index, early.weight) == (r, weight):
             early.ready.set_result(compression)  # the comm thread offers it and lets the all-reduce begin
             return PendingRound(r, honest, compression, early.future, compute_s, losses, early.started,
@@ -249,9 +255,7 @@ class OuterRounds:
             return False
         if round_start_action(self.progress.others(FRESH_S), r, False) != StartAction.ALLREDUCE:
             return False
-        gather = RoundGather(outer_step=r - 1, start_digest=self.state.start_digest(), weight=float(weight),
-                             bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s,
-                             client_mode=self.cfg.client_mode)
+        gather = self._gather(weight, compute_s)
         ready, cancel = Future(), threading.Event()
         future = self._submit_sparse(ready, r, gather, cancel, scheduled_in_s=eta_s)
         self.early = EarlyRound(r, weight, ready, future, cancel, time.monotonic())

@@ -36,7 +36,7 @@ from typing import AsyncIterator, Callable, Dict, Optional, Tuple, Union
 import pydantic.v1 as pydantic
 import torch
 from dilocox.peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
-from dilocox.peers.deadlines import LinkEstimate, download_deadline
+from dilocox.peers.deadlines import LinkEstimate, LinkSnapshot, group_download_deadline
 from dilocox.peers.reachability import DialLog
 from dilocox.proto.dilocox.v1.swarm_pb2 import ContributionChunk, ContributionRequest
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
@@ -428,8 +428,10 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     clients = frozenset(p for p, m in metas.items() if m is not None and m.client_mode)
     relays = tuple(sorted(p for p in wanted if p not in clients))
     no_direct = clients if meta.client_mode else frozenset()
-    fetch_s = download_deadline(server.link.snapshot(), sum(size for _, size in wanted.values()), fetch_timeout_s,
-                                relayed=any(p in no_direct for p in wanted)) if adaptive_deadline else fetch_timeout_s
+    # the group's deadline, from every member's announced link: all stop waiting for a missing payload together
+    links = [LinkSnapshot(m.link_bps, m.link_latency_s, int(m.link_bps > 0)) for m in metas.values() if m is not None]
+    fetch_s = group_download_deadline(links, sum(size for _, size in announced.values()), fetch_timeout_s,
+                                      relayed=len(clients) > 1) if adaptive_deadline else fetch_timeout_s
     got, failed = server.fetch(wanted, key, fetch_s, relays, no_direct)
     dropped.update(failed)
     if me in announced and me not in dropped:

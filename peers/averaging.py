@@ -57,6 +57,10 @@ class RoundGather(pydantic.BaseModel):
     bandwidth_bps: pydantic.confloat(ge=0) = 0.0  # the sender's measured link rate (0: unknown)
     compute_s: pydantic.confloat(ge=0) = 0.0      # the sender's compute time for one round
     client_mode: pydantic.StrictBool = False  # the sender accepts no inbound connections: fetch via a relay
+    # the sender's measured download link (peers/deadlines.py; 0: not measured): the group's download deadline
+    # is the longest any member needs, so that all members stop waiting for a missing payload together
+    link_bps: pydantic.confloat(ge=0, allow_inf_nan=False) = 0.0
+    link_latency_s: pydantic.confloat(ge=0, allow_inf_nan=False) = 0.0
 
 
 def group_limits(gathered: Dict[str, Optional[RoundGather]]) -> Tuple[float, float]:

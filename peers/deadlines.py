@@ -8,7 +8,8 @@ whole batch's wall time, latency included: a lower bound on the link rate, so de
 and of its latency to the first byte, from the all-gather's past downloads (peers/allgather.py).
 ``download_deadline`` turns the bytes a round will fetch into a deadline: ``MARGIN`` x (latency +
 bytes / rate), at least ``FLOOR_S`` seconds, at most the configured cap (``--averaging-timeout``).
-Until a download has been measured the cap is used.
+Until a download has been measured the cap is used. A group uses the longest deadline any of its
+members needs (``group_download_deadline``: members announce their link with their metadata).
 
 ``RoundDeadlines`` derives the other two deadlines of a sparse round the same way, each with its
 flag as the cap and the flag itself until measured:
@@ -89,6 +90,16 @@ def download_deadline(link: LinkSnapshot, nbytes: int, cap_s: float, relayed: bo
         return cap_s
     estimate = MARGIN * (link.latency_s + 8 * nbytes / link.bps) * (RELAY_FACTOR if relayed else 1.0)
     return min(cap_s, max(FLOOR_S, estimate))
+
+
+def group_download_deadline(links: Iterable[LinkSnapshot], nbytes: int, cap_s: float, relayed: bool = False) -> float:
+    """The download deadline every member of a group uses (seconds): the longest ``download_deadline`` of
+    the members' links (as each announced it) for ``nbytes``; the cap if any member has not measured its
+    link yet (a joiner). Each member computes it from the same gathered metadata, so all stop waiting for a
+    missing payload at about the same time and publish their results together: a member that waited
+    its own longer deadline would finish after the others had judged the round without its result (a
+    skip for them, an applied round for it). A member can make it longer, never beyond ``cap_s``."""
+    return max((download_deadline(link, nbytes, cap_s, relayed) for link in links), default=cap_s)
 
 
 def describe(link: LinkSnapshot, deadline_s: Optional[float], cap_s: float) -> str:

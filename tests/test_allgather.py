@@ -31,13 +31,15 @@ def test_screen_keeps_the_canonical_group_and_names_each_drop():
         "p9": "garbage",
         "pa": meta(size=-1),
         "pb": meta(client_mode="yes"),                      # a flag must be a JSON boolean
+        "pc": meta(link_bps=-1.0),                          # a link rate is not negative
+        "pd": meta(link_latency_s=float("inf")),            # nor infinite
     }
     metas, announced, dropped = screen_gathered(gathered, round_index=5, max_weight=20.0, payload_bytes=100)
     assert set(announced) - set(dropped) == {"p1", "p2", "p3"}
     assert announced["p1"] == (SHA, 100)
     assert "started from other parameters" in dropped["p4"] and "outer step 3" in dropped["p5"]
     assert "weight 1000000.0 exceeds" in dropped["p6"]
-    for p in ("p7", "p8", "p9", "pa", "pb"):
+    for p in ("p7", "p8", "p9", "pa", "pb", "pc", "pd"):
         assert dropped[p].startswith("malformed metadata"), (p, dropped[p])
         assert metas[p] is None
     assert metas["p4"] is not None  # it parsed: it may vote, its contribution is not used

@@ -18,6 +18,7 @@ from dilocox.peers.deadlines import (
     RoundTimes,
     describe,
     download_deadline,
+    group_download_deadline,
     matchmaking_floor,
 )
 
@@ -132,3 +133,15 @@ def test_the_round_status_line_names_each_deadline_and_its_source():
     text = round_deadlines(lags=(30.0,)).describe(7.5, 60.0)
     assert text.startswith("matchmaking 6.0s (cap 15s), round 115.5s (group wait 108.0s for a compute lag of "
                            "30.0s, cap 240s; plus downloads), downloads 7.5s (measured "), text
+
+
+def test_a_group_waits_as_long_as_its_slowest_or_unmeasured_member_needs():
+    """Every member computes the same deadline from the links the group announced, so they all stop waiting
+    for a member that died at about the same time (a joiner's unmeasured link makes it the cap)."""
+    fast, slow, big = measured(1000), measured(10), 80 << 20
+    assert group_download_deadline([fast, slow], big, 600.0) == download_deadline(slow, big, 600.0) > 200
+    assert group_download_deadline([slow, fast], big, 600.0, relayed=True) == download_deadline(slow, big, 600.0,
+                                                                                                relayed=True)
+    assert group_download_deadline([fast, LinkSnapshot()], 1000, 8.0) == 8.0  # a joiner: the cap
+    assert group_download_deadline([fast, fast], 1000, 8.0) == FLOOR_S
+    assert group_download_deadline([], 1000, 8.0) == 8.0
