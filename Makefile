@@ -69,10 +69,10 @@ bench-faults: install
 	$(PY) -m bench.faults
 
 # 100 seeded trials of kill / SIGTERM / join / restart / CPU-load bursts with one busy process throughout, on
-# the default sparse rounds (about 100 s a trial on 2 cores, so about 3 hours; --jobs 2 ran two trials in
-# 165 s, each then load on the other)
+# the default sparse rounds, every node on a host of its own in network namespaces with link-rate changes and
+# NAT'd joiners among the events (root and nftables; about 100 s a trial on 2 cores, so about 3 hours)
 bench-soak: install
-	$(PY) -m bench.faults --trials 100 --events 5 --cpu-load 1 --bursts --compression sparse --seed 1000 --out runs/bench/soak.json
+	$(PY) -m bench.faults --trials 100 --events 5 --cpu-load 1 --bursts --compression sparse --netns --seed 1000 --out runs/bench/soak.json
 
 # validation loss vs tokens: fp32 DiLoCo, 8-bit codes, the old default (PowerSGD, delayed), sparse with
 # beta 0.95 and the default (beta 0.9); 4 in-process replicas, H=30, 100 outer steps, 3 seeds (~90 min on 2 cores)
