@@ -1,7 +1,7 @@
-"""Randomised fault schedule on a loopback swarm (``make bench-faults``, ``make bench-soak``): churn statistics.
+"""Randomised faults on a local swarm, on loopback or in namespaces (``make bench-faults``, ``make bench-soak``).
 
-Each trial (seeded) starts 3 nodes (tiny model, ``--compression``: the default sparse rounds or int8,
-synchronous, checkpoint every round),
+Each trial (seeded) starts 3 nodes (tiny model, ``--compression``: int8 unless told, the daemon's
+default sparse in the soak; synchronous, checkpoint every round),
 then applies ``--events`` faults at random intervals: SIGKILL of a random node (not the
 bootstrap), SIGTERM leave, a new joiner, the restart of a killed node from its checkpoint, or
 (with ``--bursts``) a CPU-load burst of ``--burst-procs`` busy processes until the next event.
