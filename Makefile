@@ -72,7 +72,7 @@ bench-faults: install
 # the default sparse rounds, every node on a host of its own in network namespaces with link-rate changes and
 # NAT'd joiners among the events (root and nftables; about 100 s a trial on 2 cores, so about 3 hours)
 bench-soak: install
-	$(PY) -m bench.faults --trials 100 --events 5 --cpu-load 1 --bursts --compression sparse --netns --seed 1000 --out runs/bench/soak.json
+	$(PY) -m bench.faults --trials 100 --events 5 --cpu-load 1 1 1 1 6 --bursts --compression sparse --netns --seed 1000 --out runs/bench/soak.json
 
 # validation loss vs tokens: fp32 DiLoCo, 8-bit codes, the old default (PowerSGD, delayed), sparse with
 # beta 0.95 and the default (beta 0.9); 4 in-process replicas, H=30, 100 outer steps, 3 seeds (~90 min on 2 cores)

@@ -1,12 +1,14 @@
 """Randomised faults on a local swarm, on loopback or in namespaces (``make bench-faults``, ``make bench-soak``).
 
 Each trial (seeded) starts 3 nodes (tiny model, ``--compression``: int8 unless told, the daemon's
-default sparse in the soak; synchronous, checkpoint every round),
-then applies ``--events`` faults at random intervals: SIGKILL of a random node (not the
-bootstrap), SIGTERM leave, a new joiner, the restart of a killed node from its checkpoint, or
-(with ``--bursts``) a CPU-load burst of ``--burst-procs`` busy processes until the next event.
+default sparse in the soak; synchronous, checkpoint every round), then applies ``--events`` faults
+at random intervals (2 to 6 s, one to three rounds): SIGKILL of a random node (not the bootstrap),
+SIGTERM leave, a new joiner, the restart of a killed node from its checkpoint, or (with
+``--bursts``) a CPU-load burst of ``--burst-procs`` busy processes until the next event. A joiner
+is started without waiting for it: the next event may come while it still starts up.
 ``--cpu-load K`` keeps K busy processes running through the whole trial (a volunteer's machine
-doing other work). ``--netns`` puts every node on a host of its own in network namespaces (100
+doing other work); several values take turns over the trials (``--cpu-load 1 1 1 1 6``: every
+fifth trial at 6). ``--netns`` puts every node on a host of its own in network namespaces (100
 Mbit/s links, status over a unix socket) and adds two events: a link-rate change of a random node
 (to 10, 100 or 1000 Mbit/s) and a NAT'd joiner (behind a router of its own, with ``--client-mode``).
 ``--jobs J`` runs J trials at once (each is load on the others). After the last event the swarm
@@ -20,8 +22,9 @@ runs two more rounds. Counted over all trials:
   failed_joins (a joiner or restarted node that never reached TRAINING, or exited non-zero on its
   own), lost_nodes (a first-three node that exited on its own), failed_trials (a trial the harness
   could not finish: counted with its error, and the run goes on).
-Results: runs/bench/faults.json (``--out``), with each trial's timeline (events and every node's rounds),
-and beside it a PNG of the trial with the most events (bench/timeline.py).
+Results: runs/bench/faults.json (``--out``, rewritten after every trial, so a run cut short keeps what
+it measured), with each trial's timeline (events and every node's rounds), and beside it a PNG of the
+trial with the most events (bench/timeline.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +57,7 @@ ARGS = ["--model", "tiny",
 AVERAGING_TIMEOUT = 8.0
 RATES_MBIT = (10, 100, 1000)  # --netns: a link-rate event sets one of these
 NAT_HOSTS = 2  # --netns: hosts behind routers of their own, for NAT'd joiners
+EVENT_GAP_S = (2.0, 6.0)  # between events; a round of the tiny model takes about 2.5 s
 JOIN_TIMEOUT = 180.0  # a joiner that is not TRAINING this long after its start counts as a failed join
 ACTIVE = ("TRAINING", "AVERAGING")
 
@@ -96,7 +101,7 @@ class Watch:
     def poll(self) -> None:
         """Record which live nodes are past syncing (one GetStatus each)."""
         for n in self.nodes:
-            if n in self.active or n.proc.poll() is not None or not n.addr:
+            if n in self.active or n.proc.poll() is not None or not n.poll_started():
                 continue
             try:
                 if n.status(timeout=2.0).state in ACTIVE:
@@ -162,13 +167,9 @@ def _live(nodes):
 
 def _start(name: str, workdir: Path, args: list[str], watch: Watch, joiner: bool, hosts: Hosts,
            nat: bool = False) -> LocalNode:
+    """Start a joiner without waiting for it; failed_join counts it if it exits or never reaches TRAINING."""
     where, wrapper = hosts.place(name, workdir, nat)
-    node = watch.add(LocalNode(name, workdir, args + where, wrapper=wrapper), joiner)
-    try:
-        node.wait_started()
-    except (RuntimeError, TimeoutError):
-        pass  # counted by failed_join (it exited, or it never reaches TRAINING)
-    return node
+    return watch.add(LocalNode(name, workdir, args + where, wrapper=wrapper), joiner)
 
 
 def trial(seed: int, events: int, workdir: Path, cpu_load: int = 0, bursts: bool = False,
@@ -205,11 +206,11 @@ def _trial(seed: int, events: int, workdir: Path, cpu_load: int, bursts: bool, b
             n.wait_started()
         boot.wait_for(lambda p: p.status().outer_step >= 2, 120, "outer step 2")
         for _ in range(events):
-            watch.sleep(rng.uniform(3.0, 9.0))
+            watch.sleep(rng.uniform(*EVENT_GAP_S))
             burner.stop(burst)
             burst = []
             nodes = watch.nodes
-            victims = [n for n in _live(nodes) if n is not boot]
+            victims = [n for n in _live(nodes) if n is not boot and n.poll_started()]  # whose signal handlers are set
             choices = (["join"] + (["kill", "leave"] if len(victims) >= 2 else []) + (["restart"] if killed else [])
                        + (["burst"] if bursts else []) + (["rate"] if hosts.net else [])
                        + (["natjoin"] if hosts.free(nat=True) else []))
@@ -244,6 +245,7 @@ def _trial(seed: int, events: int, workdir: Path, cpu_load: int, bursts: bool, b
         target = boot.status().outer_step + 2
         for n in _live(watch.nodes):
             try:
+                n.wait_started(JOIN_TIMEOUT)
                 n.wait_for(lambda p: p.status().outer_step >= target, JOIN_TIMEOUT, f"outer step {target}")
             except (RuntimeError, TimeoutError):
                 pass  # a joiner that never got there is a failed join; an original one is a lost node
@@ -309,9 +311,10 @@ def totals(results: list[dict]) -> dict:
     return total
 
 
-def run_trials(seeds: list[int], run_one, jobs: int = 1) -> list[dict]:
+def run_trials(seeds: list[int], run_one, jobs: int = 1, on_result=None) -> list[dict]:
     """``run_one(seed)`` for each seed, ``jobs`` at once; an exception becomes ``{"seed", "error"}`` and the
-    run goes on. Results in seed order; each is printed as it ends."""
+    run goes on. Results in seed order; each is printed, and passed to ``on_result``, as it ends."""
+    lock = threading.Lock()
 
     def one(seed: int) -> dict:
         started = time.monotonic()
@@ -320,7 +323,10 @@ def run_trials(seeds: list[int], run_one, jobs: int = 1) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 -- a harness failure is a result to count, not a crash
             r = dict(seed=seed, error=f"{type(exc).__name__}: {str(exc)[-1500:]}")
         r["seconds"] = round(time.monotonic() - started, 1)
-        print(json.dumps(r), flush=True)
+        with lock:
+            print(json.dumps(r), flush=True)
+            if on_result is not None:
+                on_result(r)
         return r
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -332,8 +338,8 @@ def main(argv=None) -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--events", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cpu-load", type=int, default=0, metavar="K",
-                        help="K busy processes running through every trial")
+    parser.add_argument("--cpu-load", type=int, nargs="+", default=[0], metavar="K",
+                        help="K busy processes running through a trial; several values take turns over the trials")
     parser.add_argument("--bursts", action="store_true", help="CPU-load bursts among the random events")
     parser.add_argument("--burst-procs", type=int, default=2, help="busy processes per burst")
     parser.add_argument("--jobs", type=int, default=1, help="trials at once")
@@ -343,20 +349,29 @@ def main(argv=None) -> None:
                              "changes and NAT'd joiners (--client-mode) among the events")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/faults.json"))
     a = parser.parse_args(argv)
-    if min(a.trials, a.events, a.cpu_load, a.burst_procs) < 0 or a.jobs < 1:
+    if min(a.trials, a.events, *a.cpu_load, a.burst_procs) < 0 or a.jobs < 1:
         parser.error("--trials, --events, --cpu-load and --burst-procs must be >= 0, --jobs >= 1")
     if a.netns and not NetSim.nat_available()[0]:
         parser.error(f"--netns needs NAT'd network namespaces: {NetSim.nat_available()[1]}")
     work = Path("runs/bench")
     work.mkdir(parents=True, exist_ok=True)
-    results = run_trials(list(range(a.seed, a.seed + a.trials)),
-                         lambda seed: trial(seed, a.events, work / f"faults-{seed}", a.cpu_load, a.bursts,
-                                            a.burst_procs, a.compression, a.netns), a.jobs)
+    args = {k: str(v) for k, v in vars(a).items()}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    done: list[dict] = []
+
+    def save(result: dict) -> None:  # after every trial, so a run cut short keeps what it measured
+        done.append(result)
+        a.out.write_text(json.dumps(dict(args=args, trials=sorted(done, key=lambda r: r["seed"]),
+                                         total=totals(done)), indent=2))
+
+    def run_one(seed: int) -> dict:
+        load = a.cpu_load[(seed - a.seed) % len(a.cpu_load)]
+        return dict(cpu_load=load, **trial(seed, a.events, work / f"faults-{seed}", load, a.bursts, a.burst_procs,
+                                           a.compression, a.netns))
+
+    results = run_trials(list(range(a.seed, a.seed + a.trials)), run_one, a.jobs, on_result=save)
     total = totals(results)
     print("TOTAL " + json.dumps(total), flush=True)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(dict(args={k: str(v) for k, v in vars(a).items()}, trials=results, total=total),
-                                indent=2))
     drawn = [r for r in results if r.get("timeline", {}).get("rounds")]
     if drawn:
         pick = max(drawn, key=lambda r: len(r["events"]))

@@ -49,18 +49,23 @@ class LocalNode:
         """Wait for the 'join with' and 'status' lines; raises RuntimeError/TimeoutError with the log tail."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for line in self.out_path.read_text().splitlines():
-                if line.startswith("join with:"):
-                    self.join_maddr = line.split()[-1]
-                elif line.startswith("status:"):
-                    self.addr = line.split("--addr", 1)[1].split()[0]
-            if self.addr and self.join_maddr:
+            if self.poll_started():
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
             time.sleep(0.1)
         self.terminate(signal.SIGKILL)
         raise TimeoutError(f"{self.name} did not start within {timeout}s:\n{self.log_tail()}")
+
+    def poll_started(self) -> bool:
+        """Whether the node has printed its 'join with' and 'status' lines (sets join_maddr and addr); never waits."""
+        if not (self.addr and self.join_maddr):
+            for line in self.out_path.read_text().splitlines():
+                if line.startswith("join with:"):
+                    self.join_maddr = line.split()[-1]
+                elif line.startswith("status:"):
+                    self.addr = line.split("--addr", 1)[1].split()[0]
+        return bool(self.addr and self.join_maddr)
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.err_path.read_text()[-chars:]
