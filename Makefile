@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-quality bench-quality-ablations bench-quality-swarm bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-quality bench-quality-ablations bench-quality-swarm bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -71,6 +71,10 @@ bench-faults: install
 # 100 seeded trials of kill / SIGTERM / join / restart / CPU-load bursts with one busy process throughout, on
 # the default sparse rounds, every node on a host of its own in network namespaces with link-rate changes and
 # NAT'd joiners among the events (root and nftables; about 100 s a trial on 2 cores, so about 3 hours)
+# a sparse round's aggregation: the rule on dense vectors vs on the sent positions only (same bits)
+bench-aggregate: install
+	$(PY) -m bench.aggregate
+
 bench-soak: install
 	$(PY) -m bench.faults --trials 100 --events 5 --cpu-load 1 1 1 1 6 --bursts --compression sparse --netns --seed 1000 --out runs/bench/soak.json
 

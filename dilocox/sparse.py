@@ -319,12 +319,17 @@ def aggregate(contributions: Mapping[str, bytes], weights: Mapping[str, float],
     ``norm_bound`` and its other keyword arguments) in float64 over peer ids in sorted order, then the
     result is cast to fp32: the same inputs give the same bits on every member, whatever the dicts'
     order. Raises ValueError if no contribution is accepted.
+
+    The rule runs on the union of the sent positions only (at most k x topk/chunk of the coordinates):
+    every rule is elementwise or uses ``robust.norm`` (an exact sum, which zeros do not change), and a
+    coordinate that is zero in every contribution stays zero under each, so the result has the same bits
+    as the rule run on the dense vectors (tests/test_sparse.py), in a small fraction of the time.
     """
     from dilocox import robust
 
     shapes = [tuple(s) for s in shapes]
     n = _numel(shapes)
-    vectors, accepted, rejected = {}, {}, {}
+    parsed, accepted, rejected = {}, {}, {}
     for peer in sorted(contributions):
         w = weights.get(peer)
         try:
@@ -340,12 +345,17 @@ def aggregate(contributions: Mapping[str, bytes], weights: Mapping[str, float],
         except ContributionError as e:
             rejected[peer] = str(e)
             continue
-        dense = torch.zeros(n, dtype=torch.float64)
-        dense[pos] = values.double()  # positions are distinct within one payload
-        vectors[peer], accepted[peer] = dense, w
-    if not vectors:
+        parsed[peer], accepted[peer] = (pos, values), w
+    if not parsed:
         raise ValueError(f"no contribution accepted out of {len(contributions)}: {rejected}")
-    out, report = robust.aggregate(vectors, accepted, rule, norm_bound=norm_bound, **robust_kwargs)
+    support = torch.unique(torch.cat([pos for pos, _ in parsed.values()]))  # sorted
+    vectors = {}
+    for peer, (pos, values) in parsed.items():
+        vectors[peer] = torch.zeros(len(support), dtype=torch.float64)
+        vectors[peer][torch.searchsorted(support, pos)] = values.double()  # distinct within one payload
+    compact, report = robust.aggregate(vectors, accepted, rule, norm_bound=norm_bound, **robust_kwargs)
+    out = torch.zeros(n, dtype=torch.float64)
+    out[support] = compact
     for peer, scale in report["clipped"].items():  # the caller reports drops; clipping is the rule's business
         logger.info("contribution of %s scaled by %.3g to the group's norm bound", peer, scale)
     return _split(out.float(), shapes), rejected

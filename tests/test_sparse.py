@@ -163,6 +163,27 @@ def test_aggregate_sums_in_sorted_peer_order():
         assert float(out[0]) == float(torch.tensor(small / 3.0, dtype=torch.float32)) != 0.0
 
 
+@pytest.mark.parametrize("rule", ["mean", "centered-clip", "trimmed-mean", "median"])
+@pytest.mark.parametrize("k", [1, 2, 4, 5])
+def test_aggregate_on_the_sent_positions_has_the_bits_of_the_dense_rule(rule, k):
+    """sparse.aggregate runs the rule on the union of sent positions; the dense rule must give the same bits,
+    with a scaled attacker that the norm bound clips and contributions whose supports partly overlap."""
+    from dilocox import robust
+
+    cfg = SparseConfig(chunk=195, topk=12, bits=2, beta=0.95, rice=True)
+    payloads = {f"peer{i}": SparseCodec(SHAPES, cfg).encode([t * (50.0 if i == 1 else 1.0)
+                                                             for t in randn(SHAPES, 100 + i % 3)])
+                for i in range(k)}
+    weights = {p: 1.0 + i for i, p in enumerate(payloads)}
+    dense = {p: torch.cat([d.reshape(-1) for d in decode(payloads[p], SHAPES, cfg)]).double() for p in payloads}
+    ref, report = robust.aggregate(dense, weights, rule, norm_bound=2.0)
+    assert k < 2 or report["clipped"]  # the attacker was clipped: the bound is exercised
+    out, rejected = aggregate(payloads, weights, SHAPES, cfg, rule=rule, norm_bound=2.0)
+    flat = torch.cat([o.reshape(-1) for o in out])
+    assert rejected == {} and torch.equal(flat, ref.float())
+    assert torch.equal(torch.signbit(flat), torch.signbit(ref.float()))  # no -0.0 where the dense rule has +0.0
+
+
 def sections(payload: bytes, cfg=CFG, shapes=SHAPES):
     lay = sparse.layout(sum(math.prod(s) for s in shapes), cfg)
     off = sparse.HEADER_BYTES
