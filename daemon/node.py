@@ -241,13 +241,12 @@ class Node:
     def _deadlines(self, info: RoundInfo) -> str:
         """Status line: the deadlines in use (measured, or the flags) and what they came from."""
         cfg = self.cfg
+        flags = f"matchmaking {cfg.matchmaking_time:g}s, round {cfg.outer_round_deadline:g}s (flags), "
         if self.contributions is None:
-            return (f"matchmaking {cfg.matchmaking_time:g}s, round {cfg.outer_round_deadline:g}s (flags), "
-                    f"all-reduce {cfg.averaging_timeout:g}s (flag)")
+            return flags + f"all-reduce {cfg.averaging_timeout:g}s (flag)"
         if self.deadlines.link is None:  # pipeline stages, or --no-adaptive-deadlines
-            return (f"matchmaking {cfg.matchmaking_time:g}s, round {cfg.outer_round_deadline:g}s (flags), "
-                    + deadlines.describe(self.contributions.link.snapshot(), info.download_deadline_s or None,
-                                         cfg.averaging_timeout))
+            return flags + deadlines.describe(self.contributions.link.snapshot(), info.download_deadline_s or None,
+                                              cfg.averaging_timeout)
         return self.deadlines.describe(info.download_deadline_s or None, cfg.averaging_timeout)
 
     def _on_refresh(self, swarm_size: int) -> None:
