@@ -14,14 +14,16 @@ Mbit/s links, status over a unix socket) and adds two events: a link-rate change
 ``--jobs J`` runs J trials at once (each is load on the others). After the last event the swarm
 runs two more rounds. Counted over all trials:
   rounds (outer steps applied by some group), node_rounds, stalls (a round that blocked training
-  on communication for longer than averaging_timeout), longest_stall_s, resyncs (log lines
-  "re-syncing from peers"), skipped (rounds a group refused: partial or disagreeing results),
-  splits (outer steps with two different group-applied digests: hivemind matchmaking formed two
-  groups), lone_results (a group-applied digest no other node holds: would be a partial average),
-  unclean_leaves (SIGTERM exits != 0), converged (trials whose live nodes end on one digest),
-  failed_joins (a joiner or restarted node that never reached TRAINING, or exited non-zero on its
-  own), lost_nodes (a first-three node that exited on its own), failed_trials (a trial the harness
-  could not finish: counted with its error, and the run goes on).
+  on communication for longer than averaging_timeout), past_deadline (longer than that round's own
+  deadline: its group wait plus its download deadline, as metrics.jsonl records them),
+  longest_stall_s, resyncs (log lines "re-syncing from peers"), skipped (rounds a group refused:
+  partial or disagreeing results), splits (outer steps with two different group-applied digests:
+  hivemind matchmaking formed two groups), lone_results (a group-applied digest no other node
+  holds: would be a partial average), unclean_leaves (SIGTERM exits != 0), converged (trials whose
+  live nodes end on one digest), failed_joins (a joiner or restarted node that never reached
+  TRAINING, or exited non-zero on its own), lost_nodes (a first-three node that exited on its
+  own), failed_trials (a trial the harness could not finish: counted with its error, and the run
+  goes on).
 Results: runs/bench/faults.json (``--out``, rewritten after every trial, so a run cut short keeps what
 it measured), with each trial's timeline (events and every node's rounds), and beside it a PNG of the
 trial with the most events (bench/timeline.py).
@@ -55,6 +57,7 @@ ARGS = ["--model", "tiny",
         "--outer-round-deadline", "30", "--announce-period", "1", "--inner-steps", "20",
         "--warmup-steps", "10", "--total-steps", "4000", "--eval-batches", "1", "--checkpoint-every", "1"]
 AVERAGING_TIMEOUT = 8.0
+OUTER_ROUND_DEADLINE = 30.0
 RATES_MBIT = (10, 100, 1000)  # --netns: a link-rate event sets one of these
 NAT_HOSTS = 2  # --netns: hosts behind routers of their own, for NAT'd joiners
 EVENT_GAP_S = (2.0, 6.0)  # between events; a round of the tiny model takes about 2.5 s
@@ -278,6 +281,7 @@ def _count(watch: Watch, log, unclean, target) -> dict:
         events=[e for _, e, _ in log],
         rounds=len({r["outer_step"] for r in all_rows if r["outcome"] in ("applied", "solo", "applied_alone")}),
         node_rounds=len(all_rows), stalls=sum(r["wait_s"] > AVERAGING_TIMEOUT for r in all_rows),
+        past_deadline=sum(r["wait_s"] > round_deadline_s(r) for r in all_rows),
         longest_stall_s=round(max((r["wait_s"] for r in all_rows), default=0.0), 2),
         resyncs=sum(f.read_text().count("re-syncing from peers") for d in by_dir for f in d.glob("stderr*")),
         skipped=sum(r["outcome"] == "skipped" for r in all_rows),
@@ -288,6 +292,13 @@ def _count(watch: Watch, log, unclean, target) -> dict:
         converged=top is not None and len(finals[top]) == 1, live_nodes=len(live))
 
 
+def round_deadline_s(row: dict) -> float:
+    """A metrics.jsonl round's own deadline in seconds: the group wait (matchmaking and its retries) plus the
+    download deadline, each the flag (ARGS) where the row has none (a round that never reached downloads)."""
+    return (row.get("group_wait_s") or OUTER_ROUND_DEADLINE - AVERAGING_TIMEOUT) + \
+        (row.get("download_deadline_s") or AVERAGING_TIMEOUT)
+
+
 def _timeline(watch: Watch, log, started: float) -> dict:
     """The trial for bench/timeline.py: events and every node's rounds (time, outer step, group, outcome)."""
     rounds = {}
@@ -296,8 +307,8 @@ def _timeline(watch: Watch, log, started: float) -> dict:
     return dict(start=round(started, 1), events=[list(e) for e in log], rounds=rounds)
 
 
-KEYS = ["rounds", "node_rounds", "stalls", "resyncs", "skipped", "splits", "lone_results", "unclean_leaves",
-        "failed_joins", "lost_nodes"]
+KEYS = ["rounds", "node_rounds", "stalls", "past_deadline", "resyncs", "skipped", "splits", "lone_results",
+        "unclean_leaves", "failed_joins", "lost_nodes"]
 
 
 def totals(results: list[dict]) -> dict:

@@ -120,3 +120,9 @@ def test_hosts_place_nodes_keep_them_on_restart_and_run_natd_ones_as_clients(tmp
     assert hosts.place("n3", tmp_path / "n3") == (args, wrapper)  # a restart: same host, still a client
     hosts.place("n4", tmp_path / "n4", nat=True)
     assert not hosts.free(nat=True)
+
+
+def test_a_rounds_deadline_is_its_group_wait_plus_its_downloads_or_the_flags():
+    assert faults.round_deadline_s(dict(group_wait_s=22.0, download_deadline_s=5.0)) == 27.0
+    assert faults.round_deadline_s(dict(group_wait_s=60.0, download_deadline_s=0.0)) == 60.0 + faults.AVERAGING_TIMEOUT
+    assert faults.round_deadline_s({}) == faults.OUTER_ROUND_DEADLINE  # no figures recorded: the flags
