@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import torch
+from dilocox.daemon.config import NodeConfig
 
 from bench.localswarm import write_json
-from daemon.config import NodeConfig
 from dilocox import robust, sparse
 from dilocox.model import ModelSpec, build_model
 
