@@ -11,6 +11,7 @@ timings per cell. Results: a printed table and runs/bench/aggregate.json.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from pathlib import Path
@@ -62,14 +63,12 @@ def main(argv=None) -> None:
     a = parser.parse_args(argv)
     torch.set_num_threads(1)  # a node runs one torch thread (bench/localswarm.py)
     shapes = [tuple(p.shape) for p in build_model(ModelSpec.resolve("small"), 0).parameters()]
-    field = {k: f.default for k, f in NodeConfig.model_fields.items()}
-    cfg = sparse.SparseConfig(chunk=field["sparse_chunk"], topk=field["sparse_topk"], bits=field["sparse_bits"],
-                              beta=field["sparse_beta"], rice=field["sparse_rice"])
+    cfg = NodeConfig().sparse_config()  # the daemon's defaults
     rows = [measure(k, rule, a.repeats, shapes, cfg) for rule in a.rules for k in a.replicas]
     print(f"{'rule':>14} {'k':>3} {'dense s':>9} {'sent positions s':>17} {'speedup':>8}")
     for r in rows:
         print(f"{r['rule']:>14} {r['k']:>3} {r['dense_s']:>9.3f} {r['sparse_s']:>17.3f} {r['speedup']:>7.1f}x")
-    write_json(a.out, dict(values=sum(map(lambda s: torch.Size(s).numel(), shapes)), config=vars(cfg), rows=rows))
+    write_json(a.out, dict(values=sum(math.prod(s) for s in shapes), config=vars(cfg), rows=rows))
 
 
 if __name__ == "__main__":

@@ -61,6 +61,13 @@ class NodeConfig(BaseModel):
         """Seconds before a round's inner steps end at which its early matchmaking begins."""
         return self.matchmaking_time + self.request_timeout
 
+    def sparse_config(self):
+        """The ``dilocox.sparse.SparseConfig`` of the ``sparse_*`` fields (what ``--compression sparse`` encodes)."""
+        from dilocox.sparse import SparseConfig  # torch: only when a codec is built, not for --help
+
+        return SparseConfig(chunk=self.sparse_chunk, topk=self.sparse_topk, bits=self.sparse_bits,
+                            beta=self.sparse_beta, rice=self.sparse_rice)
+
     # swarm and identity
     run_id: str = Field("dilocox", pattern=r"^[A-Za-z0-9_-]{1,64}$",
                         description="swarm name; nodes with another run_id never average with us")

@@ -27,7 +27,7 @@ from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, params_digest
 from dilocox.overlap import OuterSchedule
 from dilocox.pipeline import PipelinedInnerLoop
 from dilocox.scaffold import ControlVariates, apply_correction_step
-from dilocox.sparse import SparseCompressor, SparseConfig
+from dilocox.sparse import SparseCompressor
 from dilocox.stages import tensor_bytes
 
 logger = logging.getLogger(__name__)
@@ -78,9 +78,7 @@ class ReplicaState:
         self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
         shapes = [tuple(p.shape) for p in self.outer.global_params]
         if cfg.compression == "sparse":
-            self.compressor = SparseCompressor(shapes, SparseConfig(
-                chunk=cfg.sparse_chunk, topk=cfg.sparse_topk, bits=cfg.sparse_bits, beta=cfg.sparse_beta,
-                rice=cfg.sparse_rice))
+            self.compressor = SparseCompressor(shapes, cfg.sparse_config())
         else:
             self.compressor = Compressor(shapes, CompressionConfig(
                 mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
