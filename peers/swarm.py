@@ -8,6 +8,7 @@ A record expires ``ttl_s`` after it was stored; a node that stops refreshing dro
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -19,6 +20,7 @@ import hivemind
 import pydantic.v1 as pydantic
 from dilocox.peers import lifecycle
 from dilocox.peers.admission import Admission, AdmissionError, peer_id_of_public_key
+from hivemind.averaging.key_manager import is_valid_group
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import get_dht_time
@@ -27,6 +29,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
 OWNER_RE = re.compile(rb"\[owner:(.+?)\]")  # hivemind's RSASignatureValidator subkey marker
+GROUP_READ_INTERVAL_S = 0.5  # matchmaking reads a group key at most this often (SupervisedDHT)
 
 
 class MemberRecord(pydantic.BaseModel):
@@ -94,7 +97,40 @@ def parse_multiaddrs(addrs: List[str], what: str) -> List[Multiaddr]:
 
 class SupervisedDHT(hivemind.DHT):
     """hivemind's DHT process, supervised (peers/lifecycle.py): in a process group of its own (with the
-    p2pd it launches), SIGTERM only from the main process, and it ends p2pd and itself if that dies."""
+    p2pd it launches), SIGTERM only from the main process, and it ends p2pd and itself if that dies.
+
+    Its ``get`` also paces matchmaking's reads. hivemind's matchmaking (``PotentialLeaders``) re-reads
+    its group key with ``get(key, latest=True)`` each time it looks at its leader queue, and while an
+    averager waits as a leader or alone, that is one DHT round trip after another: about 150 KB/s each
+    way on a 10 Mbit/s link, some 1 MB per node per round (bench.compare's interface counters). Reads
+    of a group key (hivemind's ``is_valid_group``) from an event loop are therefore spaced at least
+    ``GROUP_READ_INTERVAL_S`` apart, per key and process; the averager awaits the task returned in
+    place of the MPFuture, as it awaits the MPFuture. A new leader is seen at most that much later.
+    Every other read is hivemind's own."""
+
+    def __init__(self, *args, **kwargs):
+        self._next_group_read: Dict[str, float] = {}  # group key -> monotonic time its next read may start
+        super().__init__(*args, **kwargs)
+
+    def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
+        if return_future and latest and isinstance(key, str) and is_valid_group(key):
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+            else:
+                return asyncio.ensure_future(self._paced_group_read(key, kwargs))
+        return super().get(key, latest=latest, return_future=return_future, **kwargs)
+
+    async def _paced_group_read(self, key: str, kwargs: dict):
+        now = time.monotonic()
+        start = max(now, self._next_group_read.get(key, now))
+        self._next_group_read[key] = start + GROUP_READ_INTERVAL_S
+        while len(self._next_group_read) > 64:  # a key per round and phase: keep the recent ones
+            self._next_group_read.pop(next(iter(self._next_group_read)))
+        if start > now:
+            await asyncio.sleep(start - now)
+        return await super().get(key, latest=True, return_future=True, **kwargs)
 
     def run(self) -> None:
         lifecycle.supervise_child(own_process_group=True)
