@@ -110,6 +110,24 @@ def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path) -> dict
                 val_losses=[r["val_loss"] for r in rows])
 
 
+SPREAD_KEYS = ("tokens_per_s", "compute_utilization", "bytes_per_token", "bytes_per_token_reduction_vs_ddp")
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One row per (run, rate): the median of its repeats, with ``spread`` {metric: [min, max]} and ``repeats``."""
+    out = []
+    for key in dict.fromkeys((r["run"], r["rate_mbit"]) for r in rows):
+        group = [r for r in rows if (r["run"], r["rate_mbit"]) == key]
+        row = dict(group[0], repeats=len(group), spread={})
+        for k in SPREAD_KEYS:
+            values = [r[k] for r in group if k in r]
+            if values:
+                row[k] = statistics.median(values)
+                row["spread"][k] = [min(values), max(values)]
+        out.append(row)
+    return out
+
+
 def projection(ratio: float, tokens_per_gpu_s: float, gpus_per_replica: int, h: int) -> dict:
     """Paper setting: 107B parameters, 1 Gbit/s between replicas, fp32 pseudo-gradients/gradients.
 
@@ -167,6 +185,8 @@ def main(argv=None) -> int:
     p.add_argument("--ddp-capped", action="store_true",
                    help="cap DDP at --ddp-seconds at every rate, the fastest too (bytes/token and tokens/s only; "
                         "DDP's loss at equal tokens is then not measured)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each swarm variant per rate; the table then shows median [min, max]")
     p.add_argument("--dilocox-args", default="", help="extra dilocox-node flags for (d), e.g. '--rank-max 32'")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     args = p.parse_args(argv)
@@ -184,13 +204,19 @@ def main(argv=None) -> int:
                 if name == "a_ddp":
                     full = rate == max(args.rates) and not args.ddp_capped
                     res = run_ddp(net, args, args.outer_steps * args.inner_steps, 0 if full else args.ddp_seconds)
-                else:
-                    extra = VARIANTS[name] + (args.dilocox_args.split() if name == "d_dilocox" else [])
-                    res = run_swarm(net, args, name, extra, args.out / "compare" / f"{rate:g}")
-                res.update(run=name, rate_mbit=rate, bench_s=time.monotonic() - started)
-                rows.append(res)
-                print(json.dumps({k: v for k, v in res.items() if k not in ("val_losses",)}), flush=True)
-                (args.out / "compare.json").write_text(json.dumps(dict(rows=rows), indent=2))
+                    res.update(run=name, rate_mbit=rate, bench_s=time.monotonic() - started, repeat=0)
+                    rows.append(res)
+                    print(json.dumps(res), flush=True)
+                    continue
+                extra = VARIANTS[name] + (args.dilocox_args.split() if name == "d_dilocox" else [])
+                for rep in range(args.repeats):  # same data and seeds: the spread is the network's and the CPU's
+                    started = time.monotonic()
+                    where = args.out / "compare" / f"{rate:g}" / (f"repeat{rep}" if args.repeats > 1 else "")
+                    res = run_swarm(net, args, name, extra, where)
+                    res.update(run=name, rate_mbit=rate, bench_s=time.monotonic() - started, repeat=rep)
+                    rows.append(res)
+                    print(json.dumps({k: v for k, v in res.items() if k not in ("val_losses",)}), flush=True)
+                    (args.out / "compare.json").write_text(json.dumps(dict(rows=rows), indent=2))
     full_ddp = next((r for r in rows if r["run"] == "a_ddp" and r.get("full")), None)
     for r in rows:
         if r["run"] == "a_ddp":  # a capped DDP run stopped early: its own loss is not at equal tokens
@@ -201,23 +227,30 @@ def main(argv=None) -> int:
         if ddp:
             r["speedup_vs_ddp"] = r["tokens_per_s"] / ddp["tokens_per_s"]
             r["bytes_per_token_reduction_vs_ddp"] = ddp["bytes_per_token"] / r["bytes_per_token"]
+    table = summarize(rows)
     d = [r for r in rows if r["run"] == "e_default"] or [r for r in rows if r["run"] == "d_dilocox"]
     proj = projection(statistics.median(r["compression_ratio"] for r in d), 400.0, 8, args.inner_steps) if d else {}
-    (args.out / "compare.json").write_text(json.dumps(dict(rows=rows, projection=proj, args=vars(args)), indent=2,
-                                                      default=str))
+    (args.out / "compare.json").write_text(json.dumps(dict(rows=rows, table=table, projection=proj, args=vars(args)),
+                                                      indent=2, default=str))
     with open(args.out / "compare.csv", "w", newline="") as f:
         keys = ["run", "rate_mbit", "tokens", "tokens_per_s", "compute_utilization", "bytes_per_token",
                 "val_loss_equal_tokens", "speedup_vs_ddp", "bytes_per_token_reduction_vs_ddp", "compression_ratio"]
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
-        w.writerows(rows)
-    plot(rows, args.out / "compare.png")
+        w.writerows(table)
+    plot(table, args.out / "compare.png")
     print(f"\n{'run':>14} {'Mbit/s':>7} {'tok/s':>7} {'util':>5} {'B/token':>10} {'val loss':>8} "
           f"{'speedup':>7} {'B/tok red.':>10} {'ratio':>6}")
-    for r in rows:
+    for r in table:
         print(f"{r['run']:>14} {r['rate_mbit']:>7g} {r['tokens_per_s']:>7.0f} {r['compute_utilization']:>5.0%} "
               f"{r['bytes_per_token']:>10.1f} {r['val_loss_equal_tokens']:>8.4f} {r.get('speedup_vs_ddp', 0):>7.2f} "
               f"{r.get('bytes_per_token_reduction_vs_ddp', 0):>10.0f} {r.get('compression_ratio', 1):>6.1f}")
+    if args.repeats > 1:
+        print(f"\nspread over {args.repeats} runs (median [min, max]):")
+        for r in table:
+            if r["repeats"] > 1:
+                print(f"{r['run']:>14} {r['rate_mbit']:>7g} " + "  ".join(
+                    f"{k} {r[k]:.4g} [{r['spread'][k][0]:.4g}, {r['spread'][k][1]:.4g}]" for k in SPREAD_KEYS))
     if proj:
         print(f"\nprojection to 107B @ 1 Gbit/s (assumed {proj['tokens_per_gpu_s']:g} tokens/s per GPU, "
               f"{proj['gpus_per_replica']} GPUs per replica, H={proj['inner_steps']}, measured compression "
