@@ -159,12 +159,20 @@ def plot(rows: list[dict], path: Path) -> None:
     for k, name in enumerate(names):
         sel = {r["rate_mbit"]: r for r in rows if r["run"] == name}
         xs = [i + k * width for i in range(len(rates))]
-        axes[0].bar(xs, [sel[x]["tokens_per_s"] if x in sel else 0 for x in rates], width, label=name)
-        axes[1].bar(xs, [sel[x]["bytes_per_token"] if x in sel else 0 for x in rates], width, label=name)
-        axes[2].bar(xs, [sel[x]["compute_utilization"] if x in sel else 0 for x in rates], width, label=name)
+
+        def bars(ax, key):  # the median, with the range of the repeats as an error bar
+            mid = [sel[x][key] if x in sel else 0 for x in rates]
+            lo = [m - sel[x].get("spread", {}).get(key, [m, m])[0] if x in sel else 0 for x, m in zip(rates, mid)]
+            hi = [sel[x].get("spread", {}).get(key, [m, m])[1] - m if x in sel else 0 for x, m in zip(rates, mid)]
+            ax.bar(xs, mid, width, yerr=[lo, hi], capsize=3, label=name)
+
+        bars(axes[0], "tokens_per_s")
+        bars(axes[1], "bytes_per_token")
+        bars(axes[2], "compute_utilization")
         axes[3].bar(xs, [sel[x].get("val_loss_equal_tokens", sel[x]["val_loss"]) if x in sel else 0 for x in rates],
                     width, label=name)
-    for ax, title in zip(axes, ["tokens/s per replica", "bytes on the wire per token (log)", "compute utilization",
+    for ax, title in zip(axes, ["tokens/s per replica", "bytes on the wire per token (log)",
+                                "compute utilization (whiskers: range of --repeats)",
                                 "validation loss at equal tokens (quality)"]):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rates))], [f"{r:g} Mbit/s" for r in rates])
         ax.set_title(title)
