@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-quality bench-quality-ablations bench-quality-swarm bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -45,6 +45,10 @@ test-swarm: install
 
 bench: install
 	$(PY) -m bench.compare
+
+# what each node sends per round against its payload, and a tx timeline (2 hosts, 10 Mbit/s, ~3 min)
+bench-traffic: install
+	$(PY) -m bench.traffic --rate 10 --rounds 4
 
 bench-swarm: install
 	$(PY) -m bench.run

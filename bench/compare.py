@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.control import tx_bytes
 from bench.localswarm import REPO, LocalNode, node_env
 from bench.netsim import NetSim
 
@@ -41,10 +42,6 @@ VARIANTS = {
     "d_dilocox": ["--overlap", "delayed", "--compression", "adaptive"],
     "e_default": [],
 }
-
-
-def tx_bytes(net: NetSim, i: int) -> int:
-    return int(net.run(i, ["cat", f"/sys/class/net/dlxh{i}/statistics/tx_bytes"]).stdout)
 
 
 def run_ddp(net: NetSim, args, steps: int, max_seconds: float) -> dict:
