@@ -156,7 +156,7 @@ def replay(outer: OuterOptimizer, outer_step: int, updates: Sequence[AppliedUpda
             raise CatchUpError(f"update of outer step {u.outer_step} (from {u.parent_digest}) does not continue "
                                f"outer step {outer_step} (digest {digest})")
         if u.aggregate is not None:
-            outer.step(u.aggregate)
+            outer.step(u.aggregate, u.outer_step)
             if control is not None:
                 control.derive_c_from_aggregate(u.aggregate, lr_sum(u.outer_step), 1, 1)
         outer_step, digest = u.outer_step, params_digest(outer.global_params)

@@ -99,11 +99,30 @@ class OuterOptimizer:
     """
 
     def __init__(self, params: list[torch.Tensor], outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True):
+                 nesterov: bool = True, outer_lr_final: Optional[float] = None, ramp_steps: int = 1):
+        """``outer_lr_final``: with it, the outer learning rate of outer step t ramps linearly from
+        ``outer_lr`` (t = 1) to ``outer_lr_final`` (t = ``ramp_steps``, the inner cosine schedule's
+        length in rounds) and stays there (``lr_at``; ours, measured in docs/algorithms.md). Raises
+        ValueError for a learning rate <= 0 or ``ramp_steps`` < 1."""
+        if not outer_lr > 0 or (outer_lr_final is not None and not outer_lr_final > 0):
+            raise ValueError(f"outer learning rates must be > 0; got {outer_lr}, {outer_lr_final}")
+        if ramp_steps < 1:
+            raise ValueError(f"ramp_steps must be >= 1; got {ramp_steps}")
+        self.outer_lr, self.ramp_steps = outer_lr, ramp_steps
+        self.outer_lr_final = outer_lr if outer_lr_final is None else outer_lr_final
         self.global_params = [p.detach().to("cpu", torch.float32).clone() for p in params]
         self.outer_optimizer = torch.optim.SGD(
             self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
         )
+
+    def lr_at(self, outer_step: int) -> float:
+        """The outer learning rate of outer step ``outer_step`` (1-based): outer_lr + (outer_lr_final -
+        outer_lr) * min(1, (t - 1) / (ramp_steps - 1)); a function of t alone, so that every replica and
+        a joiner replaying updates (dilocox/catchup.py) use the same one."""
+        if self.outer_lr_final == self.outer_lr or self.ramp_steps == 1:
+            return self.outer_lr_final
+        frac = min(1.0, max(0, outer_step - 1) / (self.ramp_steps - 1))
+        return self.outer_lr + (self.outer_lr_final - self.outer_lr) * frac
 
     @torch.no_grad()
     def pseudo_gradient(self, local_params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -111,8 +130,11 @@ class OuterOptimizer:
         return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, local_params)]
 
     @torch.no_grad()
-    def step(self, averaged_pseudo_gradient: list[torch.Tensor]) -> None:
-        """theta_t = outer_optimizer(theta_{t-1}, Delta_t) (DiLoCo step 4)."""
+    def step(self, averaged_pseudo_gradient: list[torch.Tensor], outer_step: Optional[int] = None) -> None:
+        """theta_t = outer_optimizer(theta_{t-1}, Delta_t) (DiLoCo step 4); ``outer_step`` t sets the
+        learning rate to ``lr_at(t)`` first (None: the last one set)."""
+        if outer_step is not None:
+            self.outer_optimizer.param_groups[0]["lr"] = self.lr_at(outer_step)
         for p, g in zip(self.global_params, averaged_pseudo_gradient):
             p.grad = g.to(torch.float32).clone()
         self.outer_optimizer.step()

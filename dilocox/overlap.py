@@ -28,7 +28,7 @@ serves and checkpoints) is untouched, so replicas stay bit-identical **(ours)**:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 
@@ -72,12 +72,14 @@ class OuterSchedule:
         self.rebase(local_params)
 
     @torch.no_grad()
-    def update_theta(self, averaged_pseudo_gradient: list[torch.Tensor], group_size: int = 1) -> None:
+    def update_theta(self, averaged_pseudo_gradient: list[torch.Tensor], group_size: int = 1,
+                     outer_step: Optional[int] = None) -> None:
         """theta <- outer_optimizer(theta, Delta) only. Delayed overlap may do this as soon as the
         all-reduce is in, mid-round (the outer step does not read the local parameters), and
         ``rebase`` at the round's end: the result is the same as ``apply`` at the round's end.
-        ``group_size``: replicas in Delta (the eager proxy's M)."""
-        self.outer.step(averaged_pseudo_gradient)
+        ``group_size``: replicas in Delta (the eager proxy's M); ``outer_step``: the step's index, for the
+        outer learning-rate ramp (``OuterOptimizer.lr_at``)."""
+        self.outer.step(averaged_pseudo_gradient, outer_step)
         if self.proxy == "eager":
             self.last_mean = [g.to(torch.float32).clone() for g in averaged_pseudo_gradient]
             self.group_size = max(1, group_size)

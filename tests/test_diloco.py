@@ -28,6 +28,22 @@ def test_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
     assert torch.allclose(outer.momentum_buffers()[0], buf)
 
 
+def test_outer_lr_ramps_linearly_by_outer_step_and_then_holds():
+    outer = OuterOptimizer([torch.zeros(2)], outer_lr=2.5, outer_momentum=0.0, nesterov=False,
+                           outer_lr_final=4.5, ramp_steps=101)
+    assert [outer.lr_at(t) for t in (1, 51, 101, 500)] == [2.5, 3.5, 4.5, 4.5]
+    assert OuterOptimizer([torch.zeros(2)], 0.7).lr_at(77) == 0.7  # no final lr: constant
+    g = [torch.tensor([1.0, -2.0])]
+    outer.step(g, outer_step=51)  # plain SGD at lr_at(51)
+    assert torch.equal(outer.global_params[0], -3.5 * g[0])
+    outer.step(g)  # no index: the last lr set
+    assert torch.equal(outer.global_params[0], -7.0 * g[0])
+    with pytest.raises(ValueError, match="ramp_steps"):
+        OuterOptimizer([torch.zeros(2)], 1.0, outer_lr_final=2.0, ramp_steps=0)
+    with pytest.raises(ValueError, match="> 0"):
+        OuterOptimizer([torch.zeros(2)], 1.0, outer_lr_final=-1.0)
+
+
 def test_schedule_warms_up_then_decays():
     cfg = InnerConfig(lr=1e-3, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
     assert cfg.lr_at(0) == pytest.approx(1e-4)
