@@ -10,7 +10,7 @@ budget per replica (outer_steps x H inner steps of batch x seq tokens):
                  default until 2026-11
   (e) default    the daemon's defaults: synchronous rounds matched during their last inner steps,
                  sparse contributions (top-128 of 4096, Rice-coded indices, 2-bit, error feedback
-                 decay 0.9, outer SGD 3.5) all-gathered and combined by CenteredClip
+                 decay 0.9, outer SGD ramped 2.5 -> 4.5) all-gathered and combined by CenteredClip
 Per run: tokens/s per replica (steady state), compute utilization, bytes on the wire per token
 (tx bytes of the hosts' interfaces, read from sysfs inside the namespaces: everything, DHT
 included), validation loss of the final parameters, and the speedup of (d) over (a).

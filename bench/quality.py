@@ -22,6 +22,7 @@ import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 from dilocox.daemon.config import NodeConfig
@@ -45,6 +46,7 @@ class Method:
     name: str
     codec: str = "none"             # Compressor mode (none, fp16, int8, adaptive) or "sparse"
     outer_lr: float = 0.7
+    outer_lr_final: Optional[float] = None  # ramped linearly to over the outer steps (OuterOptimizer.lr_at)
     outer_momentum: float = 0.9
     nesterov: bool = True
     overlap: str = "none"
@@ -109,6 +111,9 @@ METHODS = {m.name: m for m in [
            aggregation="centered-clip", norm_bound=2.0) for a in (3, 4)],
     *[_sgd(f"sparse-k128r-a3.5-b0.9-cc-nb{b:g}", "sparse", 3.5, sparse=SparseConfig(topk=128, rice=True, beta=0.9),
            aggregation="centered-clip", norm_bound=b) for b in (0.0, 3.0)],
+    *[_sgd(f"sparse-k{k}r-a2.5-4.5-b0.9-cc", "sparse", 2.5, outer_lr_final=4.5,
+           sparse=SparseConfig(topk=k, rice=True, beta=0.9), aggregation="centered-clip", norm_bound=2.0)
+      for k in (128, 144)],
     _sgd("sparse-k144r-a3.5-cc", "sparse", 3.5, sparse=SparseConfig(topk=144, rice=True),
          aggregation="centered-clip", norm_bound=2.0),
     _sgd("sparse-a4-delayed", "sparse", 4.0, overlap="delayed"),
@@ -118,7 +123,7 @@ METHODS = {m.name: m for m in [
 
 
 # the row that is the daemon's default configuration (daemon/config.py; tests/test_quality_bench.py keeps them equal)
-DEFAULT = "sparse-k128r-a3.5-b0.9-cc"
+DEFAULT = "sparse-k128r-a2.5-4.5-b0.9-cc"
 
 
 def daemon_flags(m: Method) -> list[str]:
@@ -128,7 +133,8 @@ def daemon_flags(m: Method) -> list[str]:
             or m.refresh_every or m.proxy != "none"):
         raise ValueError(f"{m.name} is an ablation of the benchmark only")
     flags = ["--compression", m.codec, "--overlap", m.overlap,
-             "--outer-lr", str(m.outer_lr), "--outer-momentum", str(m.outer_momentum),
+             "--outer-lr", str(m.outer_lr), "--outer-lr-final", str(m.outer_lr_final or m.outer_lr),
+             "--outer-momentum", str(m.outer_momentum),
              "--nesterov" if m.nesterov else "--no-nesterov"]
     if m.codec == "sparse":
         flags += ["--sparse-chunk", str(m.sparse.chunk), "--sparse-topk", str(m.sparse.topk),
@@ -161,7 +167,8 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
                             warmup_steps=node.warmup_steps, total_steps=inner_steps * outer_steps)
     modules = [build_stage(spec, seed, 0, 1) for _ in range(replicas)]
     inners = [InnerLoop(m, inner_cfg) for m in modules]
-    outer = OuterOptimizer(inners[0].params, method.outer_lr, method.outer_momentum, method.nesterov)
+    outer = OuterOptimizer(inners[0].params, method.outer_lr, method.outer_momentum, method.nesterov,
+                           method.outer_lr_final, ramp_steps=outer_steps)  # the daemon's: total steps / H
     schedules = [OuterSchedule(outer, method.overlap, method.proxy) for _ in inners]
     # replica r draws what a node started with --seed SEED --data-seed r draws (daemon/replica_state.py)
     shards = [ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, seed, r) for r in range(replicas)]
@@ -200,9 +207,9 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
         payloads.append(payload)
         if method.overlap == "none":
             for s in schedules[:1]:  # theta is shared: one outer step
-                s.update_theta(averaged, replicas)
+                s.update_theta(averaged, replicas, outer_step=t)
         elif pending is not None:  # delayed: round t-1's mean is applied (mid-round t in the daemon)
-            schedules[0].update_theta(pending, replicas)
+            schedules[0].update_theta(pending, replicas, outer_step=t - 1)
         pending = averaged
         for k, (s, inner) in enumerate(zip(schedules, inners)):
             if method.proxy == "eager":  # each replica's schedule keeps its own eager state

@@ -10,6 +10,7 @@ is copied under a lock because hivemind reads it from another thread).
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 from typing import Callable, Optional, Sequence
@@ -68,6 +69,7 @@ class ReplicaState:
         replaces its training loss (the red-team hook, daemon/redteam.py)."""
         self.cfg, self.H, self.workload = cfg, cfg.inner_steps, workload
         total = cfg.total_steps or (cfg.max_outer_steps * self.H if cfg.max_outer_steps else 10_000)
+        self.ramp_steps = max(1, math.ceil(total / self.H))  # the outer lr ramp spans the cosine schedule
         module = workload.build(cfg.seed, cfg.stage_index, cfg.num_stages)  # only our layers
         inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
                                 warmup_steps=cfg.warmup_steps, total_steps=total)
@@ -75,7 +77,8 @@ class ReplicaState:
             self.inner = InnerLoop(module, inner_cfg, device=cfg.device, loss_fn=loss_fn or workload.loss_fn)
         else:  # attached to the replica's process group once the replica is formed (daemon/staging.py)
             self.inner = PipelinedInnerLoop(module, inner_cfg, cfg.microbatches, cfg.pipeline_schedule, cfg.device)
-        self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+        self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov,
+                                    cfg.outer_lr_final, self.ramp_steps)
         shapes = [tuple(p.shape) for p in self.outer.global_params]
         if cfg.compression == "sparse":
             self.compressor = SparseCompressor(shapes, cfg.sparse_config())
@@ -193,7 +196,7 @@ class ReplicaState:
         ``on_applied`` gets the update, for joiners that missed it (dilocox/catchup.py)."""
         parent = self.digest
         if averaged is not None:
-            self.schedule.update_theta(list(averaged), group_size)
+            self.schedule.update_theta(list(averaged), group_size, outer_step=index)
             if self.control is not None:  # c from the aggregate every member holds: no channel of its own
                 self.control.derive_c_from_aggregate(list(averaged), self.lr_sum(index), 1, 1)
         self.outer_step, self.digest = index, params_digest(self.outer.global_params)
@@ -245,7 +248,8 @@ class ReplicaState:
         our outer optimizer's rule on scratch copies; nothing of ours changes. Raises CatchUpError
         (dilocox/catchup.py) if an update does not continue the state or replays to another digest."""
         cfg = self.cfg
-        outer = OuterOptimizer(theta, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+        outer = OuterOptimizer(theta, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.outer_lr_final,
+                               self.ramp_steps)
         outer.load_state(theta, momentum)
         scratch = None
         if self.control is not None:

@@ -193,14 +193,16 @@ def test_a_bad_update_is_rejected_with_a_reason(tmp_path, damage, message):
 
 # ----------------------------------------------------------------------------- replay
 
-def test_replay_reaches_the_donors_theta_and_momentum_bit_for_bit(tmp_path):
-    donor = make_state(tmp_path)
+@pytest.mark.parametrize("outer", [{}, dict(outer_lr=0.5, outer_lr_final=2.0, total_steps=4 * H)],
+                         ids=["constant-lr", "ramped-lr"])  # the ramp's lr is a function of the outer step
+def test_replay_reaches_the_donors_theta_and_momentum_bit_for_bit(tmp_path, outer):
+    donor = make_state(tmp_path, **outer)
     swarm = SimSwarm(donor)
     meta, tensors = donor.served()
     n = len(donor.outer.global_params)
     swarm.advance(4 * (H + 1))  # 4 outer steps, one of them skipped
     assert donor.outer_step == 4
-    joiner = make_state(tmp_path)
+    joiner = make_state(tmp_path, **outer)
     shapes = [tuple(p.shape) for p in donor.outer.global_params]
     updates = [decode(swarm.updates[s], shapes) for s in range(1, 5)]
     out = joiner.replay(tensors[:n], tensors[n:2 * n], None, meta["outer_step"], updates)

@@ -29,8 +29,13 @@ def test_outer_optimizer_defaults_follow_the_compression_and_explicit_values_win
     sparse = load_config({}, {})
     assert (sparse.compression, sparse.outer_momentum, sparse.nesterov) == ("sparse", 0.0, False)
     assert sparse.outer_lr > 1  # plain SGD on error-feedback means takes a larger step (docs/algorithms.md)
+    assert sparse.outer_lr_final > sparse.outer_lr  # ramped up over the cosine schedule (measured)
+    assert load_config(parse(["--outer-lr", "3"]), {}).outer_lr_final == 3.0  # a chosen lr stays constant
+    ramp = load_config(parse(["--outer-lr", "1", "--outer-lr-final", "2"]), {})
+    assert (ramp.outer_lr, ramp.outer_lr_final) == (1.0, 2.0)
     dense = load_config(parse(["--compression", "int8"]), {})
     assert (dense.outer_lr, dense.outer_momentum, dense.nesterov) == (0.7, 0.9, True)  # DiLoCo's recipe
+    assert dense.outer_lr_final is None  # constant
     mixed = load_config(parse(["--compression", "sparse", "--outer-momentum", "0.5"]), {"DILOCOX_OUTER_LR": "2"})
     assert (mixed.outer_lr, mixed.outer_momentum, mixed.nesterov) == (2.0, 0.5, False)
     with pytest.raises(ConfigError, match="sparse_bits"):
@@ -43,7 +48,8 @@ def test_scaffold_defaults_to_the_norm_bounded_mean_and_explicit_rules_win():
     # CenteredClip cost SCAFFOLD clean accuracy on label shards (docs/security.md); DiLoCo keeps it
     assert (load_config({}, {}).aggregation, load_config({}, {}).norm_bound) == ("centered-clip", 2.0)
     scaffold = load_config(parse(["--outer-algorithm", "scaffold"]), {})
-    assert (scaffold.aggregation, scaffold.norm_bound, scaffold.outer_lr) == ("mean", 2.0, 3.5)
+    assert (scaffold.aggregation, scaffold.norm_bound, scaffold.outer_lr, scaffold.outer_lr_final) == \
+        ("mean", 2.0, 3.5, 3.5)
     chosen = load_config(parse(["--outer-algorithm", "scaffold", "--aggregation", "centered-clip"]), {})
     assert chosen.aggregation == "centered-clip"
     from_env = load_config({}, {"DILOCOX_OUTER_ALGORITHM": "scaffold"})
