@@ -46,7 +46,7 @@ class Method:
     name: str
     codec: str = "none"             # Compressor mode (none, fp16, int8, adaptive) or "sparse"
     outer_lr: float = 0.7
-    outer_lr_final: Optional[float] = None  # ramped linearly to over the outer steps (OuterOptimizer.lr_at)
+    outer_lr_final: Optional[float] = None  # outer lr ramped linearly to this over the outer steps (lr_at)
     outer_momentum: float = 0.9
     nesterov: bool = True
     overlap: str = "none"
