@@ -2,7 +2,7 @@
 
 Exit codes of dilocox-node: 0 after a clean leave or max_outer_steps, 1 on a runtime failure
 (DHT, sync, a drain that overran its budget), 2 on bad input (config, flags, env, data, model, busy
-status port), 130 on a second Ctrl-C while draining (exit at once, no checkpoint).
+status port, swarm settings that differ from most members': daemon/node.py), 130 on a second Ctrl-C while draining (exit at once, no checkpoint).
 
 Stopping: SIGTERM or SIGINT, to this process or to its whole process group, or ``dilocox-ctl leave``
 drain the node; the hivemind children leave group-wide signals to us (peers/lifecycle.py) and
@@ -50,7 +50,8 @@ def node_main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dilocox-node: {e}", file=sys.stderr)
         return 2
-    board = StatusBoard(run_id=cfg.run_id, version=dilocox.__version__, inner_steps=cfg.inner_steps)
+    board = StatusBoard(run_id=cfg.run_id, version=dilocox.__version__, inner_steps=cfg.inner_steps,
+                        swarm_settings=cfg.swarm_settings())
     configure_logging(cfg.log_level, cfg.log_format, status_context(board) if cfg.log_format == "json" else None)
 
     from dilocox.daemon.metrics import check_metrics_addr

@@ -10,6 +10,7 @@ request_timeout < matchmaking_time < averaging_timeout < outer_round_deadline
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import tomllib
 import typing
@@ -61,6 +62,36 @@ class NodeConfig(BaseModel):
     def early_window_s(self) -> float:
         """Seconds before a round's inner steps end at which its early matchmaking begins."""
         return self.matchmaking_time + self.request_timeout
+
+    @property
+    def schedule_steps(self) -> int:
+        """T: the inner cosine schedule's length in inner steps (``total_steps``, else max_outer_steps * H, else
+        10000); the outer learning rate ramps over its ceil(T / H) rounds (dilocox/diloco.py: OuterOptimizer)."""
+        return self.total_steps or (self.max_outer_steps * self.inner_steps if self.max_outer_steps else 10_000)
+
+    def swarm_settings(self) -> str:
+        """The settings every replica of a swarm must share for theta to stay bit-identical and codes to decode
+        (docs/operations.md, "Nodes of one swarm must agree on"), as one line. Not in it: what separates swarms
+        already (run_id, stages, compression, model and rank_max name the DHT keys and averager prefixes), the
+        seed (a joiner downloads theta), and per-node choices (sparse_beta, data, timeouts, devices)."""
+        outer = f"lr={self.outer_lr!r}" if self.outer_lr_final in (None, self.outer_lr) else \
+            f"lr={self.outer_lr!r}->{self.outer_lr_final!r} over {-(-self.schedule_steps // self.inner_steps)} rounds"
+        parts = [f"H={self.inner_steps} T={self.schedule_steps}",
+                 f"inner=adamw(lr={self.inner_lr!r},warmup={self.warmup_steps},wd={self.weight_decay!r},"
+                 f"betas={self.beta1!r}/{self.beta2!r})",
+                 f"outer=sgd({outer},momentum={self.outer_momentum!r},nesterov={self.nesterov})",
+                 f"algorithm={self.outer_algorithm} aggregation={self.aggregation}(norm_bound={self.norm_bound!r})"]
+        if self.compression == "sparse":
+            parts.append(f"codes=sparse(chunk={self.sparse_chunk},topk={self.sparse_topk},bits={self.sparse_bits},"
+                         f"rice={self.sparse_rice})")
+        else:
+            parts.append(f"codes={self.compression}(rank_min={self.rank_min},rank_energy={self.rank_energy!r},"
+                         f"quant_block={self.quant_block})")
+        return " ".join(parts)
+
+    def settings_digest(self) -> str:
+        """First 16 hex digits of the SHA-256 of ``swarm_settings()``: what membership records carry."""
+        return hashlib.sha256(self.swarm_settings().encode()).hexdigest()[:16]
 
     def sparse_config(self):
         """The ``dilocox.sparse.SparseConfig`` of the ``sparse_*`` fields (what ``--compression sparse`` encodes)."""

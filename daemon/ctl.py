@@ -34,6 +34,7 @@ def _print_status(status: node_pb2.NodeStatus) -> None:
         ("compression", f"{status.compression}: rank {r.rank} bits {r.bits} ratio {r.compression_ratio:.1f}x "
                         f"error {r.compression_error:.2f}"),
         ("deadlines", status.deadlines or "(no round yet)"),
+        ("swarm_settings", status.swarm_settings),
         ("utilization", f"{status.compute_utilization:.0%} compute ({status.overlap} overlap)"),
         ("stage", f"{status.stage_index}/{status.num_stages}" + (
             f" of replica {status.replica_id} ({', '.join(status.replica_members)})" if status.num_stages > 1 else "")),

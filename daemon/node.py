@@ -43,7 +43,7 @@ from dilocox.peers.swarm import Swarm
 
 from dilocox.catchup import encode
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
-from dilocox.consensus import JoinKind
+from dilocox.consensus import JoinKind, settings_conflict
 from dilocox.model import ModelSpecError
 from dilocox.pipeline import PipelineBroken
 from dilocox.stages import layer_range
@@ -51,6 +51,14 @@ from dilocox.workload import make_workload
 
 logger = logging.getLogger(__name__)
 _RECORDED = (RoundOutcome.APPLIED, RoundOutcome.SOLO, RoundOutcome.APPLIED_ALONE, RoundOutcome.SKIPPED)
+
+
+SETTINGS_WAIT_S = 3.0  # a joiner waits this long for the records of its stage's members before it compares
+
+
+class SettingsConflict(ValueError):
+    """Our swarm settings (NodeConfig.swarm_settings) differ from those most live members of our stage
+    publish: joining would split theta after every round. Exit code 2 (bad input)."""
 
 
 class Node:
@@ -86,6 +94,9 @@ class Node:
         self.skip_steps = 0  # inner steps of the next round the swarm has already done (joiners)
         self.resumed_from = 0  # outer step of the checkpoint we resumed from (0: none)
         self.round_log: list[tuple[float, float]] = []  # (monotonic time a round was recorded, its compute_s)
+        self.settings_digest = cfg.settings_digest()  # published in our membership record
+        self._conflicting: set[str] = set()  # members whose other swarm settings we logged already
+        self._settings_checked = False  # our own settings passed the join check (``_check_settings``)
         self._metrics = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -110,9 +121,14 @@ class Node:
         """Thread target after ``start``: sync, train, drain. Sets exit_code (0 clean, 1 error)."""
         try:
             self._wait_for_replicas()
+            self._check_settings()
             if self.cfg.join:
                 self.skip_steps = self._sync(initial=True)
             self._train()
+        except SettingsConflict as e:
+            logger.error("not joining: %s", e)
+            self.board.update(last_error=str(e))
+            self.exit_code = 2
         except Exception as e:
             logger.error("node failed: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
             self.board.update(last_error=str(e))
@@ -236,7 +252,8 @@ class Node:
                     replica_members=s.replica_members,
                     certificate=self.admission.certificate_blob if self.admission else "",
                     client_mode=cfg.client_mode,
-                    undialable=self.contributions.dials.undialable() if self.contributions else [])
+                    undialable=self.contributions.dials.undialable() if self.contributions else [],
+                    settings=self.settings_digest)
 
     def _deadlines(self, info: RoundInfo) -> str:
         """Status line: the deadlines in use (measured, or the flags) and what they came from."""
@@ -249,9 +266,48 @@ class Node:
                                               cfg.averaging_timeout)
         return self.deadlines.describe(info.download_deadline_s or None, cfg.averaging_timeout)
 
+    def _stage_settings(self, members: list) -> dict[str, str]:
+        """peer_id -> settings digest of the other live members of our stage."""
+        cfg, gone = self.cfg, (State.DRAINING.value, State.STOPPED.value)
+        return {m.peer_id: m.settings for m in members if m.peer_id != self.swarm.peer_id and m.state not in gone
+                and m.stage_index == cfg.stage_index and m.num_stages == cfg.num_stages}
+
+    def _settings_conflict(self, members: list) -> Optional[str]:
+        """Why our swarm settings conflict with those of the other live members of our stage (None: they do
+        not; the rule is dilocox/consensus.py: settings_conflict)."""
+        others = self._stage_settings(members)
+        found = settings_conflict(self.settings_digest, others)
+        if found is None:
+            return None
+        digest, holders = found
+        cfg = self.cfg
+        return (f"{len(holders)} of the {len(others)} other live members of our stage ({', '.join(holders[:3])}"
+                f"{', ...' if len(holders) > 3 else ''}) run swarm settings {digest}; ours are {self.settings_digest}: "
+                f"{cfg.swarm_settings()}. Replicas with other settings leave theta different after every outer step. "
+                f"Start this node with the swarm's settings (`dilocox-ctl status` on a member prints them as "
+                f"swarm_settings; docs/operations.md, \"Nodes of one swarm must agree on\")")
+
+    def _check_settings(self) -> None:
+        """Before joining: raise SettingsConflict if the live members of our stage run other swarm settings.
+        A joiner waits up to SETTINGS_WAIT_S for their records; a running node only warns (``_on_refresh``), so
+        that no set of peers can make a member that trains with the swarm leave."""
+        if self.cfg.join:
+            self.progress.wait(lambda others: bool(others), SETTINGS_WAIT_S, self.leave_requested.is_set)
+        problem = self._settings_conflict(self.progress.members())
+        if problem is not None:
+            raise SettingsConflict(problem)
+        self._settings_checked = True
+
     def _on_refresh(self, swarm_size: int) -> None:
-        """Heartbeat thread, every few beats: the swarm's size and our reachability (peers/reachability.py)."""
+        """Heartbeat thread, every few beats: the swarm's size and our reachability (peers/reachability.py), and
+        a warning when newly seen members of our stage run other swarm settings than most (they refuse to join)."""
         members = self.progress.members(max_age_s=3 * self.cfg.announce_period) if self.progress else []
+        differ = {p: d for p, d in self._stage_settings(members).items() if d and d != self.settings_digest}
+        if self._settings_checked and set(differ) - self._conflicting:  # a joiner's own check says it all
+            logger.warning("member(s) %s publish other swarm settings (%s) than ours (%s: %s); such a node refuses "
+                           "to join a swarm most of whose members differ from it", ", ".join(sorted(differ)),
+                           ", ".join(sorted(set(differ.values()))), self.settings_digest, self.cfg.swarm_settings())
+            self._conflicting |= set(differ)
         verdict, reporters = reachability.verdict(self.swarm.peer_id, self.cfg.client_mode,
                                                   [(m.peer_id, m.undialable) for m in members])
         text = reachability.describe(verdict, reporters)

@@ -68,7 +68,7 @@ class ReplicaState:
         """``workload``: dilocox.workload.TextWorkload or ImageWorkload (model, loss, batches); ``loss_fn``
         replaces its training loss (the red-team hook, daemon/redteam.py)."""
         self.cfg, self.H, self.workload = cfg, cfg.inner_steps, workload
-        total = cfg.total_steps or (cfg.max_outer_steps * self.H if cfg.max_outer_steps else 10_000)
+        total = cfg.schedule_steps
         self.ramp_steps = max(1, math.ceil(total / self.H))  # the outer lr ramp spans the cosine schedule
         module = workload.build(cfg.seed, cfg.stage_index, cfg.num_stages)  # only our layers
         inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),

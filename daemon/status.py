@@ -97,6 +97,7 @@ class Status:
     client_mode: bool = False
     reachability: str = "reachable"  # peers/reachability.py: describe()
     deadlines: str = ""  # the deadlines in use and what they came from (peers/deadlines.py: describe())
+    swarm_settings: str = ""  # what every replica must share (NodeConfig.swarm_settings); records carry its digest
 
 
 class StatusBoard:

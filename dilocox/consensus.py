@@ -67,6 +67,21 @@ def judge_result(mine: str, results: Dict[str, str], members: Optional[int] = No
     return Verdict.APPLY if canon == mine else Verdict.RESYNC
 
 
+def settings_conflict(ours: str, others: Dict[str, str]) -> Optional[Tuple[str, List[str]]]:
+    """The settings digest (NodeConfig.swarm_settings) that a strict majority of the other live members of
+    our stage publish, with its holders, when it is not ours; None when ours is theirs, or they disagree
+    among themselves, or nobody published one. ``others``: peer_id -> digest ("" from a node that does
+    not publish one: not counted). A joiner in conflict refuses to join (daemon/node.py): its outer steps
+    would leave theta different from theirs after every round (start digests then force a re-sync)."""
+    known = {p: d for p, d in others.items() if d}
+    if not known:
+        return None
+    canon, holders = canonical_digest(known)
+    if canon == ours or 2 * len(holders) <= len(known):
+        return None
+    return canon, holders
+
+
 def in_round(others: Sequence[PeerProgress], r: int, delayed: bool) -> List[PeerProgress]:
     """Other replicas that take part in the all-reduce of round r, or are about to: a replica whose
     record still shows round r - 1 (finishing its all-reduce, or a record a moment old) starts round r

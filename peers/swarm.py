@@ -63,6 +63,8 @@ class MemberRecord(pydantic.BaseModel):
     # reachability (peers/reachability.py): we accept no inbound connections; peers we could not dial lately
     client_mode: pydantic.StrictBool = False
     undialable: List[pydantic.constr(strict=True, max_length=64)] = []
+    # 16 hex digits of the SHA-256 of the settings replicas must share (NodeConfig.swarm_settings); empty: unknown
+    settings: pydantic.constr(strict=True, max_length=16) = ""
 
     @pydantic.validator("inputs", "undialable")
     def _few_peers(cls, value):

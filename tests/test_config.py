@@ -81,3 +81,24 @@ def test_bad_file(tmp_path):
         load_config({"config": f}, {})
     with pytest.raises(ConfigError, match="cannot read"):
         load_config({"config": tmp_path / "missing.toml"}, {})
+
+
+def test_swarm_settings_cover_what_replicas_must_share_and_nothing_per_node():
+    base = load_config(parse(["--total-steps", "3000", "--inner-steps", "30"]), {})
+    assert "lr=2.5->4.5 over 100 rounds" in base.swarm_settings() and len(base.settings_digest()) == 16
+    # per-node choices: the digest stays
+    for flags in (["--seed", "3"], ["--data-seed", "5"], ["--sparse-beta", "0.95"], ["--matchmaking-time", "10"],
+                  ["--max-outer-steps", "7"], ["--run-id", "other"], ["--checkpoint-dir", "/tmp/x"]):
+        cfg = load_config(parse(["--total-steps", "3000", "--inner-steps", "30", *flags]), {})
+        assert cfg.settings_digest() == base.settings_digest(), flags
+    # what changes theta's outer steps or the codes: the digest changes
+    for flags in (["--outer-lr", "2.5"], ["--outer-lr-final", "5"], ["--total-steps", "6000"],
+                  ["--inner-steps", "20"], ["--inner-lr", "2e-3"], ["--aggregation", "median"],
+                  ["--norm-bound", "3"], ["--sparse-topk", "64"], ["--outer-algorithm", "scaffold"]):
+        args = ["--total-steps", "3000", "--inner-steps", "30", *flags]
+        cfg = load_config(parse(args if "--total-steps" not in flags else ["--inner-steps", "30", *flags]), {})
+        assert cfg.settings_digest() != base.settings_digest(), flags
+    # without --total-steps the schedule, and so the outer lr ramp, spans max_outer_steps rounds
+    short = load_config(parse(["--inner-steps", "30", "--max-outer-steps", "20"]), {})
+    assert short.schedule_steps == 600 and "over 20 rounds" in short.swarm_settings()
+    assert load_config(parse(["--inner-steps", "30"]), {}).schedule_steps == 10_000

@@ -24,6 +24,7 @@ from dilocox.consensus import (
     late_steps,
     no_donor_join,
     round_start_action,
+    settings_conflict,
     wait_satisfied,
 )
 
@@ -64,6 +65,20 @@ def test_judge_result(mine, results, members, verdict):
 
 
 # ---------------------------------------------------------------- round start and failure
+
+@pytest.mark.parametrize("others, conflict", [
+    ({}, None),                                          # alone: nothing to compare
+    ({"b": "ours"}, None),
+    ({"b": "X"}, ("X", ["b"])),                          # the one other member differs: refuse
+    ({"b": "X", "c": "X", "d": "ours"}, ("X", ["b", "c"])),
+    ({"b": "X", "c": "ours"}, None),                     # no strict majority of others against us
+    ({"b": "X", "c": "Y", "d": "Z"}, None),              # they disagree among themselves
+    ({"b": "", "c": "X"}, ("X", ["c"])),                 # a record without a digest is not counted
+    ({"b": "", "c": ""}, None),
+])
+def test_settings_conflict_needs_a_strict_majority_of_the_others(others, conflict):
+    assert settings_conflict("ours", others) == conflict
+
 
 def test_solo_only_when_nobody_could_take_part():
     assert round_start_action([], 5, delayed=False) == StartAction.SOLO

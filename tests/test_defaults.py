@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import FAST, digests_by_step, start
+from tests.helpers import FAST, LocalNode, digests_by_step, start
 
 pytestmark = pytest.mark.integration
 FP32_BYTES = 133_440 * 4  # the tiny preset's parameters in fp32
@@ -72,13 +72,22 @@ def test_defaults_with_a_malformed_peer_a_sign_flipper_and_a_joiner(tmp_path):
         assert val[-1] < val[0] - 0.3 and max(val) < val[0] + 0.2, val  # it learns, the flipper notwithstanding
         c = start(tmp_path, "c", args + ["--join", a.join_maddr])
         nodes.append(c)
+        # a joiner with another outer learning rate would leave theta different after every outer step: it
+        # refuses to join (exit 2, bad input) and says what its settings are; the swarm trains on
+        x = LocalNode("x", tmp_path / "x", args + ["--join", a.join_maddr, "--outer-lr", "1.5"])
+        nodes.append(x)
         first = c.wait_for(lambda p: p.metrics(), 120, "its first applied round")[0]
         # its first round counts a, b, the flipper and itself; a member behind the others may miss it (see above)
         assert first["outcome"] == "applied" and first["group_size"] in (3, 4) and first["dropped"] == [bad], first
         for n in (a, b, c):
             n.wait_for(lambda p: any(r["outer_step"] >= first["outer_step"] + 1 for r in p.metrics()), 60,
                        "one more recorded round")
-        steps = digests_by_step(nodes)  # the attacker's own aggregate drops its payload too: all agree
+        assert x.proc.wait(60) == 2, x.log_tail()
+        ours = a.status().swarm_settings
+        assert "outer=sgd(lr=2.5->4.5 over 50 rounds," in ours, ours  # the default's ramp over --total-steps 2000
+        assert re.search(r"not joining: (\d) of the \1 other live members of our stage \(.*\) run swarm settings "
+                         r"[0-9a-f]{16}; ours are [0-9a-f]{16}: .*outer=sgd\(lr=1\.5,", x.log_tail()), x.log_tail()
+        steps = digests_by_step([a, b, m, s, c])  # the attacker's own aggregate drops its payload too: all agree
         assert all(len(d) == 1 for d in steps.values()), steps
         sizes = [r["group_size"] for r in a.metrics()]  # most rounds had every honest replica: 3, then 4 with c
         assert sum(size >= 3 for size in sizes) >= 0.75 * len(sizes), sizes
