@@ -2,7 +2,8 @@
 
 Exit codes of dilocox-node: 0 after a clean leave or max_outer_steps, 1 on a runtime failure
 (DHT, sync, a drain that overran its budget), 2 on bad input (config, flags, env, data, model, busy
-status port, swarm settings that differ from most members': daemon/node.py), 130 on a second Ctrl-C while draining (exit at once, no checkpoint).
+status port, swarm settings that differ from most members': daemon/node.py), 130 on a second
+Ctrl-C while draining (exit at once, no checkpoint).
 
 Stopping: SIGTERM or SIGINT, to this process or to its whole process group, or ``dilocox-ctl leave``
 drain the node; the hivemind children leave group-wide signals to us (peers/lifecycle.py) and
