@@ -38,7 +38,9 @@ OUTER_DEFAULTS = {
 }
 # SCAFFOLD on non-IID shards: CenteredClip cost 4 points of clean accuracy over 3 seeds, the plain mean after
 # norm bounding about 1, and c derived from the aggregate is what stops BadSFL (make bench-badsfl; docs/security.md)
-SCAFFOLD_DEFAULTS = dict(aggregation="mean", outer_lr=3.5, outer_lr_final=3.5)  # as measured: constant 3.5
+SCAFFOLD_DEFAULTS = dict(aggregation="mean")
+# sparse SCAFFOLD keeps the constant outer lr it was measured with; dense SCAFFOLD keeps DiLoCo's 0.7 (Nesterov 0.9)
+SCAFFOLD_SPARSE_OUTER = dict(outer_lr=3.5, outer_lr_final=3.5)
 
 
 class NodeConfig(BaseModel):
@@ -249,7 +251,8 @@ class NodeConfig(BaseModel):
             defaults = OUTER_DEFAULTS.get(compression, OUTER_DEFAULTS["none"]) if isinstance(compression, str) \
                 else OUTER_DEFAULTS["none"]
             if data.get("outer_algorithm") == "scaffold":
-                defaults = {**defaults, **SCAFFOLD_DEFAULTS}
+                defaults = {**defaults, **SCAFFOLD_DEFAULTS,
+                            **(SCAFFOLD_SPARSE_OUTER if compression == "sparse" else {})}
             if data.get("outer_lr") is not None:  # a chosen outer lr is constant unless a final one is chosen too
                 defaults = {**defaults, "outer_lr_final": data["outer_lr"]}
             for name, value in defaults.items():

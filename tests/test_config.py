@@ -50,6 +50,9 @@ def test_scaffold_defaults_to_the_norm_bounded_mean_and_explicit_rules_win():
     scaffold = load_config(parse(["--outer-algorithm", "scaffold"]), {})
     assert (scaffold.aggregation, scaffold.norm_bound, scaffold.outer_lr, scaffold.outer_lr_final) == \
         ("mean", 2.0, 3.5, 3.5)
+    # dense SCAFFOLD keeps DiLoCo's outer step: lr 3.5 under Nesterov 0.9 diverged (tests/test_scaffold_node.py)
+    dense = load_config(parse(["--outer-algorithm", "scaffold", "--compression", "none"]), {})
+    assert (dense.outer_lr, dense.outer_lr_final, dense.outer_momentum, dense.nesterov) == (0.7, None, 0.9, True)
     chosen = load_config(parse(["--outer-algorithm", "scaffold", "--aggregation", "centered-clip"]), {})
     assert chosen.aggregation == "centered-clip"
     from_env = load_config({}, {"DILOCOX_OUTER_ALGORITHM": "scaffold"})
