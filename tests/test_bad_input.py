@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -9,7 +11,7 @@ import time
 
 import pytest
 
-from tests.helpers import FAST, node_env
+from tests.helpers import FAST, LocalNode, node_env, start
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -98,3 +100,24 @@ def test_unknown_model(model):
 def test_bad_stage_arguments(args, message):
     code, err, _ = run_node(FAST + args)
     assert code == 2 and message in err, err
+
+
+@pytest.mark.integration
+def test_a_joiner_with_other_swarm_settings_refuses_to_join_and_the_swarm_trains_on(tmp_path):
+    """Another outer learning rate would leave theta different after every outer step (and re-sync every round):
+    the joiner exits 2 naming both settings digests and its own settings; the member keeps training."""
+    args = FAST + ["--run-id", "settings"]
+    a = start(tmp_path, "a", args)
+    try:
+        x = LocalNode("x", tmp_path / "x", args + ["--join", a.join_maddr, "--outer-lr", "1.5"])
+        assert x.proc.wait(60) == 2, x.log_tail()
+        assert re.search(r"not joining: 1 of the 1 other live members of our stage \(.*\) run swarm settings "
+                         r"[0-9a-f]{16}; ours are [0-9a-f]{16}: H=20 T=2000 .*outer=sgd\(lr=1\.5,momentum=0\.0,",
+                         x.log_tail()), x.log_tail()
+        status = a.status()
+        assert "outer=sgd(lr=2.5->4.5 over 100 rounds," in status.swarm_settings, status.swarm_settings
+        step = status.outer_step
+        a.wait_for(lambda p: p.status().outer_step > step and p.status().state in ("TRAINING", "AVERAGING"), 60,
+                   "another outer step")
+    finally:
+        a.terminate(signal.SIGKILL)

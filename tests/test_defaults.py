@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import FAST, LocalNode, digests_by_step, start
+from tests.helpers import FAST, digests_by_step, start
 
 pytestmark = pytest.mark.integration
 FP32_BYTES = 133_440 * 4  # the tiny preset's parameters in fp32
@@ -60,10 +60,13 @@ def test_defaults_with_a_malformed_peer_a_sign_flipper_and_a_joiner(tmp_path):
             assert sum(r["dropped"] == [bad] for r in rows) >= 2, brief
             assert all(100 * r["payload_bytes"] <= FP32_BYTES for r in rows), rows
             assert all(r["bits"] == 2 and r["rank"] == 0 for r in rows)
-            log = n.err_path.read_text()
-            for reason in ("truncated payload", "oversized payload", "out of range in chunk"):
-                assert re.search(rf"dropped the contribution of {bad}: .*{reason}", log), reason
-            assert f"contribution of {flipper} scaled by" in log  # norm bounding, then CenteredClip
+            # the attacker cycles truncated, oversized and out-of-range payloads by round; a round it misses (it
+            # re-syncs when late, above) delays one kind by three rounds
+            reasons = [rf"dropped the contribution of {bad}: .*{reason}"
+                       for reason in ("truncated payload", "oversized payload", "out of range in chunk")]
+            n.wait_for(lambda p: all(re.search(r, p.err_path.read_text()) for r in reasons), 60,
+                       f"the drops of all three malformed payloads {reasons}")
+            assert f"contribution of {flipper} scaled by" in n.err_path.read_text()  # norm bound, then CenteredClip
         # measured deadlines are in use once a round was measured, each within its flag (2 s; 30 - 8 s here)
         assert a.status().deadlines.startswith("matchmaking 2.0s (cap 2s), round "), a.status().deadlines
         applied = [(r["matchmaking_s"], r["group_wait_s"]) for r in a.metrics() if r["outcome"] == "applied"]
@@ -72,22 +75,15 @@ def test_defaults_with_a_malformed_peer_a_sign_flipper_and_a_joiner(tmp_path):
         assert val[-1] < val[0] - 0.3 and max(val) < val[0] + 0.2, val  # it learns, the flipper notwithstanding
         c = start(tmp_path, "c", args + ["--join", a.join_maddr])
         nodes.append(c)
-        # a joiner with another outer learning rate would leave theta different after every outer step: it
-        # refuses to join (exit 2, bad input) and says what its settings are; the swarm trains on
-        x = LocalNode("x", tmp_path / "x", args + ["--join", a.join_maddr, "--outer-lr", "1.5"])
-        nodes.append(x)
         first = c.wait_for(lambda p: p.metrics(), 120, "its first applied round")[0]
         # its first round counts a, b, the flipper and itself; a member behind the others may miss it (see above)
         assert first["outcome"] == "applied" and first["group_size"] in (3, 4) and first["dropped"] == [bad], first
         for n in (a, b, c):
             n.wait_for(lambda p: any(r["outer_step"] >= first["outer_step"] + 1 for r in p.metrics()), 60,
                        "one more recorded round")
-        assert x.proc.wait(60) == 2, x.log_tail()
         ours = a.status().swarm_settings
         assert "outer=sgd(lr=2.5->4.5 over 50 rounds," in ours, ours  # the default's ramp over --total-steps 2000
-        assert re.search(r"not joining: (\d) of the \1 other live members of our stage \(.*\) run swarm settings "
-                         r"[0-9a-f]{16}; ours are [0-9a-f]{16}: .*outer=sgd\(lr=1\.5,", x.log_tail()), x.log_tail()
-        steps = digests_by_step([a, b, m, s, c])  # the attacker's own aggregate drops its payload too: all agree
+        steps = digests_by_step(nodes)  # the attacker's own aggregate drops its payload too: all agree
         assert all(len(d) == 1 for d in steps.values()), steps
         sizes = [r["group_size"] for r in a.metrics()]  # most rounds had every honest replica: 3, then 4 with c
         assert sum(size >= 3 for size in sizes) >= 0.75 * len(sizes), sizes
