@@ -71,13 +71,18 @@ class NodeConfig(BaseModel):
         10000); the outer learning rate ramps over its ceil(T / H) rounds (dilocox/diloco.py: OuterOptimizer)."""
         return self.total_steps or (self.max_outer_steps * self.inner_steps if self.max_outer_steps else 10_000)
 
+    @property
+    def ramp_rounds(self) -> int:
+        """ceil(T / H): the rounds the outer learning rate ramps over (OuterOptimizer's ``ramp_steps``)."""
+        return max(1, -(-self.schedule_steps // self.inner_steps))
+
     def swarm_settings(self) -> str:
         """The settings every replica of a swarm must share for theta to stay bit-identical and codes to decode
         (docs/operations.md, "Nodes of one swarm must agree on"), as one line. Not in it: what separates swarms
         already (run_id, stages, compression, model and rank_max name the DHT keys and averager prefixes), the
         seed (a joiner downloads theta), and per-node choices (sparse_beta, data, timeouts, devices)."""
         outer = f"lr={self.outer_lr!r}" if self.outer_lr_final in (None, self.outer_lr) else \
-            f"lr={self.outer_lr!r}->{self.outer_lr_final!r} over {-(-self.schedule_steps // self.inner_steps)} rounds"
+            f"lr={self.outer_lr!r}->{self.outer_lr_final!r} over {self.ramp_rounds} rounds"
         parts = [f"H={self.inner_steps} T={self.schedule_steps}",
                  f"inner=adamw(lr={self.inner_lr!r},warmup={self.warmup_steps},wd={self.weight_decay!r},"
                  f"betas={self.beta1!r}/{self.beta2!r})",

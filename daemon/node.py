@@ -51,6 +51,7 @@ from dilocox.workload import make_workload
 
 logger = logging.getLogger(__name__)
 _RECORDED = (RoundOutcome.APPLIED, RoundOutcome.SOLO, RoundOutcome.APPLIED_ALONE, RoundOutcome.SKIPPED)
+_GONE = (State.DRAINING.value, State.STOPPED.value)  # states of members that no longer take part
 
 
 SETTINGS_WAIT_S = 3.0  # a joiner waits this long for the records of its stage's members before it compares
@@ -266,25 +267,23 @@ class Node:
                                               cfg.averaging_timeout)
         return self.deadlines.describe(info.download_deadline_s or None, cfg.averaging_timeout)
 
-    def _stage_settings(self, members: list) -> dict[str, str]:
-        """peer_id -> settings digest of the other live members of our stage."""
-        cfg, gone = self.cfg, (State.DRAINING.value, State.STOPPED.value)
-        return {m.peer_id: m.settings for m in members if m.peer_id != self.swarm.peer_id and m.state not in gone
-                and m.stage_index == cfg.stage_index and m.num_stages == cfg.num_stages}
+    @staticmethod
+    def _live_settings(others: list) -> dict[str, str]:
+        """peer_id -> settings digest of those of ``others`` (ProgressTracker.others) that still take part."""
+        return {m.peer_id: m.settings for m in others if m.state not in _GONE}
 
-    def _settings_conflict(self, members: list) -> Optional[str]:
+    def _settings_conflict(self, others: list) -> Optional[str]:
         """Why our swarm settings conflict with those of the other live members of our stage (None: they do
         not; the rule is dilocox/consensus.py: settings_conflict)."""
-        others = self._stage_settings(members)
-        found = settings_conflict(self.settings_digest, others)
+        live = self._live_settings(others)
+        found = settings_conflict(self.settings_digest, live)
         if found is None:
             return None
         digest, holders = found
-        cfg = self.cfg
-        return (f"{len(holders)} of the {len(others)} other live members of our stage ({', '.join(holders[:3])}"
+        return (f"{len(holders)} of the {len(live)} other live members of our stage ({', '.join(holders[:3])}"
                 f"{', ...' if len(holders) > 3 else ''}) run swarm settings {digest}; ours are {self.settings_digest}: "
-                f"{cfg.swarm_settings()}. Replicas with other settings leave theta different after every outer step. "
-                f"Start this node with the swarm's settings (`dilocox-ctl status` on a member prints them as "
+                f"{self.cfg.swarm_settings()}. Replicas with other settings leave theta different after every outer "
+                f"step. Start this node with the swarm's settings (`dilocox-ctl status` on a member prints them as "
                 f"swarm_settings; docs/operations.md, \"Nodes of one swarm must agree on\")")
 
     def _check_settings(self) -> None:
@@ -293,7 +292,7 @@ class Node:
         that no set of peers can make a member that trains with the swarm leave."""
         if self.cfg.join:
             self.progress.wait(lambda others: bool(others), SETTINGS_WAIT_S, self.leave_requested.is_set)
-        problem = self._settings_conflict(self.progress.members())
+        problem = self._settings_conflict(self.progress.others())
         if problem is not None:
             raise SettingsConflict(problem)
         self._settings_checked = True
@@ -302,7 +301,8 @@ class Node:
         """Heartbeat thread, every few beats: the swarm's size and our reachability (peers/reachability.py), and
         a warning when newly seen members of our stage run other swarm settings than most (they refuse to join)."""
         members = self.progress.members(max_age_s=3 * self.cfg.announce_period) if self.progress else []
-        differ = {p: d for p, d in self._stage_settings(members).items() if d and d != self.settings_digest}
+        others = self.progress.others(max_age_s=3 * self.cfg.announce_period) if self.progress else []  # same read
+        differ = {p: d for p, d in self._live_settings(others).items() if d and d != self.settings_digest}
         if self._settings_checked and set(differ) - self._conflicting:  # a joiner's own check says it all
             logger.warning("member(s) %s publish other swarm settings (%s) than ours (%s: %s); such a node refuses "
                            "to join a swarm most of whose members differ from it", ", ".join(sorted(differ)),
@@ -338,8 +338,7 @@ class Node:
             return
         self._set_state(State.SYNCING)
         logger.info("waiting for %d replicas to be live", self.cfg.min_replicas)
-        gone = (State.DRAINING.value, State.STOPPED.value)
-        self.progress.wait(lambda others: 1 + sum(m.state not in gone for m in others) >= self.cfg.min_replicas,
+        self.progress.wait(lambda others: 1 + sum(m.state not in _GONE for m in others) >= self.cfg.min_replicas,
                            float("inf"), self.leave_requested.is_set)
 
     # ---------------------------------------------------------------- training

@@ -10,7 +10,6 @@ is copied under a lock because hivemind reads it from another thread).
 from __future__ import annotations
 
 import logging
-import math
 import random
 import threading
 from typing import Callable, Optional, Sequence
@@ -69,7 +68,7 @@ class ReplicaState:
         replaces its training loss (the red-team hook, daemon/redteam.py)."""
         self.cfg, self.H, self.workload = cfg, cfg.inner_steps, workload
         total = cfg.schedule_steps
-        self.ramp_steps = max(1, math.ceil(total / self.H))  # the outer lr ramp spans the cosine schedule
+        self.ramp_steps = cfg.ramp_rounds  # the outer lr ramp spans the cosine schedule
         module = workload.build(cfg.seed, cfg.stage_index, cfg.num_stages)  # only our layers
         inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
                                 warmup_steps=cfg.warmup_steps, total_steps=total)
