@@ -1,29 +1,38 @@
-"""Outer-step schedules: synchronous DiLoCo and DiLoCoX's one-step-delay overlap.
+"""Outer-step schedules: synchronous DiLoCo and overlapped rounds (DiLoCoX's delay and its relatives).
 
 ``none`` (DiLoCo, arXiv 2311.08105): each round starts from theta_{t-1}; the round's
 pseudo-gradient is averaged and applied before the next round starts.
 
-``delayed`` (DiLoCoX, arXiv 2506.21263 sec. 3.2; our formulation, docs/algorithms.md "One-step
-delay", which matches the "delayed" variant of Eager Updates, arXiv 2502.12996). The all-reduce
-of round t runs while round t+1 computes:
-  * a replica's local trajectory is never reset to wait for the network;
-  * delta_{r,t} = x_r(start of round t) - x_r(end of round t);
-  * theta_t = outer_optimizer(theta_{t-1}, Delta_t) once Delta_t is in (``update_theta``; the
-    daemon does it mid-round t+1 for whole-model nodes, at its end for stage nodes: the outer step
-    does not read the local parameters, so the result is the same);
-  * at the end of round t+1, re-base x_r <- theta_t + (x_r(end of t+1) - x_r(start of t+1))
-    **(ours: exact re-base rule)** and start the all-reduce of delta_{r,t+1}.
+Overlapped rounds (``delayed``, ``adaptive``): round t's all-reduce runs while round t+1 computes.
+Round t+1's first inner steps start from the local trajectory (or a ``proxy`` of theta_t) and, once
+Delta_t is in, ``update_theta`` makes theta_t = outer_optimizer(theta_{t-1}, Delta_t) and ``merge``
+folds it into the local parameters; from then on round t+1's pseudo-gradient is measured from
+theta_t. The *delay* tau is the number of inner steps of round t+1 computed before the merge:
 
-The plain re-base starts round t+2 from theta_t minus round t+1's raw local progress: the outer
-step of round t+1 (learning rate, momentum) reaches the local trajectory one round late, which is
-what "naive delayed" costs in Eager Updates (arXiv 2502.12996). ``proxy`` starts the next round
-from a local estimate of theta_{t+1} instead; theta itself (what every replica holds, digests,
-serves and checkpoints) is untouched, so replicas stay bit-identical **(ours)**:
-  * ``none``:  x_r <- theta_t - delta_{r,t+1}                       (the plain re-base);
-  * ``local``: x_r <- outer_optimizer.lookahead(theta_t, g), g = c_{r,t+1}: our own contribution
-    as the group will decode it stands in for the group's mean;
-  * ``eager``: the same with g = Delta_t + (c_{r,t+1} - c_{r,t}) / M (M: last group size), Eager
-    Updates' mix of our fresh contribution with the others' latest mean.
+  * ``delayed``: tau = H, the merge at round t+1's end (DiLoCoX, arXiv 2506.21263 sec. 3.2; the
+    "naive delayed" variant of Eager Updates, arXiv 2502.12996);
+  * a fixed tau < H: Streaming DiLoCo's overlap (arXiv 2501.18512, sec. 2.3; torchft's
+    ``fragment_sync_delay``);
+  * ``adaptive`` **(ours)**: tau = the inner steps the round's communication actually took, from 0
+    (a fast link: synchronous quality) to H (a slow one: full overlap); the caller merges as soon as
+    Delta_t is in and checked.
+
+The schedule does not count steps: the caller calls ``merge`` when its rule says so.
+
+Merge rules (x: local parameters, s: x when round t+1 began, u = x - s: the tau steps' progress):
+  * ``rebase`` **(ours: exact re-base)**: x <- theta_t + u. Every inner step's progress is sent exactly
+    once; with tau = 0 this is synchronous DiLoCo, with tau = H DiLoCoX's one-step delay;
+  * ``mix``: x <- a x + (1 - a) theta_t (Streaming DiLoCo's merge, a = ``mix`` = 0.5 there).
+
+Proxies (``proxy``) choose s, the local start of round t+1 while Delta_t is in flight; theta itself
+(what every replica holds, digests, serves and checkpoints) is never touched, so replicas stay
+bit-identical **(ours)**. ``own`` is the caller's stand-in for this replica's share of Delta_t: its
+contribution as the group decodes it, its raw pseudo-gradient, or the error-feedback-corrected one:
+  * ``none``:  s = x (the local trajectory goes on);
+  * ``local``: s = outer_optimizer.lookahead(theta_{t-1}, own): a lookahead that the merge undoes
+    (``rebase`` replaces s by theta_t), as Psyche's DisTrO does while its all-gather is in flight;
+  * ``eager``: the same with g = Delta_{t-1} + (own_t - own_{t-1}) / M (M: last group size): Eager
+    Updates' mix of our fresh share with the others' latest mean.
 """
 
 from __future__ import annotations
@@ -34,51 +43,63 @@ import torch
 
 from dilocox.diloco import OuterOptimizer
 
-Overlap = Literal["none", "delayed"]
+Overlap = Literal["none", "delayed", "adaptive"]
 Proxy = Literal["none", "local", "eager"]
+Merge = Literal["rebase", "mix"]
+OVERLAPS, PROXIES, MERGES = ("none", "delayed", "adaptive"), ("none", "local", "eager"), ("rebase", "mix")
 
 
 class OuterSchedule:
-    """Keeps the start-of-round copy of the local parameters and applies outer updates.
+    """Keeps the reference the round's pseudo-gradient is measured from and applies outer updates.
 
-    All tensors are CPU fp32 except ``local_params`` (the model's parameters, any device).
+    ``round_start`` (CPU fp32, one copy of the parameters) is x when the round began, until ``merge``
+    makes it theta. All tensors are CPU fp32 except ``local_params`` (the model's parameters, any device).
+    Raises ValueError for an unknown ``overlap``, ``proxy`` or ``merge``, or ``mix`` outside [0, 1].
     """
 
-    def __init__(self, outer: OuterOptimizer, overlap: Overlap, proxy: Proxy = "none"):
-        if overlap not in ("none", "delayed"):
-            raise ValueError(f"overlap must be 'none' or 'delayed', got {overlap!r}")
-        if proxy not in ("none", "local", "eager"):
-            raise ValueError(f"proxy must be 'none', 'local' or 'eager', got {proxy!r}")
-        self.outer, self.overlap, self.proxy = outer, overlap, proxy
+    def __init__(self, outer: OuterOptimizer, overlap: Overlap = "none", proxy: Proxy = "none",
+                 merge: Merge = "rebase", mix: float = 0.5):
+        if overlap not in OVERLAPS:
+            raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
+        if proxy not in PROXIES:
+            raise ValueError(f"proxy must be one of {PROXIES}, got {proxy!r}")
+        if merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+        if not 0.0 <= mix <= 1.0:
+            raise ValueError(f"mix must be in [0, 1], got {mix!r}")
+        self.outer, self.overlap, self.proxy, self.merge_rule, self.mix = outer, overlap, proxy, merge, mix
+        self.overlapped = overlap != "none"
         self.round_start: list[torch.Tensor] = [p.clone() for p in outer.global_params]
+        self.merged = True  # round_start is theta: the latest update is part of the local trajectory
         self.last_mean: list[torch.Tensor] | None = None  # Delta of the last outer update (eager)
-        self.last_own: list[torch.Tensor] | None = None   # our contribution to the round before (eager)
+        self.last_own: list[torch.Tensor] | None = None   # our share of the round before (eager)
         self.group_size = 1
 
     @torch.no_grad()
     def begin_round(self, local_params: list[torch.Tensor]) -> None:
-        """Remember x(start of round)."""
-        self.round_start = [p.detach().to("cpu", torch.float32).clone() for p in local_params]
+        """Remember x(start of round) as the pseudo-gradient's reference."""
+        for s, p in zip(self.round_start, local_params):
+            s.copy_(p.detach())
+        self.merged = False
 
     @torch.no_grad()
     def pseudo_gradient(self, local_params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """delta = x(start of round) - x(now); equals theta_{t-1} - x in synchronous mode."""
+        """delta = reference - x(now): theta_{t-1} - x in synchronous rounds and after a ``merge``,
+        x(start of round) - x before it. CPU fp32, the parameters' shapes."""
         return [s - p.detach().to("cpu", torch.float32) for s, p in zip(self.round_start, local_params)]
 
     @torch.no_grad()
     def apply(self, averaged_pseudo_gradient: list[torch.Tensor], local_params: list[torch.Tensor]) -> None:
-        """theta <- outer_optimizer(theta, Delta), then re-base the local parameters (``rebase``)."""
+        """theta <- outer_optimizer(theta, Delta), then fold it into the local parameters (``rebase``)."""
         self.update_theta(averaged_pseudo_gradient)
         self.rebase(local_params)
 
     @torch.no_grad()
     def update_theta(self, averaged_pseudo_gradient: list[torch.Tensor], group_size: int = 1,
                      outer_step: Optional[int] = None) -> None:
-        """theta <- outer_optimizer(theta, Delta) only. Delayed overlap may do this as soon as the
-        all-reduce is in, mid-round (the outer step does not read the local parameters), and
-        ``rebase`` at the round's end: the result is the same as ``apply`` at the round's end.
-        ``group_size``: replicas in Delta (the eager proxy's M); ``outer_step``: the step's index, for the
-        outer learning-rate ramp (``OuterOptimizer.lr_at``)."""
+        """theta <- outer_optimizer(theta, Delta) only; the local parameters are untouched (``merge``
+        folds theta in). ``group_size``: replicas in Delta (the eager proxy's M); ``outer_step``: the
+        step's index, for the outer learning-rate ramp (``OuterOptimizer.lr_at``)."""
         self.outer.step(averaged_pseudo_gradient, outer_step)
         if self.proxy == "eager":
             self.last_mean = [g.to(torch.float32).clone() for g in averaged_pseudo_gradient]
@@ -86,21 +107,37 @@ class OuterSchedule:
 
     @torch.no_grad()
     def rebase(self, local_params: list[torch.Tensor]) -> None:
-        """none: x <- theta. delayed: x <- theta + (x - x(start of round)). Call ``begin_round`` after."""
-        for p, theta, start in zip(local_params, self.outer.global_params, self.round_start):
-            if self.overlap == "none":
+        """Fold theta into the local parameters at a round's end, unless ``merge`` already did this round.
+        Synchronous: x <- theta. Overlapped: ``merge``. Call ``begin_round`` after."""
+        if not self.overlapped:
+            for p, theta in zip(local_params, self.outer.global_params):
                 p.copy_(theta)
+            self.merged = True
+        elif not self.merged:
+            self.merge(local_params)
+
+    @torch.no_grad()
+    def merge(self, local_params: list[torch.Tensor]) -> None:
+        """The latest theta lands in an overlapped round: x <- theta + (x - round_start) (``rebase``) or
+        x <- mix x + (1 - mix) theta (``mix``), and the round's pseudo-gradient is measured from theta
+        from now on. A second call in the same round does nothing."""
+        if self.merged:
+            return
+        for p, theta, start in zip(local_params, self.outer.global_params, self.round_start):
+            if self.merge_rule == "rebase":
+                p.add_(theta.to(p.device) - start.to(p.device))
             else:
-                p.copy_(theta.to(p.device) + (p - start.to(p.device)))
+                p.mul_(self.mix).add_(theta.to(p.device), alpha=1.0 - self.mix)
+            start.copy_(theta)
+        self.merged = True
 
     @torch.no_grad()
     def start_from_proxy(self, local_params: list[torch.Tensor], own: list[torch.Tensor]) -> bool:
-        """Delayed overlap with a ``proxy``: x <- the local estimate of the next theta (module
-        docstring), from theta as it is now (the version the round just sent starts from) and ``own``,
-        our contribution to that round as the group decodes it (the pseudo-gradient itself when sent
-        uncompressed). False (nothing changed) for synchronous rounds or proxy ``none``. Call
-        ``begin_round`` after."""
-        if self.overlap != "delayed" or self.proxy == "none":
+        """Overlapped rounds with a ``proxy``, right after a round's contribution is sent and before
+        ``begin_round``: x <- the local estimate of the next theta (module docstring) from theta as it is
+        now and ``own``, our share of the round just sent. False (nothing changed) for synchronous rounds
+        or proxy ``none``."""
+        if not self.overlapped or self.proxy == "none":
             return False
         target = self._proxy_start([g.to("cpu", torch.float32) for g in own])
         for p, t in zip(local_params, target):
