@@ -49,8 +49,12 @@ class Method:
     outer_lr_final: Optional[float] = None  # outer lr ramped linearly to this over the outer steps (lr_at)
     outer_momentum: float = 0.9
     nesterov: bool = True
-    overlap: str = "none"
-    proxy: str = "none"             # delayed overlap: the next round's local start (dilocox/overlap.py)
+    overlap: str = "none"           # "none" or "delayed" (overlapped rounds, dilocox/overlap.py)
+    tau: Optional[int] = None       # overlapped: inner steps of round t+1 before round t's update lands (None: H)
+    proxy: str = "none"             # overlapped: the next round's local start (dilocox/overlap.py)
+    proxy_source: str = "code"      # what stands in for our share: the decoded contribution, raw delta, or EF
+    merge: str = "rebase"           # overlapped: how the landed update joins the local trajectory
+    mix: float = 0.5                # merge "mix": x <- mix x + (1 - mix) theta (Streaming DiLoCo)
     rank_max: int = 8
     rank_energy: float = 0.5
     error_feedback: bool = True
@@ -65,6 +69,17 @@ class Method:
 
 def _sgd(name: str, codec: str, lr: float, **kw) -> Method:
     return Method(name, codec=codec, outer_lr=lr, outer_momentum=0.0, nesterov=False, **kw)
+
+
+def _overlapped(name: str, delay: str, lr: tuple[float, float] = (2.5, 4.5), fp32: bool = False, **kw) -> Method:
+    """The default row (``DEFAULT``) with overlapped rounds: ``delay`` "delayed" (tau = H, DiLoCoX) or
+    "tauN" (round t's update lands N inner steps into round t+1); ``lr``: the outer lr ramp's ends;
+    ``fp32``: fp32 DiLoCo's codec and outer step instead."""
+    tau = None if delay == "delayed" else int(delay[3:])
+    if fp32:
+        return Method(name, overlap="delayed", tau=tau, **kw)
+    return _sgd(name, "sparse", lr[0], outer_lr_final=lr[1], overlap="delayed", tau=tau,
+                sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip", norm_bound=2.0, **kw)
 
 
 METHODS = {m.name: m for m in [
@@ -119,6 +134,13 @@ METHODS = {m.name: m for m in [
     _sgd("sparse-a4-delayed", "sparse", 4.0, overlap="delayed"),
     _sgd("sparse-a4-delayed-local", "sparse", 4.0, overlap="delayed", proxy="local"),
     _sgd("sparse-a4-delayed-eager", "sparse", 4.0, overlap="delayed", proxy="eager"),
+    # overlapped variants of the default (docs/algorithms.md, "Overlapped rounds"): D = the default row
+    *[_overlapped(f"D-{d}", d) for d in ("delayed", "tau1", "tau3", "tau10", "tau20")],
+    *[_overlapped(f"D-a{a}-{b}-delayed", "delayed", lr=(a, b)) for a, b in ((1.5, 2.5), (2, 3), (1, 2))],
+    *[_overlapped(f"D-{d}-{p}-{src}", d, proxy=p, proxy_source=src)
+      for d in ("delayed", "tau10") for p in ("local", "eager") for src in ("code", "raw", "ef")],
+    *[_overlapped(f"D-{d}-mix{m:g}", d, merge="mix", mix=m) for d in ("tau3", "tau10", "delayed") for m in (0.5,)],
+    _overlapped("fp32-tau10", "tau10", fp32=True),
 ]}
 
 
@@ -130,7 +152,7 @@ def daemon_flags(m: Method) -> list[str]:
     """dilocox-node flags that configure a node like method ``m``; ValueError for an ablation the daemon
     does not offer (no error feedback, dense embeddings, warm-up, power iterations, refresh, start proxies)."""
     if (not m.error_feedback or m.dense_embeddings or m.warmup_rounds or m.power_iterations != 1
-            or m.refresh_every or m.proxy != "none"):
+            or m.refresh_every or m.proxy != "none" or m.tau is not None or m.merge != "rebase"):
         raise ValueError(f"{m.name} is an ablation of the benchmark only")
     flags = ["--compression", m.codec, "--overlap", m.overlap,
              "--outer-lr", str(m.outer_lr), "--outer-lr-final", str(m.outer_lr_final or m.outer_lr),
@@ -169,7 +191,7 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
     inners = [InnerLoop(m, inner_cfg) for m in modules]
     outer = OuterOptimizer(inners[0].params, method.outer_lr, method.outer_momentum, method.nesterov,
                            method.outer_lr_final, ramp_steps=outer_steps)  # the daemon's: total steps / H
-    schedules = [OuterSchedule(outer, method.overlap, method.proxy) for _ in inners]
+    schedules = [OuterSchedule(outer, method.overlap, method.proxy, method.merge, method.mix) for _ in inners]
     # replica r draws what a node started with --seed SEED --data-seed r draws (daemon/replica_state.py)
     shards = [ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, seed, r) for r in range(replicas)]
     shapes = [tuple(p.shape) for p in outer.global_params]
@@ -186,39 +208,54 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
     val = validation_batches(corpus, spec.seq_len, spec.batch_size, eval_batches)
     step_bound = exact_mean.adam_step_bound(node.beta1, node.beta2)
     tokens_per_round = replicas * inner_steps * spec.batch_size * spec.seq_len
+    tau = inner_steps if method.tau is None else min(method.tau, inner_steps)
     curve, payloads, pending, started = [], [], None, time.monotonic()
 
-    def evaluate(t: int) -> None:
-        """theta after t rounds of compute: with the one-step delay it holds t - 1 outer updates (the last
-        round's mean is still in flight), and is compared with synchronous methods at equal tokens."""
+    def evaluate(t: int, applied: int) -> None:
+        """theta after t rounds of compute holding ``applied`` outer updates (overlapped rounds: t - 1, the
+        last round's mean still in flight), compared with synchronous methods at equal tokens."""
         evaluator.load_params(outer.global_params)
-        applied = t if method.overlap == "none" else max(0, t - 1)
         curve.append(dict(outer_step=applied, rounds=t, tokens=t * tokens_per_round, val_loss=evaluator.evaluate(val)))
 
-    evaluate(0)
+    def inner_steps_of(t: int, first: int, end: int) -> None:
+        for inner, shard in zip(inners, shards):
+            for i in range(first, end):
+                inner.inner_step(*shard.next_batch(), global_step=(t - 1) * inner_steps + i)
+
+    evaluate(0, 0)
     for s in schedules:
         s.begin_round(inners[0].params)
     for t in range(1, outer_steps + 1):
-        for inner, shard in zip(inners, shards):
-            for i in range(inner_steps):
-                inner.inner_step(*shard.next_batch(), global_step=(t - 1) * inner_steps + i)
+        if method.overlap == "none":
+            inner_steps_of(t, 0, inner_steps)
+        else:  # round t-1's mean lands tau inner steps into round t (tau = H: at its end, DiLoCoX)
+            inner_steps_of(t, 0, tau)
+            if pending is not None:
+                schedules[0].update_theta(pending, replicas, outer_step=t - 1)  # theta is shared: one step
+                for s, inner in zip(schedules, inners):
+                    s.merge(inner.params)
+                pending = None
+            inner_steps_of(t, tau, inner_steps)
         deltas = [s.pseudo_gradient(inner.params) for s, inner in zip(schedules, inners)]
         averaged, own, payload = _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_bound)
         payloads.append(payload)
         if method.overlap == "none":
-            for s in schedules[:1]:  # theta is shared: one outer step
-                s.update_theta(averaged, replicas, outer_step=t)
-        elif pending is not None:  # delayed: round t-1's mean is applied (mid-round t in the daemon)
-            schedules[0].update_theta(pending, replicas, outer_step=t - 1)
-        pending = averaged
-        for k, (s, inner) in enumerate(zip(schedules, inners)):
-            if method.proxy == "eager":  # each replica's schedule keeps its own eager state
-                s.last_mean, s.group_size = schedules[0].last_mean, replicas
-            s.rebase(inner.params)
-            s.start_from_proxy(inner.params, own[k])
-            s.begin_round(inner.params)
-        if t % eval_every == 0 or t == outer_steps:
-            evaluate(t)
+            schedules[0].update_theta(averaged, replicas, outer_step=t)
+            for s, inner in zip(schedules, inners):
+                s.rebase(inner.params)
+                s.begin_round(inner.params)
+        else:
+            pending = averaged
+            for k, (s, inner) in enumerate(zip(schedules, inners)):
+                if method.proxy == "eager":  # each replica's schedule keeps its own eager state
+                    s.last_mean, s.group_size = schedules[0].last_mean, replicas
+                s.start_from_proxy(inner.params, own[k])
+                s.begin_round(inner.params)
+        if (t % eval_every == 0 or t == outer_steps) and not (pending is not None and t == outer_steps):
+            evaluate(t, t if pending is None else t - 1)
+    if pending is not None:  # the last round's mean lands after its compute: a node applies it before it leaves
+        schedules[0].update_theta(pending, replicas, outer_step=outer_steps)
+        evaluate(outer_steps, outer_steps)
     return dict(method=method.name, seed=seed, curve=curve, final_val_loss=curve[-1]["val_loss"],
                 payload_bytes=sum(payloads) / len(payloads), fp32_bytes=4 * numel,
                 compression_ratio=4 * numel / (sum(payloads) / len(payloads)), seconds=time.monotonic() - started)
@@ -230,11 +267,17 @@ def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_boun
     weights = [float(inner_steps)] * len(deltas)
     shapes = [tuple(p.shape) for p in outer.global_params]
     if method.codec == "sparse":
+        if method.proxy_source == "ef":  # the error-feedback-corrected pseudo-gradient: beta e + delta
+            own = [[method.sparse.beta * e + d for e, d in zip(c.error, delta)]
+                   for c, delta in zip(codecs["main"], deltas)]
         payloads = {f"r{i}": c.encode(d) for i, (c, d) in enumerate(zip(codecs["main"], deltas))}
         mean, dropped = aggregate(payloads, {p: w for p, w in zip(payloads, weights)}, shapes, method.sparse,
                                   rule=method.aggregation, norm_bound=method.norm_bound)
         assert not dropped, dropped
-        own = [decode(payloads[p], shapes, method.sparse) for p in payloads]
+        if method.proxy_source == "code":  # our contribution as the group decodes it
+            own = [decode(payloads[p], shapes, method.sparse) for p in payloads]
+        elif method.proxy_source == "raw":
+            own = [list(d) for d in deltas]
         return mean, own, len(payloads["r0"])
     lr_sum = sum(inner_cfg.lr_at((t - 1) * inner_steps + i) for i in range(inner_steps))
     bounds = [exact_mean.pseudo_gradient_bound(lr_sum, inner_cfg.weight_decay, float(p.abs().max()), step_bound)
