@@ -58,7 +58,7 @@ class NodeConfig(BaseModel):
     def matches_early(self) -> bool:
         """Rounds form their group during their last inner steps: synchronous sparse rounds of whole models
         (the all-gather needs nothing of the butterfly's per-phase data)."""
-        return self.compression == "sparse" and self.overlap == "none" and self.num_stages == 1
+        return self.compression == "sparse" and self.num_stages == 1
 
     @property
     def early_window_s(self) -> float:
@@ -83,11 +83,13 @@ class NodeConfig(BaseModel):
         seed (a joiner downloads theta), and per-node choices (sparse_beta, data, timeouts, devices)."""
         outer = f"lr={self.outer_lr!r}" if self.outer_lr_final in (None, self.outer_lr) else \
             f"lr={self.outer_lr!r}->{self.outer_lr_final!r} over {self.ramp_rounds} rounds"
-        parts = [f"H={self.inner_steps} T={self.schedule_steps}",
-                 f"inner=adamw(lr={self.inner_lr!r},warmup={self.warmup_steps},wd={self.weight_decay!r},"
-                 f"betas={self.beta1!r}/{self.beta2!r})",
-                 f"outer=sgd({outer},momentum={self.outer_momentum!r},nesterov={self.nesterov})",
-                 f"algorithm={self.outer_algorithm} aggregation={self.aggregation}(norm_bound={self.norm_bound!r})"]
+        parts = [f"H={self.inner_steps} T={self.schedule_steps}"]
+        if self.workload:
+            parts.append(f"workload={self.workload}")
+        parts += [f"inner=adamw(lr={self.inner_lr!r},warmup={self.warmup_steps},wd={self.weight_decay!r},"
+                  f"betas={self.beta1!r}/{self.beta2!r})",
+                  f"outer=sgd({outer},momentum={self.outer_momentum!r},nesterov={self.nesterov})",
+                  f"algorithm={self.outer_algorithm} aggregation={self.aggregation}(norm_bound={self.norm_bound!r})"]
         if self.compression == "sparse":
             parts.append(f"codes=sparse(chunk={self.sparse_chunk},topk={self.sparse_topk},bits={self.sparse_bits},"
                          f"rice={self.sparse_rice})")
@@ -142,6 +144,11 @@ class NodeConfig(BaseModel):
                                                          "or an image dataset (fashion-mnist, mnist: --model cnn)")
     model: str = Field("small", description="preset (tiny, small), a .json/.toml LlamaConfig file, or cnn (28x28 "
                                             "images)")
+    workload: Optional[str] = Field(None, pattern=r"^synthetic:\S+$",
+                                    description="EMULATED workload for measuring scale, never quality: "
+                                                "synthetic:PARAMS:STEP_S, a model of PARAMS fp32 values (e.g. 25M) "
+                                                "whose inner step sleeps STEP_S seconds and writes a deterministic "
+                                                "update (dilocox/synthetic.py); replaces --model and --data")
     partition: str = Field("iid", description="image data: how the training set is split among num_clients clients "
                                               "(iid, label-shards:K, dirichlet:ALPHA; seeded by seed)")
     num_clients: int = Field(1, ge=1, description="image data: clients the training set is split among; this node "
@@ -182,9 +189,12 @@ class NodeConfig(BaseModel):
     outer_algorithm: Literal["diloco", "scaffold"] = Field(
         "diloco", description="scaffold: SCAFFOLD control variates correct each inner step for client drift "
                               "(non-IID data); c is derived from the aggregated pseudo-gradients")
-    overlap: Literal["none", "delayed"] = Field(
+    overlap: Literal["none", "delayed", "adaptive"] = Field(
         "none", description="none: synchronous DiLoCo (a sparse round forms its group during its last inner steps); "
-                            "delayed: DiLoCoX one-step delay (measured to cost quality: docs/algorithms.md)")
+                            "delayed: DiLoCoX one-step delay, round t's update joins the local parameters at the "
+                            "end of round t+1; adaptive: round t's all-gather runs while round t+1 computes and its "
+                            "update joins the local parameters as soon as it is in (the delay follows the link; "
+                            "docs/algorithms.md, \"Overlapped rounds\")")
     compression: Literal["none", "fp16", "int8", "adaptive", "sparse"] = Field(
         "sparse",
         description="pseudo-gradient codes: none (fp32), fp16 (16-bit), int8 (8-bit), adaptive (low rank + 8-bit), "

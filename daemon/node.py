@@ -71,12 +71,13 @@ class Node:
         self.exit_code = 0
         # fails fast on a bad model, data or partition (ModelSpecError, DataError, VisionDataError, ValueError)
         self.workload = make_workload(cfg.model, cfg.data, cfg.seq_len, cfg.batch_size, cfg.eval_batches,
-                                      cfg.partition, cfg.num_clients, cfg.seed)
+                                      cfg.partition, cfg.num_clients, cfg.seed, cfg.workload)
         self.staged = cfg.num_stages > 1
         if self.workload.kind == "text":
             layer_range(self.workload.spec.llama["num_hidden_layers"], cfg.stage_index, cfg.num_stages)
         elif self.staged:
-            raise ModelSpecError("the cnn model has no pipeline stages: use --stage 0/1")
+            raise ModelSpecError(f"the {cfg.model if self.workload.kind == 'image' else 'synthetic'} workload has no "
+                                 f"pipeline stages: use --stage 0/1")
         if self.staged and self.workload.batch_size % cfg.microbatches:
             raise ModelSpecError(f"microbatches={cfg.microbatches} must divide batch_size={self.workload.batch_size}")
         self.H = cfg.inner_steps
@@ -424,7 +425,7 @@ class Node:
                 raise PipelineBroken("another stage of the replica is leaving")
             tokens_per_s = x.numel() / max(time.monotonic() - step_start, 1e-9)
             losses.append(loss)
-            if not self.staged and self.rounds.finish_early():
+            if not self.staged and self.rounds.finish_early(i + 1 - skip):
                 self.board.update(outer_step=st.outer_step, global_params_digest=st.digest)
                 self.progress.poke()  # publish the new outer_step: joiners waiting for it download now
             s = self.board.snapshot()

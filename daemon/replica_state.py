@@ -23,7 +23,7 @@ import dilocox
 from dilocox import exact_mean
 from dilocox.catchup import AppliedUpdate, Replayed, replay
 from dilocox.compression import CompressionConfig, Compressor
-from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, params_digest
+from dilocox.diloco import InnerConfig, OuterOptimizer, params_digest
 from dilocox.overlap import OuterSchedule
 from dilocox.pipeline import PipelinedInnerLoop
 from dilocox.scaffold import ControlVariates, apply_correction_step
@@ -73,7 +73,8 @@ class ReplicaState:
         inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
                                 warmup_steps=cfg.warmup_steps, total_steps=total)
         if cfg.num_stages == 1:
-            self.inner = InnerLoop(module, inner_cfg, device=cfg.device, loss_fn=loss_fn or workload.loss_fn)
+            self.inner = workload.inner_loop(module, inner_cfg, device=cfg.device, loss_fn=loss_fn, seed=cfg.seed,
+                                             shard_key=shard_key)
         else:  # attached to the replica's process group once the replica is formed (daemon/staging.py)
             self.inner = PipelinedInnerLoop(module, inner_cfg, cfg.microbatches, cfg.pipeline_schedule, cfg.device)
         self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov,
@@ -183,6 +184,11 @@ class ReplicaState:
     def drop_progress(self) -> None:
         """Abandon the current round's local progress (re-base onto theta); nothing of it is sent."""
         self.schedule.rebase(self.inner.params)
+
+    def merge_local(self) -> None:
+        """Adaptive overlap, mid-round: fold the latest theta into the local parameters now
+        (``OuterSchedule.merge``); the round's pseudo-gradient is measured from theta from then on."""
+        self.schedule.merge(self.inner.params)
 
     def rebase_and_begin(self) -> None:
         """The round's end after an outer update: re-base the local parameters, start the next round."""

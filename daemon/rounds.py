@@ -104,6 +104,7 @@ class PendingRound:
     cancel: threading.Event = field(default_factory=threading.Event)
     early: Optional[RoundInfo] = None  # theta already updated mid-round (delayed); the local part is due
     early_tried: bool = False
+    merged_at: Optional[int] = None  # adaptive: the next round's inner step at which theta joined the local params
 
 
 @dataclass
@@ -133,7 +134,8 @@ class OuterRounds:
         self.cfg, self.state, self.progress, self.averagers = cfg, state, progress, averagers
         self.deadlines = deadlines
         self.leave_requested, self.contributions, self.attack = leave_requested, contributions, attack
-        self.delayed = cfg.overlap == "delayed"
+        self.delayed = cfg.overlap != "none"  # overlapped: round r's exchange runs while round r + 1 computes
+        self.merge_early = cfg.overlap == "adaptive" and cfg.num_stages == 1  # merge as soon as it is in
         self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
         self.pending: Optional[PendingRound] = None  # delayed overlap: the all-reduce in flight
         self.early: Optional[EarlyRound] = None  # synchronous sparse round matched before its end
@@ -241,9 +243,13 @@ class OuterRounds:
         return self.deadlines.current().matchmaking_s + self.cfg.request_timeout
 
     def early_wanted(self) -> bool:
-        """Synchronous sparse rounds form their group while their last inner steps compute (``begin_early``):
-        the all-gather needs nothing of the butterfly's per-phase data, so only the payload is late."""
-        return not self.delayed and self.contributions is not None and self.early is None
+        """Sparse rounds form their group while their last inner steps compute (``begin_early``): the all-gather
+        needs nothing of the butterfly's per-phase data, so only the payload is late. Overlapped rounds do so
+        only once the previous round's exchange is over (one exchange at a time on the comm thread)."""
+        if self.contributions is None or self.early is not None:
+            return False
+        p = self.pending
+        return p is None or p.future is None or p.future.done()
 
     def begin_early(self, weight: int, compute_s: float, eta_s: float) -> bool:
         """Start matchmaking for round ``state.round`` now, its all-reduce to begin in about ``eta_s`` seconds,
@@ -253,7 +259,7 @@ class OuterRounds:
         r = self.state.round
         if not self.early_wanted():
             return False
-        if round_start_action(self.progress.others(FRESH_S), r, False) != StartAction.ALLREDUCE:
+        if round_start_action(self.progress.others(FRESH_S), r, self.delayed) != StartAction.ALLREDUCE:
             return False
         gather = self._gather(weight, compute_s)
         ready, cancel = Future(), threading.Event()
@@ -290,16 +296,20 @@ class OuterRounds:
             p.cancel.set()
 
     # ------------------------------------------------------------------ finishing
-    def finish_early(self) -> bool:
-        """Delayed overlap, between inner steps: once the pending round's all-reduce is in (or it was
-        solo), check it and update theta now rather than at the round's end. Tried once per round; a
-        round that needs a re-sync is left to the round's end. True if theta was updated."""
+    def finish_early(self, inner_step: int) -> bool:
+        """Overlapped rounds, between inner steps: once the pending round's exchange is in (or it was solo),
+        check it and update theta now rather than at the round's end; ``adaptive`` also merges it into the
+        local parameters now (dilocox/overlap.py), ``inner_step`` steps into the round. Tried once per round;
+        a round that needs a re-sync is left to the round's end. True if theta was updated."""
         p = self.pending
         if p is None or p.early_tried or (p.future is not None and (
                 not p.future.done() or isinstance(p.future.exception(), RoundCancelled))):
             return False
         p.early_tried = True
         self.finish(p, early=True)
+        if p.early is not None and self.merge_early:
+            self.state.merge_local()
+            p.merged_at = inner_step
         return p.early is not None
 
     def finish(self, p: PendingRound, early: bool = False) -> Finished:
@@ -382,7 +392,10 @@ class OuterRounds:
                         reason=reason)
 
     def _finish_locally(self, p: PendingRound, info: RoundInfo) -> Finished:
-        """Re-base the local parameters on theta (already updated) and report the round."""
+        """Re-base the local parameters on theta (already updated; a no-op where ``finish_early`` merged it)
+        and report the round. ``overlap_steps``: inner steps of the next round computed before the merge."""
+        if self.delayed:
+            info.overlap_steps = self.cfg.inner_steps if p.merged_at is None else p.merged_at
         self.state.rebase_and_begin()
         if not self.delayed:
             self.state.round = p.index + 1

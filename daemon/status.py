@@ -46,6 +46,7 @@ class RoundInfo:
     link_mbps: float = 0.0  # sparse rounds: our measured download rate after the round (0: not measured)
     matchmaking_s: float = 0.0  # matchmaking time the round scheduled (peers/deadlines.py: RoundTimes)
     group_wait_s: float = 0.0  # how long the round could look for its group
+    overlap_steps: int = 0  # overlapped rounds: inner steps of the next round computed before this update joined
 
 
 @dataclass

@@ -234,7 +234,7 @@ class StateTransfer:
                                meta.donor_peer_id)
             live = ref or next((m for m in others if m.peer_id == meta.donor_peer_id), None)
             point = join_point(donor, live, inner_steps=st.H, our_round=st.round, keep_round=keep_round,
-                               early_apply=cfg.overlap == "delayed" and cfg.num_stages == 1,
+                               early_apply=cfg.overlap != "none" and cfg.num_stages == 1,
                                waited_for_result=self._waited_for_result,
                                # twice at most: where a join always lands late (a slow link), join anyway
                                late=self._late_steps(live) if self._late_waits < 2 else 0)

@@ -53,8 +53,8 @@ def state(tmp_path):
     return st
 
 
-def rounds_for(state, progress, delayed=False):
-    cfg = state.cfg.model_copy(update=dict(overlap="delayed" if delayed else "none"))
+def rounds_for(state, progress, delayed=False, overlap=None):
+    cfg = state.cfg.model_copy(update=dict(overlap=overlap or ("delayed" if delayed else "none")))
     flags = RoundDeadlines(None, matchmaking_cap_s=cfg.matchmaking_time,
                            group_wait_cap_s=cfg.outer_round_deadline - cfg.averaging_timeout,
                            request_timeout_s=cfg.request_timeout)
@@ -160,8 +160,8 @@ def test_delayed_applies_theta_mid_round_and_rebases_at_the_end(state):
     mine = params_digest(p.future.result().tensors)
     rounds.progress.results = {"a": mine, "b": mine}
     rounds.hold(p)
-    assert state.round == 2 and rounds.finish_early()
-    assert state.outer_step == 1 and not rounds.finish_early()  # tried once per round
+    assert state.round == 2 and rounds.finish_early(1)
+    assert state.outer_step == 1 and not rounds.finish_early(2)  # tried once per round
     local = [t.detach().clone() for t in state.params]
     done = rounds.finish(rounds.take_pending())
     assert done.outcome == RoundOutcome.APPLIED and state.round == 2
@@ -170,8 +170,53 @@ def test_delayed_applies_theta_mid_round_and_rebases_at_the_end(state):
     assert any(not torch.equal(a, b) for a, b in zip(local, state.params))
 
 
+def test_adaptive_merges_theta_into_the_local_parameters_when_it_lands(tmp_path):
+    """overlap=adaptive: finish_early updates theta *and* folds it into the local trajectory at once (the
+    delay is the inner steps the exchange took); the round's end does not re-base again and reports them."""
+    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 400)
+    cfg = NodeConfig(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=4, compression="none",
+                     overlap="adaptive", seq_len=16, batch_size=2)
+    state = ReplicaState(cfg, make_workload(cfg.model, cfg.data, 16, 2, cfg.eval_batches), shard_key=1)
+    state.begin_round()
+    for i in range(4):
+        state.inner_step(*state.shard.next_batch(), i)
+    rounds = rounds_for(state, FakeProgress(results={"a": None, "b": None}), overlap="adaptive")
+    p = pending(state, None)
+    digest = params_digest(p.future.result().tensors)
+    rounds.progress.results = {"a": digest, "b": digest}
+    rounds.hold(p)  # round 2 begins from the local parameters
+    start = [t.detach().clone() for t in state.params]
+    state.inner_step(*state.shard.next_batch(), 0)
+    progress = [a - b for a, b in zip(state.params, start)]
+    assert rounds.finish_early(1) and state.outer_step == 1
+    # x <- theta_1 + (x - x(start of round 2)): one inner step of progress on top of theta
+    theta = state.outer.global_params
+    assert all(torch.allclose(x, t + u, atol=1e-6) for x, t, u in zip(state.params, theta, progress))
+    assert all(torch.allclose(d, -u, atol=1e-6) for d, u in zip(state.pseudo_gradient(), progress))  # from theta
+    for i in range(1, 4):
+        state.inner_step(*state.shard.next_batch(), i)
+    local = [t.detach().clone() for t in state.params]
+    done = rounds.finish(rounds.take_pending())
+    assert done.outcome == RoundOutcome.APPLIED and done.info.overlap_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(local, state.params))  # merged once, not again at the end
+
+
+def test_delayed_reports_a_full_round_of_overlap(state):
+    rounds = rounds_for(state, FakeProgress(results={"a": None, "b": None}), delayed=True)
+    p = pending(state, None)
+    rounds.progress.results = {"a": params_digest(p.future.result().tensors), "b": params_digest(
+        p.future.result().tensors)}
+    rounds.hold(p)
+    assert rounds.finish(rounds.take_pending()).info.overlap_steps == state.cfg.inner_steps
+    sync = rounds_for(state, FakeProgress(results={"a": None, "b": None}))
+    q = pending(state, None)
+    sync.progress.results = {"a": params_digest(q.future.result().tensors), "b": params_digest(
+        q.future.result().tensors)}
+    assert sync.finish(q).info.overlap_steps == 0
+
+
 def test_delayed_leaves_a_resync_to_the_rounds_end(state):
     rounds = rounds_for(state, FakeProgress(results={"a": "group", "b": "group"}), delayed=True)
     rounds.hold(pending(state, None))
-    assert not rounds.finish_early() and state.outer_step == 0
+    assert not rounds.finish_early(1) and state.outer_step == 0
     assert rounds.finish(rounds.take_pending()).outcome == RoundOutcome.RESYNC
