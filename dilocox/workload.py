@@ -6,6 +6,9 @@ InnerLoop, daemon/replica_state.py) is the same for both:
 
 * ``TextWorkload``: a Llama preset or file (dilocox/model.py) on a byte-level corpus (dilocox/data.py);
   loss in nats/token, one "sample" per token; pipeline stages supported.
+* ``SyntheticWorkload``: ``--workload synthetic:PARAMS:STEP_S`` (dilocox/synthetic.py), an *emulated*
+  model of PARAMS values whose inner step sleeps STEP_S seconds: payload sizes and latencies at scale,
+  never quality.
 * ``ImageWorkload``: ``--model cnn`` on ``--data fashion-mnist`` or ``mnist`` (dilocox/vision.py),
   split among ``num_clients`` clients by ``--partition`` (dilocox/partition.py) with the swarm's seed,
   so every node computes the same split; a node trains client ``shard_key mod num_clients``'s share.
@@ -23,9 +26,11 @@ import torch
 
 from dilocox import vision
 from dilocox.data import Corpus, ReplicaShard, validation_batches
+from dilocox.diloco import InnerLoop
 from dilocox.model import ModelSpec, ModelSpecError, causal_lm_loss
 from dilocox.partition import partition
 from dilocox.stages import build_stage
+from dilocox.synthetic import SyntheticWorkload
 
 IMAGE_MODELS = ("cnn",)
 IMAGE_DATA = ("fashion-mnist", "mnist")
@@ -48,6 +53,9 @@ class TextWorkload:
 
     def build(self, seed: int, stage_index: int, num_stages: int) -> torch.nn.Module:
         return build_stage(self.spec, seed, stage_index, num_stages)
+
+    def inner_loop(self, module, config, device: str = "cpu", loss_fn=None, seed: int = 0, shard_key: int = 0):
+        return InnerLoop(module, config, device=device, loss_fn=loss_fn or self.loss_fn)
 
     def shard(self, seed: int, shard_key: int) -> ReplicaShard:
         return ReplicaShard(self.corpus.train, self.seq_len, self.batch_size, seed, shard_key)
@@ -90,6 +98,9 @@ class ImageWorkload:
             raise ModelSpecError("the cnn model has no pipeline stages: use --stage 0/1")
         return vision.build_cnn(self.dataset.num_classes, seed)
 
+    def inner_loop(self, module, config, device: str = "cpu", loss_fn=None, seed: int = 0, shard_key: int = 0):
+        return InnerLoop(module, config, device=device, loss_fn=loss_fn or self.loss_fn)
+
     def shard(self, seed: int, shard_key: int) -> vision.ImageShard:
         indices = self.parts[self.client(shard_key)]
         if len(indices) == 0:
@@ -110,9 +121,12 @@ class ImageWorkload:
 
 
 def make_workload(model: str, data: str, seq_len: int | None, batch_size: int | None, eval_batches: int,
-                  partition_spec: str = "iid", num_clients: int = 1, seed: int = 0):
-    """The workload of a node's configuration. Raises ModelSpecError / DataError / VisionDataError /
-    ValueError naming the problem (a text model on image data, an unknown partition, ...)."""
+                  partition_spec: str = "iid", num_clients: int = 1, seed: int = 0, workload: str | None = None):
+    """The workload of a node's configuration (``workload``: an emulated one, which replaces model and data).
+    Raises ModelSpecError / DataError / VisionDataError / WorkloadSpecError / ValueError naming the problem
+    (a text model on image data, an unknown partition, ...)."""
+    if workload:
+        return SyntheticWorkload.from_spec(workload)
     if model in IMAGE_MODELS or data in IMAGE_DATA:
         if model not in IMAGE_MODELS or data not in IMAGE_DATA:
             raise ModelSpecError(f"model {model!r} and data {data!r} do not go together: the cnn model trains on "
