@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -68,6 +69,89 @@ def test_a_link_rate_changes_in_place(nat):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="rate_mbit"):
         NetSim(2, 0)
+    with pytest.raises(ValueError, match="delay_ms"):
+        NetSim(2, 10, delay_ms=-1)
+    with pytest.raises(ValueError, match="jitter_ms"):
+        NetSim(2, 10, delay_ms=5, jitter_ms=6)
+
+
+def test_the_delay_line_delays_with_jitter_and_keeps_the_order():
+    """bench/delayline.run between two datagram socket pairs (no TUN): every packet comes out in order, at least
+    delay - jitter after it went in, the delays spread by the jitter."""
+    import signal
+    import socket
+    import threading
+    import time
+
+    from bench.delayline import Stop, run
+
+    feed, src = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    dst, out = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    src.setblocking(False)
+    sent, got = {}, []
+
+    def feeder():
+        for k in range(100):
+            sent[k] = time.monotonic()
+            feed.send(k.to_bytes(4, "big") * 50)
+            time.sleep(0.002 if k % 10 else 0.03)  # bursts and gaps
+
+    def reader():
+        while len(got) < 100:
+            got.append((int.from_bytes(out.recv(1000)[:4], "big"), time.monotonic()))
+
+    def alarm(signum, frame):
+        raise Stop()
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (feeder, reader)]
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        for t in threads:
+            t.start()
+        stats = run(src.fileno(), dst.fileno(), 40, 20, 1, 10**6)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    for t in threads:
+        t.join(5)
+    for s in (feed, src, dst, out):
+        s.close()
+    assert stats["packets"] == 100 and stats["dropped"] == 0, stats
+    assert [k for k, _ in got] == list(range(100))
+    delays = sorted((t - sent[k]) * 1000 for k, t in got)
+    assert delays[0] >= 19.5 and delays[len(delays) // 2] < 90, delays  # (a busy machine may add to the max)
+    assert delays[-1] - delays[0] > 10, delays  # jittered, not one fixed delay
+
+
+@pytest.mark.skipif(not NetSim.delay_available()[0], reason=NetSim.delay_available()[1])
+def test_delayed_link_rtt_and_rate():
+    """delay_ms 25 + jitter 5 on each host's egress over 100 Mbit/s links: small TCP exchanges take 2 x 25 ms
+    (+- 2 x 5 ms), bulk TCP still gets most of the rate, and the delay lines and namespaces are gone after close."""
+    from bench.delayline import rtt_samples
+
+    with NetSim(2, 100, prefix="dlxtd", delay_ms=25, jitter_ms=5) as net:
+        rtts = sorted(rtt_samples(net, 0, 1, count=30))
+        mbit_s = _measured_mbit(net, 100)
+        pids = net.delay_pids()
+        assert len(pids) == 2
+        hosts = list(net.hosts)
+    assert 45 <= rtts[len(rtts) // 2] <= 70 and rtts[0] >= 40, rtts
+    assert mbit_s >= 60, mbit_s
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(h in left for h in hosts)
+
+
+@pytest.mark.skipif(not (NetSim.nat_available()[0] and NetSim.delay_available()[0]),
+                    reason="needs nftables and TUN devices")
+def test_a_nated_host_is_delayed_too():
+    """A NAT'd host's egress goes through its delay line before its router: RTT 2 x delay_ms to a public host."""
+    from bench.delayline import rtt_samples
+
+    with NetSim(2, 100, prefix="dlxtn", nat=[1], delay_ms=10) as net:
+        rtts = sorted(rtt_samples(net, 1, 0, count=10))
+    assert 19 <= rtts[0] and rtts[len(rtts) // 2] <= 35, rtts
 
 
 def test_two_nodes_train_over_a_10_mbit_link(tmp_path):
