@@ -103,6 +103,8 @@ class PendingRound:
     started: float
     cancel: threading.Event = field(default_factory=threading.Event)
     early: Optional[RoundInfo] = None  # theta already updated mid-round (delayed); the local part is due
+    sent_at: float = 0.0  # time.monotonic() when the round's inner steps ended and its contribution was ready
+    encode_s: float = 0.0
     early_tried: bool = False
     merged_at: Optional[int] = None  # adaptive: the next round's inner step at which theta joined the local params
 
@@ -178,16 +180,18 @@ class OuterRounds:
         honest = pseudo_gradient
         if self.attack is not None:
             pseudo_gradient = self.attack.pseudo_gradient([g.clone() for g in pseudo_gradient], r)
+        encode_began = time.monotonic()
         compression = self.state.compressor.begin(pseudo_gradient, self.state.pseudo_gradient_bounds(r), r)
+        encoded = dict(sent_at=time.monotonic(), encode_s=time.monotonic() - encode_began)
         gather = self._gather(weight, compute_s)
         if early is not None and (early.index, early.weight) == (r, weight):
             early.ready.set_result(compression)  # the comm thread offers it and lets the all-reduce begin
             return PendingRound(r, honest, compression, early.future, compute_s, losses, early.started,
-                                cancel=early.cancel)
+                                cancel=early.cancel, **encoded)
         self._cancel(early)
         averager = self.averagers[self.state.averager_sizes()[0] if isinstance(compression, SparseRound)
                                   else self.state.compressor.buffer_size()]
-        p = PendingRound(r, honest, compression, None, compute_s, losses, started)
+        p = PendingRound(r, honest, compression, None, compute_s, losses, started, **encoded)
         self.times[r] = self.deadlines.current()
         deadline_s = self.times[r].group_wait_s
         abandon = lambda: not in_round(self.progress.others(), r, self.delayed)  # noqa: E731
@@ -380,8 +384,10 @@ class OuterRounds:
                     p.compression.decide_rank(*group_limits(result.gathered), group_size)
                     self.state.compressor.commit(p.compression)
         # averaged None (skipped): only the local re-base follows
+        apply_began = time.monotonic()
         self.state.apply_outer(averaged, p.index, group_size)
         info = self._info(p, group_size, outcome, result, waited_from)
+        info.apply_s = time.monotonic() - apply_began
         if early:
             p.early = info
             return Finished(p.index, RoundOutcome.DEFERRED, info)
@@ -438,4 +444,8 @@ class OuterRounds:
             info.allreduce_s = result.allreduce_s
             info.dropped = sorted(result.dropped)
             info.download_deadline_s, info.link_mbps = result.download_deadline_s, result.link_bps / 1e6
+            info.encode_s = p.encode_s
+            info.exchange_s = max(0.0, result.finished_at - p.sent_at) if p.sent_at else 0.0
+            info.group_s = result.phases.get("matchmaking", result.phases.get("allreduce", 0.0))
+            info.gather_s, info.aggregate_s = result.phases.get("gather", 0.0), result.phases.get("aggregate", 0.0)
         return info

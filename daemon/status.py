@@ -47,6 +47,12 @@ class RoundInfo:
     matchmaking_s: float = 0.0  # matchmaking time the round scheduled (peers/deadlines.py: RoundTimes)
     group_wait_s: float = 0.0  # how long the round could look for its group
     overlap_steps: int = 0  # overlapped rounds: inner steps of the next round computed before this update joined
+    exchange_s: float = 0.0  # from the end of the round's inner steps until its exchange's result was complete
+    encode_s: float = 0.0  # compressing our pseudo-gradient (error feedback, top-k, packing)
+    group_s: float = 0.0  # the exchange's matchmaking and metadata phase (butterfly rounds: the whole all-reduce)
+    gather_s: float = 0.0  # sparse rounds: downloading the group's contributions
+    aggregate_s: float = 0.0  # sparse rounds: decoding, validating and aggregating them
+    apply_s: float = 0.0  # the outer step and theta's digest and snapshot
 
 
 @dataclass

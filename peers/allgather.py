@@ -416,6 +416,7 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
         ready = None
     if tamper_gather is not None:
         gather = tamper_gather(gather, round_index)
+    called = time.monotonic()
     res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, abandon, ready=ready,
                              scheduled_in_s=scheduled_in_s)
     started = time.monotonic()
@@ -433,6 +434,7 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     fetch_s = group_download_deadline(links, sum(size for _, size in announced.values()), fetch_timeout_s,
                                       relayed=len(clients) > 1) if adaptive_deadline else fetch_timeout_s
     got, failed = server.fetch(wanted, key, fetch_s, relays, no_direct)
+    fetched = time.monotonic()
     dropped.update(failed)
     if me in announced and me not in dropped:
         got[me] = payload
@@ -452,4 +454,6 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     inputs = {p: hashlib.sha256(b).hexdigest()[:16] for p, b in got.items() if p not in dropped}
     return RoundResult(mean, metas, len(payload), sent, received, res.allreduce_s + time.monotonic() - started,
                        int(2 * (n - 1) / n * 4 * numel), dropped=dropped, inputs=inputs, download_deadline_s=fetch_s,
-                       link_bps=server.link.snapshot().bps)
+                       link_bps=server.link.snapshot().bps,
+                       phases=dict(matchmaking=started - called, gather=fetched - started,
+                                   aggregate=time.monotonic() - fetched))

@@ -93,6 +93,8 @@ class RoundResult:
     inputs: Dict[str, str] = field(default_factory=dict)   # sparse: peer_id -> digest of the payload used
     download_deadline_s: float = 0.0  # sparse: the deadline the downloads had (peers/deadlines.py; 0: none)
     link_bps: float = 0.0  # sparse: our measured download rate after this round (bit/s; 0: not measured)
+    phases: Dict[str, float] = field(default_factory=dict)  # seconds per phase: matchmaking, gather, aggregate
+    finished_at: float = field(default_factory=time.monotonic)  # time.monotonic() when the result was complete
 
 
 def group_bits(round_index: int) -> str:
@@ -302,4 +304,5 @@ def exchange(averager: PseudoGradientAverager, rnd: CompressionRound, round_inde
         allreduce_s += res.allreduce_s
     n = max(len(metas), 1)
     fp32 = int(2 * (n - 1) / n * 4 * sum(t.numel() for t in rnd.m))
-    return RoundResult(rnd.result(), metas, payload, sent, received, allreduce_s, fp32)
+    return RoundResult(rnd.result(), metas, payload, sent, received, allreduce_s, fp32,
+                       phases=dict(allreduce=allreduce_s))
