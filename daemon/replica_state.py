@@ -10,6 +10,7 @@ is copied under a lock because hivemind reads it from another thread).
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 from typing import Callable, Optional, Sequence
@@ -29,6 +30,7 @@ from dilocox.pipeline import PipelinedInnerLoop
 from dilocox.scaffold import ControlVariates, apply_correction_step
 from dilocox.sparse import SparseCompressor
 from dilocox.stages import tensor_bytes
+from dilocox.synthetic import SyntheticInnerLoop
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +98,9 @@ class ReplicaState:
         self.outer_step = 0
         self.round = 1
         self.digest = params_digest(self.outer.global_params)
-        self._served_lock = threading.Lock()
-        self._served: Optional[tuple[dict, list[torch.Tensor]]] = None
+        # theta, momentum, c and the shared compression state change only under this lock (training thread);
+        # ``served`` copies them under it when a joiner asks, so no second copy of theta is held between requests
+        self._theta_lock = threading.RLock()
         self.on_snapshot: Callable[[], None] = lambda: None  # e.g. raise our donor priority
         self.on_applied: Callable[[AppliedUpdate], None] = lambda update: None  # e.g. serve it for catch-up
 
@@ -130,6 +133,8 @@ class ReplicaState:
         holds the local parameters, which differ from theta during a delayed round: they are swapped out
         for the evaluation and put back bit for bit (a stage node evaluates with its replica's stages,
         which swap at the same point of their collective order)."""
+        if isinstance(self.inner, SyntheticInnerLoop):  # its loss reads theta directly: no swap, no extra copy
+            return self.inner.evaluate_params(self.outer.global_params), math.nan
         local = [p.detach().clone() for p in self.inner.params]
         self.inner.load_params(self.outer.global_params)
         try:
@@ -200,33 +205,40 @@ class ReplicaState:
         without an update (skipped), theta_index = theta_{index-1}. Local parameters are untouched.
         ``on_applied`` gets the update, for joiners that missed it (dilocox/catchup.py)."""
         parent = self.digest
-        if averaged is not None:
-            self.schedule.update_theta(list(averaged), group_size, outer_step=index)
-            if self.control is not None:  # c from the aggregate every member holds: no channel of its own
-                self.control.derive_c_from_aggregate(list(averaged), self.lr_sum(index), 1, 1)
-        self.outer_step, self.digest = index, params_digest(self.outer.global_params)
+        with self._theta_lock:
+            if averaged is not None:
+                self.schedule.update_theta(list(averaged), group_size, outer_step=index)
+                if self.control is not None:  # c from the aggregate every member holds: no channel of its own
+                    self.control.derive_c_from_aggregate(list(averaged), self.lr_sum(index), 1, 1)
+            self.outer_step, self.digest = index, params_digest(self.outer.global_params)
         self.snapshot()
         self.on_applied(AppliedUpdate(index, parent, self.digest, max(1, group_size),
                                       None if averaged is None else [a.to("cpu", torch.float32) for a in averaged]))
 
     # ------------------------------------------------------------------ state transfer
     def snapshot(self) -> None:
-        """Copy theta, momentum and the shared compression state for donors (read by ``served``)."""
-        control = [c.clone() for c in self.control.c] if self.control is not None else []
-        tensors = ([p.clone() for p in self.outer.global_params] + self.outer.momentum_buffers() + control
-                   + [t.clone() for t in self.compressor.shared_tensors()])
-        meta = dict(run_id=self.cfg.run_id, outer_step=self.outer_step, digest=self.digest,
-                    num_params=len(self.outer.global_params), compression_rank=self.compressor.rank,
-                    compression_digest=self.compressor.digest(),
-                    control_digest=self.control.digest() if self.control is not None else "")
-        with self._served_lock:
-            self._served = (meta, tensors)
+        """Theta, momentum and the shared compression state changed: tell donors (``on_snapshot``).
+        Nothing is copied here: ``served`` copies the state when a joiner asks for it."""
         self.on_snapshot()
 
+    def changing(self) -> threading.RLock:
+        """The lock held while theta or the shared state changes: ``with state.changing(): ...`` groups changes
+        that must be served together (e.g. the compressor's new shared state and the outer step)."""
+        return self._theta_lock
+
     def served(self) -> tuple[dict, list[torch.Tensor]]:
-        """The last snapshot (any thread)."""
-        with self._served_lock:
-            return self._served
+        """(meta, tensors): a consistent copy of theta, the outer momentum (zeros when the outer optimizer
+        keeps none), SCAFFOLD's c and the shared compression state, taken under the lock that every change
+        to them holds (any thread; transient memory: one copy of the state while it is served)."""
+        with self._theta_lock:
+            control = [c.clone() for c in self.control.c] if self.control is not None else []
+            tensors = ([p.clone() for p in self.outer.global_params] + self.outer.momentum_buffers() + control
+                       + [t.clone() for t in self.compressor.shared_tensors()])
+            meta = dict(run_id=self.cfg.run_id, outer_step=self.outer_step, digest=self.digest,
+                        num_params=len(self.outer.global_params), compression_rank=self.compressor.rank,
+                        compression_digest=self.compressor.digest(),
+                        control_digest=self.control.digest() if self.control is not None else "")
+        return meta, tensors
 
     def adopt(self, theta: list[torch.Tensor], momentum: list[torch.Tensor], compression_rank: int,
               compression_shared: list[torch.Tensor], outer_step: int, digest: str, round_: int,
@@ -234,17 +246,18 @@ class ReplicaState:
         """Take a downloaded (already validated) state. keep_round: x <- theta + this round's local
         progress, whose pseudo-gradient is still ours to send; else x <- theta and round ``round_`` begins.
         ``control``: the swarm's SCAFFOLD c (our c_i starts again from zero: it belonged to another trajectory)."""
-        self.outer.load_state(theta, momentum)
-        if self.control is not None:
-            self.control.load_state_dict(dict(c=control, c_i=[torch.zeros_like(c) for c in control]))
-        self.compressor.load_shared(compression_rank, compression_shared)
-        if keep_round:
-            self.schedule.rebase(self.inner.params)
-        else:
-            self.inner.load_params(self.outer.global_params)
-            self.schedule.begin_round(self.inner.params)
-            self.round = round_
-        self.outer_step, self.digest = outer_step, digest
+        with self._theta_lock:
+            self.outer.load_state(theta, momentum)
+            if self.control is not None:
+                self.control.load_state_dict(dict(c=control, c_i=[torch.zeros_like(c) for c in control]))
+            self.compressor.load_shared(compression_rank, compression_shared)
+            if keep_round:
+                self.schedule.rebase(self.inner.params)
+            else:
+                self.inner.load_params(self.outer.global_params)
+                self.schedule.begin_round(self.inner.params)
+                self.round = round_
+            self.outer_step, self.digest = outer_step, digest
         self.snapshot()
 
     def replay(self, theta: list[torch.Tensor], momentum: list[torch.Tensor], control: Optional[list[torch.Tensor]],
@@ -264,7 +277,8 @@ class ReplicaState:
 
     def claim_outer_step(self, outer_step: int) -> None:
         """Take our theta as ``outer_step`` (no other copy of our stage exists to say otherwise)."""
-        self.outer_step = outer_step
+        with self._theta_lock:
+            self.outer_step = outer_step
         self.snapshot()
 
     # ------------------------------------------------------------------ checkpoints
@@ -291,7 +305,8 @@ class ReplicaState:
             raise ValueError(f"it belongs to run {owner[0]!r} / model {owner[1]!r} / stage {owner[2]!r}")
         before = (self.checkpoint_state(), [p.detach().clone() for p in self.inner.params])
         try:
-            self._restore(state)
+            with self._theta_lock:
+                self._restore(state)
         except Exception as e:  # anything a damaged file can make the loaders raise
             saved, params = before
             self._restore(saved)

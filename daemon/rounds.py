@@ -382,10 +382,13 @@ class OuterRounds:
                         self.measured_bps = max(self.measured_bps, 8 * result.bytes_sent / result.allreduce_s)
                     # from all-gathered figures only, so every member picks the same rank (and averager)
                     p.compression.decide_rank(*group_limits(result.gathered), group_size)
-                    self.state.compressor.commit(p.compression)
-        # averaged None (skipped): only the local re-base follows
+        # averaged None (skipped): only the local re-base follows; a donor serves the new shared compression
+        # state only together with the outer step it belongs to
         apply_began = time.monotonic()
-        self.state.apply_outer(averaged, p.index, group_size)
+        with self.state.changing():
+            if outcome == RoundOutcome.APPLIED:
+                self.state.compressor.commit(p.compression)
+            self.state.apply_outer(averaged, p.index, group_size)
         info = self._info(p, group_size, outcome, result, waited_from)
         info.apply_s = time.monotonic() - apply_began
         if early:

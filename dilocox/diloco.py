@@ -135,8 +135,12 @@ class OuterOptimizer:
         learning rate to ``lr_at(t)`` first (None: the last one set)."""
         if outer_step is not None:
             self.outer_optimizer.param_groups[0]["lr"] = self.lr_at(outer_step)
+        # torch's SGD adds the momentum into the gradient in place with Nesterov on its foreach path (optim/sgd.py,
+        # _multi_tensor_sgd): only then is a copy needed to leave the caller's aggregate as it was
+        nesterov = self.outer_optimizer.param_groups[0]["nesterov"]
         for p, g in zip(self.global_params, averaged_pseudo_gradient):
-            p.grad = g.to(torch.float32).clone()
+            g = g.to(torch.float32)
+            p.grad = g.clone() if nesterov else g
         self.outer_optimizer.step()
         for p in self.global_params:
             p.grad = None

@@ -147,6 +147,11 @@ class SyntheticInnerLoop:
         return _quadratic(self.params)
 
     @torch.no_grad()
+    def evaluate_params(self, tensors: list[torch.Tensor]) -> float:
+        """The "loss" of other parameters (theta) without loading them."""
+        return _quadratic(tensors)
+
+    @torch.no_grad()
     def load_params(self, tensors: list[torch.Tensor]) -> None:
         for p, t in zip(self.params, tensors):
             p.copy_(t)

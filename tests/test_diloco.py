@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -91,3 +93,18 @@ def test_checkpoint_falls_back_to_the_last_good_one(tmp_path):
     found_path, state = load_latest_checkpoint(tmp_path)
     assert found_path.name == "step-00000001.pt" and torch.equal(state["x"], torch.ones(3))
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_the_outer_step_leaves_the_aggregate_as_it_was():
+    """rounds.py hands the same aggregate to the outer step and then to the catch-up log (dilocox/catchup.py):
+    the step must not change it (torch's Nesterov SGD adds momentum into the gradient in place)."""
+    g = torch.Generator().manual_seed(0)
+    for (lr, mu, nesterov), foreach in itertools.product(((0.7, 0.9, True), (0.7, 0.9, False), (3.5, 0.0, False)),
+                                                         (None, True)):
+        outer = OuterOptimizer([torch.randn(7, generator=g)], lr, mu, nesterov)
+        outer.outer_optimizer.param_groups[0]["foreach"] = foreach  # True: the path torch takes on GPUs
+        for _ in range(3):
+            aggregate = [torch.randn(7, generator=g)]
+            kept = aggregate[0].clone()
+            outer.step(aggregate)
+            assert torch.equal(aggregate[0], kept)
