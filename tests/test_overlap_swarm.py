@@ -1,0 +1,115 @@
+"""Overlapped rounds (--overlap adaptive) on real nodes: round t's exchange runs while round t+1 computes and
+its update joins the local parameters as soon as it is in. Theta stays bit-identical on every replica
+(digests at every outer step), a joiner enters, the robust aggregation clips a sign flipper, the delay
+follows the link (inner steps of the next round computed before the merge), and SCAFFOLD and pipeline
+stages run in this mode."""
+
+from __future__ import annotations
+
+import signal
+import statistics
+
+import pytest
+
+from bench.localswarm import group_applied
+from tests.helpers import FAST, digests_by_step, start
+
+pytestmark = pytest.mark.integration
+ADAPTIVE = FAST + ["--overlap", "adaptive"]
+
+
+def _stop(nodes) -> None:
+    for n in nodes:
+        n.terminate(signal.SIGKILL)
+
+
+def test_adaptive_overlap_with_a_sign_flipper_and_a_joiner(tmp_path):
+    # the tiny model's rounds (40 steps, ~1 s of compute per node here) are shorter than the exchange (matchmaking
+    # alone takes 2 s): the update lands after the next round's compute and is merged at its end (tau = H)
+    args = ADAPTIVE + ["--run-id", "adaptive", "--min-replicas", "3", "--inner-steps", "40"]
+    a = start(tmp_path, "a", args)
+    b = start(tmp_path, "b", args + ["--join", a.join_maddr])
+    s = start(tmp_path, "s", args + ["--join", a.join_maddr, "--attack", "bench.attacks.gradient:SignFlip"])
+    nodes = [a, b, s]
+    try:
+        flipper = s.status().peer_id
+        assert a.status().overlap == "adaptive"
+        for n in (a, b):
+            n.wait_for(lambda p: len([r for r in p.metrics() if r["outcome"] == "applied"]) >= 4, 180,
+                       "four applied rounds")
+        for n in (a, b):
+            rows = [r for r in n.metrics() if r["outcome"] == "applied"]
+            assert all(r["overlap"] == "adaptive" and 0 <= r["overlap_steps"] <= 40 for r in rows), rows
+            assert all(r["exchange_s"] > 0 and r["encode_s"] > 0 and r["apply_s"] > 0 for r in rows), rows
+            assert f"contribution of {flipper} scaled by" in n.err_path.read_text()  # norm bound + CenteredClip
+        c = start(tmp_path, "c", args + ["--join", a.join_maddr])
+        nodes.append(c)
+        first = c.wait_for(lambda p: [r for r in p.metrics() if r["outcome"] == "applied"], 150,
+                           "the joiner's first applied round")[0]
+        for n in (a, b, c):
+            n.wait_for(lambda p: any(r["outer_step"] > first["outer_step"] for r in p.metrics()), 90,
+                       "one more round after the joiner's first")
+        steps = digests_by_step(nodes)  # theta is the same on every replica at every outer step
+        assert all(len(d) == 1 for d in steps.values()), steps
+        assert all(count >= 2 for count in group_applied([a, b, c]).values())
+        val = [r["val_loss"] for r in a.metrics()]
+        assert val[-1] < val[0] - 0.3, val  # it learns, the flipper notwithstanding
+    finally:
+        _stop(nodes)
+
+
+@pytest.mark.swarm
+def test_the_delay_follows_the_link(tmp_path):
+    """An emulated model whose rounds (30 steps of 0.1 s) outlast the exchange on loopback: the update joins
+    the local parameters part-way through the next round (0 < tau < H), and the round's end does not wait."""
+    args = FAST + ["--overlap", "adaptive", "--run-id", "follows", "--min-replicas", "2", "--inner-steps", "30",
+                   "--workload", "synthetic:200k:0.1", "--eval-every", "100"]
+    a = start(tmp_path, "a", args)
+    b = start(tmp_path, "b", args + ["--join", a.join_maddr])
+    try:
+        for n in (a, b):
+            n.wait_for(lambda p: len([r for r in p.metrics() if r["outcome"] == "applied"]) >= 4, 150,
+                       "four applied rounds")
+        for n in (a, b):
+            rows = [r for r in n.metrics() if r["outcome"] == "applied"]
+            taus = [r["overlap_steps"] for r in rows]
+            assert all(0 < t < 30 for t in taus), taus
+            # tau matches the exchange's length in steps of 0.1 s (rounded up, plus the step in progress)
+            assert all(abs(r["overlap_steps"] - r["exchange_s"] / 0.1) <= 4 for r in rows), rows
+            assert statistics.median(r["wait_s"] for r in rows) < 0.5, rows  # nothing waited at the round's end
+        steps = digests_by_step([a, b])
+        assert all(len(d) == 1 for d in steps.values()), steps
+    finally:
+        _stop([a, b])
+
+
+@pytest.mark.swarm
+def test_scaffold_and_stages_in_adaptive_overlap(tmp_path):
+    """SCAFFOLD's swarm control variate and two replicas of two pipeline stages (stage nodes merge at the
+    round's end: a pause mid-round would hold up their replica's pipeline) stay equal across replicas."""
+    scaffold = ADAPTIVE + ["--run-id", "ovl-scaffold", "--min-replicas", "2", "--outer-algorithm", "scaffold"]
+    a = start(tmp_path, "a", scaffold)
+    b = start(tmp_path, "b", scaffold + ["--join", a.join_maddr])
+    staged = ADAPTIVE + ["--run-id", "ovl-staged", "--compression", "adaptive", "--rank-min", "4", "--rank-max",
+                         "4", "--microbatches", "2", "--pipeline-addr", "127.0.0.1:0", "--min-replicas", "2",
+                         "--matchmaking-time", "4", "--averaging-timeout", "10"]
+    s = [start(tmp_path, "s0", staged + ["--stage", "0/2"])]
+    join = ["--join", s[0].join_maddr]
+    s += [start(tmp_path, name, staged + ["--stage", stage] + join) for name, stage in
+          (("s1", "1/2"), ("t0", "0/2"), ("t1", "1/2"))]
+    try:
+        for n in (a, b):
+            n.wait_for(lambda p: len([r for r in p.metrics() if r["outcome"] == "applied"]) >= 3, 150,
+                       "three applied SCAFFOLD rounds")
+        both = [{r["outer_step"]: (r["digest"], r["control_digest"]) for r in n.metrics()} for n in (a, b)]
+        shared = set(both[0]) & set(both[1])
+        assert shared and all(both[0][k] == both[1][k] for k in shared), both
+        for n in s:
+            n.wait_for(lambda p: len([r for r in p.metrics() if r["outcome"] == "applied" and r["group_size"] == 2])
+                       >= 2, 240, "two rounds averaged with the other replica's stage")
+        for stage in ((s[0], s[2]), (s[1], s[3])):
+            applied = group_applied(list(stage))
+            assert applied and all(count == 2 for count in applied.values()), applied
+        assert all(r["overlap_steps"] == 20 for n in s for r in n.metrics() if r["outcome"] == "applied")
+    finally:
+        _stop([a, b, *s])
