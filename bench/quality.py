@@ -139,8 +139,10 @@ METHODS = {m.name: m for m in [
     *[_overlapped(f"D-a{a}-{b}-delayed", "delayed", lr=(a, b)) for a, b in ((1.5, 2.5), (2, 3), (1, 2))],
     *[_overlapped(f"D-{d}-{p}-{src}", d, proxy=p, proxy_source=src)
       for d in ("delayed", "tau10") for p in ("local", "eager") for src in ("code", "raw", "ef")],
-    *[_overlapped(f"D-{d}-mix{m:g}", d, merge="mix", mix=m) for d in ("tau3", "tau10", "delayed") for m in (0.5,)],
-    _overlapped("fp32-tau10", "tau10", fp32=True),
+    *[_overlapped(f"D-{d}-mix{m:g}", d, merge="mix", mix=m) for d in ("tau3", "tau10", "delayed") for m in (0.5, 0)],
+    *[_overlapped(f"D-{d}-local-code", d, proxy="local") for d in ("tau1", "tau3", "tau20")],
+    *[_overlapped(f"fp32-{d}", d, fp32=True) for d in ("tau1", "tau3", "tau10")],
+    _overlapped("fp32-delayed-local-code", "delayed", fp32=True, proxy="local"),
 ]}
 
 
