@@ -11,6 +11,8 @@ budget per replica (outer_steps x H inner steps of batch x seq tokens):
   (e) default    the daemon's defaults: synchronous rounds matched during their last inner steps,
                  sparse contributions (top-128 of 4096, Rice-coded indices, 2-bit, error feedback
                  decay 0.9, outer SGD ramped 2.5 -> 4.5) all-gathered and combined by CenteredClip
+  (f) adaptive   the same with --overlap adaptive: round t's exchange runs while round t+1 computes and
+                 its update joins the local parameters as soon as it is in (docs/algorithms.md)
 Per run: tokens/s per replica (steady state), compute utilization, bytes on the wire per token
 (tx bytes of the hosts' interfaces, read from sysfs inside the namespaces: everything, DHT
 included), validation loss of the final parameters, and the speedup of (d) over (a).
@@ -29,10 +31,11 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from bench.control import tx_bytes
+from bench.control import rx_bytes, tx_bytes
 from bench.localswarm import REPO, LocalNode, node_env
 from bench.netsim import NetSim
 
@@ -41,7 +44,9 @@ VARIANTS = {
     "c_diloco_fp16": ["--overlap", "none", "--compression", "fp16"],
     "d_dilocox": ["--overlap", "delayed", "--compression", "adaptive"],
     "e_default": [],
+    "f_adaptive": ["--overlap", "adaptive"],
 }
+PHASES = ("encode_s", "group_s", "gather_s", "aggregate_s", "apply_s", "exchange_s", "wait_s", "overlap_steps")
 
 
 def run_ddp(net: NetSim, args, steps: int, max_seconds: float) -> dict:
@@ -69,42 +74,105 @@ def run_ddp(net: NetSim, args, steps: int, max_seconds: float) -> dict:
                 steps=r0["steps"], full=r0["steps"] >= steps)
 
 
-def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path) -> dict:
-    common = ["--model", "small", "--inner-steps", str(args.inner_steps), "--inner-lr", args.inner_lr,
+def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path, nodes: int = 2,
+              workload: str = "") -> dict:
+    """One swarm of ``nodes`` real dilocox-node processes, host i in namespace i, until max_outer_steps.
+    ``workload``: an emulated one (--workload synthetic:PARAMS:STEP_S) instead of the ``small`` model.
+    Returns utilization, bytes on the hosts' interfaces (tx and rx, per node and round), the median time
+    of each round phase (PHASES), the delay overlapped rounds ran with, and each node's peak memory."""
+    model = ["--workload", workload] if workload else ["--model", "small"]
+    common = [*model, "--inner-steps", str(args.inner_steps), "--inner-lr", args.inner_lr,
               "--warmup-steps", "20", "--total-steps", str(args.outer_steps * args.inner_steps),
-              "--max-outer-steps", str(args.outer_steps), "--min-replicas", "2", "--request-timeout", "2",
+              "--max-outer-steps", str(args.outer_steps), "--min-replicas", str(nodes), "--request-timeout", "2",
               "--matchmaking-time", "4", "--averaging-timeout", "120", "--outer-round-deadline", "400",
               "--eval-batches", "8", "--eval-every", str(args.outer_steps), "--status-addr", "127.0.0.1:0",
               "--run-id", name.replace("_", "-"), *extra]
-    before = [tx_bytes(net, i) for i in range(2)]
-    nodes = []
-    for i in range(2):
-        a = common + ["--listen", f"/ip4/{net.address(i)}/tcp/0", "--data-seed", str(i)]
-        if nodes:
-            a += ["--join", nodes[0].join_maddr]
-        nodes.append(LocalNode(f"h{i}", out / name / f"h{i}", a, wrapper=net.wrapper(i)).wait_started())
+    before = [(tx_bytes(net, i), rx_bytes(net, i)) for i in range(nodes)]
+    procs = []
+    memory = PeakMemory()
     try:
-        codes = [n.proc.wait(args.outer_steps * 600) for n in nodes]
+        for i in range(nodes):
+            a = common + ["--listen", f"/ip4/{net.address(i)}/tcp/0", "--data-seed", str(i)]
+            if procs:
+                a += ["--join", procs[0].join_maddr]
+            procs.append(LocalNode(f"h{i}", out / name / f"h{i}", a, wrapper=net.wrapper(i)).wait_started())
+            memory.watch(procs[-1].proc.pid)
+        codes = [n.proc.wait(args.outer_steps * 600) for n in procs]
     finally:
-        for n in nodes:
+        memory.stop()
+        for n in procs:
             n.terminate()
-    if codes != [0, 0]:
-        raise RuntimeError(f"{name}: exit codes {codes}\n{nodes[0].log_tail()}\n{nodes[1].log_tail()}")
-    sent = sum(tx_bytes(net, i) - b for i, b in enumerate(before))
-    rows = nodes[0].metrics()
+    if codes != [0] * nodes:
+        raise RuntimeError(f"{name}: exit codes {codes}\n" + "\n".join(n.log_tail() for n in procs))
+    after = [(tx_bytes(net, i), rx_bytes(net, i)) for i in range(nodes)]
+    sent = sum(a[0] - b[0] for a, b in zip(after, before))
+    received = sum(a[1] - b[1] for a, b in zip(after, before))
+    rows = procs[0].metrics()
     steady = rows[1:-1] if len(rows) > 3 else rows  # the first round warms up, the last drains
     span = steady[-1]["time"] - rows[0]["time"]
     tokens = rows[-1]["tokens_total"]
     per_round_tokens = tokens / len(rows)
+    everyone = [r for n in procs for r in (n.metrics()[1:-1] if len(n.metrics()) > 3 else n.metrics())]
+    phases = {k: statistics.median(r.get(k, 0.0) for r in everyone) for k in PHASES}
+    all_tokens = sum(n.metrics()[-1]["tokens_total"] for n in procs)
     return dict(tokens=tokens, tokens_per_s=per_round_tokens * len(steady) / span,
                 compute_utilization=min(1.0, sum(r["compute_s"] for r in steady) / span),
-                bytes_per_token=sent / (tokens + nodes[1].metrics()[-1]["tokens_total"]),
+                utilization_per_node=[min(1.0, statistics.median(r["compute_utilization"] for r in n.metrics()[2:]
+                                                                  or n.metrics())) for n in procs],
+                bytes_per_token=sent / all_tokens,
+                tx_bytes_per_node_round=sent / nodes / len(rows), rx_bytes_per_node_round=received / nodes / len(rows),
+                round_s=span / len(steady), compute_s=statistics.median(r["compute_s"] for r in steady),
                 val_loss=rows[-1]["val_loss"], ranks=[r["rank"] for r in rows],
                 compression_ratio=statistics.median(r["compression_ratio"] for r in rows[1:] or rows),
                 payload_bytes=statistics.median(r["payload_bytes"] for r in rows[1:] or rows),
                 outcomes=[r["outcome"] for r in rows], group_sizes=[r["group_size"] for r in rows],
-                digests_agree=all(a["digest"] == b["digest"] for a, b in zip(rows, nodes[1].metrics())),
-                val_losses=[r["val_loss"] for r in rows])
+                digests_agree=all(len({r["digest"] for r in step}) == 1 for step in zip(*(n.metrics() for n in procs))),
+                val_losses=[r["val_loss"] for r in rows], phases=phases, peak_memory_bytes=memory.peaks())
+
+
+class PeakMemory:
+    """Samples, every 0.5 s on a thread, the proportional set size (PSS: shared pages split among sharers) of
+    each watched process and its descendants; ``peaks()`` is each tree's largest sum seen."""
+
+    def __init__(self):
+        self._roots: list[int] = []
+        self._peak: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def watch(self, pid: int) -> None:
+        self._roots.append(pid)
+
+    def peaks(self) -> list[int]:
+        return [self._peak.get(pid, 0) for pid in self._roots]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            for root in list(self._roots):
+                self._peak[root] = max(self._peak.get(root, 0), sum(_pss(p) for p in _tree(root)))
+
+
+def _tree(pid: int) -> list[int]:
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    return [pid] + [q for k in kids for q in _tree(int(k))]
+
+
+def _pss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 SPREAD_KEYS = ("tokens_per_s", "compute_utilization", "bytes_per_token", "bytes_per_token_reduction_vs_ddp")

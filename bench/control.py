@@ -29,7 +29,13 @@ CONFIGS = {
 
 
 def tx_bytes(net: NetSim, i: int) -> int:
+    """Bytes host i's interface sent (everything: payloads, DHT, keep-alives)."""
     return int(net.run(i, ["cat", f"/sys/class/net/dlxh{i}/statistics/tx_bytes"]).stdout)
+
+
+def rx_bytes(net: NetSim, i: int) -> int:
+    """Bytes host i's interface received."""
+    return int(net.run(i, ["cat", f"/sys/class/net/dlxh{i}/statistics/rx_bytes"]).stdout)
 
 
 def measure(net: NetSim, name: str, extra: list[str], nodes: int, seconds: float, out: Path) -> dict:
