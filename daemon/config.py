@@ -195,6 +195,11 @@ class NodeConfig(BaseModel):
                             "end of round t+1; adaptive: round t's all-gather runs while round t+1 computes and its "
                             "update joins the local parameters as soon as it is in (the delay follows the link; "
                             "docs/algorithms.md, \"Overlapped rounds\")")
+    overlap_wait: float = Field(0.05, ge=0, le=1,
+                                description="adaptive: at a round's end, wait for its exchange up to this fraction of "
+                                            "the round's compute time; if it lands in time the next round starts "
+                                            "from its update (synchronous quality, utilization >= 1 - this), "
+                                            "else it is overlapped")
     compression: Literal["none", "fp16", "int8", "adaptive", "sparse"] = Field(
         "sparse",
         description="pseudo-gradient codes: none (fp32), fp16 (16-bit), int8 (8-bit), adaptive (low rank + 8-bit), "

@@ -107,6 +107,7 @@ class PendingRound:
     encode_s: float = 0.0
     early_tried: bool = False
     merged_at: Optional[int] = None  # adaptive: the next round's inner step at which theta joined the local params
+    waited_s: float = 0.0  # adaptive: time waited for the exchange before the next round began (wait_briefly)
 
 
 @dataclass
@@ -289,6 +290,21 @@ class OuterRounds:
         self.state.round = p.index + 1
         self.state.begin_round()
 
+    def wait_briefly(self, budget_s: float) -> bool:
+        """Adaptive overlap, between a round's end and the next round's first inner step: wait up to ``budget_s``
+        for the held round's exchange; if it lands in time, apply and merge it now (the next round then starts
+        from theta: a synchronous round). True if it did. The time waited counts in the round's ``wait_s``."""
+        p = self.pending
+        if p is None or not self.merge_early or budget_s <= 0:
+            return False
+        began, deadline = time.monotonic(), time.monotonic() + budget_s
+        while p.future is not None and not p.future.done() and time.monotonic() < deadline:
+            if self.leave_requested.is_set():
+                return False
+            time.sleep(0.005)
+        p.waited_s = time.monotonic() - began
+        return self.finish_early(0)
+
     def take_pending(self) -> Optional[PendingRound]:
         p, self.pending = self.pending, None
         return p
@@ -433,7 +449,7 @@ class OuterRounds:
               waited_from: float) -> RoundInfo:
         now = time.monotonic()
         info = RoundInfo(outer_step=p.index, group_size=group_size, duration_s=now - p.started,
-                         compute_s=p.compute_s, outcome=outcome.value, wait_s=now - waited_from)
+                         compute_s=p.compute_s, outcome=outcome.value, wait_s=now - waited_from + p.waited_s)
         times = self.times.get(p.index)
         self.times = {r: t for r, t in self.times.items() if r > p.index}
         if times is not None:

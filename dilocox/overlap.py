@@ -124,8 +124,8 @@ class OuterSchedule:
         if self.merged:
             return
         for p, theta, start in zip(local_params, self.outer.global_params, self.round_start):
-            if self.merge_rule == "rebase":
-                p.add_(theta.to(p.device) - start.to(p.device))
+            if self.merge_rule == "rebase":  # theta + (x - s): exactly theta when no step was taken (tau = 0)
+                p.copy_(theta.to(p.device) + (p - start.to(p.device)))
             else:
                 p.mul_(self.mix).add_(theta.to(p.device), alpha=1.0 - self.mix)
             start.copy_(theta)

@@ -60,10 +60,11 @@ def test_adaptive_overlap_with_a_sign_flipper_and_a_joiner(tmp_path):
 
 @pytest.mark.swarm
 def test_the_delay_follows_the_link(tmp_path):
-    """An emulated model whose rounds (30 steps of 0.1 s) outlast the exchange on loopback: the update joins
-    the local parameters part-way through the next round (0 < tau < H), and the round's end does not wait."""
-    args = FAST + ["--overlap", "adaptive", "--run-id", "follows", "--min-replicas", "2", "--inner-steps", "30",
-                   "--workload", "synthetic:200k:0.1", "--eval-every", "100"]
+    """An emulated model whose rounds (30 steps of 0.1 s) outlast the exchange on loopback: with no wait at the
+    round's end (--overlap-wait 0) the update joins the local parameters part-way through the next round
+    (0 < tau < H, as many steps as the exchange took), and the round's end does not wait."""
+    args = FAST + ["--overlap", "adaptive", "--overlap-wait", "0", "--run-id", "follows", "--min-replicas", "2",
+                   "--inner-steps", "30", "--workload", "synthetic:200k:0.1", "--eval-every", "100"]
     a = start(tmp_path, "a", args)
     b = start(tmp_path, "b", args + ["--join", a.join_maddr])
     try:

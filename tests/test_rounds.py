@@ -220,3 +220,30 @@ def test_delayed_leaves_a_resync_to_the_rounds_end(state):
     rounds.hold(pending(state, None))
     assert not rounds.finish_early(1) and state.outer_step == 0
     assert rounds.finish(rounds.take_pending()).outcome == RoundOutcome.RESYNC
+
+
+def test_adaptive_waits_briefly_for_an_exchange_that_lands_in_time(tmp_path):
+    """wait_briefly: an exchange already in (or in within the budget) is applied and merged before the next
+    round's first step (tau = 0, a synchronous round); one still out after the budget is left to overlap."""
+    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 400)
+    cfg = NodeConfig(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=2, compression="none",
+                     overlap="adaptive", seq_len=16, batch_size=2)
+    state = ReplicaState(cfg, make_workload(cfg.model, cfg.data, 16, 2, cfg.eval_batches), shard_key=1)
+    state.begin_round()
+    for i in range(2):
+        state.inner_step(*state.shard.next_batch(), i)
+    rounds = rounds_for(state, FakeProgress(), overlap="adaptive")
+    p = pending(state, None)
+    digest = params_digest(p.future.result().tensors)
+    rounds.progress.results = {"a": digest, "b": digest}
+    rounds.hold(p)
+    assert rounds.wait_briefly(0.5) and state.outer_step == 1
+    assert all(torch.equal(x, t) for x, t in zip(state.params, state.outer.global_params))  # starts from theta
+    done = rounds.finish(rounds.take_pending())
+    assert done.outcome == RoundOutcome.APPLIED and done.info.overlap_steps == 0
+    late = pending(state, None)
+    late.future = Future()  # never completes
+    rounds.hold(late)
+    began = time.monotonic()
+    assert not rounds.wait_briefly(0.2) and 0.15 < time.monotonic() - began < 1.0
+    assert state.outer_step == 1 and late.waited_s >= 0.15
