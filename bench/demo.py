@@ -28,17 +28,21 @@ DEMO_ARGS = ["--model", "small", "--data", "builtin:shakespeare", "--inner-steps
 
 def _table(nodes, started: float) -> Table:
     table = Table(title=f"dilocox demo: {len(nodes)} nodes on loopback, {time.monotonic() - started:.0f}s")
-    for col in ("node", "state", "outer", "inner", "loss", "val loss", "tok/s", "group", "sent MB", "digest"):
+    for col in ("node", "state", "outer", "inner", "loss", "val loss", "tok/s", "util", "tau", "group", "sent MB",
+                "digest"):
         table.add_column(col, justify="right")
     for n in nodes:
         try:
             s = n.status(timeout=1.0)
         except grpc.RpcError:
-            table.add_row(n.name, "?", *[""] * 8)
+            table.add_row(n.name, "?", *[""] * 10)
             continue
+        # util: compute time / wall time over the last rounds; tau: inner steps of the next round computed before
+        # the last round's update joined (0: synchronous)
         table.add_row(n.name, s.state, str(s.outer_step), f"{s.inner_step}/{s.inner_steps}", f"{s.loss:.3f}",
-                      f"{s.val_loss:.3f}", f"{s.tokens_per_second:.0f}", str(s.last_round.group_size),
-                      f"{s.bytes_sent / 1e6:.1f}", s.global_params_digest[:8])
+                      f"{s.val_loss:.3f}", f"{s.tokens_per_second:.0f}", f"{s.compute_utilization:.0%}",
+                      str(s.last_round.overlap_steps), str(s.last_round.group_size), f"{s.bytes_sent / 1e6:.1f}",
+                      s.global_params_digest[:8])
     return table
 
 
@@ -70,11 +74,11 @@ def main(argv=None) -> int:
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "demo")
-    args = parser.parse_args(argv)
+    args, node_args = parser.parse_known_args(argv)  # the rest go to every dilocox-node, e.g. --overlap none
     console = Console()
     shutil.rmtree(args.out, ignore_errors=True)
     console.print(f"starting {args.nodes} nodes (small model, builtin:shakespeare); logs under {args.out}")
-    nodes = start_swarm(args.nodes, args.out, DEMO_ARGS)
+    nodes = start_swarm(args.nodes, args.out, DEMO_ARGS + node_args)
     started = time.monotonic()
     initial_losses = {}
     try:
@@ -112,7 +116,8 @@ def main(argv=None) -> int:
                       f"val {s['first_val_loss']:.3f} -> {s['last_val_loss']:.3f}, "
                       f"{s['tokens_per_second_compute']:.0f} tok/s, compute {s['median_compute_s']:.1f}s + "
                       f"averaging {s['median_comm_s']:.1f}s per outer step, "
-                      f"{s['median_bytes_sent_per_outer_step'] / 1e6:.1f} MB sent per outer step")
+                      f"{s['median_bytes_sent_per_outer_step'] / 1e6:.1f} MB sent per outer step, "
+                      f"compute utilization {s['compute_utilization']:.0%}")
     console.print(f"summary: {args.out / 'summary.json'}\nplot:    {args.out / 'loss.png'}"
                   + (f"\nnode 0:  {run_plot} (dilocox-ctl plot {nodes[0].workdir / 'ckpt'} -o FILE.png)"
                      if run_plot else ""))
