@@ -195,6 +195,10 @@ class NodeConfig(BaseModel):
                             "end of round t+1; adaptive: round t's all-gather runs while round t+1 computes and its "
                             "update joins the local parameters as soon as it is in (the delay follows the link; "
                             "docs/algorithms.md, \"Overlapped rounds\")")
+    overlap_proxy: Literal["none", "local"] = Field(
+        "local", description="overlapped rounds: while a round's update is in flight, start the next round from "
+                             "theta advanced by our own contribution (local: a lookahead the merge undoes, "
+                             "measured in docs/algorithms.md) or from where the last round ended (none)")
     overlap_wait: float = Field(0.05, ge=0, le=1,
                                 description="adaptive: at a round's end, wait for its exchange up to this fraction of "
                                             "the round's compute time; if it lands in time the next round starts "

@@ -88,7 +88,7 @@ class ReplicaState:
             self.compressor = Compressor(shapes, CompressionConfig(
                 mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
                 block=cfg.quant_block, seed=cfg.seed))
-        self.schedule = OuterSchedule(self.outer, cfg.overlap)
+        self.schedule = OuterSchedule(self.outer, cfg.overlap, cfg.overlap_proxy if cfg.overlap != "none" else "none")
         self.shard = workload.shard(cfg.seed, shard_key)
         self.val_batches = workload.val_batches()
         # SCAFFOLD (dilocox/scaffold.py): c shared by the swarm (digested, served, checkpointed), c_i local
@@ -189,6 +189,11 @@ class ReplicaState:
     def drop_progress(self) -> None:
         """Abandon the current round's local progress (re-base onto theta); nothing of it is sent."""
         self.schedule.rebase(self.inner.params)
+
+    def start_from_proxy(self, own: Sequence[torch.Tensor]) -> bool:
+        """Overlapped rounds, with the round's update in flight: start the next round from theta advanced by
+        ``own`` (our share of it; ``OuterSchedule.start_from_proxy``), before ``begin_round``. False: no proxy."""
+        return self.schedule.start_from_proxy(self.inner.params, list(own))
 
     def merge_local(self) -> None:
         """Adaptive overlap, mid-round: fold the latest theta into the local parameters now

@@ -285,9 +285,14 @@ class OuterRounds:
             early.ready.cancel()
 
     def hold(self, p: PendingRound) -> None:
-        """Delayed overlap: keep round p's all-reduce in flight and begin round p.index + 1."""
+        """Overlapped rounds: keep round p's exchange in flight and begin round p.index + 1, from a lookahead
+        by our own share of round p (``--overlap-proxy local``: our contribution as the group decodes it, or
+        the pseudo-gradient itself for codes that are only known after the all-reduce) where one is set."""
         self.pending = p
         self.state.round = p.index + 1
+        if p.future is not None and self.cfg.overlap_proxy != "none":
+            self.state.start_from_proxy(p.compression.own() if isinstance(p.compression, SparseRound)
+                                        else p.pseudo_gradient)
         self.state.begin_round()
 
     def wait_briefly(self, budget_s: float) -> bool:

@@ -247,3 +247,30 @@ def test_adaptive_waits_briefly_for_an_exchange_that_lands_in_time(tmp_path):
     began = time.monotonic()
     assert not rounds.wait_briefly(0.2) and 0.15 < time.monotonic() - began < 1.0
     assert state.outer_step == 1 and late.waited_s >= 0.15
+
+
+def test_held_rounds_start_from_a_lookahead_by_our_own_share(tmp_path):
+    """--overlap-proxy local: while round 1's exchange is in flight, round 2 starts from theta_0 advanced by our
+    own share of round 1 (a lookahead); none: from where round 1 ended. Theta itself is untouched."""
+    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 400)
+    starts = {}
+    for proxy in ("local", "none"):
+        cfg = NodeConfig(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=2, compression="none",
+                         overlap="delayed", overlap_proxy=proxy, seq_len=16, batch_size=2)
+        state = ReplicaState(cfg, make_workload(cfg.model, cfg.data, 16, 2, cfg.eval_batches), shard_key=1)
+        state.begin_round()
+        for i in range(2):
+            state.inner_step(*state.shard.next_batch(), i)
+        ended = [t.detach().clone() for t in state.params]
+        theta = [t.clone() for t in state.outer.global_params]
+        rounds = rounds_for(state, FakeProgress(), overlap="delayed")
+        p = pending(state, None)
+        rounds.hold(p)
+        assert all(torch.equal(a, b) for a, b in zip(theta, state.outer.global_params))
+        starts[proxy] = [t.detach().clone() for t in state.params]
+        if proxy == "none":
+            assert all(torch.equal(a, b) for a, b in zip(ended, starts[proxy]))
+        else:
+            ahead = state.outer.lookahead(p.pseudo_gradient)
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ahead, starts[proxy]))
+    assert any(not torch.equal(a, b) for a, b in zip(starts["local"], starts["none"]))
