@@ -19,6 +19,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+# the aggregation rules' version (dilocox/robust.py: RULES_VERSION), written here so that --help imports no torch
+RULES_VERSION = 2
 ENV_PREFIX = "DILOCOX_"
 ENV_EXTRA = {"DILOCOX_CONFIG"}  # names the config file itself
 
@@ -89,7 +91,8 @@ class NodeConfig(BaseModel):
         parts += [f"inner=adamw(lr={self.inner_lr!r},warmup={self.warmup_steps},wd={self.weight_decay!r},"
                   f"betas={self.beta1!r}/{self.beta2!r})",
                   f"outer=sgd({outer},momentum={self.outer_momentum!r},nesterov={self.nesterov})",
-                  f"algorithm={self.outer_algorithm} aggregation={self.aggregation}(norm_bound={self.norm_bound!r})"]
+                  f"algorithm={self.outer_algorithm} aggregation={self.aggregation}(norm_bound={self.norm_bound!r},"
+                  f"rules=v{RULES_VERSION})"]
         if self.compression == "sparse":
             parts.append(f"codes=sparse(chunk={self.sparse_chunk},topk={self.sparse_topk},bits={self.sparse_bits},"
                          f"rice={self.sparse_rice})")

@@ -22,21 +22,24 @@ a published port of its ``TopKCompressor`` and ``SparseLoCo.step``, and in Templ
   lookup table of bin means): no table to send per chunk, and the error is bounded by s / 2^bits;
 * indices within a chunk are sorted ascending and distinct (the reference uses unsorted top-k and
   a scatter "mean" that would hide duplicates): one canonical payload per selection, so a receiver
-  can reject anything else;
+  can reject anything else. Values tied with the topk-th largest |e| go to the lowest positions, so
+  the payload is a function of e alone (whatever the machine or thread count);
 * indices have a fixed width, ceil(log2 chunk) bits. Templar's current index codec
   (``tplr/compress/bits.py``) Rice-codes counts per 64- or 128-value sub-chunk, then offsets or
   bitmaps, about 8 bits per index at 1.56% density; fixed width costs a third more index bytes but
   gives a size known in advance, vectorized packing and a simple validation;
 * the mean divides by the sum of the weights of all accepted contributions (zeros where a peer did
   not select a value; the reference's scatter "mean" averages only over the peers that picked a
-  position), in float64 over peer ids in sorted order, so every member gets the same bits.
+  position), in float64 over peer ids in sorted order, so every member gets the same bits; it and
+  the robust rules (dilocox/robust.py, with its determinism contract) run on the sorted union of
+  the positions the accepted contributions sent.
 
 Quantizer (bits b in {2, 4, 8}, M = 2^(b-1)), per chunk with s = max |selected value|:
 ``code = clamp(floor((v / s + 1) * M), 0, 2M - 1)``, decoded ``v~ = s * (2 code + 1 - 2M) / (2M)``:
 2^b equal bins over [-s, s] decoded at their centres (2 bits: +-s/4, +-3s/4), i.e. sign + magnitude
 with no zero level; |v - v~| <= s / 2^b. (2 code + 1 - 2M) / (2M) is exact in fp32, so v~ is one
-fp32 product, computed by the same function on both sides: decode(encode(x)) is exactly what the
-error feedback subtracts. A chunk with s = 0 decodes to zeros.
+fp32 product, the same on both sides: decode(encode(x)) is exactly what the error feedback
+subtracts. A chunk with s = 0 decodes to zeros.
 
 Payload (little-endian; bit streams fill each byte from its least significant bit, each value
 least significant bit first; unused bits of a stream's last byte must be 0):
@@ -52,8 +55,15 @@ least significant bit first; unused bits of a stream's last byte must be 0):
 with nchunks = ceil(n / chunk) and nidx = (nchunks - 1) * topk + min(topk, last chunk's length).
 Default config: 116 bytes per 4096 values (141x smaller than fp32).
 
-Speed (3.35M values, default config, one CPU thread, best of 5): encode 47-64 ms, decode 2-7 ms,
-aggregate of 8 peers 41 ms (payload 95 kB).
+Speed (``make bench-aggregate``: the daemon's config, top-128 of each 4096 with Rice-coded indices,
+norm bound 2, one contribution outsized; 50 M values, one thread of a busy 2-core VM, medians): per
+value, encode 5.4 ns, decode 1 ns, the aggregate of 4 contributions 6 ns under the mean and 11 ns
+under centered-clip, of 8 contributions 17 and 41 ns (the rule's rows span the union of the sent
+positions, which grows with k). Everything is vectorized numpy over the chunks, a cache-sized block
+at a time; with more torch threads (``torch.set_num_threads``) the chunks, the contributions and the
+rule's column batches are split between threads (Python threads: numpy releases the GIL), with the
+same bits. ``python -m bench.codec_speed`` times this against an older version and prints a digest of
+the outputs to compare between machines.
 """
 
 from __future__ import annotations
@@ -62,6 +72,7 @@ import hashlib
 import logging
 import math
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
@@ -163,38 +174,104 @@ def payload_bytes(shapes: Sequence[Sequence[int]], cfg: SparseConfig) -> int:
     return layout(_numel(shapes), cfg).total
 
 
-def pack_bits(values: torch.Tensor, width: int) -> bytes:
+def _widen(width: int) -> type:
+    """The narrowest numpy unsigned type that holds ``width``-bit values."""
+    return np.uint8 if width <= 8 else np.uint16 if width <= 16 else np.uint32 if width <= 32 else np.uint64
+
+
+def pack_bits(values: torch.Tensor | np.ndarray, width: int) -> bytes:
     """Non-negative integers < 2^width -> bit stream (LSB first), zero-padded to whole bytes."""
-    v = values.to(torch.int64).numpy()
-    bits = ((v[:, None] >> np.arange(width, dtype=np.int64)) & 1).astype(np.uint8)
+    v = values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+    v = v.reshape(-1)
+    count = len(v)
+    if width in (8, 16, 32):
+        return v.astype(f"<u{width // 8}").tobytes()
+    if width in (1, 2, 4):
+        per = 8 // width
+        cols = np.zeros(-(-count // per) * per, dtype=np.uint8)
+        cols[:count] = v
+        cols = cols.reshape(-1, per)
+        out = cols[:, 0].copy()
+        for j in range(1, per):
+            out |= cols[:, j] << np.uint8(j * width)
+        return out.tobytes()
+    if width == 12:  # two values in three bytes
+        pairs = np.zeros(-(-count // 2) * 2, dtype=np.uint16)
+        pairs[:count] = v
+        a, b = pairs[0::2], pairs[1::2]
+        out = np.empty((len(a), 3), dtype=np.uint8)
+        out[:, 0] = a & 0xFF
+        out[:, 1] = (a >> 8) | ((b & 0xF) << 4)
+        out[:, 2] = b >> 4
+        return out.tobytes()[:-(-count * 12 // 8)]
+    bits = ((v.astype(np.int64)[:, None] >> np.arange(width, dtype=np.int64)) & 1).astype(np.uint8)
     return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
 
 
-def unpack_bits(buf: bytes, offset: int, count: int, width: int, what: str) -> torch.Tensor:
-    """Inverse of pack_bits for ``count`` values at ``offset``; rejects nonzero padding bits."""
+def _unpack(buf: bytes, offset: int, count: int, width: int, what: str) -> np.ndarray:
+    """Inverse of pack_bits for ``count`` values at ``offset`` as a numpy array of the narrowest unsigned type;
+    rejects nonzero padding bits."""
     used = count * width
     raw = np.frombuffer(buf, dtype=np.uint8, count=-(-used // 8), offset=offset)
     if used % 8 and int(raw[-1]) >> (used % 8):
         raise ContributionError(f"nonzero padding bits after the last {what}")
-    bits = np.unpackbits(raw, count=used, bitorder="little").reshape(count, width)
-    return torch.from_numpy(bits.astype(np.int64) @ (np.int64(1) << np.arange(width, dtype=np.int64)))
+    if width in (8, 16, 32):
+        return raw.view(f"<u{width // 8}").astype(_widen(width))
+    if width in (1, 2, 4):
+        out = np.empty((len(raw), 8 // width), dtype=np.uint8)
+        for j in range(8 // width):
+            np.right_shift(raw, np.uint8(j * width), out=out[:, j])
+        out &= np.uint8((1 << width) - 1)
+        return out.reshape(-1)[:count]
+    if width == 12:
+        trip = np.zeros(-(-count // 2) * 3, dtype=np.uint16)
+        trip[:len(raw)] = raw
+        trip = trip.reshape(-1, 3)
+        out = np.empty((len(trip), 2), dtype=np.uint16)
+        out[:, 0] = trip[:, 0] | ((trip[:, 1] & 0xF) << 8)
+        out[:, 1] = (trip[:, 1] >> 4) | (trip[:, 2] << 4)
+        return out.reshape(-1)[:count]
+    # any other width (<= 57): each value from the 8 bytes that hold its first bit
+    padded = np.zeros(len(raw) + 8, dtype=np.uint8)
+    padded[:len(raw)] = raw
+    words = np.ndarray((len(raw) + 1,), dtype="<u8", buffer=padded, strides=(1,))  # unaligned, overlapping
+    start = np.arange(count, dtype=np.uint64) * np.uint64(width)
+    vals = (words[(start >> np.uint64(3)).astype(np.intp)] >> (start & np.uint64(7))) & np.uint64((1 << width) - 1)
+    return vals.astype(_widen(width))
 
 
-def _quantize(vals: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """(chunks, k) values, (chunks,) scales -> int64 codes in [0, 2^bits)."""
+def unpack_bits(buf: bytes, offset: int, count: int, width: int, what: str) -> torch.Tensor:
+    """Inverse of pack_bits for ``count`` values at ``offset`` (int64); rejects nonzero padding bits."""
+    return torch.from_numpy(_unpack(buf, offset, count, width, what).astype(np.int64))
+
+
+def _quantize(vals: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
+    """(chunks, k) fp32 values, (chunks,) scales -> uint8 codes in [0, 2^bits): floor((v / s + 1) M) in fp32."""
     m = 1 << (bits - 1)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)
-    return torch.floor((vals / safe + 1.0) * m).clamp_(0, 2 * m - 1).to(torch.int64)
+    q = vals / np.where(scale > 0, scale, np.float32(1))[:, None]
+    q += np.float32(1)
+    q *= np.float32(m)
+    np.floor(q, out=q)
+    np.clip(q, 0, 2 * m - 1, out=q)
+    return q.astype(np.uint8)
 
 
-def _dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes and a scale per code (same shape) -> fp32 values; the one decoder both sides use."""
+def _levels(bits: int) -> np.ndarray:
+    """The decoded value of each code for a scale of 1, (2 code + 1 - 2M) / (2M): exact in fp32. A code decodes to
+    scale x its level, one fp32 product, on both sides (``SparseCodec.prepare``, ``_parse``)."""
     m = 1 << (bits - 1)
-    return scale * ((2 * codes + 1 - 2 * m).to(torch.float32) / (2 * m))
+    return ((2 * np.arange(2 * m) + 1 - 2 * m) / (2 * m)).astype(np.float32)
 
 
-def _parse(payload: bytes, n: int, cfg: SparseConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate an untrusted payload completely, then return (flat positions int64, values fp32)."""
+def _rows(a: np.ndarray, lay: Layout, cfg: SparseConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per-index values -> (the chunks that send ``topk`` each, as (chunks, topk); the last chunk's)."""
+    body = (lay.nchunks - 1) * cfg.topk if lay.nchunks else 0
+    return a[:body].reshape(-1, cfg.topk), a[body:]
+
+
+def _parse(payload: bytes, n: int, cfg: SparseConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Validate an untrusted payload completely, then return (position inside its chunk, value fp32) of each sent
+    value, chunk after chunk and ascending inside each (numpy; ``_positions`` makes the flat positions)."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ContributionError(f"payload is {type(payload).__name__}, not bytes")
     buf = bytes(payload)
@@ -238,52 +315,88 @@ def _parse(payload: bytes, n: int, cfg: SparseConfig) -> tuple[torch.Tensor, tor
         c = int(np.flatnonzero(scale < 0)[0])
         raise ContributionError(f"negative scale {scale[c]} in chunk {c}")
     off += SCALE_BYTES * lay.nchunks
-    cid = torch.arange(lay.nidx) // cfg.topk  # every chunk but the last sends exactly topk values
     if cfg.rice:
-        idx = _rice_indices(buf, off, lay, cfg, cid, unary_bits)
+        idx = _rice_indices(buf, off, lay, cfg, unary_bits)  # ascending inside each chunk by construction
         off += lay.index_bytes + -(-unary_bits // 8)
     else:
-        idx = unpack_bits(buf, off, lay.nidx, cfg.index_bits, "index")
+        idx = _unpack(buf, off, lay.nidx, cfg.index_bits, "index")
         off += lay.index_bytes
-    codes = unpack_bits(buf, off, lay.nidx, cfg.bits, "code")
-    length = torch.where(cid == lay.nchunks - 1, lay.last, cfg.chunk)
-    bad = (idx >= length).nonzero()
+    codes = _unpack(buf, off, lay.nidx, cfg.bits, "code")
+    body, tail = _rows(idx, lay, cfg)
+    ok = not len(body) or bool((body[:, -1] < np.int64(cfg.chunk)).all())
+    ok = ok and (not len(tail) or int(tail[-1]) < lay.last)
+    if ok and not cfg.rice:
+        ok = bool((body[:, 1:] > body[:, :-1]).all()) and bool((tail[1:] > tail[:-1]).all())
+    if not ok:
+        _index_error(idx, lay, cfg)
+    m = 1 << (cfg.bits - 1)
+    values = codes.astype(np.float32)  # the level (2 code + 1 - 2M) / (2M), exactly
+    values *= np.float32(2)
+    values -= np.float32(2 * m - 1)
+    values *= np.float32(1 / (2 * m))
+    vbody, vtail = _rows(values, lay, cfg)
+    vbody *= scale[:len(body), None]  # one fp32 product (_levels)
+    vtail *= scale[-1] if len(vtail) else np.float32(1)
+    return idx, values
+
+
+def _positions(idx: np.ndarray, lay: Layout, cfg: SparseConfig) -> np.ndarray:
+    """Positions inside their chunks (as ``_parse`` returns them) -> flat positions (int64)."""
+    pos = np.empty(lay.nidx, dtype=np.int64)
+    (pbody, ptail), (body, tail) = _rows(pos, lay, cfg), _rows(idx, lay, cfg)
+    np.add(body, (np.arange(len(body), dtype=np.int64) * cfg.chunk)[:, None], out=pbody)
+    np.add(tail, np.int64((lay.nchunks - 1) * cfg.chunk), out=ptail)
+    return pos
+
+
+def _index_error(idx: np.ndarray, lay: Layout, cfg: SparseConfig) -> None:
+    """Raise the ContributionError naming the first bad index: out of range, else duplicate, else unsorted."""
+    idx = idx.astype(np.int64)
+    cid = np.arange(lay.nidx) // cfg.topk
+    length = np.where(cid == lay.nchunks - 1, lay.last, cfg.chunk)
+    bad = np.flatnonzero(idx >= length)
     if len(bad):
         i = int(bad[0])
         raise ContributionError(f"index {int(idx[i])} out of range in chunk {int(cid[i])} "
                                 f"of {int(length[i])} values")
     same, step = cid[1:] == cid[:-1], idx[1:] - idx[:-1]
     for mask, what in (((step == 0) & same, "duplicate"), ((step < 0) & same, "unsorted")):
-        bad = mask.nonzero()
+        bad = np.flatnonzero(mask)
         if len(bad):
             i = int(bad[0]) + 1
             raise ContributionError(f"{what} index {int(idx[i])} in chunk {int(cid[i])}")
-    values = _dequantize(codes, torch.from_numpy(scale)[cid], cfg.bits)
-    return cid * cfg.chunk + idx, values
+    raise AssertionError("_index_error called on valid indices")
 
 
-def _rice_indices(buf: bytes, off: int, lay: Layout, cfg: SparseConfig, cid: torch.Tensor,
-                  unary_bits: int) -> torch.Tensor:
-    """Positions inside their chunks from Rice-coded gaps (remainders at ``off``, then the unary stream),
-    validated: exactly one stop bit per index, the stream ending on one, zero padding."""
+def _rice_indices(buf: bytes, off: int, lay: Layout, cfg: SparseConfig, unary_bits: int) -> np.ndarray:
+    """Positions inside their chunks (int32 or int64) from Rice-coded gaps (remainders at ``off``, then the unary
+    stream), validated: exactly one stop bit per index, the stream ending on one, zero padding."""
     b = cfg.rice_bits
-    rem = unpack_bits(buf, off, lay.nidx, b, "gap remainder") if b else torch.zeros(lay.nidx, dtype=torch.int64)
     start = off + lay.index_bytes
+    rem = _unpack(buf, off, lay.nidx, b, "gap remainder") if b else None
     raw = np.frombuffer(buf, dtype=np.uint8, count=-(-unary_bits // 8), offset=start)
     if unary_bits % 8 and int(raw[-1]) >> (unary_bits % 8):
         raise ContributionError("nonzero padding bits after the unary stream")
-    bits = np.unpackbits(raw, count=unary_bits, bitorder="little")
-    stops = np.flatnonzero(bits == 0)
+    stops = np.flatnonzero(np.unpackbits(~raw, count=unary_bits, bitorder="little").view(bool))
     if len(stops) != lay.nidx or (lay.nidx and stops[-1] != unary_bits - 1):
         raise ContributionError(f"unary stream holds {len(stops)} gaps, expected {lay.nidx} ending on its last bit")
-    q = torch.from_numpy(np.diff(stops, prepend=-1) - 1)
-    gaps = (q << b) + rem  # gap v = positions skipped before this index (the first: its position)
-    ends = torch.cumsum(gaps + 1, 0)
-    first = torch.nonzero(torch.cat([torch.tensor([True]), cid[1:] != cid[:-1]])).flatten()
-    before = torch.zeros_like(ends)
-    before[first[1:]] = ends[first[1:] - 1]
-    before = torch.cummax(before, 0).values  # each index: the running total where its chunk began
-    return ends - before - 1
+    # gap v = positions skipped before this index (the first: its position); position = sum of (v + 1) - 1;
+    # within a chunk that sum is at most (unary bits << b) + nidx << b: int32 when that fits
+    small = (unary_bits + lay.nidx) << b < 2**31
+    steps = np.empty(lay.nidx, dtype=np.int32 if small else np.int64)  # q + 1 for quotient q
+    if lay.nidx:
+        steps[0] = stops[0] + 1
+        np.subtract(stops[1:], stops[:-1], out=steps[1:], casting="unsafe")
+    if b:
+        steps -= 1
+        steps <<= b
+        np.add(steps, rem, out=steps, casting="unsafe")  # rem < 2^b: it fits
+        steps += 1
+    body, tail = _rows(steps, lay, cfg)
+    np.cumsum(body, axis=1, out=body)
+    np.cumsum(tail, out=tail)
+    steps -= 1
+    return steps
 
 
 def _split(flat: torch.Tensor, shapes: Sequence[tuple]) -> list[torch.Tensor]:
@@ -303,10 +416,93 @@ def decode(payload: bytes, shapes: Sequence[Sequence[int]], cfg: SparseConfig) -
     """
     shapes = [tuple(s) for s in shapes]
     n = _numel(shapes)
-    pos, values = _parse(payload, n, cfg)
-    flat = torch.zeros(n)
-    flat[pos] = values
-    return _split(flat, shapes)
+    idx, values = _parse(payload, n, cfg)
+    pos = _positions(idx, layout(n, cfg), cfg)
+    flat = np.zeros(n, dtype=np.float32)  # fresh zero pages: only those holding a sent value are written
+    _scatter(flat, pos, values)
+    return _split(torch.from_numpy(flat), shapes)
+
+
+def _fill(job: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    """A contribution's row of the rule: its values at their ranks in the union (zeros elsewhere)."""
+    row, rank, values = job
+    values += np.float32(0.0)  # canonical: a zero scale decodes to -0.0 for negative codes
+    row[rank] = values
+
+
+def _scatter(out: np.ndarray, pos: np.ndarray, values: np.ndarray) -> None:
+    """out[pos] = values (distinct positions), in slices on the threads torch may use."""
+    parts = max(1, min(torch.get_num_threads(), len(pos) // (1 << 16)))
+    b = [len(pos) * i // parts for i in range(parts + 1)]
+
+    def put(i: int) -> None:
+        out[pos[b[i]:b[i + 1]]] = values[b[i]:b[i + 1]]
+
+    _map(put, range(parts))
+
+
+UNION_KEYS = 1 << 16  # keys per block in _union (speed only: a block's scratch stays in a core's cache)
+
+
+def _union(idxs: Sequence[np.ndarray], lay: Layout, cfg: SparseConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Each contribution's sent positions (as ``_parse`` returns them) -> (the sorted union of all of them as flat
+    positions (int64), (nidx, k) the rank in that union of each contribution's positions).
+
+    Chunk by chunk: each of a chunk's k x topk positions becomes one integer key, position then origin (entry j
+    of contribution i: j k + i), a chunk's keys are sorted (values only: no tie to break), a position that
+    differs from its left neighbour starts a new member of the union, and the running count of those is every
+    key's rank. The last chunk, if it sends fewer than topk values, is one more (shorter) row of keys."""
+    k, topk, nidx = len(idxs), cfg.topk, lay.nidx
+    full, short = divmod(nidx, topk)
+    tag_bits = max(1, (k * topk - 1).bit_length())
+    key_bits = cfg.index_bits + tag_bits
+    kt = np.uint16 if key_bits <= 16 else np.uint32 if key_bits <= 32 else np.uint64
+    rt = np.int32 if k * nidx < 2**31 else np.int64
+    ranks = np.empty((nidx, k), dtype=rt)
+    flat = ranks.reshape(-1)
+    block = max(1, UNION_KEYS // (k * topk))
+    segments = [(r, min(block, full - r), topk) for r in range(0, full, block)] + ([(full, 1, short)] if short else [])
+    parts = max(1, min(torch.get_num_threads(), len(segments) // 4))
+    groups = [segments[len(segments) * g // parts:len(segments) * (g + 1) // parts] for g in range(parts)]
+
+    support = np.empty(k * nidx, dtype=np.int64)  # at most; the pages past the union are never touched
+
+    def run(group) -> int:  # ranks counted from 0 in each group, members from its first key; both moved below
+        at = group[0][0] * topk * k if group else 0
+        size = 0
+        for row, rows, per in group:
+            start = row * topk
+            keys = np.empty((rows, per, k), dtype=kt)
+            tag = np.arange(0, per * k, k, dtype=kt)
+            for i, idx in enumerate(idxs):
+                np.left_shift(idx[start:start + rows * per].reshape(rows, per).astype(kt, copy=False), kt(tag_bits),
+                              out=keys[:, :, i])
+                keys[:, :, i] |= tag + kt(i)
+            keys = keys.reshape(rows, per * k)
+            keys.sort(axis=1)
+            pos = (keys >> kt(tag_bits)).astype(np.int64)
+            new = np.empty(keys.shape, dtype=bool)
+            new[:, 0] = True
+            np.not_equal(pos[:, 1:], pos[:, :-1], out=new[:, 1:])
+            rank = np.cumsum(new.reshape(-1), dtype=rt)
+            rank += rt(size - 1)
+            target = (keys & kt((1 << tag_bits) - 1)).astype(np.intp)  # j k + i: the flat index into ranks
+            target += np.arange(start * k, (start + rows * per) * k, per * k, dtype=np.intp)[:, None]
+            flat[target.reshape(-1)] = rank
+            pos += np.arange(row * cfg.chunk, (row + rows) * cfg.chunk, cfg.chunk, dtype=np.int64)[:, None]
+            count = int(rank[-1]) + 1 - size
+            support[at + size:at + size + count] = pos.reshape(-1)[new.reshape(-1)]
+            size += count
+        return size
+
+    offset = 0
+    for group, size in zip(groups, _map(run, groups)):
+        if group and offset:
+            at = group[0][0] * topk * k
+            flat[at:(group[-1][0] * topk + group[-1][1] * group[-1][2]) * k] += rt(offset)
+            support[offset:offset + size] = support[at:at + size]  # down: offset <= at
+        offset += size
+    return support[:offset], ranks
 
 
 def aggregate(contributions: Mapping[str, bytes], weights: Mapping[str, float],
@@ -315,15 +511,15 @@ def aggregate(contributions: Mapping[str, bytes], weights: Mapping[str, float],
     """The group's aggregate of the decoded contributions: (fp32 tensors, rejected peer -> reason).
 
     A contribution is dropped if its weight is missing, not finite or <= 0, or its payload fails
-    ``decode``'s validation. The accepted ones go through ``dilocox.robust.aggregate`` (``rule``,
-    ``norm_bound`` and its other keyword arguments) in float64 over peer ids in sorted order, then the
-    result is cast to fp32: the same inputs give the same bits on every member, whatever the dicts'
-    order. Raises ValueError if no contribution is accepted.
+    ``decode``'s validation. The accepted ones go through ``dilocox.robust`` (``rule``, ``norm_bound`` and
+    its other keyword arguments) in float64 over peer ids in sorted order, then the result is cast to fp32:
+    the same inputs give the same bits on every member, whatever the dicts' order, its CPU or thread count.
+    Raises ValueError if no contribution is accepted.
 
-    The rule runs on the union of the sent positions only (at most k x topk/chunk of the coordinates):
-    every rule is elementwise or uses ``robust.norm`` (an exact sum, which zeros do not change), and a
-    coordinate that is zero in every contribution stays zero under each, so the result has the same bits
-    as the rule run on the dense vectors (tests/test_sparse.py), in a small fraction of the time.
+    The rule runs on the sorted union of the sent positions only (at most k x topk/chunk of the
+    coordinates; a position no one sent stays +0.0): row i holds contribution i's decoded values there
+    (zeros where it sent nothing). That layout is the same on every member; robust.py's norms are fixed
+    pairwise trees over it (tests/test_sparse.py checks the result against a plain reference of each rule).
     """
     from dilocox import robust
 
@@ -340,25 +536,127 @@ def aggregate(contributions: Mapping[str, bytes], weights: Mapping[str, float],
         if not (math.isfinite(w) and w > 0):
             rejected[peer] = f"weight {w} must be finite and > 0"
             continue
+        accepted[peer] = w
+
+    def parse(peer):
         try:
-            pos, values = _parse(contributions[peer], n, cfg)
+            return _parse(contributions[peer], n, cfg)
         except ContributionError as e:
-            rejected[peer] = str(e)
-            continue
-        parsed[peer], accepted[peer] = (pos, values), w
+            return e
+
+    for peer, got in zip(list(accepted), _map(parse, list(accepted))):
+        if isinstance(got, ContributionError):
+            rejected[peer] = str(got)
+            del accepted[peer]
+        else:
+            parsed[peer] = got
+    rejected = dict(sorted(rejected.items()))
     if not parsed:
         raise ValueError(f"no contribution accepted out of {len(contributions)}: {rejected}")
-    support = torch.unique(torch.cat([pos for pos, _ in parsed.values()]))  # sorted
-    vectors = {}
-    for peer, (pos, values) in parsed.items():
-        vectors[peer] = torch.zeros(len(support), dtype=torch.float64)
-        vectors[peer][torch.searchsorted(support, pos)] = values.double()  # distinct within one payload
-    compact, report = robust.aggregate(vectors, accepted, rule, norm_bound=norm_bound, **robust_kwargs)
-    out = torch.zeros(n, dtype=torch.float64)
-    out[support] = compact
-    for peer, scale in report["clipped"].items():  # the caller reports drops; clipping is the rule's business
-        logger.info("contribution of %s scaled by %.3g to the group's norm bound", peer, scale)
-    return _split(out.float(), shapes), rejected
+    peers = sorted(parsed)
+    support, ranks = _union([parsed[p][0] for p in peers], layout(n, cfg), cfg)
+    rows = np.zeros((len(peers), len(support)), dtype=np.float32)
+    _map(_fill, [(row, ranks[:, i], parsed[p][1]) for i, (row, p) in enumerate(zip(rows, peers))])
+    del ranks, parsed
+    compact, scales = robust.aggregate_rows(rows, [accepted[p] for p in peers], rule, norm_bound=norm_bound,
+                                            **robust_kwargs)
+    del rows
+    out = np.zeros(n, dtype=np.float32)  # fresh zero pages: only the union of the sent positions is written
+    _scatter(out, support, compact.numpy().astype(np.float32))  # rounded to nearest
+    for peer, scale in zip(peers, scales):  # the caller reports drops; clipping is the rule's business
+        if scale < 1.0:
+            logger.info("contribution of %s scaled by %.3g to the group's norm bound", peer, scale)
+    return _split(torch.from_numpy(out), shapes), rejected
+
+
+SELECT_VALUES = 1 << 18  # values per block of chunks in _select (speed only: a block stays in a core's cache)
+
+
+def _decay_add(out: np.ndarray, e: np.ndarray, delta: np.ndarray, beta: float) -> None:
+    """out <- beta e + delta in fp32: the product rounded, then the sum (as torch's e * beta + delta)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow: the caller finds the inf and refuses
+        np.multiply(e, np.float32(beta), out=out)
+        out += delta
+
+
+def _slices(n: int, size: int = 1 << 20) -> list[tuple[int, int]]:
+    """[0, n) in runs of ``size`` (the last shorter): work for ``_map``."""
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def _map(fn, items: Sequence) -> list:
+    """[fn(item) ...], on up to torch.get_num_threads() threads (numpy releases the GIL in its array work); the
+    results do not depend on the thread count."""
+    workers = min(torch.get_num_threads(), len(items))
+    if workers < 2:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, items))
+
+
+def _encode(chunks: np.ndarray, topk: int, pad: int, bits: int, idx: np.ndarray, codes: np.ndarray,
+            scale: np.ndarray) -> bool:
+    """``_encode_rows`` over the rows of ``chunks``, split between the threads torch may use (each row's result does
+    not depend on the split)."""
+    rows = len(chunks)
+    parts = max(1, min(torch.get_num_threads(), rows // max(1, SELECT_VALUES // chunks.shape[1])))
+    b = [rows * i // parts for i in range(parts + 1)]
+    return all(_map(lambda i: _encode_rows(chunks[b[i]:b[i + 1]], topk, pad if b[i + 1] == rows else 0, bits,
+                                           idx[b[i]:b[i + 1]], codes[b[i]:b[i + 1]], scale[b[i]:b[i + 1]]),
+                    range(parts)))
+
+
+def _encode_rows(chunks: np.ndarray, topk: int, pad: int, bits: int, idx: np.ndarray, codes: np.ndarray,
+                 scale: np.ndarray) -> bool:
+    """Encode each row of ``chunks`` (fp32 error feedback; the last row's last ``pad`` values are padding, never
+    picked): the positions of its ``topk`` largest |value| -> ``idx`` (ascending; ties at the threshold go to the
+    lowest positions), their ``scale`` and ``codes``; subtracts what was sent from ``chunks``. False (outputs
+    unfinished) if a value is not finite.
+
+    Top-k by threshold: t = the topk-th largest |value| of the row (a partial sort, ``np.partition``), then every
+    position with |value| > t and the first ones with |value| = t. One block of rows at a time, in cache."""
+    rows, chunk = chunks.shape
+    per = max(1, SELECT_VALUES // chunk)
+    mag = np.empty((min(per, rows), chunk), dtype=np.float32)
+    sel = np.empty(mag.shape, dtype=bool)
+    kth = chunk - topk
+    for r0 in range(0, rows, per):
+        r1 = min(r0 + per, rows)
+        block, m, s = chunks[r0:r1], mag[:r1 - r0], sel[:r1 - r0]
+        np.abs(block, out=m)
+        if pad and r1 == rows:
+            m[-1, chunk - pad:] = -1.0
+        m.partition(kth, axis=1)
+        if not np.isfinite(m[:, kth:]).all():  # NaN sorts last, inf next: a non-finite value lands here
+            return False
+        t = m[:, kth:kth + 1].copy()
+        np.abs(block, out=m)
+        if pad and r1 == rows:
+            m[-1, chunk - pad:] = -1.0
+        np.greater_equal(m, t, out=s)
+        p = np.flatnonzero(s)
+        if len(p) != (r1 - r0) * topk:  # ties with the threshold: keep the first ones
+            many = np.flatnonzero(np.bincount(p // chunk, minlength=r1 - r0) > topk)
+            gt = m[many] > t[many]
+            eq = m[many] == t[many]
+            need = topk - gt.sum(axis=1, keepdims=True)
+            s[many] = gt | (eq & (np.cumsum(eq, axis=1) <= need))
+            p = np.flatnonzero(s)
+        flat = block.reshape(-1)
+        vals = flat[p].reshape(r1 - r0, topk)
+        scale[r0:r1], codes[r0:r1] = _quantized(vals, bits)
+        sent = _levels(bits)[codes[r0:r1]]
+        sent *= scale[r0:r1, None]  # what every member decodes: one fp32 product (_levels)
+        flat[p] -= sent.reshape(-1)
+        np.subtract(p.reshape(r1 - r0, topk), (np.arange(r1 - r0, dtype=np.int64) * chunk)[:, None], out=idx[r0:r1])
+    return True
+
+
+def _quantized(vals: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(chunks, topk) sent values -> (fp32 scale per chunk, uint8 codes). 1 bit is a sign: decoded at +-scale/2,
+    so scale = 2 x the mean magnitude sent; else the largest magnitude."""
+    scale = (2 * torch.from_numpy(vals).abs().mean(dim=1)).numpy() if bits == 1 else np.abs(vals).max(axis=1)
+    return scale, _quantize(vals, scale, bits)
 
 
 class SparseCodec:
@@ -394,47 +692,65 @@ class SparseCodec:
         """(payload, the flat error-feedback buffer it leaves) without changing ours: a round whose
         result is not applied must not consume the buffer (``commit`` adopts it once it is).
 
-        Raises ValueError if the tensors do not match ``shapes`` or hold non-finite values."""
+        Raises ValueError if the tensors do not match ``shapes`` or hold non-finite values (or if
+        beta x buffer + pseudo-gradient overflows fp32)."""
         got = [tuple(g.shape) for g in pseudo_gradient]
         if got != self.shapes:
             raise ValueError(f"pseudo-gradient shapes {got} do not match the codec's {self.shapes}")
         lay, cfg = self.layout, self.cfg
-        delta = torch.cat([g.detach().to("cpu", torch.float32).reshape(-1) for g in pseudo_gradient]) \
-            if got else torch.zeros(0)
-        if not bool(torch.isfinite(delta).all()):
-            raise ValueError("pseudo-gradient holds non-finite values")
-        e = self._flat * cfg.beta + delta
+        chunk, topk = cfg.chunk, cfg.topk
+        full = torch.empty(lay.nchunks * chunk)  # e, then zeros up to a whole number of chunks
+        e = full[:lay.n]
+        old, new, o, jobs = self._flat.numpy(), full.numpy(), 0, []
+        for g in pseudo_gradient:  # e <- beta e + delta: the fp32 product rounded, then the sum (never fused)
+            delta = g.detach().to("cpu", torch.float32).reshape(-1).numpy()
+            jobs += [(new[o + a:o + b], old[o + a:o + b], delta[a:b]) for a, b in _slices(len(delta))]
+            o += len(delta)
+        _map(lambda job: _decay_add(*job, cfg.beta), jobs)
+        new[lay.n:] = 0.0
         header = HEADER.pack(MAGIC, VERSION, cfg.bits, RICE_FLAG if cfg.rice else 0, lay.n, cfg.chunk, cfg.topk)
         if lay.n == 0:
             return header, e
-        pad = lay.nchunks * cfg.chunk - lay.n
-        chunks = torch.nn.functional.pad(e, (0, pad)).view(lay.nchunks, cfg.chunk)
-        mag = chunks.abs()
-        if pad:
-            mag[-1, cfg.chunk - pad:] = -1.0  # below any |value|: padding is never selected
-        idx = torch.topk(mag, cfg.topk, dim=1, sorted=False).indices.sort(dim=1).values
-        vals = chunks.gather(1, idx)  # padding holds 0, so it never raises a scale
-        # 1 bit is a sign: decoded at +-scale/2, so scale = 2 x the mean magnitude sent; else the largest
-        scale = 2 * vals.abs().mean(dim=1) if cfg.bits == 1 else vals.abs().amax(dim=1)
-        codes = _quantize(vals, scale, cfg.bits)
-        cid = torch.arange(lay.nchunks).unsqueeze(1).expand_as(idx)
-        if pad and lay.last < cfg.topk:  # sorted: the picked padding sits at the end of the last row
-            keep = idx < torch.where(cid == lay.nchunks - 1, lay.last, cfg.chunk)
-            idx, codes, cid = idx[keep], codes[keep], cid[keep]
-        idx, codes, cid = idx.reshape(-1), codes.reshape(-1), cid.reshape(-1)
-        e[cid * cfg.chunk + idx] -= _dequantize(codes, scale[cid], cfg.bits)
-        scales = scale.numpy().astype("<f4").tobytes()
+        chunks = new.reshape(lay.nchunks, chunk)
+        nfull = lay.nchunks - 1 if lay.last < topk else lay.nchunks  # chunks that send topk values
+        idx = np.empty((lay.nchunks, topk), dtype=np.int64)
+        codes = np.empty((lay.nchunks, topk), dtype=np.uint8)
+        scale = np.empty(lay.nchunks, dtype=np.float32)
+        if not _encode(chunks[:nfull], topk, lay.nchunks * chunk - lay.n if nfull == lay.nchunks else 0, cfg.bits,
+                       idx[:nfull], codes[:nfull], scale[:nfull]) or not np.isfinite(chunks[nfull:, :lay.last]).all():
+            if not all(bool(torch.isfinite(g).all()) for g in pseudo_gradient):
+                raise ValueError("pseudo-gradient holds non-finite values")
+            raise ValueError("beta x error-feedback buffer + pseudo-gradient overflows fp32")
+        if nfull < lay.nchunks:  # a last chunk shorter than topk sends all its values (the rest: padding, value 0)
+            last = chunks[-1]
+            vals = last[:topk].copy()
+            vals[lay.last:] = 0.0
+            s, c = _quantized(vals[None], cfg.bits)
+            scale[-1], codes[-1], idx[-1] = s[0], c[0], np.arange(topk)
+            sent = _levels(cfg.bits)[c[0, :lay.last]]
+            sent *= s[0]
+            last[:lay.last] -= sent
+        idx, codes = idx.reshape(-1)[:lay.nidx], codes.reshape(-1)[:lay.nidx]
+        scales = scale.astype("<f4").tobytes()
         if not cfg.rice:
             out = b"".join((header, scales, pack_bits(idx, cfg.index_bits), pack_bits(codes, cfg.bits)))
             assert len(out) == lay.total
             return out, e
-        gaps = idx.clone()
-        same = cid[1:] == cid[:-1]
-        gaps[1:] = torch.where(same, idx[1:] - idx[:-1] - 1, idx[1:])
+        gaps = np.empty_like(idx)
+        body, tail = _rows(gaps, lay, cfg)
+        ibody, itail = _rows(idx, lay, cfg)
+        np.subtract(ibody[:, 1:], ibody[:, :-1], out=body[:, 1:])
+        body[:, 1:] -= 1
+        body[:, 0] = ibody[:, 0]
+        if len(tail):
+            np.subtract(itail[1:], itail[:-1], out=tail[1:])
+            tail[1:] -= 1
+            tail[0] = itail[0]
         b = cfg.rice_bits
-        q = (gaps >> b).numpy()
+        q = gaps >> b
         unary = np.ones(int(q.sum()) + len(q), dtype=np.uint8)
-        unary[np.cumsum(q + 1) - 1] = 0  # q ones, then the stop bit
+        q += 1
+        unary[np.cumsum(q) - 1] = 0  # q ones, then the stop bit
         out = b"".join((header, UNARY.pack(len(unary)), scales,
                         pack_bits(gaps & ((1 << b) - 1), b) if b else b"",
                         np.packbits(unary, bitorder="little").tobytes(), pack_bits(codes, cfg.bits)))
@@ -475,13 +791,16 @@ class SparseRound:
         from dilocox.compression import RoundStats
 
         self.codec = codec
-        m = torch.cat([g.detach().to("cpu", torch.float32).reshape(-1) for g in pseudo_gradient]) \
-            if pseudo_gradient else torch.zeros(0)
         self.payload, self.new_error = codec.codec.prepare(pseudo_gradient)
-        m += codec.codec.cfg.beta * torch.cat([e.reshape(-1) for e in codec.error]) if codec.error else 0.0
-        den = float(m.norm())
+        # ||M - C(M)|| / ||M|| with M = beta e + delta, without another full copy: M equals the new buffer except at
+        # the sent positions, where it is the new buffer plus the sent value
+        lay, cfg = codec.codec.layout, codec.codec.cfg
+        idx, values = _parse(self.payload, lay.n, cfg)
+        left = self.new_error.numpy()[_positions(idx, lay, cfg)].astype(np.float64)
+        err2 = float(torch.linalg.vector_norm(self.new_error)) ** 2 if lay.n else 0.0
+        m2 = err2 + float(np.sum((left + values) ** 2 - left ** 2))
         self.stats = RoundStats(rank=0, bits=codec.cfg.bits, payload_bytes=len(self.payload),
-                                relative_error=float(self.new_error.norm()) / den if den > 0 else 0.0)
+                                relative_error=math.sqrt(err2 / m2) if m2 > 0 else 0.0)
 
     def own(self) -> list[torch.Tensor]:
         """Our contribution as every member decodes it (what the group's mean holds of ours)."""

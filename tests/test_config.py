@@ -105,3 +105,14 @@ def test_swarm_settings_cover_what_replicas_must_share_and_nothing_per_node():
     short = load_config(parse(["--inner-steps", "30", "--max-outer-steps", "20"]), {})
     assert short.schedule_steps == 600 and "over 20 rounds" in short.swarm_settings()
     assert load_config(parse(["--inner-steps", "30"]), {}).schedule_steps == 10_000
+
+
+def test_the_rules_version_in_the_settings_is_the_aggregations():
+    """Nodes whose aggregates differ in the last bits must not share a swarm: the settings line carries
+    dilocox/robust.py's RULES_VERSION (config.py keeps a copy so that --help imports no torch)."""
+    from dilocox.daemon import config
+
+    from dilocox import robust
+
+    assert config.RULES_VERSION == robust.RULES_VERSION
+    assert f"rules=v{robust.RULES_VERSION}" in config.NodeConfig().swarm_settings()

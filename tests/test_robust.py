@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from dilocox.robust import Aggregation, aggregate, bound_norms, norm
+from dilocox.robust import Aggregation, aggregate, aggregate_rows, bound_norms, norm, tree_sum
 
 
 def honest(k: int, n: int = 200, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -91,10 +92,171 @@ def test_the_same_bits_whatever_the_order(rule):
     assert torch.equal(first, again)
 
 
-def test_norm_is_correctly_rounded():
+def test_norm_is_the_fixed_tree():
     assert norm(torch.tensor([3.0, 4.0, 0.0, 12.0], dtype=torch.float64)) == 13.0
     assert norm(torch.zeros(0, dtype=torch.float64)) == 0.0
     assert math.isinf(norm(torch.full((10,), 1e300, dtype=torch.float64)))  # clipped to nothing, never a crash
+    g = torch.Generator().manual_seed(5)
+    for m in (1, 2, 3, 1023, 16384, 16385, 40_000, 100_000):
+        x = torch.randn(m, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-5, 5, (m,), generator=g)
+        assert tree_sum(x) == reference_tree_sum(x), m
+        assert norm(x) == math.sqrt(reference_tree_sum(x * x)), m
+
+
+# A straightforward reference of the determinism contract (dilocox/robust.py's docstring): whole vectors, one
+# rule at a time, a stable sort for the order statistics (numpy, float64); the implementation must give the same bits.
+
+def reference_tree_sum(a) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    nb = -(-len(a) // 16384)
+    if not nb:
+        return 0.0
+    b = np.zeros(nb * 16384)
+    b[:len(a)] = a
+    b = b.reshape(nb, 16384)
+    h = 8192
+    while h:
+        b[:, :h] = b[:, :h] + b[:, h:2 * h]
+        h //= 2
+    s, c = b[:, 0].copy(), nb
+    while c > 1:
+        h = (c + 1) // 2
+        s[:c - h] = s[:c - h] + s[h:c]
+        c = h
+    return float(s[0])
+
+
+def reference_norm(x) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        return math.sqrt(reference_tree_sum(x * x))
+
+
+def reference_aggregate(rows: list[torch.Tensor], w: list[float], rule: str, norm_bound: float = 2.0,
+                        trim: float = 0.2, iterations: int = 3) -> torch.Tensor:
+    rows = [r.double().numpy() + 0.0 for r in rows]
+    k = len(rows)
+    if norm_bound and k > 1:
+        norms = [reference_norm(r) for r in rows]
+        limit = norm_bound * sorted(norms)[(k - 1) // 2]
+        scales = [min(1.0, limit / n) if n > 0 else 1.0 for n in norms]
+        rows = [r * s + 0.0 if s < 1.0 else r for r, s in zip(rows, scales)]
+
+    def weighted(rs, cs):
+        acc = np.zeros_like(rs[0])
+        for c, r in zip(cs, rs):
+            acc += c * r
+        return acc
+
+    def ordered():
+        return np.sort(np.stack(rows), axis=0, kind="stable")
+
+    if rule == "mean" or k == 1:
+        total = math.fsum(w)
+        out = weighted(rows, [x / total for x in w])
+    elif rule == "median":
+        out = ordered()[(k - 1) // 2].copy()
+    elif rule == "trimmed-mean":
+        s, cut = ordered(), min(int(math.floor(trim * k)), (k - 1) // 2)
+        kept = [s[i] for i in range(cut, k - cut)]
+        out = weighted(kept, [1.0 / len(kept)] * len(kept))
+    else:
+        v = ordered()[(k - 1) // 2].copy()
+        dist = sorted(reference_norm(r - v) for r in rows)
+        tau = dist[k // 2] if k % 2 else (dist[k // 2 - 1] + dist[k // 2]) / 2
+        total = math.fsum(w)
+        for _ in range(iterations):
+            coefs = []
+            for r, x in zip(rows, w):
+                d = reference_norm(r - v)
+                coefs.append(x / total * (min(1.0, tau / d) if d > 0 else 1.0))
+            v = v + weighted([r - v for r in rows], coefs)
+        out = v
+    return torch.from_numpy(out)
+
+
+def same_bits(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and bool((a.view(np.int64) == b.view(np.int64)).all())
+
+
+def rows_for(k: int, m: int, seed: int, attacker: bool) -> np.ndarray:
+    """(k, m) fp32 values in float64 with zeros (both signs), equal values across rows and, if ``attacker``, one
+    outsized row (numpy: the reference and the rows stay off torch's thread pool)."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(m)
+    rows = np.empty((k, m))
+    for i in range(k):
+        r = base + 0.3 * rng.standard_normal(m)
+        r[3::11] = base[3::11]  # ties between rows
+        rows[i] = (r * (40.0 if attacker and i == k - 1 else 1.0)).astype(np.float32)
+        rows[i, i::5] = 0.0
+        rows[i, (i + 2)::7] = -0.0
+    return rows
+
+
+@pytest.mark.parametrize("rule", list(Aggregation))
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 8])
+def test_the_rules_have_the_bits_of_the_reference(rule, k):
+    for m, batch in ((1, None), (17, None), (16383, None), (16385, None), (40_000, None), (40_000, 2), (70_000, 3)):
+        for attacker in (False, True):
+            rows = rows_for(k, m, seed=m + k, attacker=attacker)
+            w = [1.0 + 3 * i for i in range(k)]
+            want = reference_aggregate(list(torch.from_numpy(rows)), w, rule.value)
+            got, scales = aggregate_rows(rows + 0.0, w, rule, batch_blocks=batch)
+            assert same_bits(got, want), (rule, k, m, batch, attacker)
+            assert m < 1000 or (min(scales) < 1.0) == (attacker and k > 1)  # both paths: clipped or not
+            f32, _ = aggregate_rows(rows.astype(np.float32) + np.float32(0), w, rule, batch_blocks=batch)  # exact
+            got = got.numpy()
+            assert same_bits(f32, want) and not np.signbit(got[got == 0]).any()
+
+
+def test_the_same_bits_with_one_thread_or_two_and_any_batching():
+    x = rows_for(5, 100_000, seed=1, attacker=True) + 0.0
+    threads = torch.get_num_threads()
+    try:
+        for rule in Aggregation:
+            outs = []
+            for n, batch in ((1, None), (2, None), (2, 3), (1, 2)):
+                torch.set_num_threads(n)
+                outs.append(aggregate_rows(x, [1.0, 2.0, 3.0, 4.0, 5.0], rule, batch_blocks=batch)[0])
+            assert all(same_bits(o, outs[0]) for o in outs[1:]), rule
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 9, 16, 17, 33, 1000, 1_000_003])
+def test_elementwise_kernels_round_like_scalar_ieee(n):
+    """The ops the rules use give, on vectors of any length (vectorized body, scalar tail), the bits of one
+    IEEE operation per element: no fused multiply-add, no lane-dependent result."""
+    g = torch.Generator().manual_seed(n)
+    a = torch.randn(n, generator=g, dtype=torch.float64) * 1e3
+    b = torch.randn(n, generator=g, dtype=torch.float64) * 1e-3
+    c = torch.rand(n, generator=g, dtype=torch.float64)
+    na, nb, nc = a.numpy(), b.numpy(), c.numpy()
+    prod = na * nc
+    acc = a.clone()
+    acc.add_(c * b)  # the accumulation step: product rounded, then the sum
+    assert same_bits(acc, torch.from_numpy(na + nc * nb))
+    assert same_bits(torch.sub(a, b), torch.from_numpy(na - nb))
+    assert same_bits(a * c, torch.from_numpy(prod))
+    col = torch.stack([a, b])
+    col.mul_(torch.tensor([[0.3], [0.7]], dtype=torch.float64))
+    assert same_bits(col[0], torch.from_numpy(na * 0.3)) and same_bits(col[1], torch.from_numpy(nb * 0.7))
+    if n <= 33:  # and against Python's own scalar arithmetic
+        assert acc.tolist() == [x + z * y for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())]
+
+
+def test_order_statistics_are_what_a_sort_gives():
+    from dilocox.robust import _order_stats
+
+    g = torch.Generator().manual_seed(3)
+    for k in range(1, 13):
+        rows = [torch.randint(-3, 4, (4000,), generator=g).double() + 0.0 for _ in range(k)]  # many ties
+        want = torch.sort(torch.stack(rows), dim=0).values
+        for wanted in (((k - 1) // 2,), tuple(range(k)), tuple(range(min(2, k), k - min(2, k)))):
+            got = _order_stats([r.numpy() for r in rows], wanted)
+            assert all(same_bits(torch.from_numpy(x), want[i]) for x, i in zip(got, wanted)), (k, wanted)
 
 
 def test_errors():

@@ -163,25 +163,137 @@ def test_aggregate_sums_in_sorted_peer_order():
         assert float(out[0]) == float(torch.tensor(small / 3.0, dtype=torch.float32)) != 0.0
 
 
+def sent_positions(payload: bytes, cfg: SparseConfig, shapes=SHAPES) -> np.ndarray:
+    n = sum(math.prod(s) for s in shapes)
+    return sparse._positions(sparse._parse(payload, n, cfg)[0], sparse.layout(n, cfg), cfg)
+
+
 @pytest.mark.parametrize("rule", ["mean", "centered-clip", "trimmed-mean", "median"])
 @pytest.mark.parametrize("k", [1, 2, 4, 5])
-def test_aggregate_on_the_sent_positions_has_the_bits_of_the_dense_rule(rule, k):
-    """sparse.aggregate runs the rule on the union of sent positions; the dense rule must give the same bits,
-    with a scaled attacker that the norm bound clips and contributions whose supports partly overlap."""
+def test_aggregate_is_the_rule_on_the_sorted_union_of_the_sent_positions(rule, k):
+    """sparse.aggregate runs the rule on the sorted union of the sent positions (zeros where a contribution did not
+    send one), every other position +0.0: the bits of tests/test_robust.py's plain reference on those vectors,
+    with a scaled attacker that the norm bound clips, partly overlapping supports and a chunk of zeros (a zero
+    scale: its values decode to +-0.0 but its positions are sent)."""
     from dilocox import robust
+    from tests.test_robust import reference_aggregate, same_bits
 
     cfg = SparseConfig(chunk=195, topk=12, bits=2, beta=0.95, rice=True)
-    payloads = {f"peer{i}": SparseCodec(SHAPES, cfg).encode([t * (50.0 if i == 1 else 1.0)
-                                                             for t in randn(SHAPES, 100 + i % 3)])
-                for i in range(k)}
+    grads = [[t * (50.0 if i == 1 else 1.0) for t in randn(SHAPES, 100 + i % 3)] for i in range(k)]
+    grads[0][0][:10] = 0.0  # the first chunk of peer0 (195 values): all zeros
+    payloads = {f"peer{i}": SparseCodec(SHAPES, cfg).encode(g) for i, g in enumerate(grads)}
+    assert np.frombuffer(payloads["peer0"], "<f4", 1, sparse.HEADER_BYTES + sparse.UNARY.size)[0] == 0.0
     weights = {p: 1.0 + i for i, p in enumerate(payloads)}
-    dense = {p: torch.cat([d.reshape(-1) for d in decode(payloads[p], SHAPES, cfg)]).double() for p in payloads}
-    ref, report = robust.aggregate(dense, weights, rule, norm_bound=2.0)
-    assert k < 2 or report["clipped"]  # the attacker was clipped: the bound is exercised
+    union = torch.from_numpy(np.unique(np.concatenate([sent_positions(b, cfg) for b in payloads.values()])))
+    dense = {p: torch.cat([d.reshape(-1) for d in decode(payloads[p], SHAPES, cfg)]) for p in sorted(payloads)}
+    want = reference_aggregate([v[union] for v in dense.values()], list(weights.values()), rule)
+    fast, report = robust.aggregate({p: v[union] for p, v in dense.items()}, weights, rule, norm_bound=2.0)
+    assert same_bits(fast, want) and (k < 2 or report["clipped"])  # the attacker was clipped: the bound is exercised
     out, rejected = aggregate(payloads, weights, SHAPES, cfg, rule=rule, norm_bound=2.0)
     flat = torch.cat([o.reshape(-1) for o in out])
-    assert rejected == {} and torch.equal(flat, ref.float())
-    assert torch.equal(torch.signbit(flat), torch.signbit(ref.float()))  # no -0.0 where the dense rule has +0.0
+    expected = torch.zeros(len(flat))
+    expected[union] = want.float()
+    assert rejected == {} and same_bits(flat.double(), expected.double())  # -0.0 nowhere
+
+
+def test_aggregate_has_the_same_bits_with_one_thread_or_two_and_any_order():
+    shapes, cfg = [(40_000,), (1_000, 33)], SparseConfig(chunk=4096, topk=128, rice=True)
+    payloads = {f"p{i}": SparseCodec(shapes, cfg).encode([t * (30.0 if i == 2 else 1.0)
+                                                          for t in randn(shapes, 200 + i % 4)]) for i in range(6)}
+    weights = {p: 10.0 + i for i, p in enumerate(payloads)}
+    threads = torch.get_num_threads()
+    try:
+        for rule in ("centered-clip", "mean", "median", "trimmed-mean"):
+            outs = []
+            for n, order in ((1, 1), (2, -1), (2, 1), (1, -1)):
+                torch.set_num_threads(n)
+                ordered = dict(sorted(payloads.items())[::order])
+                outs.append(torch.cat([o.reshape(-1) for o in aggregate(ordered, weights, shapes, cfg, rule=rule,
+                                                                          norm_bound=2.0)[0]]))
+            assert all(torch.equal(o.view(torch.int32), outs[0].view(torch.int32)) for o in outs[1:]), rule
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_union_ranks_every_sent_position():
+    rng = np.random.default_rng(1)
+    for trial in range(150):
+        chunk = int(rng.choice([2, 3, 7, 64, 195, 4096]))
+        cfg = SparseConfig(chunk=chunk, topk=int(rng.integers(1, chunk + 1)), rice=bool(trial % 2))
+        lay = sparse.layout(int(rng.integers(0, 5 * chunk + 3)), cfg)
+        idxs = []
+        for i in range(int(rng.integers(1, 10))):
+            parts = [np.sort(rng.choice(length, min(cfg.topk, length), replace=False)) if rng.random() < 0.5
+                     else np.arange(min(cfg.topk, length))
+                     for length in [chunk] * (lay.nchunks - 1) + [lay.last] * (lay.nchunks > 0)]
+            idxs.append(np.concatenate(parts).astype([np.int64, np.int32, np.uint16][trial % 3]) if parts
+                        else np.zeros(0, np.int64))
+        positions = [sparse._positions(x, lay, cfg) for x in idxs]
+        union, ranks = sparse._union(idxs, lay, cfg)
+        assert np.array_equal(union, np.unique(np.concatenate(positions))), trial
+        for i, pos in enumerate(positions):
+            assert np.array_equal(ranks[:, i], np.searchsorted(union, pos)), trial
+
+
+def reference_pack(values, width: int) -> bytes:
+    bits = [(int(v) >> j) & 1 for v in values for j in range(width)]
+    bits += [0] * (-len(bits) % 8)
+    return bytes(sum(b << j for j, b in enumerate(bits[i:i + 8])) for i in range(0, len(bits), 8))
+
+
+@pytest.mark.parametrize("width", range(1, 33))
+def test_bit_packing_of_every_width(width):
+    rng = np.random.default_rng(width)
+    for count in (0, 1, 2, 3, 7, 8, 9, 100, 1001):
+        values = torch.from_numpy(rng.integers(0, 2**width, count, dtype=np.int64))
+        packed = sparse.pack_bits(values, width)
+        assert packed == reference_pack(values.tolist(), width)
+        assert torch.equal(sparse.unpack_bits(b"ab" + packed + b"\xff", 2, count, width, "x"), values)
+        if count * width % 8:
+            bad = bytearray(packed)
+            bad[-1] |= 0x80
+            with pytest.raises(ContributionError, match="padding bits after the last x"):
+                sparse.unpack_bits(bytes(bad), 0, count, width, "x")
+
+
+def test_encode_ties_go_to_the_lowest_positions_and_threads_change_nothing():
+    cfg, n = SparseConfig(chunk=64, topk=8, bits=4), 64 * 40 + 9
+    x = torch.randn(n)
+    x[64:128] = 0.5  # all tied
+    x[128:192] = torch.rand(64) * 0.1
+    x[[130, 140, 150]] = 5.0
+    x[131:191:6] = -3.0  # 10 values tie for the last 5 places
+    payloads = set()
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            payloads.add(SparseCodec([(n,)], cfg).encode([x]))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(payloads) == 1
+    out = decode(payloads.pop(), [(n,)], cfg)[0]
+    assert torch.equal(out, expected_round_trip(x, cfg))  # the stable-argsort reference: lowest positions first
+    assert torch.equal(torch.nonzero(out[64:128]).flatten(), torch.arange(8))
+    assert torch.equal(torch.nonzero(out[128:192]).flatten(), torch.tensor([2, 3, 9, 12, 15, 21, 22, 27]))
+
+
+@pytest.mark.parametrize("where", [0, 100, 4095, 4096 * 3 + 2])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_encode_rejects_a_non_finite_value_anywhere(where, bad):
+    n = 4096 * 3 + 3  # a short last chunk (3 < topk)
+    codec = SparseCodec([(n,)], SparseConfig(topk=128))
+    x = torch.randn(n)
+    x[where] = bad
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.encode([x])
+    x = torch.randn(n)
+    x[:4096] = float("nan")  # a whole chunk
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.encode([x])
+    codec.load_state_dict({"error": [torch.full((n,), 3e38)]})
+    with pytest.raises(ValueError, match="overflows"):
+        codec.encode([torch.full((n,), 3e38)])
 
 
 def sections(payload: bytes, cfg=CFG, shapes=SHAPES):
@@ -323,6 +435,13 @@ def test_sparse_compressor_round_protocol_and_state():
     rnd = comp.begin(x)
     assert rnd.stats.payload_bytes == len(rnd.payload) == comp.payload_bytes() and rnd.stats.bits == 2
     assert 0 < rnd.stats.relative_error < 1
+    # ||M - C(M)|| / ||M|| with M = beta e + delta, computed the long way (a second round: e is not zero)
+    probe = sparse.SparseCompressor(SHAPES, CFG)
+    probe.commit(probe.begin(randn(SHAPES, 14)))
+    y = randn(SHAPES, 15)
+    m = torch.cat([g.reshape(-1) for g in y]) + CFG.beta * torch.cat([e.reshape(-1) for e in probe.error])
+    second = probe.begin(y)
+    assert second.stats.relative_error == pytest.approx(float(second.new_error.norm() / m.norm()), rel=1e-5)
     own = rnd.own()
     assert all(torch.equal(a, b) for a, b in zip(own, decode(rnd.payload, SHAPES, CFG)))
     assert all(float(e.abs().sum()) == 0 for e in comp.error)  # not committed: a skipped round keeps nothing
