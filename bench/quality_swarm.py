@@ -58,10 +58,12 @@ def main(argv=None) -> None:
     ap.add_argument("--outer-steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--eval-batches", type=int, default=16)
+    ap.add_argument("--node-args", default="", help="more dilocox-node flags for the swarm, e.g. '--overlap "
+                                                    "adaptive' (the simulation still runs --method)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "quality_swarm")
     a = ap.parse_args(argv)
     method = quality.METHODS[quality.DEFAULT if a.method == "default" else a.method]
-    flags = [] if a.method == "default" else quality.daemon_flags(method)
+    flags = ([] if a.method == "default" else quality.daemon_flags(method)) + a.node_args.split()
     sim = quality.run(method, a.seed, a.replicas, a.inner_steps, a.outer_steps, "tiny", 1, a.eval_batches,
                       "builtin:shakespeare")
     rows = run_swarm(flags, a.replicas, a.inner_steps, a.outer_steps, a.seed, a.eval_batches, a.out)
@@ -77,8 +79,10 @@ def main(argv=None) -> None:
     gap = max((abs(p["swarm_max"] - p["simulation"]) / p["simulation"] for p in pairs), default=float("nan"))
     final = pairs[-1] if pairs else {}
     outcomes = sorted({r["outcome"] for node_rows in rows for r in node_rows})
-    summary = dict(method=method.name, replicas=a.replicas, inner_steps=a.inner_steps, outer_steps=a.outer_steps,
-                   seed=a.seed, max_relative_gap=gap, final=final, outcomes=outcomes, steps=pairs)
+    taus = [r.get("overlap_steps", 0) for node_rows in rows for r in node_rows]
+    summary = dict(method=method.name, node_args=a.node_args, replicas=a.replicas, inner_steps=a.inner_steps,
+                   outer_steps=a.outer_steps, seed=a.seed, max_relative_gap=gap, final=final, outcomes=outcomes,
+                   overlap_steps=sorted(set(taus)), steps=pairs)
     path = a.out.with_suffix(".json")
     path.write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=1))
