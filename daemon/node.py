@@ -156,6 +156,12 @@ class Node:
 
     def _build(self) -> None:
         cfg = self.cfg
+        prefix = f"{cfg.run_id}_{stage_tag(cfg.stage_index, cfg.num_stages)}pseudo_gradient_{cfg.compression}"
+        if cfg.compression == "sparse":
+            # hivemind forks each averager's process: forked after the replica's tensors exist, the child would keep
+            # the original of every page the training thread later rewrites (about 16 bytes per parameter). The
+            # sparse rounds' one-value matchmaking averager needs no shapes, so it is forked before them.
+            self._make_averagers(prefix, [1])
         shard_key = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(
             hashlib.sha256(self.swarm.peer_id.encode()).digest()[:4], "little")
         loss_fn = None
@@ -184,10 +190,9 @@ class Node:
                                       self.leave_requested.is_set, self.workload.samples_per_step)
         self.transfer.on_attempt = lambda reason, n: self.board.update(sync_reason=reason, sync_attempts=n)
         self.state.snapshot()
-        # one averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors), or one
-        # for the matchmaking of sparse rounds; the largest also serves our state to joiners
         sizes = self.state.averager_sizes()
-        prefix = f"{cfg.run_id}_{stage_tag(cfg.stage_index, cfg.num_stages)}pseudo_gradient_{cfg.compression}"
+        if not self.averagers:
+            self._make_averagers(prefix, sizes)
         if cfg.compression == "sparse":
             self.contributions = ContributionServer(self.swarm.replicate_p2p, prefix,
                                                     startup_timeout_s=cfg.startup_timeout,
@@ -207,11 +212,6 @@ class Node:
         self.deadlines = RoundDeadlines(measured, matchmaking_cap_s=cfg.matchmaking_time,
                                         group_wait_cap_s=cfg.outer_round_deadline - cfg.averaging_timeout,
                                         request_timeout_s=cfg.request_timeout)
-        for size in sizes:
-            self.averagers[size] = PseudoGradientAverager(
-                size, self.swarm.dht, f"{prefix}{size}", self.transfer.serve if size == sizes[0] else None,
-                matchmaking_time_s=self.deadlines.floor_s, request_timeout_s=cfg.request_timeout,
-                averaging_timeout_s=cfg.averaging_timeout)
         self.transfer.attach(self.averagers[sizes[0]], self.updates)
         self.state.on_snapshot = self.transfer.published
         self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
@@ -221,6 +221,25 @@ class Node:
                           stage_index=cfg.stage_index,
                           attack=self.attack.name if self.attack else "",
                           num_stages=cfg.num_stages, memory=self.state.memory())
+
+    def _make_averagers(self, prefix: str, sizes: list[int]) -> None:
+        """One averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors), or one for
+        the matchmaking of sparse rounds; the largest also serves our state to joiners (none before the node is
+        built). Its minimum matchmaking time: the floor of measured deadlines (sparse whole-model rounds), else
+        the flag (peers/deadlines.py)."""
+        cfg = self.cfg
+        measured = cfg.compression == "sparse" and cfg.adaptive_deadlines and not self.staged
+        floor_s = deadlines.matchmaking_floor(cfg.matchmaking_time, cfg.request_timeout) if measured \
+            else cfg.matchmaking_time
+
+        def serve():
+            return self.transfer.serve() if self.transfer is not None else (None, [])
+
+        for size in sizes:
+            self.averagers[size] = PseudoGradientAverager(
+                size, self.swarm.dht, f"{prefix}{size}", serve if size == sizes[0] else None,
+                matchmaking_time_s=floor_s, request_timeout_s=cfg.request_timeout,
+                averaging_timeout_s=cfg.averaging_timeout)
 
     def _drain(self) -> None:
         if self.board.snapshot().state != State.STOPPED:

@@ -290,7 +290,9 @@ class ReplicaState:
     def checkpoint_state(self) -> dict:
         cfg = self.cfg
         return dict(run_id=cfg.run_id, model=cfg.model, stage=cfg.stage, outer_step=self.outer_step,
-                    global_params=self.outer.global_params, momentum=self.outer.momentum_buffers(),
+                    global_params=self.outer.global_params,
+                    # momentum-free outer SGD (the sparse default) keeps no buffer: none written, none restored
+                    momentum=self.outer.momentum_buffers() if self.outer.has_momentum else None,
                     inner_optimizer=self.inner.inner_optimizer.state_dict(),
                     compression=self.compressor.state_dict(),
                     control=self.control.state_dict() if self.control is not None else None,

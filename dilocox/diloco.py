@@ -165,6 +165,11 @@ class OuterOptimizer:
             out.append(p - lr * d)
         return out
 
+    @property
+    def has_momentum(self) -> bool:
+        """Whether the outer optimizer keeps a momentum buffer (outer_momentum > 0)."""
+        return self.outer_optimizer.param_groups[0]["momentum"] != 0
+
     def momentum_buffers(self) -> list[torch.Tensor]:
         """The Nesterov momentum buffer per parameter (zeros before the first outer step)."""
         out = []
