@@ -415,7 +415,8 @@ class Node:
         else:
             self.rounds.hold(started)
             # adaptive: a short wait (a fraction of the round's compute) buys a synchronous round when it lands
-            self.rounds.wait_briefly(self.cfg.overlap_wait * compute_s * self.H / max(1, self.H - skip))
+            round_compute_s = compute_s * self.H / max(1, self.H - skip)
+            self.rounds.wait_briefly(self.rounds.overlap_budget_s(round_compute_s, self.cfg.overlap_wait))
 
     def _inner_steps(self, skip: int) -> Optional[tuple[list[float], float, int]]:
         """Run inner steps skip..H-1; None if asked to leave mid-round.

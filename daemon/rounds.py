@@ -62,6 +62,7 @@ from dilocox.sparse import SparseRound
 logger = logging.getLogger(__name__)
 FRESH_S = 0.2  # once-a-round decisions read the membership records (nearly) afresh: stale ones split rounds
 EXCLUDE_ROUNDS = 10  # rounds an equivocating contributor's contributions are dropped
+EXCHANGE_WINDOW = 3  # adaptive overlap: rounds whose exchange times predict the next one's (their maximum)
 
 
 class RoundOutcome(str, Enum):
@@ -145,6 +146,8 @@ class OuterRounds:
         self.excluded: dict[str, int] = {}  # peer_id -> last round its contributions are dropped (equivocation)
         self.measured_bps = 0.0
         self.times: dict[int, RoundTimes] = {}  # round index -> the deadlines its exchange was given
+        self.exchange_s: Optional[float] = None  # the longest exchange of the last EXCHANGE_WINDOW rounds (seconds)
+        self._exchanges: list[float] = []
 
     def bandwidth_bps(self) -> float:
         """Our link rate for the rank cap (bit/s): configured, else the best all-reduce throughput seen
@@ -294,6 +297,15 @@ class OuterRounds:
             self.state.start_from_proxy(p.compression.own() if isinstance(p.compression, SparseRound)
                                         else p.pseudo_gradient)
         self.state.begin_round()
+
+    def overlap_budget_s(self, round_compute_s: float, wait_fraction: float) -> float:
+        """Adaptive overlap: how long the round's end waits for its exchange. ``wait_fraction`` of the round's
+        compute (an exchange that short costs little utilization and buys a synchronous round); all of it
+        (inf) when the recent exchanges took longer than a whole round's compute: overlap could not hide them
+        and would still cost a full round of delay in quality (docs/algorithms.md, "Overlapped rounds")."""
+        if self.exchange_s is not None and self.exchange_s >= round_compute_s:
+            return float("inf")
+        return wait_fraction * round_compute_s
 
     def wait_briefly(self, budget_s: float) -> bool:
         """Adaptive overlap, between a round's end and the next round's first inner step: wait up to ``budget_s``
@@ -472,4 +484,11 @@ class OuterRounds:
             info.exchange_s = max(0.0, result.finished_at - p.sent_at) if p.sent_at else 0.0
             info.group_s = result.phases.get("matchmaking", result.phases.get("allreduce", 0.0))
             info.gather_s, info.aggregate_s = result.phases.get("gather", 0.0), result.phases.get("aggregate", 0.0)
+            self.observe_exchange(info.exchange_s)
         return info
+
+    def observe_exchange(self, exchange_s: float) -> None:
+        """Record a finished exchange's length (end of the inner steps to a complete result, seconds); ``exchange_s``
+        becomes the longest of the last EXCHANGE_WINDOW (``overlap_budget_s`` reads it)."""
+        self._exchanges = (self._exchanges + [exchange_s])[-EXCHANGE_WINDOW:]
+        self.exchange_s = max(self._exchanges)

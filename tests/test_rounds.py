@@ -274,3 +274,14 @@ def test_held_rounds_start_from_a_lookahead_by_our_own_share(tmp_path):
             ahead = state.outer.lookahead(p.pseudo_gradient)
             assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ahead, starts[proxy]))
     assert any(not torch.equal(a, b) for a, b in zip(starts["local"], starts["none"]))
+
+
+def test_adaptive_waits_for_exchanges_a_round_cannot_hide(state):
+    """overlap_budget_s: a short wait (the fraction of the round's compute) while exchanges fit in a round; the
+    whole exchange once the recent ones took longer than a round's compute (overlap could not hide them)."""
+    rounds = rounds_for(state, FakeProgress(), overlap="adaptive")
+    assert rounds.overlap_budget_s(10.0, 0.05) == pytest.approx(0.5)  # nothing measured yet
+    for exchange_s, expected in ((2.0, 0.5), (12.0, float("inf")), (1.0, float("inf")), (1.0, float("inf")),
+                                 (1.0, 0.5)):  # the longest of the last three decides
+        rounds.observe_exchange(exchange_s)
+        assert rounds.overlap_budget_s(10.0, 0.05) == expected, (exchange_s, rounds.exchange_s)
