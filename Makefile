@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -95,6 +95,21 @@ bench-quality-ablations: install
 		adaptive-delayed adaptive-noef adaptive-sgd1 adaptive-dense-embed adaptive-warmup10 adaptive-power2 \
 		adaptive-refresh5 adaptive-rank32 sparse-a3 sparse-k128-a3 sparse-k128r-a3 sparse-k128r-a3.5 \
 		sparse-nesterov0.35 sparse4b-a3 sparse-k160r1b-a3 sparse-a4-delayed
+
+# overlapped rounds (docs/algorithms.md, "Overlapped rounds: what each variant reached"): fp32 DiLoCo, the default
+# synchronous, and the default delayed by tau = 1, 3, 10 and H inner steps with the lookahead, 4 replicas, the
+# issue's seeds and three held-out ones (~2 h on 2 cores; 2 and 8 replicas: REPLICAS=2 / 8 SEEDS="7 8 9")
+REPLICAS ?= 4
+SEEDS ?= 7 8 9 13 14 15
+bench-quality-overlap: install
+	$(PY) -m bench.quality --out runs/bench/quality-overlap-r$(REPLICAS) --replicas $(REPLICAS) --seeds $(SEEDS) \
+		--methods fp32 sparse-k128r-a2.5-4.5-b0.9-cc D-tau1-local-code D-tau3-local-code D-tau10-local-code \
+		D-delayed-local-code
+
+# synchronous vs adaptive overlap at 25M/100M (4 nodes) and 250M (2 nodes) values of an EMULATED model, links of
+# 10/100/1000 Mbit/s with 100 ms RTT in network namespaces (needs root and TUN; ~40 min)
+bench-overlap: install
+	$(PY) -m bench.overlap_scale
 
 # one bench-quality curve (the default, seed 7) confirmed with 4 real dilocox-node processes, 20 outer steps
 bench-quality-swarm: install
