@@ -91,6 +91,18 @@ class Finished:
 
 
 @dataclass
+class Checked:
+    """What checking a round's finished exchange found (``OuterRounds._check``): APPLIED, SKIPPED, APPLIED_ALONE,
+    RESYNC (``reason``; ``fetches_result``: the re-sync may bring this round's result) or CANCELLED."""
+
+    outcome: RoundOutcome
+    result: Optional[RoundResult] = None
+    group_size: int = 1
+    reason: str = ""
+    fetches_result: bool = False
+
+
+@dataclass
 class PendingRound:
     """Round ``index`` being averaged: ``future`` runs peers.averaging.exchange on the communication
     thread (None: a solo round)."""
@@ -109,6 +121,7 @@ class PendingRound:
     early_tried: bool = False
     merged_at: Optional[int] = None  # adaptive: the next round's inner step at which theta joined the local params
     waited_s: float = 0.0  # adaptive: time waited for the exchange before the next round began (wait_briefly)
+    checked: Optional[Future] = None  # adaptive: ``_check`` running on the verifier thread (a Checked)
 
 
 @dataclass
@@ -141,6 +154,7 @@ class OuterRounds:
         self.delayed = cfg.overlap != "none"  # overlapped: round r's exchange runs while round r + 1 computes
         self.merge_early = cfg.overlap == "adaptive" and cfg.num_stages == 1  # merge as soon as it is in
         self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
+        self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")  # adaptive: _check
         self.pending: Optional[PendingRound] = None  # delayed overlap: the all-reduce in flight
         self.early: Optional[EarlyRound] = None  # synchronous sparse round matched before its end
         self.excluded: dict[str, int] = {}  # peer_id -> last round its contributions are dropped (equivocation)
@@ -293,6 +307,8 @@ class OuterRounds:
         the pseudo-gradient itself for codes that are only known after the all-reduce) where one is set."""
         self.pending = p
         self.state.round = p.index + 1
+        if p.future is not None and self.merge_early:  # checked while the next round computes
+            p.checked = self.verifier.submit(self._check, p)
         if p.future is not None and self.cfg.overlap_proxy != "none":
             self.state.start_from_proxy(p.compression.own() if isinstance(p.compression, SparseRound)
                                         else p.pseudo_gradient)
@@ -315,7 +331,8 @@ class OuterRounds:
         if p is None or not self.merge_early or budget_s <= 0:
             return False
         began, deadline = time.monotonic(), time.monotonic() + budget_s
-        while p.future is not None and not p.future.done() and time.monotonic() < deadline:
+        waiting = p.checked or p.future
+        while waiting is not None and not waiting.done() and time.monotonic() < deadline:
             if self.leave_requested.is_set():
                 return False
             time.sleep(0.005)
@@ -340,7 +357,8 @@ class OuterRounds:
         a round that needs a re-sync is left to the round's end. True if theta was updated."""
         p = self.pending
         if p is None or p.early_tried or (p.future is not None and (
-                not p.future.done() or isinstance(p.future.exception(), RoundCancelled))):
+                not p.future.done() or isinstance(p.future.exception(), RoundCancelled))) or (
+                p.checked is not None and not p.checked.done()):
             return False
         p.early_tried = True
         self.finish(p, early=True)
@@ -357,64 +375,25 @@ class OuterRounds:
         if p.early is not None:
             return self._finish_locally(p, p.early)
         waited_from = time.monotonic()
-        outcome, group_size, averaged, result = RoundOutcome.SOLO, 1, p.pseudo_gradient, None
-        if p.future is not None:
-            try:
-                while not p.future.done():  # poll so a leave request cancels the exchange
-                    if self.leave_requested.is_set():
-                        p.cancel.set()
-                    time.sleep(0.02)
-                result = p.future.result()
-            except RoundCancelled:
-                return Finished(p.index, RoundOutcome.CANCELLED)
-            except RoundFailed as e:
-                if failure_action(self.progress.others(FRESH_S), p.index) == Verdict.RESYNC:
-                    return self._resync(p, early, f"round {p.index} went on without us ({e})")
-                logger.warning("round %d: %s; applying our own pseudo-gradient", p.index, e)
-                outcome = RoundOutcome.APPLIED_ALONE
-            else:
-                self.deadlines.observe_group(p.compute_s, [g.compute_s for g in result.gathered.values() if g])
-                starts = {q: g.start_digest for q, g in result.gathered.items()
-                          if g is not None and g.outer_step == p.index - 1}
-                canon, _ = canonical_digest(starts)
-                if canon != self.state.start_digest():
-                    return self._resync(p, early, f"round {p.index}: we started from {self.state.start_digest()}, "
-                                                  f"the group from {canon}")
-                # every member that started from the same parameters contributed to this average
-                group_size = sum(d == canon and q not in result.dropped for q, d in starts.items())
-                result_digest = params_digest(result.tensors)
-                results = self.progress.exchange_result_digests(p.index, result_digest, set(starts),
-                                                                self.cfg.request_timeout, result.inputs)
-                self._exclude_equivocators(p.index, result.inputs)
-                verdict = judge_result(result_digest, results, members=len(starts))
-                outside = [m for m in self.progress.others(FRESH_S) if m.peer_id not in starts]
-                if verdict == Verdict.SKIP and failure_action(outside, p.index) == Verdict.RESYNC:
-                    # our group fell apart (e.g. two late members matched each other, and one left for a
-                    # re-sync) while the other replicas applied the round: skipping would diverge from them
-                    finished = self._resync(p, early, f"round {p.index}: no majority among our group's results "
-                                                      f"{sorted(set(results.values()))}, and other replicas "
-                                                      f"applied it")
-                    finished.info = self._info(p, group_size, RoundOutcome.RESYNCED, result, waited_from)
-                    return finished
-                if verdict == Verdict.SKIP:
-                    # e.g. two replicas, one with a partial average: nobody can tell which is right, so every
-                    # member consumes the round without an update (theta_r = theta_{r-1}) and all stay aligned
-                    logger.warning("round %d: no majority among all-reduce results %s; skipped by the whole group",
-                                   p.index, sorted(set(results.values())))
-                    averaged, outcome = None, RoundOutcome.SKIPPED
-                elif verdict == Verdict.RESYNC:
-                    canon, _ = canonical_digest(results)
-                    # hivemind can return part of the average ("received 79% results") and still succeed
-                    finished = self._resync(p, early, f"round {p.index}: all-reduce result {result_digest} differs "
-                                                      f"from the group's {canon} (partial result?); not applied")
-                    finished.info = self._info(p, group_size, RoundOutcome.RESYNCED, result, waited_from)
-                    return finished
-                else:
-                    averaged, outcome = result.tensors, RoundOutcome.APPLIED
-                    if result.allreduce_s > 0:
-                        self.measured_bps = max(self.measured_bps, 8 * result.bytes_sent / result.allreduce_s)
-                    # from all-gathered figures only, so every member picks the same rank (and averager)
-                    p.compression.decide_rank(*group_limits(result.gathered), group_size)
+        if p.future is None:
+            checked = Checked(RoundOutcome.SOLO)
+        else:
+            waiting = p.checked if p.checked is not None else p.future
+            while not waiting.done():  # poll so a leave request cancels the exchange
+                if self.leave_requested.is_set():
+                    p.cancel.set()
+                time.sleep(0.02)
+            checked = p.checked.result() if p.checked is not None else self._check(p)
+        if checked.outcome == RoundOutcome.CANCELLED:
+            return Finished(p.index, RoundOutcome.CANCELLED)
+        outcome, result, group_size = checked.outcome, checked.result, checked.group_size
+        if outcome == RoundOutcome.RESYNC:
+            finished = self._resync(p, early, checked.reason)
+            if checked.fetches_result:  # the re-sync may bring this very round's result: record it then
+                finished.info = self._info(p, group_size, RoundOutcome.RESYNCED, result, waited_from)
+            return finished
+        averaged = {RoundOutcome.APPLIED: result.tensors if result else None,
+                    RoundOutcome.SKIPPED: None}.get(outcome, p.pseudo_gradient)  # solo, alone: our own
         # averaged None (skipped): only the local re-base follows; a donor serves the new shared compression
         # state only together with the outer step it belongs to
         apply_began = time.monotonic()
@@ -428,6 +407,59 @@ class OuterRounds:
             p.early = info
             return Finished(p.index, RoundOutcome.DEFERRED, info)
         return self._finish_locally(p, info)
+
+    def _check(self, p: PendingRound) -> "Checked":
+        """Wait for round p's exchange and check it against the group: start digests, the group's result digests
+        (through the membership records, up to request_timeout), equivocation; the verdict rules are
+        dilocox/consensus.py. Changes nothing of the replica's state, so adaptive overlap runs it on the
+        verifier thread while the next round computes (``hold``); the training thread applies what it found."""
+        try:
+            result = p.future.result()
+        except RoundCancelled:
+            return Checked(RoundOutcome.CANCELLED)
+        except RoundFailed as e:
+            if failure_action(self.progress.others(FRESH_S), p.index) == Verdict.RESYNC:
+                return Checked(RoundOutcome.RESYNC, reason=f"round {p.index} went on without us ({e})")
+            logger.warning("round %d: %s; applying our own pseudo-gradient", p.index, e)
+            return Checked(RoundOutcome.APPLIED_ALONE)
+        self.deadlines.observe_group(p.compute_s, [g.compute_s for g in result.gathered.values() if g])
+        starts = {q: g.start_digest for q, g in result.gathered.items()
+                  if g is not None and g.outer_step == p.index - 1}
+        canon, _ = canonical_digest(starts)
+        if canon != self.state.start_digest():
+            return Checked(RoundOutcome.RESYNC, reason=f"round {p.index}: we started from "
+                                                       f"{self.state.start_digest()}, the group from {canon}")
+        # every member that started from the same parameters contributed to this average
+        group_size = sum(d == canon and q not in result.dropped for q, d in starts.items())
+        result_digest = params_digest(result.tensors)
+        results = self.progress.exchange_result_digests(p.index, result_digest, set(starts),
+                                                        self.cfg.request_timeout, result.inputs)
+        self._exclude_equivocators(p.index, result.inputs)
+        verdict = judge_result(result_digest, results, members=len(starts))
+        outside = [m for m in self.progress.others(FRESH_S) if m.peer_id not in starts]
+        if verdict == Verdict.SKIP and failure_action(outside, p.index) == Verdict.RESYNC:
+            # our group fell apart (e.g. two late members matched each other, and one left for a re-sync)
+            # while the other replicas applied the round: skipping would diverge from them
+            return Checked(RoundOutcome.RESYNC, result, group_size, fetches_result=True,
+                           reason=f"round {p.index}: no majority among our group's results "
+                                  f"{sorted(set(results.values()))}, and other replicas applied it")
+        if verdict == Verdict.SKIP:
+            # e.g. two replicas, one with a partial average: nobody can tell which is right, so every member
+            # consumes the round without an update (theta_r = theta_{r-1}) and all stay aligned
+            logger.warning("round %d: no majority among all-reduce results %s; skipped by the whole group",
+                           p.index, sorted(set(results.values())))
+            return Checked(RoundOutcome.SKIPPED, result, group_size)
+        if verdict == Verdict.RESYNC:
+            canon, _ = canonical_digest(results)
+            # hivemind can return part of the average ("received 79% results") and still succeed
+            return Checked(RoundOutcome.RESYNC, result, group_size, fetches_result=True,
+                           reason=f"round {p.index}: all-reduce result {result_digest} differs from the group's "
+                                  f"{canon} (partial result?); not applied")
+        if result.allreduce_s > 0:
+            self.measured_bps = max(self.measured_bps, 8 * result.bytes_sent / result.allreduce_s)
+        # from all-gathered figures only, so every member picks the same rank (and averager)
+        p.compression.decide_rank(*group_limits(result.gathered), group_size)
+        return Checked(RoundOutcome.APPLIED, result, group_size)
 
     def _resync(self, p: PendingRound, early: bool, reason: str) -> Finished:
         return Finished(p.index, RoundOutcome.DEFERRED if early else RoundOutcome.RESYNC, losses=p.losses,
@@ -461,6 +493,7 @@ class OuterRounds:
         self.cancel_early()
         self.drop_pending()
         self.comm.shutdown(wait=False, cancel_futures=True)
+        self.verifier.shutdown(wait=False, cancel_futures=True)
 
     def _info(self, p: PendingRound, group_size: int, outcome: RoundOutcome, result: Optional[RoundResult],
               waited_from: float) -> RoundInfo:

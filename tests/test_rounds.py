@@ -188,6 +188,8 @@ def test_adaptive_merges_theta_into_the_local_parameters_when_it_lands(tmp_path)
     start = [t.detach().clone() for t in state.params]
     state.inner_step(*state.shard.next_batch(), 0)
     progress = [a - b for a, b in zip(state.params, start)]
+    # the exchange was checked against the group on the verifier thread while round 2 computed
+    assert p.checked is not None and p.checked.result(timeout=10).outcome == RoundOutcome.APPLIED
     assert rounds.finish_early(1) and state.outer_step == 1
     # x <- theta_1 + (x - x(start of round 2)): one inner step of progress on top of theta
     theta = state.outer.global_params
