@@ -203,7 +203,7 @@ class Node:
                 self.updates = ContributionServer(self.swarm.replicate_p2p, f"{prefix}_updates",
                                                   keep=cfg.catch_up_steps, startup_timeout_s=cfg.startup_timeout,
                                                   admitted=self.progress.admitted if self.admission else None,
-                                                  max_bytes=self.state.state_bytes())
+                                                  max_bytes=self.state.state_bytes(), offer_wait_s=0.0)
                 self.state.on_applied = lambda u: self.updates.offer(update_key(u.outer_step), encode(u))
         # sparse whole-model rounds derive matchmaking and the group wait from measurement (flags as caps);
         # all-reduce rounds and pipeline stages keep the flags

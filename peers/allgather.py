@@ -53,6 +53,9 @@ RELAY_WAIT_S = 2.0     # a relay waits this long for its copy before answering N
 RELAY_POLL_S = 0.5     # a fetcher asks the relays again after this pause while none holds a copy
 COPY_KEYS = 2          # rounds whose fetched contributions are kept to relay
 EMPTY_RETRIES = 2      # an empty stream without an error is asked for again this often (see _Empty)
+# a member asked for its own contribution before offering it waits this long for the offer: group-mates whose
+# compute ended first, or an early round's all-gather, can ask while it still encodes (seconds at 100M values)
+OFFER_WAIT_S = 60.0
 # tamper(payload, requester peer_id, key) -> bytes: the red-team hook's view of what we serve
 Tamper = Callable[[bytes, str, str], bytes]
 
@@ -68,12 +71,15 @@ class ContributionServer(ServicerBase):
 
     def __init__(self, replicate_p2p: Callable[[], "asyncio.Future[P2P]"], namespace: str, *,
                  keep: int = 4, tamper: Optional[Tamper] = None, startup_timeout_s: float = 30.0,
-                 admitted: Optional[Callable[[str], Optional[str]]] = None, max_bytes: Optional[int] = None):
+                 admitted: Optional[Callable[[str], Optional[str]]] = None, max_bytes: Optional[int] = None,
+                 offer_wait_s: float = OFFER_WAIT_S):
         """``admitted(peer_id)``: None if that peer may fetch our contributions, else why not (a certified
         swarm: peers/admission.py); None for an open swarm. ``max_bytes``: the oldest offers are also dropped
-        while all of them together hold more (the newest is always kept)."""
+        while all of them together hold more (the newest is always kept). ``offer_wait_s``: how long a request
+        for a key we have not offered yet waits for the offer (0: answer at once, e.g. for keys that may never
+        come, such as the applied update of a round we skipped)."""
         self.namespace, self.keep, self.tamper, self.admitted = namespace, keep, tamper, admitted
-        self.max_bytes = max_bytes
+        self.max_bytes, self.offer_wait_s = max_bytes, offer_wait_s
         self._refused: Dict[str, str] = {}
         self._offers: "OrderedDict[str, bytes]" = OrderedDict()
         self._copies: "OrderedDict[str, Dict[str, bytes]]" = OrderedDict()  # key -> owner -> checked payload
@@ -130,8 +136,7 @@ class ContributionServer(ServicerBase):
                 yield ContributionChunk(error=f"{NOT_HELD}: no copy of {request.owner[:16]}'s contribution")
                 return
         else:
-            with self._lock:
-                payload = self._offers.get(request.key)
+            payload = await self._own(request.key)
             if payload is None:
                 yield ContributionChunk(error=f"no contribution under key {request.key[:40]!r}")
                 return
@@ -141,7 +146,18 @@ class ContributionServer(ServicerBase):
             if request.key in self._served:
                 self._served[request.key] += len(payload)
         for i in range(0, max(len(payload), 1), CHUNK_BYTES):
-            yield ContributionChunk(data=payload[i:i + CHUNK_BYTES])
+            yield ContributionChunk(data=payload[i:i + CHUNK_BYTES], total_bytes=len(payload) if i == 0 else 0)
+
+    async def _own(self, key: str) -> Optional[bytes]:
+        """Our contribution under ``key``, waiting up to ``offer_wait_s`` for ``offer`` (the requester's own
+        deadline usually ends the wait first, by cancelling the call)."""
+        deadline = time.monotonic() + self.offer_wait_s
+        while True:
+            with self._lock:
+                payload = self._offers.get(key)
+            if payload is not None or time.monotonic() >= deadline:
+                return payload
+            await asyncio.sleep(0.05)
 
     async def _copy(self, key: str, owner: str) -> Optional[bytes]:
         """Our checked copy of ``owner``'s contribution under ``key``, waiting up to RELAY_WAIT_S for it."""
@@ -218,8 +234,8 @@ class ContributionServer(ServicerBase):
                 except _Empty as e:
                     empty += 1
                     if empty <= EMPTY_RETRIES:  # a stream cut before its first byte: ask again after a pause
-                        logger.info("the download of %s's contribution from %s ended before its first byte; "
-                                    "asking again", peer, src)
+                        logger.info("the download of %s's contribution from %s was cut (%s); asking again",
+                                    peer, src, e)
                         continue
                     if src == peer:
                         raise ContributionError(f"empty payload: {e}, {empty} times") from e
@@ -256,6 +272,7 @@ class ContributionServer(ServicerBase):
         first = None
         stub = self.get_stub(self._p2p, PeerID.from_base58(src), namespace=self.namespace)
         buf = bytearray()
+        total = 0  # the length the server stated (0: an older server stated none)
         request = ContributionRequest(key=key, owner="" if src == peer else peer)
         async for chunk in await stub.rpc_contribution(request):
             if chunk.error:
@@ -263,11 +280,14 @@ class ContributionServer(ServicerBase):
                     raise _NotHeld(chunk.error)
                 raise ContributionError(f"the peer answered: {chunk.error[:200]}")
             first = first or time.monotonic()
+            total = total or chunk.total_bytes
             buf += chunk.data
             if len(buf) > size:
                 raise ContributionError(f"oversized payload: more than the {size} bytes expected")
         if not buf:  # never a valid payload: hivemind ends a stream cut before a response as an empty one
             raise _Empty("the stream ended before its first byte")
+        if total and len(buf) < total:  # ... and one cut part-way as a short one
+            raise _Empty(f"the stream ended after {len(buf)} of the {total} bytes stated")
         if sha256 is not None:  # else nothing was announced: the codec checks the exact length
             if len(buf) != size:
                 raise ContributionError(f"truncated payload: {len(buf)} of the {size} bytes expected")
@@ -301,9 +321,10 @@ class _NotHeld(Exception):
 
 
 class _Empty(Exception):
-    """A download ended without a byte and without an error. hivemind's stream reader treats a closed
-    connection as the end of the stream, so a stream cut under load looks like an empty payload; in
-    an early-matched round (no digest) it would be dropped by us alone, and the group's results differ."""
+    """A download ended without a byte, or before the length the server stated, and without an error.
+    hivemind's stream reader treats a closed connection as the end of the stream, so a stream cut under load
+    looks like an empty or short payload; in an early-matched round (no digest) it would be dropped by us
+    alone, and the group's results differ. It is asked for again (EMPTY_RETRIES)."""
 
 
 class SparseGather(pydantic.BaseModel):

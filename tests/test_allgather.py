@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 import time
 
 import hivemind
@@ -57,16 +58,16 @@ def test_screen_is_the_same_for_every_member_whatever_the_order():
 
 
 @contextlib.contextmanager
-def peers_on_loopback(n: int, namespace: str, tampers=()):
-    """n real hivemind peers on loopback, each with a ContributionServer (``tampers[i]``: peer i's hook);
-    yields [(peer_id, server, dht)]."""
+def peers_on_loopback(n: int, namespace: str, tampers=(), offer_wait_s: float = 1.0):
+    """n real hivemind peers on loopback, each with a ContributionServer (``tampers[i]``: peer i's hook) that
+    waits ``offer_wait_s`` for an offer asked for before it was made; yields [(peer_id, server, dht)]."""
     dhts, out = [], []
     try:
         for i in range(n):
             dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs() if dhts else None, start=True,
                                      host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, startup_timeout=60))
             tamper = tampers[i] if i < len(tampers) else None
-            out.append(ContributionServer(dhts[-1].replicate_p2p, namespace, tamper=tamper))
+            out.append(ContributionServer(dhts[-1].replicate_p2p, namespace, tamper=tamper, offer_wait_s=offer_wait_s))
         yield [(d.peer_id.to_base58(), s, d) for d, s in zip(dhts, out)]
     finally:
         for s in out:
@@ -98,6 +99,45 @@ def test_fetch_checks_length_and_digest(servers):
     assert "do not match the digest" in failed[a_id]
     _, failed = b.fetch({a_id: (SHA, 10)}, "nothing-here", 30)
     assert "no contribution under key" in failed[a_id]
+
+
+def test_a_contribution_asked_for_before_it_is_offered_is_served_once_it_is(servers):
+    """A group-mate whose compute ended first asks while we still encode: the request waits for our offer
+    (up to offer_wait_s) instead of failing, which would make members drop different contributions."""
+    (a_id, a), (b_id, b) = servers
+    payload = b"late contribution" * 1000
+    a.offer_wait_s = 10.0
+    try:
+        threading.Timer(1.5, a.offer, ("late", payload)).start()
+        began = time.monotonic()
+        got, failed = b.fetch({a_id: (hashlib.sha256(payload).hexdigest(), len(payload))}, "late", 30)
+        assert got == {a_id: payload} and not failed and time.monotonic() - began >= 1.4
+    finally:
+        a.offer_wait_s = 1.0
+
+
+def test_a_stream_cut_part_way_is_asked_for_again(servers, monkeypatch):
+    """hivemind ends a stream whose connection broke as if it were complete: the first piece states the whole
+    length, so a short download of an unannounced (early-round) payload is fetched again, not used short."""
+    from dilocox.proto.dilocox.v1.swarm_pb2 import ContributionChunk
+
+    (a_id, a), (b_id, b) = servers
+    payload = bytes(range(200)) * 50
+    calls = []
+
+    class CutOnce:
+        async def rpc_contribution(self, request):
+            calls.append(request.key)
+
+            async def stream():
+                yield ContributionChunk(data=payload[:4000], total_bytes=len(payload))
+                if len(calls) > 1:  # the first stream is cut after its first piece
+                    yield ContributionChunk(data=payload[4000:])
+            return stream()
+
+    monkeypatch.setattr(b, "get_stub", lambda *args, **kwargs: CutOnce())
+    got, failed = b.fetch({a_id: (None, 2 * len(payload))}, "cut", 30)
+    assert got == {a_id: payload} and not failed and calls == ["cut", "cut"]
 
 
 def test_a_peer_serving_other_bytes_than_it_announced_is_caught(servers):

@@ -13,9 +13,11 @@ class ContributionRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ContributionChunk(_message.Message):
-    __slots__ = ("data", "error")
+    __slots__ = ("data", "error", "total_bytes")
     DATA_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     error: str
-    def __init__(self, data: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
+    total_bytes: int
+    def __init__(self, data: _Optional[bytes] = ..., error: _Optional[str] = ..., total_bytes: _Optional[int] = ...) -> None: ...
