@@ -15,6 +15,7 @@ values, sparse.aggregate is checked against ``robust.aggregate`` on the sorted u
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import threading
@@ -25,7 +26,6 @@ import numpy as np
 import torch
 from dilocox.daemon.config import NodeConfig
 
-from bench.localswarm import write_json
 from dilocox import robust, sparse
 from dilocox.model import ModelSpec, build_model
 
@@ -145,7 +145,10 @@ def main(argv=None) -> None:
                 print(f"{r['values']:>11,} {r['threads']:>2} thr {r['op']:>25} k={r['k']:<2} "
                       f"{r['ns_per_value']:7.2f} ns/value (min {r['min']:.2f}, max {r['max']:.2f})  "
                       f"peak +{r['peak_extra_bytes_per_value']:.1f} B/value", flush=True)
-    write_json(a.out, dict(config=vars(cfg), norm_bound=2.0, checked_up_to=a.check_values, rows=rows))
+    a.out.parent.mkdir(parents=True, exist_ok=True)  # no bench.localswarm: it imports the gRPC stubs
+    a.out.write_text(json.dumps(dict(config=vars(cfg), norm_bound=2.0, checked_up_to=a.check_values, rows=rows),
+                                indent=1))
+    print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":

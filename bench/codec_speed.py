@@ -18,60 +18,18 @@ same digest whatever their CPU, SIMD width, torch/numpy versions or thread count
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import hashlib
 import json
-import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench.aggregate import timed
 from dilocox import robust, sparse
 
 DAEMON = dict(chunk=4096, topk=128, bits=2, beta=0.9, rice=True)  # NodeConfig().sparse_config()
-
-
-def peak_extra(fn, n: int) -> float:
-    """Peak growth of resident memory while fn runs, bytes per value (freed memory handed back first)."""
-    import psutil
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    proc, peak, done = psutil.Process(), [0], threading.Event()
-    base = proc.memory_info().rss
-
-    def watch():
-        while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss - base)
-            time.sleep(0.001)
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    try:
-        fn()
-    finally:
-        done.set()
-        t.join()
-    return peak[0] / n
-
-
-def timed(fn, repeats: int, n: int) -> dict:
-    fn()  # warm: the first touch of fresh memory costs more than any later one
-    ns = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ns.append((time.perf_counter() - t) / n * 1e9)
-    return dict(median=statistics.median(ns), min=min(ns), max=max(ns), runs=repeats,
-                peak_extra_bytes_per_value=peak_extra(fn, n))
 
 
 def compare(a) -> list[dict]:
@@ -115,12 +73,12 @@ def compare(a) -> list[dict]:
         for name, fn in ops.items():
             row = dict(op=name, threads=threads, values=n, k=a.k, new=timed(fn, a.repeats, n))
             new = row["new"]
-            line = (f"{threads:>2} thr {name:>24}: new {new['median']:7.2f} ns/value "
+            line = (f"{threads:>2} thr {name:>24}: new {new['ns_per_value']:7.2f} ns/value "
                     f"[{new['min']:.2f}-{new['max']:.2f}] +{new['peak_extra_bytes_per_value']:.1f} B")
             if name in olds:
                 row["old"] = timed(olds[name], a.old_repeats, n)
-                row["speedup"] = row["old"]["median"] / row["new"]["median"]
-                line += (f" | old {row['old']['median']:7.2f} [{row['old']['min']:.2f}-{row['old']['max']:.2f}] "
+                row["speedup"] = row["old"]["ns_per_value"] / row["new"]["ns_per_value"]
+                line += (f" | old {row['old']['ns_per_value']:7.2f} [{row['old']['min']:.2f}-{row['old']['max']:.2f}] "
                          f"+{row['old']['peak_extra_bytes_per_value']:.1f} B | x{row['speedup']:.1f}")
             print(line, flush=True)
             rows.append(row)
