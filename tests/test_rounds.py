@@ -41,16 +41,22 @@ class FakeProgress:
         return predicate(self._others)
 
 
-@pytest.fixture
-def state(tmp_path):
+def computed_round(tmp_path, inner_steps: int = 2, **cfg) -> ReplicaState:
+    """A real ReplicaState (tiny model, fp32 codes) that has computed round 1's inner steps; ``cfg``: more
+    NodeConfig fields (e.g. overlap)."""
     (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 400)
-    cfg = NodeConfig(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=2, compression="none",
-                     overlap="none", seq_len=16, batch_size=2)
-    st = ReplicaState(cfg, make_workload(cfg.model, cfg.data, 16, 2, cfg.eval_batches), shard_key=1)
+    config = NodeConfig(**{**dict(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=inner_steps,
+                                  compression="none", overlap="none", seq_len=16, batch_size=2), **cfg})
+    st = ReplicaState(config, make_workload(config.model, config.data, 16, 2, config.eval_batches), shard_key=1)
     st.begin_round()
-    for i in range(2):
+    for i in range(inner_steps):
         st.inner_step(*st.shard.next_batch(), i)
     return st
+
+
+@pytest.fixture
+def state(tmp_path):
+    return computed_round(tmp_path)
 
 
 def rounds_for(state, progress, delayed=False, overlap=None):
@@ -173,13 +179,7 @@ def test_delayed_applies_theta_mid_round_and_rebases_at_the_end(state):
 def test_adaptive_merges_theta_into_the_local_parameters_when_it_lands(tmp_path):
     """overlap=adaptive: finish_early updates theta *and* folds it into the local trajectory at once (the
     delay is the inner steps the exchange took); the round's end does not re-base again and reports them."""
-    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 400)
-    cfg = NodeConfig(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=4, compression="none",
-                     overlap="adaptive", seq_len=16, batch_size=2)
-    state = ReplicaState(cfg, make_workload(cfg.model, cfg.data, 16, 2, cfg.eval_batches), shard_key=1)
-    state.begin_round()
-    for i in range(4):
-        state.inner_step(*state.shard.next_batch(), i)
+    state = computed_round(tmp_path, inner_steps=4, overlap="adaptive")
     rounds = rounds_for(state, FakeProgress(results={"a": None, "b": None}), overlap="adaptive")
     p = pending(state, None)
     digest = params_digest(p.future.result().tensors)
@@ -227,13 +227,7 @@ def test_delayed_leaves_a_resync_to_the_rounds_end(state):
 def test_adaptive_waits_briefly_for_an_exchange_that_lands_in_time(tmp_path):
     """wait_briefly: an exchange already in (or in within the budget) is applied and merged before the next
     round's first step (tau = 0, a synchronous round); one still out after the budget is left to overlap."""
-    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 400)
-    cfg = NodeConfig(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=2, compression="none",
-                     overlap="adaptive", seq_len=16, batch_size=2)
-    state = ReplicaState(cfg, make_workload(cfg.model, cfg.data, 16, 2, cfg.eval_batches), shard_key=1)
-    state.begin_round()
-    for i in range(2):
-        state.inner_step(*state.shard.next_batch(), i)
+    state = computed_round(tmp_path, overlap="adaptive")
     rounds = rounds_for(state, FakeProgress(), overlap="adaptive")
     p = pending(state, None)
     digest = params_digest(p.future.result().tensors)
@@ -254,15 +248,9 @@ def test_adaptive_waits_briefly_for_an_exchange_that_lands_in_time(tmp_path):
 def test_held_rounds_start_from_a_lookahead_by_our_own_share(tmp_path):
     """--overlap-proxy local: while round 1's exchange is in flight, round 2 starts from theta_0 advanced by our
     own share of round 1 (a lookahead); none: from where round 1 ended. Theta itself is untouched."""
-    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 400)
     starts = {}
     for proxy in ("local", "none"):
-        cfg = NodeConfig(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=2, compression="none",
-                         overlap="delayed", overlap_proxy=proxy, seq_len=16, batch_size=2)
-        state = ReplicaState(cfg, make_workload(cfg.model, cfg.data, 16, 2, cfg.eval_batches), shard_key=1)
-        state.begin_round()
-        for i in range(2):
-            state.inner_step(*state.shard.next_batch(), i)
+        state = computed_round(tmp_path, overlap="delayed", overlap_proxy=proxy)
         ended = [t.detach().clone() for t in state.params]
         theta = [t.clone() for t in state.outer.global_params]
         rounds = rounds_for(state, FakeProgress(), overlap="delayed")
