@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional, Union
@@ -162,6 +163,7 @@ class OuterRounds:
         self.times: dict[int, RoundTimes] = {}  # round index -> the deadlines its exchange was given
         self.exchange_s: Optional[float] = None  # the longest exchange of the last EXCHANGE_WINDOW rounds (seconds)
         self._exchanges: list[float] = []
+        self._checking: list[PendingRound] = []  # rounds submitted to the verifier (shutdown drops them)
 
     def bandwidth_bps(self) -> float:
         """Our link rate for the rank cap (bit/s): configured, else the best all-reduce throughput seen
@@ -309,6 +311,7 @@ class OuterRounds:
         self.state.round = p.index + 1
         if p.future is not None and self.merge_early:  # checked while the next round computes
             p.checked = self.verifier.submit(self._check, p)
+            self._checking = [q for q in self._checking if not q.checked.done()] + [p]
         if p.future is not None and self.cfg.overlap_proxy != "none":
             self.state.start_from_proxy(p.compression.own() if isinstance(p.compression, SparseRound)
                                         else p.pseudo_gradient)
@@ -414,8 +417,8 @@ class OuterRounds:
         dilocox/consensus.py. Changes nothing of the replica's state, so adaptive overlap runs it on the
         verifier thread while the next round computes (``hold``); the training thread applies what it found."""
         try:
-            result = p.future.result()
-        except RoundCancelled:
+            result = self._await_exchange(p)
+        except (RoundCancelled, CancelledError):
             return Checked(RoundOutcome.CANCELLED)
         except RoundFailed as e:
             if failure_action(self.progress.others(FRESH_S), p.index) == Verdict.RESYNC:
@@ -461,6 +464,18 @@ class OuterRounds:
         p.compression.decide_rank(*group_limits(result.gathered), group_size)
         return Checked(RoundOutcome.APPLIED, result, group_size)
 
+    @staticmethod
+    def _await_exchange(p: PendingRound) -> "RoundResult":
+        """Round p's exchange result, waited for in slices so a dropped round (``p.cancel``: a re-sync, leave or
+        shutdown) frees the verifier thread; the interpreter joins pool threads at exit, so a wait with no end
+        would keep a stopping process alive. Raises RoundCancelled once p is dropped."""
+        while True:
+            try:
+                return p.future.result(timeout=0.5)
+            except FutureTimeout:
+                if p.cancel.is_set():
+                    raise RoundCancelled(f"round {p.index} was dropped") from None
+
     def _resync(self, p: PendingRound, early: bool, reason: str) -> Finished:
         return Finished(p.index, RoundOutcome.DEFERRED if early else RoundOutcome.RESYNC, losses=p.losses,
                         reason=reason)
@@ -492,6 +507,8 @@ class OuterRounds:
     def shutdown(self) -> None:
         self.cancel_early()
         self.drop_pending()
+        for p in self._checking:
+            p.cancel.set()
         self.comm.shutdown(wait=False, cancel_futures=True)
         self.verifier.shutdown(wait=False, cancel_futures=True)
 

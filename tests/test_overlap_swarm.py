@@ -53,7 +53,9 @@ def test_adaptive_overlap_with_a_sign_flipper_and_a_joiner(tmp_path):
                        "one more round after the joiner's first")
         steps = digests_by_step(nodes)  # theta is the same on every replica at every outer step
         assert all(len(d) == 1 for d in steps.values()), steps
-        assert all(count >= 2 for count in group_applied([a, b, c]).values())
+        # every update a group applied is held by 2 or more replicas (the flipper counts: it follows the
+        # protocol and holds theta like the rest; a round of {a, s} while b re-synced is a whole group)
+        assert all(count >= 2 for count in group_applied(nodes).values()), group_applied(nodes)
         val = [r["val_loss"] for r in a.metrics()]
         assert val[-1] < val[0] - 0.3, val  # it learns, the flipper notwithstanding
     finally:

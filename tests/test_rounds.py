@@ -59,12 +59,26 @@ def state(tmp_path):
     return computed_round(tmp_path)
 
 
+_made: list[OuterRounds] = []
+
+
+@pytest.fixture(autouse=True)
+def _shut_down_rounds():
+    """Every OuterRounds a test made is shut down (its verifier thread would otherwise wait for an exchange
+    that never comes and keep pytest from exiting: the interpreter joins pool threads at exit)."""
+    yield
+    while _made:
+        _made.pop().shutdown()
+
+
 def rounds_for(state, progress, delayed=False, overlap=None):
     cfg = state.cfg.model_copy(update=dict(overlap=overlap or ("delayed" if delayed else "none")))
     flags = RoundDeadlines(None, matchmaking_cap_s=cfg.matchmaking_time,
                            group_wait_cap_s=cfg.outer_round_deadline - cfg.averaging_timeout,
                            request_timeout_s=cfg.request_timeout)
-    return OuterRounds(cfg, state, progress, averagers={}, leave_requested=threading.Event(), deadlines=flags)
+    _made.append(OuterRounds(cfg, state, progress, averagers={}, leave_requested=threading.Event(),
+                             deadlines=flags))
+    return _made[-1]
 
 
 def pending(state, outcome, gathered_start=None, averaged=None):
@@ -243,6 +257,9 @@ def test_adaptive_waits_briefly_for_an_exchange_that_lands_in_time(tmp_path):
     began = time.monotonic()
     assert not rounds.wait_briefly(0.2) and 0.15 < time.monotonic() - began < 1.0
     assert state.outer_step == 1 and late.waited_s >= 0.15
+    # stopping with that exchange still out frees the verifier thread (the interpreter joins it at exit)
+    rounds.shutdown()
+    assert late.checked.result(timeout=3).outcome == RoundOutcome.CANCELLED
 
 
 def test_held_rounds_start_from_a_lookahead_by_our_own_share(tmp_path):
