@@ -17,6 +17,7 @@ each node's peak memory (PSS of its process tree) and bytes per parameter.
 
     python -m bench.overlap_scale --outer-steps 4                  # the grid below (~60 min on 2 cores)
     python -m bench.overlap_scale --configs 25M:4 --rates 100 --outer-steps 4   # one cell
+    python -m bench.overlap_scale --configs 100M:4:2 --outer-steps 4 --keep     # redo a row, keep the rest
 
 Results: runs/bench/overlap-scale.{json,csv,png}.
 """
@@ -52,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--delay-ms", type=float, default=50.0, help="one-way delay per host egress (RTT: twice)")
     p.add_argument("--jitter-ms", type=float, default=10.0)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the other cells of OUT/overlap-scale.json (grow the grid over several runs)")
     a = p.parse_args(argv)
     a.inner_lr = "1e-3"
     ok, why = NetSim.delay_available()
@@ -59,6 +62,10 @@ def main(argv=None) -> int:
         print(f"make bench-overlap needs network namespaces and TUN devices: {why}", file=sys.stderr)
         return 2
     rows = []
+    if a.keep and (a.out / "overlap-scale.json").exists():  # cells of an earlier run this one does not redo
+        redo = {(c, float(r)) for c in a.configs for r in a.rates}
+        rows = [r for r in json.loads((a.out / "overlap-scale.json").read_text())["rows"]
+                if (r["config"], float(r["rate_mbit"])) not in redo]
     for config in a.configs:
         params, nodes, *step = config.split(":")
         spec = f"synthetic:{params}:{float(step[0]) if step else a.step_s:g}"
