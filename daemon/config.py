@@ -22,6 +22,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # the aggregation rules' version (dilocox/robust.py: RULES_VERSION), written here so that --help imports no torch
 RULES_VERSION = 2
 ENV_PREFIX = "DILOCOX_"
+
+
+def tokenizer_digest(spec: str) -> str:
+    """First 16 hex digits of the SHA-256 of the tokenizer.json that ``spec`` names (the file, or a folder holding
+    one), as dilocox/tokenizer.py computes it (hashed here so that settings need not import the library).
+    Raises ValueError naming the path when it cannot be read."""
+    path = Path(spec).expanduser()
+    path = path / "tokenizer.json" if path.is_dir() else path
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError as e:
+        raise ValueError(f"tokenizer {spec!r}: cannot read {path} ({e.strerror}); expected 'bytes', a "
+                         f"tokenizer.json or a folder holding one") from e
 ENV_EXTRA = {"DILOCOX_CONFIG"}  # names the config file itself
 
 
@@ -88,6 +101,8 @@ class NodeConfig(BaseModel):
         parts = [f"H={self.inner_steps} T={self.schedule_steps}"]
         if self.workload:
             parts.append(f"workload={self.workload}")
+        elif self.tokenizer != "bytes":  # ids must mean the same text on every replica
+            parts.append(f"tokenizer=sha256:{tokenizer_digest(self.tokenizer)}")
         parts += [f"inner=adamw(lr={self.inner_lr!r},warmup={self.warmup_steps},wd={self.weight_decay!r},"
                   f"betas={self.beta1!r}/{self.beta2!r})",
                   f"outer=sgd({outer},momentum={self.outer_momentum!r},nesterov={self.nesterov})",
@@ -143,8 +158,14 @@ class NodeConfig(BaseModel):
     status_read: Literal["open", "token"] = Field("open", description="whether reading status and peers needs the "
                                                                       "operator token too")
     # data and model
-    data: str = Field("builtin:shakespeare", description="text file, directory of .txt/.md, builtin:shakespeare, "
-                                                         "or an image dataset (fashion-mnist, mnist: --model cnn)")
+    data: str = Field("builtin:shakespeare", description="text file (.txt, .md, .jsonl, .jsonl.gz), a directory of "
+                                                         "them, a folder from `dilocox-ctl data prepare`, "
+                                                         "builtin:shakespeare, or an image dataset (fashion-mnist, "
+                                                         "mnist: --model cnn)")
+    tokenizer: str = Field("bytes", description="bytes (UTF-8, 256 ids), or a Hugging Face tokenizer.json or a folder "
+                                                 "holding one; the model's vocabulary follows it and its SHA-256 "
+                                                 "joins the swarm settings")
+    text_field: str = Field("text", min_length=1, description="the field holding a document's text in .jsonl data")
     model: str = Field("small", description="preset (tiny, small), a .json/.toml LlamaConfig file, or cnn (28x28 "
                                             "images)")
     workload: Optional[str] = Field(None, pattern=r"^synthetic:\S+$",
@@ -306,6 +327,8 @@ class NodeConfig(BaseModel):
                              f"an operator can make the node leave")
         if self.status_read == "token" and self.operator_token_file is None:
             raise ValueError("status_read=token needs operator_token_file")
+        if self.tokenizer != "bytes":
+            tokenizer_digest(self.tokenizer)  # a clear error now for a missing or unreadable file
         if (self.authority is None) != (self.certificate is None):
             raise ValueError("authority and certificate go together: a certified swarm needs both, an open one neither")
         if self.revocations is not None and self.authority is None:

@@ -14,6 +14,7 @@ import os
 import sys
 
 import grpc
+from dilocox.daemon import datactl
 from dilocox.proto.dilocox.v1 import node_pb2, node_pb2_grpc
 from google.protobuf.json_format import MessageToDict
 
@@ -113,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plot", help="draw a node's metrics.jsonl (its --checkpoint-dir) per outer step into a PNG")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a node's checkpoint directory (holding metrics.jsonl)")
     p.add_argument("-o", "--out", required=True, metavar="FILE.png")
+    datactl.add_parsers(sub)
     args = parser.parse_args(argv)
+    if args.command in ("tokenizer", "data"):  # offline: no node is contacted
+        return datactl.run(args)
     if args.command in ("peer-id", "authority"):  # --addr is accepted but unused: no node is contacted
         return _admission_command(args)
     if args.command == "plot":

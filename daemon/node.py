@@ -47,6 +47,7 @@ from dilocox.consensus import JoinKind, settings_conflict
 from dilocox.model import ModelSpecError
 from dilocox.pipeline import PipelineBroken
 from dilocox.stages import layer_range
+from dilocox.tokenizer import load_tokenizer
 from dilocox.workload import make_workload
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class Node:
         self.exit_code = 0
         # fails fast on a bad model, data or partition (ModelSpecError, DataError, VisionDataError, ValueError)
         self.workload = make_workload(cfg.model, cfg.data, cfg.seq_len, cfg.batch_size, cfg.eval_batches,
-                                      cfg.partition, cfg.num_clients, cfg.seed, cfg.workload)
+                                      cfg.partition, cfg.num_clients, cfg.seed, cfg.workload,
+                                      load_tokenizer(cfg.tokenizer), cfg.text_field)
         self.staged = cfg.num_stages > 1
         if self.workload.kind == "text":
             layer_range(self.workload.spec.llama["num_hidden_layers"], cfg.stage_index, cfg.num_stages)
@@ -554,6 +556,11 @@ class Node:
         self.resumed_from = self.state.outer_step
         logger.info("resumed from %s at outer step %d", path, self.state.outer_step)
 
+    def _bits_per_byte(self, val_loss: float) -> float:
+        """Validation loss in bits per UTF-8 byte (text workloads; comparable across tokenizers), else NaN."""
+        corpus = getattr(self.workload, "corpus", None)
+        return corpus.bits_per_byte(val_loss) if corpus is not None else math.nan
+
     def _record(self, info: RoundInfo, losses: list[float]) -> None:
         """Publish a finished round in status, checkpoint, and metrics (duration_s excludes evaluation)."""
         st, losses = self.state, losses or [math.nan]
@@ -578,7 +585,8 @@ class Node:
                         deadlines=self._deadlines(info))
         self._checkpoint()
         record = dict(asdict(info), peer_id=self.swarm.peer_id, digest=st.digest, val_loss=val_loss,
-                      val_accuracy=val_accuracy, control_digest=st.control.digest() if st.control else "",
+                      val_accuracy=val_accuracy, val_bits_per_byte=self._bits_per_byte(val_loss),
+                      control_digest=st.control.digest() if st.control else "",
                       loss=sum(losses) / len(losses), tokens_total=s.tokens_total,
                       tokens_per_second=s.tokens_per_second, overlap=self.cfg.overlap,
                       compute_utilization=utilization, time=time.time())

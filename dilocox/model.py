@@ -4,7 +4,7 @@ Weights are randomly initialised from a seed, never downloaded. The model stays 
 ``LlamaForCausalLM`` (embed_tokens -> layers -> norm -> lm_head); dilocox/stages.py cuts the
 same architecture into pipeline stages along ``model.layers``.
 
-Presets (byte vocabulary of 256):
+Presets (the vocabulary is the tokenizer's: 256 for bytes):
   * ``tiny``:  2 layers, d=64,  ~0.13 M parameters, seq 64,  batch 8  (tests; trains in seconds on CPU)
   * ``small``: 4 layers, d=256, ~3.3 M parameters,  seq 128, batch 16 (the demo default)
 A path to a ``.json`` or ``.toml`` file gives LlamaConfig fields plus optional ``seq_len`` and
@@ -43,7 +43,9 @@ class ModelSpec:
     batch_size: int
 
     @classmethod
-    def resolve(cls, name_or_path: str) -> "ModelSpec":
+    def resolve(cls, name_or_path: str, vocab_size: int = VOCAB_SIZE) -> "ModelSpec":
+        """A preset or a LlamaConfig file; ``vocab_size``: the tokenizer's (dilocox/tokenizer.py), which a file
+        may repeat but not contradict. Raises ModelSpecError naming the problem."""
         if name_or_path in PRESETS:
             fields = dict(PRESETS[name_or_path])
         else:
@@ -59,10 +61,12 @@ class ModelSpec:
                 raise ModelSpecError(f"model config {path} must hold a table/object of LlamaConfig fields")
         seq_len = int(fields.pop("seq_len", 128))
         batch_size = int(fields.pop("batch_size", 16))
-        llama = dict(vocab_size=VOCAB_SIZE, num_key_value_heads=fields.get("num_attention_heads", 4),
+        if fields.get("vocab_size", vocab_size) != vocab_size:
+            raise ModelSpecError(f"vocab_size {fields['vocab_size']} in {name_or_path} differs from the tokenizer's "
+                                 f"{vocab_size}: the vocabulary comes from --tokenizer (drop the field)")
+        fields.pop("vocab_size", None)
+        llama = dict(vocab_size=vocab_size, num_key_value_heads=fields.get("num_attention_heads", 4),
                      max_position_embeddings=seq_len, tie_word_embeddings=False, **fields)
-        if llama["vocab_size"] != VOCAB_SIZE:
-            raise ModelSpecError(f"vocab_size must be {VOCAB_SIZE} (byte tokens), got {llama['vocab_size']}")
         return cls(llama=llama, seq_len=seq_len, batch_size=batch_size)
 
 

@@ -31,6 +31,7 @@ from dilocox.model import ModelSpec, ModelSpecError, causal_lm_loss
 from dilocox.partition import partition
 from dilocox.stages import build_stage
 from dilocox.synthetic import SyntheticWorkload
+from dilocox.tokenizer import Tokenizer, byte_tokenizer
 
 IMAGE_MODELS = ("cnn",)
 IMAGE_DATA = ("fashion-mnist", "mnist")
@@ -121,7 +122,8 @@ class ImageWorkload:
 
 
 def make_workload(model: str, data: str, seq_len: int | None, batch_size: int | None, eval_batches: int,
-                  partition_spec: str = "iid", num_clients: int = 1, seed: int = 0, workload: str | None = None):
+                  partition_spec: str = "iid", num_clients: int = 1, seed: int = 0, workload: str | None = None,
+                  tokenizer: Tokenizer | None = None, text_field: str = "text"):
     """The workload of a node's configuration (``workload``: an emulated one, which replaces model and data).
     Raises ModelSpecError / DataError / VisionDataError / WorkloadSpecError / ValueError naming the problem
     (a text model on image data, an unknown partition, ...)."""
@@ -133,7 +135,9 @@ def make_workload(model: str, data: str, seq_len: int | None, batch_size: int | 
                                  f"{' or '.join(IMAGE_DATA)}, the language models on text")
         return ImageWorkload(vision.load_image_dataset(data), partition_spec, num_clients, seed,
                              batch_size or 64, eval_batches)
-    spec = ModelSpec.resolve(model)
+    tok = tokenizer or byte_tokenizer()
+    spec = ModelSpec.resolve(model, tok.vocab_size)
     seq_len = seq_len or spec.seq_len
     spec.llama["max_position_embeddings"] = max(seq_len, spec.llama["max_position_embeddings"])
-    return TextWorkload(spec, Corpus.from_spec(data, seq_len), seq_len, batch_size or spec.batch_size, eval_batches)
+    corpus = Corpus.from_spec(data, seq_len, tokenizer=tok, text_field=text_field)
+    return TextWorkload(spec, corpus, seq_len, batch_size or spec.batch_size, eval_batches)
