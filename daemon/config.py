@@ -166,7 +166,8 @@ class NodeConfig(BaseModel):
                                                  "holding one; the model's vocabulary follows it and its SHA-256 "
                                                  "joins the swarm settings")
     text_field: str = Field("text", min_length=1, description="the field holding a document's text in .jsonl data")
-    model: str = Field("small", description="preset (tiny, small), a .json/.toml LlamaConfig file, or cnn (28x28 "
+    model: str = Field("small", description="preset (tiny, small, llama-20m, llama-150m, llama-1b), a .json/.toml "
+                                            "LlamaConfig file (a Hugging Face config.json too), or cnn (28x28 "
                                             "images)")
     workload: Optional[str] = Field(None, pattern=r"^synthetic:\S+$",
                                     description="EMULATED workload for measuring scale, never quality: "

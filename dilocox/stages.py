@@ -70,7 +70,7 @@ class StageModule(nn.Module):
         try:
             # sdpa: what LlamaForCausalLM picks on CPU (None would mean no causal mask)
             self.config = LlamaConfig(**{**spec.llama, "attn_implementation": "sdpa"})
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # TypeError, ValueError, huggingface_hub's StrictDataclassClassValidationError
             raise ModelSpecError(f"invalid Llama config: {e}") from e
         cfg = self.config
         self.stage_index, self.num_stages = stage_index, num_stages
@@ -92,15 +92,14 @@ class StageModule(nn.Module):
         return name if name.startswith("lm_head") else f"model.{name}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
         hidden = self.embed_tokens(x) if self.is_first else x
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=positions)
         position_embeddings = self.rotary_emb(hidden, position_ids=positions)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=positions)
+            # no mask: sdpa attention is then causal (is_causal), which is also what LlamaForCausalLM's own
+            # create_causal_mask chooses for unpadded batches; it keeps us off masking_utils, whose
+            # arguments change between transformers releases (past_key_values -> cache in 5.x)
+            hidden = layer(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=positions)
         if self.is_last:
             return self.lm_head(self.norm(hidden))
         return hidden

@@ -130,9 +130,33 @@ def test_the_vocabulary_follows_the_tokenizer(bpe, tmp_path):
     assert ModelSpec.resolve("tiny", bpe.vocab_size).llama["vocab_size"] == 400
     (tmp_path / "m.json").write_text(json.dumps(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                      num_attention_heads=2, vocab_size=256)))
-    with pytest.raises(ModelSpecError, match="vocab_size 256 in .* differs from the tokenizer's 400"):
-        ModelSpec.resolve(str(tmp_path / "m.json"), 400)
-    assert ModelSpec.resolve(str(tmp_path / "m.json"), 256).llama["vocab_size"] == 256
+    assert ModelSpec.resolve(str(tmp_path / "m.json"), 400).llama["vocab_size"] == 400  # the tokenizer's wins
+    # a Hugging Face config.json as save_pretrained writes it is a model file too
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                vocab_size=32000).save_pretrained(tmp_path / "hf")
+    spec = ModelSpec.resolve(str(tmp_path / "hf" / "config.json"), 400)
+    assert spec.llama["vocab_size"] == 400 and spec.llama["num_hidden_layers"] == 3
+    (tmp_path / "bad.json").write_text(json.dumps(dict(hidden_size=30, num_attention_heads=4)))
+    with pytest.raises(ModelSpecError):
+        make_workload(str(tmp_path / "bad.json"), "builtin:shakespeare", None, None, 1).build(0, 0, 1)
+
+
+@pytest.mark.parametrize("preset", ["llama-20m", "llama-150m", "llama-1b"])
+def test_presets_have_openDiLoCo_shapes_and_split_into_stages(preset):
+    """Built on the meta device (no memory): parameter counts with Mistral's 32000-token vocabulary, and every
+    stage split of the layers covers each layer once."""
+    from dilocox.stages import StageModule, layer_range
+
+    spec = ModelSpec.resolve(preset, 32000)
+    with torch.device("meta"):
+        stages = [StageModule(spec, k, 2, seed=0) for k in range(2)]
+    total = sum(p.numel() for s in stages for p in s.parameters())
+    expected = {"llama-20m": 38.7e6, "llama-150m": 215.0e6, "llama-1b": 1100.0e6}[preset]
+    assert abs(total - expected) / expected < 0.01, total
+    layers = spec.llama["num_hidden_layers"]
+    assert sorted(i for k in range(2) for i in layer_range(layers, k, 2)) == list(range(layers))
 
 
 def test_a_tiny_model_learns_bpe_tokens_from_prepared_shards(bpe, tmp_path):
