@@ -182,7 +182,16 @@ class NodeConfig(BaseModel):
     data_seed: Optional[int] = Field(None, description="this replica's data shard key (default: derived from peer_id)")
     batch_size: Optional[int] = Field(None, ge=1, description="sequences per inner step (default: model preset)")
     seq_len: Optional[int] = Field(None, ge=8, description="tokens per sequence (default: model preset)")
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: str = Field("cpu", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="where the inner steps run: cpu, cuda[:N], or auto (cuda where one is visible); "
+                                    "theta, the error feedback and the round-start copy stay in host memory")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: forward and backward under autocast, "
+                                                                   "fp32 master weights and optimizer state")
+    micro_batch_size: Optional[int] = Field(None, ge=1, description="sequences per forward/backward; gradients "
+                                                                    "accumulate up to batch_size (default: "
+                                                                    "the whole batch at once)")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
+                                                              "backward pass (less memory, ~1/3 more compute)")
     # pipeline stages (DiLoCoX): a replica spans num_stages nodes on a fast local link
     stage: str = Field("0/1", pattern=r"^\d+/\d+$",
                        description="K/S: hold pipeline stage K of S (0/1: the whole model)")

@@ -24,7 +24,7 @@ import dilocox
 from dilocox import exact_mean
 from dilocox.catchup import AppliedUpdate, Replayed, replay
 from dilocox.compression import CompressionConfig, Compressor
-from dilocox.diloco import InnerConfig, OuterOptimizer, params_digest
+from dilocox.diloco import InnerConfig, OuterOptimizer, params_digest, training_device
 from dilocox.overlap import OuterSchedule
 from dilocox.pipeline import PipelinedInnerLoop
 from dilocox.scaffold import ControlVariates, apply_correction_step
@@ -73,12 +73,16 @@ class ReplicaState:
         self.ramp_steps = cfg.ramp_rounds  # the outer lr ramp spans the cosine schedule
         module = workload.build(cfg.seed, cfg.stage_index, cfg.num_stages)  # only our layers
         inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
-                                warmup_steps=cfg.warmup_steps, total_steps=total)
+                                warmup_steps=cfg.warmup_steps, total_steps=total, precision=cfg.precision,
+                                micro_batch_size=cfg.micro_batch_size or 0)
+        if hasattr(module, "activation_checkpointing"):  # decoder stages (dilocox/stages.py)
+            module.activation_checkpointing = cfg.activation_checkpointing
+        device = training_device(cfg.device)
         if cfg.num_stages == 1:
-            self.inner = workload.inner_loop(module, inner_cfg, device=cfg.device, loss_fn=loss_fn, seed=cfg.seed,
+            self.inner = workload.inner_loop(module, inner_cfg, device=device, loss_fn=loss_fn, seed=cfg.seed,
                                              shard_key=shard_key)
         else:  # attached to the replica's process group once the replica is formed (daemon/staging.py)
-            self.inner = PipelinedInnerLoop(module, inner_cfg, cfg.microbatches, cfg.pipeline_schedule, cfg.device)
+            self.inner = PipelinedInnerLoop(module, inner_cfg, cfg.microbatches, cfg.pipeline_schedule, device)
         self.outer = OuterOptimizer(self.inner.params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov,
                                     cfg.outer_lr_final, self.ramp_steps)
         shapes = [tuple(p.shape) for p in self.outer.global_params]

@@ -32,6 +32,8 @@ class InnerConfig:
     total_steps: int = 10_000
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
+    precision: str = "fp32"  # or bf16: forward and backward under autocast, fp32 master weights and AdamW state
+    micro_batch_size: int = 0  # > 0: a step accumulates gradients over micro-batches of this many sequences
 
     def lr_at(self, global_step: int) -> float:
         if global_step < self.warmup_steps:
@@ -39,6 +41,18 @@ class InnerConfig:
         progress = min(1.0, (global_step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+
+
+def training_device(spec: str) -> str:
+    """``auto`` -> ``cuda`` where torch sees a GPU, else ``cpu``; ``cpu`` and ``cuda[:N]`` as given. Raises
+    ValueError for a CUDA device this process cannot see (named, with how many it sees)."""
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.startswith("cuda"):
+        index = int(spec.split(":")[1]) if ":" in spec else 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {spec}: this process sees {torch.cuda.device_count()} CUDA device(s)")
+    return spec
 
 
 class InnerLoop:
@@ -68,21 +82,35 @@ class InnerLoop:
         for group in self.inner_optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        loss = self.loss_fn(self.model, inputs.to(self.device), targets.to(self.device))
-        loss.backward()
+        n = inputs.shape[0]
+        m = self.config.micro_batch_size or n
+        loss_sum = 0.0
+        for a in range(0, n, m):  # gradient accumulation: each micro-batch's mean loss weighted by its share
+            with self.autocast():
+                loss = self.loss_fn(self.model, inputs[a:a + m].to(self.device), targets[a:a + m].to(self.device))
+            share = min(m, n - a) / n
+            (loss * share).backward() if share != 1 else loss.backward()
+            loss_sum += float(loss.detach()) * share
         torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.inner_optimizer.step()
         if after_step is not None:
             with torch.no_grad():
                 after_step(lr)
         self.inner_optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return loss_sum
+
+    def autocast(self):
+        """bf16 autocast on the training device where ``precision`` is bf16 (torch.autocast: matmuls and
+        convolutions in bf16, reductions and the loss in fp32; the parameters stay fp32); else a no-op."""
+        return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16,
+                              enabled=self.config.precision == "bf16")
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
         """Mean loss over (inputs, targets) batches, without touching optimizer state."""
         self.model.eval()
-        losses = [float(self.loss_fn(self.model, x.to(self.device), y.to(self.device))) for x, y in batches]
+        with self.autocast():
+            losses = [float(self.loss_fn(self.model, x.to(self.device), y.to(self.device))) for x, y in batches]
         return sum(losses) / len(losses)
 
     @torch.no_grad()

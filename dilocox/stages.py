@@ -18,6 +18,7 @@ import hashlib
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dilocox.model import ModelSpec, ModelSpecError
 
@@ -81,6 +82,7 @@ class StageModule(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(cfg)  # buffers only
         self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps) if self.is_last else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
+        self.activation_checkpointing = False  # --activation-checkpointing (set by the node)
         self.full_names = {name: self._full_name(name) for name, _ in self.named_parameters()}
         for name, p in self.named_parameters():
             _seeded_init(p, self.full_names[name], seed, cfg.initializer_range)
@@ -96,6 +98,11 @@ class StageModule(nn.Module):
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(hidden, position_ids=positions)
         for layer in self.layers:
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # keep only each layer's input; its activations are recomputed in the backward pass
+                hidden = checkpoint(layer, hidden, attention_mask=None, position_embeddings=position_embeddings,
+                                    position_ids=positions, use_reentrant=False)
+                continue
             # no mask: sdpa attention is then causal (is_causal), which is also what LlamaForCausalLM's own
             # create_causal_mask chooses for unpadded batches; it keeps us off masking_utils, whose
             # arguments change between transformers releases (past_key_values -> cache in 5.x)

@@ -84,7 +84,7 @@ class ReplicaRendezvous:
         use_interface_of(self.host)
         self.shard_key = shard_key
         # pipeline tensors on the GPU go through NCCL; the small CPU collectives through gloo
-        self.backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+        self.backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
         self.store: Optional[dist.TCPStore] = None
         self.epoch = 0
         self.last: Optional[tuple[str, int]] = None  # (replica_id, epoch) we were last part of
