@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--out", required=True, metavar="FILE.png")
     datactl.add_parsers(sub)
     args = parser.parse_args(argv)
-    if args.command in ("tokenizer", "data"):  # offline: no node is contacted
+    if args.command in ("tokenizer", "data", "export"):  # offline: no node is contacted
         return datactl.run(args)
     if args.command in ("peer-id", "authority"):  # --addr is accepted but unused: no node is contacted
         return _admission_command(args)

@@ -3,7 +3,8 @@
 * ``dilocox-ctl tokenizer train CORPUS --vocab-size N -o tokenizer.json``: a byte-level BPE
   (dilocox/tokenizer.py) trained on a data spec's documents;
 * ``dilocox-ctl data prepare SPEC --tokenizer T -o DIR``: token shards plus an index that nodes read by memmap
-  (dilocox/shards.py; ``--data DIR``).
+  (dilocox/shards.py; ``--data DIR``);
+* ``dilocox-ctl export CHECKPOINT_DIR... --hf OUT``: a Hugging Face model of theta (dilocox/export.py).
 
 Exit codes: 0 done, 2 bad input (named on stderr).
 """
@@ -35,14 +36,27 @@ def add_parsers(sub) -> None:
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of units held out for validation")
     p.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file at most")
     p.add_argument("-o", "--out", required=True, metavar="DIR")
+    p = sub.add_parser("export", help="write a Hugging Face model (config.json, model.safetensors, tokenizer) of "
+                                      "theta from node checkpoints")
+    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT_DIR",
+                   help="a node's --checkpoint-dir; for pipeline stages one per stage")
+    p.add_argument("--hf", required=True, metavar="OUT", help="folder to write")
+    p.add_argument("--tokenizer", default=None, help="the tokenizer.json the model was trained with, where the "
+                                                     "path in the checkpoint no longer holds it")
 
 
 def run(args: argparse.Namespace) -> int:
     from dilocox.data import DataError, iter_documents
+    from dilocox.export import ExportError, export_hf
     from dilocox.shards import ShardError, prepare
     from dilocox.tokenizer import TokenizerError, describe, load_tokenizer, train_bpe
 
     try:
+        if args.command == "export":
+            out = export_hf([Path(d) for d in args.checkpoints], Path(args.hf), args.tokenizer)
+            print(f"wrote {out}: config.json, model.safetensors, tokenizer.json (transformers: "
+                  f"AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+            return 0
         if args.command == "tokenizer":
             tok = train_bpe(iter_documents(args.corpus, args.text_field), args.vocab_size, Path(args.out))
             print(f"wrote {args.out}: {describe(tok)}")
@@ -65,6 +79,6 @@ def run(args: argparse.Namespace) -> int:
               f"({index['dtype']}, {len(sp['train']['shards'])} + {len(sp['val']['shards'])} shards; "
               f"{sp['train']['bytes'] / max(1, sp['train']['tokens']):.2f} bytes per token), {describe(tok)}")
         return 0
-    except (DataError, ShardError, TokenizerError, OSError) as e:
+    except (DataError, ShardError, TokenizerError, ExportError, OSError) as e:
         print(f"dilocox-ctl: {e}", file=sys.stderr)
         return 2

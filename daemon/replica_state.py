@@ -72,6 +72,8 @@ class ReplicaState:
         total = cfg.schedule_steps
         self.ramp_steps = cfg.ramp_rounds  # the outer lr ramp spans the cosine schedule
         module = workload.build(cfg.seed, cfg.stage_index, cfg.num_stages)  # only our layers
+        # text models: written into checkpoints so `dilocox-ctl export` can rebuild a Hugging Face model
+        self.architecture = workload.architecture(module) if hasattr(workload, "architecture") else None
         inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
                                 warmup_steps=cfg.warmup_steps, total_steps=total, precision=cfg.precision,
                                 micro_batch_size=cfg.micro_batch_size or 0)
@@ -302,7 +304,7 @@ class ReplicaState:
                     control=self.control.state_dict() if self.control is not None else None,
                     shard_position=self.shard.position, shard_key=self.shard.shard_key, round=self.round,
                     rng=dict(torch=torch.get_rng_state(), python=random.getstate(), numpy=_numpy_state()),
-                    version=dilocox.__version__)
+                    version=dilocox.__version__, architecture=self.architecture)
 
     def restore(self, state: dict) -> None:
         """Load a checkpoint's contents, all or nothing: raises ValueError (naming the problem) and leaves

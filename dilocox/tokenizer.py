@@ -121,3 +121,24 @@ def describe(tok: Tokenizer) -> str:
         return "bytes (UTF-8, 256 ids)"
     return f"{tok.name} ({tok.vocab_size} ids, sha256 {tok.digest}, end-of-text id {tok.eot_id})"
 
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte value 0..255 (the ByteLevel pre-tokenizer's alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def bytes_tokenizer_json() -> str:
+    """A Hugging Face tokenizer.json that maps text to exactly the bytes tokenizer's ids (id = byte value): a BPE
+    with the 256 byte symbols and no merges behind GPT-2's ByteLevel pre-tokenizer and decoder. An export of a
+    bytes model ships it, so ``AutoTokenizer`` reads the model's ids without code of ours."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tok = HFTokenizer(models.BPE(vocab={sym: b for b, sym in enumerate(_byte_symbols())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()

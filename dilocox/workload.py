@@ -46,6 +46,14 @@ class TextWorkload:
     eval_batches: int
     kind: str = "text"
     loss_fn: Callable = field(default=causal_lm_loss)
+    tokenizer: Tokenizer = field(default_factory=byte_tokenizer)
+
+    def architecture(self, module: torch.nn.Module) -> dict:
+        """What an export needs beside theta (dilocox/export.py): the LlamaConfig fields, the Hugging Face name
+        of each of ``module``'s parameters in order, and the tokenizer (name, SHA-256, vocabulary, end-of-text)."""
+        tok = self.tokenizer
+        return dict(llama=dict(self.spec.llama), names=[module.full_names[n] for n, _ in module.named_parameters()],
+                    tokenizer=dict(name=tok.name, digest=tok.digest, vocab_size=tok.vocab_size, eot_id=tok.eot_id))
 
     @property
     def samples_per_step(self) -> int:
@@ -140,4 +148,4 @@ def make_workload(model: str, data: str, seq_len: int | None, batch_size: int | 
     seq_len = seq_len or spec.seq_len
     spec.llama["max_position_embeddings"] = max(seq_len, spec.llama["max_position_embeddings"])
     corpus = Corpus.from_spec(data, seq_len, tokenizer=tok, text_field=text_field)
-    return TextWorkload(spec, corpus, seq_len, batch_size or spec.batch_size, eval_batches)
+    return TextWorkload(spec, corpus, seq_len, batch_size or spec.batch_size, eval_batches, tokenizer=tok)
