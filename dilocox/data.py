@@ -5,6 +5,8 @@ A data spec is one of:
     markup stripped (~5 M characters);
   * a path to a UTF-8 text file (``.txt``, ``.md``: one document; ``.jsonl``, ``.jsonl.gz``: one document
     per line, its ``text_field``), or to a directory whose such files are read in sorted order;
+  * ``.parquet`` files (or a folder of them) and ``datasets`` ``save_to_disk`` folders, the ``text_field`` of
+    each row, and ``hf:NAME[:CONFIG[:SPLIT]]`` streamed from the hub (the ``datasets`` library: ``dilocox[data]``);
   * a folder prepared by ``dilocox-ctl data prepare`` (dilocox/shards.py: token shards read by memmap).
 
 Tokens are raw UTF-8 bytes by default (vocabulary 256), or a tokenizer's ids (dilocox/tokenizer.py),
@@ -94,11 +96,77 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
         raise DataError(f"data file {path} is not UTF-8 text ({e.reason})") from e
 
 
+def _datasets():
+    try:
+        import datasets
+    except ImportError as e:
+        raise DataError("parquet, save_to_disk folders and hf: data need the datasets library: "
+                        "pip install 'dilocox[data]'") from e
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def _rows(rows, text_field: str, where: str) -> Iterator[str]:
+    """The ``text_field`` of each row of a ``datasets`` dataset (streamed or memory-mapped, never loaded whole)."""
+    found = False
+    for number, row in enumerate(rows, 1):
+        text = row.get(text_field)
+        if not isinstance(text, str):
+            raise DataError(f"{where} row {number}: no string field {text_field!r} (--text-field); it has "
+                            f"{sorted(row)[:8]}")
+        if text:
+            found = True
+            yield text
+    if not found:
+        raise DataError(f"data {where} holds no text")
+
+
+def _hf_documents(spec: str, text_field: str) -> Iterator[str]:
+    """``hf:NAME[:CONFIG[:SPLIT]]`` streamed from the hub with ``load_dataset(..., streaming=True)`` (the code path
+    local parquet takes too)."""
+    name, config, split = (spec.split(":", 1)[1].split(":") + [None, None])[:3]
+    datasets = _datasets()
+    try:
+        rows = datasets.load_dataset(name, config, split=split or "train", streaming=True)
+        yield from _rows(rows, text_field, spec)
+    except DataError:
+        raise
+    except Exception as e:  # the hub unreachable, an unknown name or split
+        raise DataError(f"data {spec}: {type(e).__name__}: {e}") from e
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def _arrow_documents(path: Path, text_field: str) -> Iterator[str]:
+    datasets = _datasets()
+    try:
+        if path.is_dir() and _is_saved_dataset(path):
+            ds = datasets.load_from_disk(str(path))  # memory-mapped Arrow files
+            if isinstance(ds, datasets.DatasetDict):
+                if "train" not in ds:
+                    raise DataError(f"data {path}: a DatasetDict without a 'train' split ({sorted(ds)})")
+                ds = ds["train"]
+        else:
+            files = sorted(str(p) for p in path.rglob("*.parquet")) if path.is_dir() else [str(path)]
+            ds = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+        yield from _rows(ds, text_field, str(path))
+    except DataError:
+        raise
+    except Exception as e:  # pyarrow's errors on a damaged file
+        raise DataError(f"cannot read data {path}: {type(e).__name__}: {e}") from e
+
+
 def iter_documents(spec: str, text_field: str = "text") -> Iterator[str]:
-    """The documents named by a data spec, one at a time (a JSON Lines corpus is never held whole).
+    """The documents named by a data spec, one at a time (a JSON Lines, parquet or datasets corpus is never held
+    whole).
 
     Raises DataError naming the path when it is missing, empty, unreadable or not UTF-8.
     """
+    if spec.startswith("hf:"):
+        yield from _hf_documents(spec, text_field)
+        return
     if spec.startswith("builtin:"):
         name = spec.split(":", 1)[1]
         if name != "shakespeare":
@@ -108,6 +176,9 @@ def iter_documents(spec: str, text_field: str = "text") -> Iterator[str]:
     path = Path(spec).expanduser()
     if not path.exists():
         raise DataError(f"data path {path} does not exist")
+    if _is_saved_dataset(path) or path.suffix == ".parquet" or (path.is_dir() and any(path.rglob("*.parquet"))):
+        yield from _arrow_documents(path, text_field)
+        return
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and (p.suffix in _TEXT_SUFFIXES or _is_jsonl(p)))
         if not files:

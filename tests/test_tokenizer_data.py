@@ -355,3 +355,32 @@ def test_export_of_a_bytes_model_reads_bytes_and_refuses_what_does_not_fit(tmp_p
     other = train_bpe(_docs(50, seed=4), 300, tmp_path / "o.json")
     assert ctl.main(["export", str(one[0]), "--hf", str(tmp_path / "y"), "--tokenizer", str(other.json_path())]) == 2
     assert ctl.main(["export", str(tmp_path / "empty"), "--hf", str(tmp_path / "z")]) == 2
+
+
+def test_parquet_saved_datasets_and_hf_specs_stream_their_text_field(tmp_path):
+    """Parquet files (pyarrow writes them here), a save_to_disk folder, and hf:PATH, which takes the same
+    load_dataset(..., streaming=True) path as hf:NAME from the hub (a local folder stands in for a hub repo)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = _docs(30)
+    (tmp_path / "pq").mkdir()
+    for k in range(3):
+        pq.write_table(pa.table({"content": docs[10 * k:10 * k + 10], "n": list(range(10))}),
+                       tmp_path / "pq" / f"part-{k}.parquet")
+    assert list(iter_documents(str(tmp_path / "pq"), "content")) == docs
+    assert list(iter_documents(str(tmp_path / "pq" / "part-1.parquet"), "content")) == docs[10:20]
+    assert list(iter_documents(f"hf:{tmp_path / 'pq'}", "content")) == docs
+    with pytest.raises(DataError, match=r"row 1: no string field 'text' \(--text-field\); it has \['content', 'n'\]"):
+        list(iter_documents(str(tmp_path / "pq")))
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "saved"))
+    assert list(iter_documents(str(tmp_path / "saved"))) == docs
+    datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": docs[:5]})).save_to_disk(str(tmp_path / "dd"))
+    assert list(iter_documents(str(tmp_path / "dd"))) == docs[:5]
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match="cannot read data .*bad.parquet"):
+        list(iter_documents(str(tmp_path / "bad.parquet")))
+    # and a node's corpus from parquet, through the tokenizer, in memory
+    corpus = Corpus.from_spec(str(tmp_path / "pq"), 32, text_field="content")
+    assert len(corpus.train) + len(corpus.val) == sum(len(d.encode()) for d in docs)
