@@ -1,5 +1,5 @@
 """Pre-tokenized token shards: ``dilocox-ctl data prepare SPEC --tokenizer T -o DIR`` writes them, nodes read
-them with ``numpy.memmap`` (``--data DIR``), so a node's memory does not grow with the corpus.
+them memory-mapped (as ``numpy.memmap`` does; ``--data DIR``), so a node's memory does not grow with the corpus.
 
 Layout of DIR:
   * ``index.json``: format, the tokenizer (name, digest, vocabulary, end-of-text id), the token dtype
@@ -16,6 +16,7 @@ Documents are packed back to back with the tokenizer's end-of-text id between th
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,11 +128,18 @@ def prepare(documents: Iterator[str], tok: Tokenizer, out: Path, source: str = "
 
 class ShardedTokens:
     """The token ids of one split as one read-only sequence over memory-mapped shard files: ``len()`` and
-    ``[a:b]`` (a contiguous slice, copied; a slice across two files is joined). Pages are read on demand and
-    belong to the page cache, so resident memory stays that of the windows in use."""
+    ``[a:b]`` (a contiguous slice, copied; a slice across two files is joined).
+
+    Pages are read on demand into the page cache. Windows drawn at random would leave every page they
+    touched mapped into the process (the kernel maps whole page-cache folios around each fault, up to MBs), so
+    its resident memory would grow with the corpus: the mappings are advised MADV_RANDOM (no read-ahead) and,
+    after each read, MADV_DONTNEED (the pages leave this process, the kernel's cache keeps them; ~0.1 ms per
+    batch of 8 windows), which keeps a node's RSS independent of the corpus size (make bench-scale measures it)."""
+
+    RELEASE_EVERY = 1  # the kernel maps whole large folios around a fault: a few reads can map many MB
 
     def __init__(self, folder: Path, split: dict, dtype: str):
-        self.maps, self.ends = [], []
+        self.maps, self.ends, self._mmaps, self._reads = [], [], [], 0
         total = 0
         for shard in split["shards"]:
             path = folder / shard["file"]
@@ -144,7 +152,11 @@ class ShardedTokens:
                 raise ShardError(f"prepared data {folder}: {path.name} holds {size} bytes, the index says {n} "
                                  f"{dtype} tokens (a copy cut short?)")
             if n:
-                self.maps.append(np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", shape=(n,)))
+                with open(path, "rb") as f:  # the mapping outlives the file object
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                mm.madvise(mmap.MADV_RANDOM)
+                self._mmaps.append(mm)
+                self.maps.append(np.frombuffer(mm, dtype=np.dtype(dtype).newbyteorder("<"), count=n))
                 total += n
                 self.ends.append(total)
         self.starts = [0, *self.ends[:-1]]
@@ -160,8 +172,12 @@ class ShardedTokens:
         parts = []
         for start, end, m in zip(self.starts, self.ends, self.maps):
             if end > a and start < b:
-                parts.append(m[max(a, start) - start:min(b, end) - start])
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+                parts.append(np.array(m[max(a, start) - start:min(b, end) - start]))  # a copy: the page may go
+        self._reads += 1
+        if self._reads % self.RELEASE_EVERY == 0:
+            for mm in self._mmaps:
+                mm.madvise(mmap.MADV_DONTNEED)
+        return np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros(0, dtype=np.uint32)
 
 
 @dataclass
