@@ -63,6 +63,12 @@ class SettingsConflict(ValueError):
     publish: joining would split theta after every round. Exit code 2 (bad input)."""
 
 
+
+def _device_peak_bytes() -> int:
+    """Peak CUDA memory allocated by this process so far (torch.cuda.max_memory_allocated), 0 without a GPU."""
+    return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() and torch.cuda.is_initialized() \
+        else 0
+
 class Node:
     def __init__(self, cfg: NodeConfig, board: StatusBoard):
         """Checks the model, data and stage split (raises DataError / ModelSpecError naming the problem)."""
@@ -589,7 +595,7 @@ class Node:
                       control_digest=st.control.digest() if st.control else "",
                       loss=sum(losses) / len(losses), tokens_total=s.tokens_total,
                       tokens_per_second=s.tokens_per_second, overlap=self.cfg.overlap,
-                      compute_utilization=utilization, time=time.time())
+                      compute_utilization=utilization, device_peak_bytes=_device_peak_bytes(), time=time.time())
         logger.info("round %s", json.dumps(record, sort_keys=True))
         if self._metrics:
             self._metrics.write(json.dumps(record, sort_keys=True) + "\n")
