@@ -180,6 +180,9 @@ class NodeConfig(BaseModel):
                                                    "trains client data_seed mod num_clients")
     seed: int = Field(0, description="model initialisation seed (must match across the swarm)")
     data_seed: Optional[int] = Field(None, description="this replica's data shard key (default: derived from peer_id)")
+    data_parts: int = Field(1, ge=1, description="text: cut the training stream into this many disjoint contiguous "
+                                                 "parts; this replica trains part data_seed mod data_parts (1: "
+                                                 "windows drawn from the whole stream)")
     batch_size: Optional[int] = Field(None, ge=1, description="sequences per inner step (default: model preset)")
     seq_len: Optional[int] = Field(None, ge=8, description="tokens per sequence (default: model preset)")
     device: str = Field("cpu", pattern=r"^(auto|cpu|cuda(:\d+)?)$",

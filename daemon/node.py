@@ -79,7 +79,7 @@ class Node:
         # fails fast on a bad model, data or partition (ModelSpecError, DataError, VisionDataError, ValueError)
         self.workload = make_workload(cfg.model, cfg.data, cfg.seq_len, cfg.batch_size, cfg.eval_batches,
                                       cfg.partition, cfg.num_clients, cfg.seed, cfg.workload,
-                                      load_tokenizer(cfg.tokenizer), cfg.text_field)
+                                      load_tokenizer(cfg.tokenizer), cfg.text_field, cfg.data_parts)
         self.staged = cfg.num_stages > 1
         if self.workload.kind == "text":
             layer_range(self.workload.spec.llama["num_hidden_layers"], cfg.stage_index, cfg.num_stages)

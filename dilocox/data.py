@@ -259,16 +259,26 @@ class ReplicaShard:
     Window starts come from ``numpy.random.default_rng([seed, shard_key])``; batch ``k`` is the
     same for a given (seed, shard_key, k) on any machine, so ``position`` (batches drawn) is
     all a checkpoint needs. Shapes: inputs and targets are int64 [batch_size, seq_len].
+
+    ``parts`` > 1 (``--data-parts``): the stream is cut into that many contiguous, disjoint parts and this
+    replica draws only from part ``shard_key mod parts``, so replicas with different parts never train on
+    the same tokens. Raises DataError when a part is shorter than one window.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, shard_key: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, shard_key: int,
+                 parts: int = 1):
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.seed, self.shard_key = seed, shard_key
         self.position = 0
+        part = shard_key % parts
+        self.lo, self.hi = len(tokens) * part // parts, len(tokens) * (part + 1) // parts
+        if self.hi - self.lo <= seq_len + 1:
+            raise DataError(f"--data-parts {parts}: part {part} holds {self.hi - self.lo} tokens, less than one "
+                            f"window of {seq_len + 1}")
 
     def batch_at(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, self.shard_key, index])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+        starts = self.lo + rng.integers(0, self.hi - self.lo - self.seq_len - 1, size=self.batch_size)
         windows = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
         x = torch.from_numpy(windows)
         return x[:, :-1], x[:, 1:]

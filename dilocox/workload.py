@@ -47,6 +47,7 @@ class TextWorkload:
     kind: str = "text"
     loss_fn: Callable = field(default=causal_lm_loss)
     tokenizer: Tokenizer = field(default_factory=byte_tokenizer)
+    data_parts: int = 1  # disjoint contiguous parts of the training stream (ReplicaShard)
 
     def architecture(self, module: torch.nn.Module) -> dict:
         """What an export needs beside theta (dilocox/export.py): the LlamaConfig fields, the Hugging Face name
@@ -67,7 +68,7 @@ class TextWorkload:
         return InnerLoop(module, config, device=device, loss_fn=loss_fn or self.loss_fn)
 
     def shard(self, seed: int, shard_key: int) -> ReplicaShard:
-        return ReplicaShard(self.corpus.train, self.seq_len, self.batch_size, seed, shard_key)
+        return ReplicaShard(self.corpus.train, self.seq_len, self.batch_size, seed, shard_key, self.data_parts)
 
     def val_batches(self) -> list:
         return validation_batches(self.corpus, self.seq_len, self.batch_size, self.eval_batches)
@@ -131,7 +132,7 @@ class ImageWorkload:
 
 def make_workload(model: str, data: str, seq_len: int | None, batch_size: int | None, eval_batches: int,
                   partition_spec: str = "iid", num_clients: int = 1, seed: int = 0, workload: str | None = None,
-                  tokenizer: Tokenizer | None = None, text_field: str = "text"):
+                  tokenizer: Tokenizer | None = None, text_field: str = "text", data_parts: int = 1):
     """The workload of a node's configuration (``workload``: an emulated one, which replaces model and data).
     Raises ModelSpecError / DataError / VisionDataError / WorkloadSpecError / ValueError naming the problem
     (a text model on image data, an unknown partition, ...)."""
@@ -148,4 +149,5 @@ def make_workload(model: str, data: str, seq_len: int | None, batch_size: int | 
     seq_len = seq_len or spec.seq_len
     spec.llama["max_position_embeddings"] = max(seq_len, spec.llama["max_position_embeddings"])
     corpus = Corpus.from_spec(data, seq_len, tokenizer=tok, text_field=text_field)
-    return TextWorkload(spec, corpus, seq_len, batch_size or spec.batch_size, eval_batches, tokenizer=tok)
+    return TextWorkload(spec, corpus, seq_len, batch_size or spec.batch_size, eval_batches, tokenizer=tok,
+                        data_parts=data_parts)

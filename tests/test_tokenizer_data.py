@@ -403,3 +403,20 @@ def test_drawing_windows_leaves_no_corpus_pages_in_the_process(tmp_path):
         elif line.startswith("Rss:") and current and str(tmp_path / "c") in current:
             mapped_kb += int(line.split()[1])
     assert mapped_kb < 1024, mapped_kb
+
+
+def test_data_parts_give_replicas_disjoint_deterministic_streams():
+    tokens = np.arange(100_000, dtype=np.uint32)  # a token's value is its position
+    seen = []
+    for key in range(4):
+        shard = ReplicaShard(tokens, 32, 8, seed=3, shard_key=key, parts=4)
+        x = torch.cat([shard.next_batch()[0] for _ in range(50)])
+        assert int(x.min()) >= 25_000 * key and int(x.max()) < 25_000 * (key + 1)
+        seen.append(x)
+        again = ReplicaShard(tokens, 32, 8, seed=3, shard_key=key, parts=4)
+        again.position = 10  # resumed from a checkpoint's position
+        assert torch.equal(again.next_batch()[0], x[80:88])
+    whole = ReplicaShard(tokens, 32, 8, seed=3, shard_key=1)  # parts=1: the whole stream, as before
+    assert int(torch.cat([whole.next_batch()[0] for _ in range(50)]).max()) > 50_000
+    with pytest.raises(DataError, match="--data-parts 5000: part 1 holds 20 tokens"):
+        ReplicaShard(tokens, 32, 8, seed=3, shard_key=1, parts=5000)
