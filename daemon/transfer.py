@@ -37,7 +37,7 @@ from dilocox.consensus import (
     join_point,
     late_steps,
     no_donor_join,
-    wait_satisfied,
+    wait_over,
 )
 from dilocox.diloco import check_shapes, params_digest
 
@@ -251,7 +251,7 @@ class StateTransfer:
                 self._waited_for_result = True  # the donor's mid-round result: waited for once per sync
             self._late_waits += point.late
             timeout = (3 if point.wait_for == WaitFor.NEXT_ROUND else 1) * cfg.outer_round_deadline
-            if not self.progress.wait(lambda others, p=point: wait_satisfied(p, others), timeout, self._cancelled):
+            if not self.progress.wait(lambda others, p=point: wait_over(p, others), timeout, self._cancelled):
                 return None, held  # nothing moved for a whole deadline: look for a donor afresh
         return None, held
 

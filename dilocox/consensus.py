@@ -257,6 +257,12 @@ def join_point(meta: DonorMeta, live: Optional[PeerProgress], *, inner_steps: in
     return JoinPoint(JoinKind.DOWNLOAD, round=round_, skip=skip, keep_round=keep, outer_step=meta.outer_step)
 
 
+def wait_over(point: JoinPoint, others: Sequence[PeerProgress]) -> bool:
+    """Does a WAIT join point stop waiting: its condition is met (``wait_satisfied``), or no member that trains
+    is left to meet it (the donors finished or left: look for a state afresh rather than wait out a deadline)."""
+    return wait_satisfied(point, others) or not any(m.state in ACTIVE_STATES for m in others)
+
+
 def wait_satisfied(point: JoinPoint, others: Sequence[PeerProgress]) -> bool:
     """Is the condition a WAIT join point waits for met by some other member's record?"""
     if point.wait_for == WaitFor.NEXT_ROUND:

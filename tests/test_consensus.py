@@ -25,6 +25,7 @@ from dilocox.consensus import (
     no_donor_join,
     round_start_action,
     settings_conflict,
+    wait_over,
     wait_satisfied,
 )
 
@@ -168,6 +169,9 @@ def test_join_waits_for_the_next_round_when_the_donor_is_averaging():
     point = plan(meta(donor_state="AVERAGING"))
     assert not wait_satisfied(point, [Peer(round=5), Peer(round=6, state="AVERAGING")])
     assert wait_satisfied(point, [Peer(round=6, state="TRAINING")])
+    # the wait also ends when no member that trains is left (the donors finished their run or left)
+    assert not wait_over(point, [Peer(round=5)]) and wait_over(point, [Peer(round=5, state="STOPPED")])
+    assert wait_over(point, [])
 
 
 def test_join_waits_once_for_a_mid_round_result():
