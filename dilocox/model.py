@@ -86,7 +86,21 @@ class ModelSpec:
         llama = dict(vocab_size=vocab_size, num_key_value_heads=fields.get("num_attention_heads", 4),
                      max_position_embeddings=seq_len, tie_word_embeddings=False)
         llama.update(fields)
+        _check_shape(llama, name_or_path)
         return cls(llama=llama, seq_len=seq_len, batch_size=batch_size)
+
+
+def _check_shape(llama: dict, where: str) -> None:
+    """What every transformers release needs of a Llama (some check it when the config is made, some never):
+    heads that divide the hidden size, and key-value heads that divide the heads. Raises ModelSpecError."""
+    try:
+        d, heads = int(llama["hidden_size"]), int(llama["num_attention_heads"])
+        kv = int(llama.get("num_key_value_heads") or heads)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelSpecError(f"model {where}: hidden_size and num_attention_heads must be integers ({e})") from e
+    if min(d, heads, kv) < 1 or d % heads or heads % kv:
+        raise ModelSpecError(f"model {where}: hidden_size {d} must be a multiple of num_attention_heads {heads}, "
+                             f"and that of num_key_value_heads {kv}")
 
 
 def build_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
