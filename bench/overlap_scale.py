@@ -117,15 +117,22 @@ def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    seen: set = set()
     for k, config in enumerate(dict.fromkeys(r["config"] for r in rows)):
         for mode, style in (("sync", "--"), ("adaptive", "-")):
             sel = sorted((r for r in rows if r["config"] == config and r["mode"] == mode), key=lambda r: r["rate_mbit"])
             if sel:
-                label = f"{config.replace(':', ' params, ')} nodes, {mode}"
-                axes[0].plot([r["rate_mbit"] for r in sel], [100 * r["compute_utilization"] for r in sel], style,
-                             marker="o", color=f"C{k}", label=label)
-                axes[1].plot([r["rate_mbit"] for r in sel], [r["phases"]["exchange_s"] for r in sel], style,
-                             marker="o", color=f"C{k}", label=label)
+                params, nodes, *step = config.split(":")
+                label = f"{params} values x {nodes} nodes, {step[0] if step else '1'} s steps, {mode}"
+                rates = [r["rate_mbit"] for r in sel]
+                for ax, ys in ((axes[0], [100 * r["compute_utilization"] for r in sel]),
+                               (axes[1], [r["phases"]["exchange_s"] for r in sel])):
+                    ax.plot(rates, ys, style, marker="o", color=f"C{k}", label=label)
+                    bad = [(x, y) for x, y, r in zip(rates, ys, sel) if not r["digests_agree"]]
+                    if bad:  # theta differed between nodes: the round split (see the table)
+                        ax.plot(*zip(*bad), "x", color="red", markersize=11, mew=2,
+                                label="digests differ" if ax is axes[0] and "split" not in seen else None)
+                        seen.add("split")
     for ax in axes:
         ax.set_xscale("log")
         ax.set_xlabel("link rate each way (Mbit/s), 100 ms RTT")
