@@ -58,7 +58,8 @@ def part_swarm(a, work: Path) -> dict:
               "--batch-size", str(a.batch_size), "--inner-steps", str(a.inner_steps), "--max-outer-steps",
               str(a.outer_steps), "--warmup-steps", "20", "--inner-lr", "1e-3", "--min-replicas", "2",
               "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0", "--run-id", "scale",
-              "--matchmaking-time", "5", "--eval-batches", "4", "--eval-every", "2", "--checkpoint-every", "100"]
+              "--matchmaking-time", "5", "--request-timeout", "2", "--eval-batches", "4", "--eval-every", "2",
+              "--checkpoint-every", "100"]
     peak = PeakMemory()
     first = LocalNode("n0", work / "n0", common).wait_started()
     second = LocalNode("n1", work / "n1", common + ["--join", first.join_maddr]).wait_started()
