@@ -45,8 +45,9 @@ def stage_memory(inner, outer, schedule, compressor) -> StageMemory:
     if not inner_state:  # AdamW allocates lazily at the first step: exp_avg + exp_avg_sq, fp32
         inner_state = [p for p in inner.params for _ in range(2)]
     theta = tensor_bytes(outer.global_params)  # the momentum buffer has theta's shapes (fp32), once allocated or not
+    momentum = theta if outer.has_momentum else 0  # momentum-free outer SGD (the sparse default) keeps none
     m = StageMemory(params_bytes=tensor_bytes(inner.params), inner_optimizer_bytes=tensor_bytes(inner_state),
-                    outer_optimizer_bytes=2 * theta + tensor_bytes(schedule.round_start),
+                    outer_optimizer_bytes=theta + momentum + tensor_bytes(schedule.round_start),
                     error_feedback_bytes=tensor_bytes(compressor.error))
     m.total_bytes = m.params_bytes + m.inner_optimizer_bytes + m.outer_optimizer_bytes + m.error_feedback_bytes
     return m
