@@ -258,6 +258,41 @@ def part_corpus(a, work: Path) -> dict:
     return out
 
 
+def plot(results: dict, path: Path) -> None:
+    """Validation bits per byte of the swarm part per outer step, and the precision part's loss and memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, node in results.get("swarm", {}).get("nodes", {}).items():
+        steps, bpb = zip(*node["bits_per_byte"][::2]) if node["bits_per_byte"] else ((), ())
+        axes[0].plot(steps, bpb, marker="o", label=f"{name} ({node['tokens_per_second']:.0f} tokens/s)")
+    axes[0].set_xlabel("outer step (H = 10)")
+    axes[0].set_ylabel("validation bits per byte")
+    axes[0].set_title("2 nodes, llama-20m, 8192-token BPE, prepared shards")
+    axes[0].legend()
+    rows = results.get("precision", {}).get("rows", [])
+    names = []
+    for r in rows:
+        name = ("bf16" if r["precision"] == "bf16" else "micro-batch 2" if r["micro_batch_size"]
+                else "checkpointing" if r["activation_checkpointing"] else "fp32")
+        if name not in names:
+            names.append(name)
+    for k, name in enumerate(names):
+        sel = [r for r in rows if ("bf16" if r["precision"] == "bf16" else "micro-batch 2" if r["micro_batch_size"]
+                                   else "checkpointing" if r["activation_checkpointing"] else "fp32") == name]
+        axes[1].bar(k, statistics.mean(r["peak_growth_bytes"] for r in sel) / 2**20, color=f"C{k}")
+        axes[1].text(k, 10, f"loss {statistics.mean(r['val_loss'] for r in sel):.4f}\n"
+                            f"{statistics.mean(r['step_s'] for r in sel):.2f} s/step", ha="center", color="white")
+    axes[1].set_xticks(range(len(names)), names)
+    axes[1].set_ylabel("peak RSS growth while training (MiB)")
+    axes[1].set_title("llama-20m, one replica, 20 outer steps of H = 5 (mean of seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
@@ -280,6 +315,7 @@ def main(argv=None) -> int:
         results[part] = {**globals()[f"part_{part}"](a, a.work), "bench_s": time.monotonic() - began}
         print(part, json.dumps(results[part])[:2000], flush=True)
         write_json(a.out, results)
+    plot(results, a.out.with_suffix(".png"))
     return 0
 
 
