@@ -86,6 +86,10 @@ class Node:
         elif self.staged:
             raise ModelSpecError(f"the {cfg.model if self.workload.kind == 'image' else 'synthetic'} workload has no "
                                  f"pipeline stages: use --stage 0/1")
+        if self.staged and (cfg.precision != "fp32" or cfg.micro_batch_size):
+            # the pipeline schedule (dilocox/pipeline.py) splits the batch into its own microbatches, in fp32
+            raise ModelSpecError("--precision bf16 and --micro-batch-size are for whole-model nodes; pipeline stages "
+                                 "split the batch with --microbatches and train in fp32")
         if self.staged and self.workload.batch_size % cfg.microbatches:
             raise ModelSpecError(f"microbatches={cfg.microbatches} must divide batch_size={self.workload.batch_size}")
         self.H = cfg.inner_steps

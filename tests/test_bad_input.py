@@ -94,6 +94,9 @@ def test_unknown_model(model):
     (["--stage", "2/2"], "stage '2/2': need K < S"),
     (["--stage", "0/3"], "3 stages need at least 3 decoder layers"),
     (["--stage", "0/2", "--microbatches", "3"], "microbatches=3 must divide batch_size=8"),
+    (["--stage", "0/2", "--precision", "bf16"], "--precision bf16 and --micro-batch-size are for whole-model"),
+    (["--device", "cuda:7"], "device cuda:7: this process sees"),
+    (["--tokenizer", "/nonexistent/tok.json"], "tokenizer '/nonexistent/tok.json': cannot read"),
     (["--stage", "0/2", "--pipeline-addr", "192.0.2.7:0"],
      "pipeline address 192.0.2.7 is not an address of this machine"),
 ])
