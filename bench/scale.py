@@ -42,6 +42,21 @@ def _rss() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _fresh(code: str, **env) -> dict:
+    """Run ``code`` (which prints one JSON value last) in a fresh interpreter, so peak memory is its own."""
+    res = subprocess.run([sys.executable, "-c", f"import json; {code}"], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, **env})
+    if res.returncode:
+        raise RuntimeError(res.stderr[-2000:])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _label(row: dict) -> str:
+    """The precision part's name for a run."""
+    return ("bf16" if row["precision"] == "bf16" else "micro-batch 2" if row["micro_batch_size"]
+            else "checkpointing" if row["activation_checkpointing"] else "fp32")
+
+
 def prepare_corpus(work: Path, vocab: int) -> tuple[Path, Path]:
     from dilocox.data import iter_documents
     from dilocox.shards import prepare
@@ -135,13 +150,9 @@ def part_precision(a, work: Path) -> dict:
     rows = []
     for kw in (dict(), dict(precision="bf16"), dict(micro=2), dict(checkpointing=True)):
         for seed in a.seeds:
-            code = (f"import json; from bench.scale import _train; "
-                    f"print(json.dumps(_train(steps={a.precision_steps}, seed={seed}, **{kw!r})))")
-            res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                                 env={**os.environ, "OMP_NUM_THREADS": "2"})
-            if res.returncode:
-                raise RuntimeError(res.stderr[-2000:])
-            row = json.loads(res.stdout.strip().splitlines()[-1])
+            row = _fresh(f"from bench.scale import _train; "
+                         f"print(json.dumps(_train(steps={a.precision_steps}, seed={seed}, **{kw!r})))",
+                         OMP_NUM_THREADS="2")
             row["seed"] = seed
             rows.append(row)
             print(row, flush=True)
@@ -168,12 +179,8 @@ def part_1b(a, work: Path) -> dict:
     would not fit beside them in this machine's 24 GB)."""
     out = {}
     for preset, encode in (("llama-150m", True), ("llama-1b", False)):
-        code = (f"import json; from bench.scale import _outer_state; "
-                f"print(json.dumps(_outer_state({preset!r}, {encode})))")
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-        if res.returncode:
-            raise RuntimeError(res.stderr[-2000:])
-        out[preset] = json.loads(res.stdout.strip().splitlines()[-1])
+        out[preset] = _fresh(f"from bench.scale import _outer_state; "
+                             f"print(json.dumps(_outer_state({preset!r}, {encode})))")
         print(preset, out[preset], flush=True)
     return out
 
@@ -224,21 +231,22 @@ def _fake_prepared(folder: Path, tokens: int) -> None:
     """A prepared folder of ``tokens`` uint16 ids (random: only the reading is measured), bytes tokenizer."""
     import numpy as np
 
+    from dilocox.shards import write_index
+    from dilocox.tokenizer import byte_tokenizer
+
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    left, k, shards = tokens, 0, []
-    while left:
-        n = min(left, 1 << 27)
-        rng.integers(0, 256, size=n, dtype=np.uint16).tofile(folder / f"train-{k:05d}.bin")
-        shards.append(dict(file=f"train-{k:05d}.bin", tokens=n))
-        left, k = left - n, k + 1
-    rng.integers(0, 256, size=1 << 16, dtype=np.uint16).tofile(folder / "val-00000.bin")
-    index = dict(format="dilocox-shards/1", source="random", val_fraction=0.05, dtype="uint16",
-                 tokenizer=dict(name="bytes", digest="bytes", vocab_size=256, eot_id=None),
-                 splits=dict(train=dict(shards=shards, tokens=tokens, bytes=tokens),
-                             val=dict(shards=[dict(file="val-00000.bin", tokens=1 << 16)], tokens=1 << 16,
-                                      bytes=1 << 16)))
-    (folder / "index.json").write_text(json.dumps(index))
+    splits = {}
+    for split, total in (("train", tokens), ("val", 1 << 16)):
+        left, shards = total, []
+        while left:
+            n = min(left, 1 << 27)
+            name = f"{split}-{len(shards):05d}.bin"
+            rng.integers(0, 256, size=n, dtype=np.uint16).tofile(folder / name)
+            shards.append(dict(file=name, tokens=n))
+            left -= n
+        splits[split] = dict(shards=shards, tokens=total, bytes=total)
+    write_index(folder, byte_tokenizer(), np.uint16, splits, source="random")
 
 
 def part_corpus(a, work: Path) -> dict:
@@ -247,11 +255,7 @@ def part_corpus(a, work: Path) -> dict:
         folder = work / f"corpus-{name}"
         if not (folder / "index.json").exists():
             _fake_prepared(folder, tokens)
-        code = f"import json; from bench.scale import _draw; print(json.dumps(_draw({str(folder)!r}, 2000)))"
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-        if res.returncode:
-            raise RuntimeError(res.stderr[-2000:])
-        out[name] = json.loads(res.stdout.strip().splitlines()[-1])
+        out[name] = _fresh(f"from bench.scale import _draw; print(json.dumps(_draw({str(folder)!r}, 2000)))")
         print(name, out[name], flush=True)
     small, big = out.values()
     out["rss_ratio"] = big["rss_after"] / small["rss_after"]
@@ -274,15 +278,9 @@ def plot(results: dict, path: Path) -> None:
     axes[0].set_title("2 nodes, llama-20m, 8192-token BPE, prepared shards")
     axes[0].legend()
     rows = results.get("precision", {}).get("rows", [])
-    names = []
-    for r in rows:
-        name = ("bf16" if r["precision"] == "bf16" else "micro-batch 2" if r["micro_batch_size"]
-                else "checkpointing" if r["activation_checkpointing"] else "fp32")
-        if name not in names:
-            names.append(name)
+    names = list(dict.fromkeys(_label(r) for r in rows))
     for k, name in enumerate(names):
-        sel = [r for r in rows if ("bf16" if r["precision"] == "bf16" else "micro-batch 2" if r["micro_batch_size"]
-                                   else "checkpointing" if r["activation_checkpointing"] else "fp32") == name]
+        sel = [r for r in rows if _label(r) == name]
         axes[1].bar(k, statistics.mean(r["peak_growth_bytes"] for r in sel) / 2**20, color=f"C{k}")
         axes[1].text(k, 10, f"loss {statistics.mean(r['val_loss'] for r in sel):.4f}\n"
                             f"{statistics.mean(r['step_s'] for r in sel):.2f} s/step", ha="center", color="white")

@@ -24,18 +24,20 @@ RULES_VERSION = 2
 ENV_PREFIX = "DILOCOX_"
 
 
+ENV_EXTRA = {"DILOCOX_CONFIG"}  # names the config file itself
+
+
 def tokenizer_digest(spec: str) -> str:
-    """First 16 hex digits of the SHA-256 of the tokenizer.json that ``spec`` names (the file, or a folder holding
-    one), as dilocox/tokenizer.py computes it (hashed here so that settings need not import the library).
-    Raises ValueError naming the path when it cannot be read."""
-    path = Path(spec).expanduser()
-    path = path / "tokenizer.json" if path.is_dir() else path
+    """The digest of the tokenizer.json that ``spec`` names (dilocox/tokenizer.py's, read without loading the
+    tokenizers library). Raises ValueError naming the path when it cannot be read."""
+    from dilocox.tokenizer import file_digest, tokenizer_file  # numpy only where a tokenizer file is configured
+
+    path = tokenizer_file(spec)
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        return file_digest(path.read_bytes())
     except OSError as e:
         raise ValueError(f"tokenizer {spec!r}: cannot read {path} ({e.strerror}); expected 'bytes', a "
                          f"tokenizer.json or a folder holding one") from e
-ENV_EXTRA = {"DILOCOX_CONFIG"}  # names the config file itself
 
 
 class ConfigError(ValueError):

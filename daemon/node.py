@@ -63,11 +63,11 @@ class SettingsConflict(ValueError):
     publish: joining would split theta after every round. Exit code 2 (bad input)."""
 
 
-
 def _device_peak_bytes() -> int:
     """Peak CUDA memory allocated by this process so far (torch.cuda.max_memory_allocated), 0 without a GPU."""
     return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() and torch.cuda.is_initialized() \
         else 0
+
 
 class Node:
     def __init__(self, cfg: NodeConfig, board: StatusBoard):

@@ -163,7 +163,7 @@ class OuterRounds:
         self.times: dict[int, RoundTimes] = {}  # round index -> the deadlines its exchange was given
         self.exchange_s: Optional[float] = None  # the longest exchange of the last EXCHANGE_WINDOW rounds (seconds)
         self._exchanges: list[float] = []
-        self._checking: list[PendingRound] = []  # rounds submitted to the verifier (shutdown drops them)
+        self._stopping = threading.Event()  # shutdown: a verifier wait for an exchange ends
 
     def bandwidth_bps(self) -> float:
         """Our link rate for the rank cap (bit/s): configured, else the best all-reduce throughput seen
@@ -311,7 +311,6 @@ class OuterRounds:
         self.state.round = p.index + 1
         if p.future is not None and self.merge_early:  # checked while the next round computes
             p.checked = self.verifier.submit(self._check, p)
-            self._checking = [q for q in self._checking if not q.checked.done()] + [p]
         if p.future is not None and self.cfg.overlap_proxy != "none":
             self.state.start_from_proxy(p.compression.own() if isinstance(p.compression, SparseRound)
                                         else p.pseudo_gradient)
@@ -464,16 +463,15 @@ class OuterRounds:
         p.compression.decide_rank(*group_limits(result.gathered), group_size)
         return Checked(RoundOutcome.APPLIED, result, group_size)
 
-    @staticmethod
-    def _await_exchange(p: PendingRound) -> "RoundResult":
-        """Round p's exchange result, waited for in slices so a dropped round (``p.cancel``: a re-sync, leave or
-        shutdown) frees the verifier thread; the interpreter joins pool threads at exit, so a wait with no end
-        would keep a stopping process alive. Raises RoundCancelled once p is dropped."""
+    def _await_exchange(self, p: PendingRound) -> "RoundResult":
+        """Round p's exchange result, waited for in slices so a dropped round (``p.cancel``: a re-sync or leave)
+        or ``shutdown`` frees the verifier thread; the interpreter joins pool threads at exit, so a wait with no
+        end would keep a stopping process alive. Raises RoundCancelled once p is dropped or we stop."""
         while True:
             try:
                 return p.future.result(timeout=0.5)
             except FutureTimeout:
-                if p.cancel.is_set():
+                if p.cancel.is_set() or self._stopping.is_set():
                     raise RoundCancelled(f"round {p.index} was dropped") from None
 
     def _resync(self, p: PendingRound, early: bool, reason: str) -> Finished:
@@ -507,8 +505,7 @@ class OuterRounds:
     def shutdown(self) -> None:
         self.cancel_early()
         self.drop_pending()
-        for p in self._checking:
-            p.cancel.set()
+        self._stopping.set()
         self.comm.shutdown(wait=False, cancel_futures=True)
         self.verifier.shutdown(wait=False, cancel_futures=True)
 

@@ -23,8 +23,6 @@ from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.replica_state import ReplicaState
 from dilocox.peers.replica import Founder, ReplicaGroup, ReplicaRendezvous
 
-from dilocox.diloco import training_device
-
 logger = logging.getLogger(__name__)
 _GONE = ("DRAINING", "STOPPED")
 
@@ -40,7 +38,7 @@ class PipelineReplica:
     def __init__(self, cfg: NodeConfig, state: ReplicaState, progress: ProgressTracker, shard_key: int):
         self.cfg, self.state, self.progress = cfg, state, progress
         self.rendezvous = ReplicaRendezvous(progress.peer_id, cfg.stage_index, cfg.num_stages, cfg.pipeline_addr,
-                                            cfg.outer_round_deadline, shard_key, training_device(cfg.device))
+                                            cfg.outer_round_deadline, shard_key, state.inner.device)
         self.group: Optional[ReplicaGroup] = None  # set once our replica has all its stages
 
     @property

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from dilocox.checkpoint import load_latest_checkpoint
-from dilocox.tokenizer import BYTES, bytes_tokenizer_json, load_tokenizer
+from dilocox.tokenizer import bytes_tokenizer_json, load_tokenizer
 
 
 class ExportError(ValueError):
@@ -37,7 +37,7 @@ def _stage_checkpoint(directory: Path) -> dict:
     arch = state.get("architecture") if isinstance(state, dict) else None
     if not arch:
         raise ExportError(f"{path}: no model architecture in it (an image or emulated workload, or written before "
-                          f"dilocox 0.x exported models)")
+                          f"checkpoints carried it)")
     params = state["global_params"]
     if len(arch["names"]) != len(params):
         raise ExportError(f"{path}: {len(params)} tensors for {len(arch['names'])} names")
@@ -100,16 +100,12 @@ def export_hf(directories: list[Path], out: Path, tokenizer: Optional[str] = Non
 
 
 def _write_tokenizer(tok: dict, out: Path, override: Optional[str]) -> None:
-    eos = None
-    if tok["name"] == BYTES and override is None:
-        text = bytes_tokenizer_json()
-    else:
-        loaded = load_tokenizer(override or tok["name"])
-        if loaded.digest != tok["digest"]:
-            raise ExportError(f"tokenizer {loaded.name} has SHA-256 {loaded.digest}; the model was trained with "
-                              f"{tok['digest']} ({tok['name']}): pass the tokenizer it was trained with")
-        text = loaded.json_path().read_text(encoding="utf-8") if not loaded.is_bytes else bytes_tokenizer_json()
-        eos = loaded.decode([loaded.eot_id]) if loaded.eot_id is not None else None
+    loaded = load_tokenizer(override or tok["name"])  # "bytes" loads without a file
+    if loaded.digest != tok["digest"]:
+        raise ExportError(f"tokenizer {loaded.name} has SHA-256 {loaded.digest}; the model was trained with "
+                          f"{tok['digest']} ({tok['name']}): pass the tokenizer it was trained with")
+    text = bytes_tokenizer_json() if loaded.is_bytes else loaded.json_path().read_text(encoding="utf-8")
+    eos = loaded.decode([loaded.eot_id]) if loaded.eot_id is not None else None
     (out / "tokenizer.json").write_text(text, encoding="utf-8")
     (out / "tokenizer_config.json").write_text(json.dumps(dict(
         tokenizer_class="PreTrainedTokenizerFast", eos_token=eos, model_max_length=int(1e9)), indent=1))

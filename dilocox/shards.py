@@ -117,12 +117,18 @@ def prepare(documents: Iterator[str], tok: Tokenizer, out: Path, source: str = "
     if empty:
         raise ShardError(f"data {source!r}: {count} units of up to {UNIT_CHARS} characters gave no {empty[0]} "
                          f"tokens (every {every}th unit is held out for validation): too little text")
-    index = dict(format=FORMAT, source=source, val_fraction=val_fraction, dtype=dtype.name,
-                 tokenizer=dict(name=tok.name, digest=tok.digest, vocab_size=tok.vocab_size, eot_id=tok.eot_id),
-                 splits={s: w.summary() for s, w in writers.items()})
-    tmp = out / "index.json.tmp"
+    return write_index(out, tok, dtype, {s: w.summary() for s, w in writers.items()}, source, val_fraction)
+
+
+def write_index(out: Path, tok: Tokenizer, dtype: np.dtype, splits: dict, source: str = "",
+                val_fraction: float = 0.05) -> dict:
+    """Write ``out/index.json`` for shard files already in ``out`` (``splits``: split -> dict(shards=[dict(file,
+    tokens)], tokens, bytes)), atomically: a reader never sees a half-written folder as complete."""
+    index = dict(format=FORMAT, source=source, val_fraction=val_fraction, dtype=np.dtype(dtype).name,
+                 tokenizer=tok.record(), splits=splits)
+    tmp = Path(out) / "index.json.tmp"
     tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out / "index.json")
+    os.replace(tmp, Path(out) / "index.json")
     return index
 
 
@@ -133,13 +139,12 @@ class ShardedTokens:
     Pages are read on demand into the page cache. Windows drawn at random would leave every page they
     touched mapped into the process (the kernel maps whole page-cache folios around each fault, up to MBs), so
     its resident memory would grow with the corpus: the mappings are advised MADV_RANDOM (no read-ahead) and,
-    after each read, MADV_DONTNEED (the pages leave this process, the kernel's cache keeps them; ~0.1 ms per
-    batch of 8 windows), which keeps a node's RSS independent of the corpus size (make bench-scale measures it)."""
-
-    RELEASE_EVERY = 1  # the kernel maps whole large folios around a fault: a few reads can map many MB
+    after each read, MADV_DONTNEED on the files it read (the pages leave this process, the kernel's cache keeps
+    them; ~0.1 ms per batch of 8 windows), which keeps a node's RSS independent of the corpus size (make
+    bench-scale measures it)."""
 
     def __init__(self, folder: Path, split: dict, dtype: str):
-        self.maps, self.ends, self._mmaps, self._reads = [], [], [], 0
+        self.maps, self.ends, self._mmaps = [], [], []
         total = 0
         for shard in split["shards"]:
             path = folder / shard["file"]
@@ -170,12 +175,9 @@ class ShardedTokens:
             raise TypeError("ShardedTokens supports contiguous slices only")
         a, b, _ = key.indices(self.length)
         parts = []
-        for start, end, m in zip(self.starts, self.ends, self.maps):
+        for start, end, m, mm in zip(self.starts, self.ends, self.maps, self._mmaps):
             if end > a and start < b:
-                parts.append(np.array(m[max(a, start) - start:min(b, end) - start]))  # a copy: the page may go
-        self._reads += 1
-        if self._reads % self.RELEASE_EVERY == 0:
-            for mm in self._mmaps:
+                parts.append(np.array(m[max(a, start) - start:min(b, end) - start]))  # a copy: the pages go now
                 mm.madvise(mmap.MADV_DONTNEED)
         return np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros(0, dtype=np.uint32)
 

@@ -15,6 +15,7 @@ therefore bit-identical whichever stage split built it, so S = 1 and S = 2 start
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 
 import torch
 from torch import nn
@@ -97,16 +98,14 @@ class StageModule(nn.Module):
         hidden = self.embed_tokens(x) if self.is_first else x
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(hidden, position_ids=positions)
+        # activation checkpointing keeps only each layer's input; its activations are recomputed in the backward
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                # keep only each layer's input; its activations are recomputed in the backward pass
-                hidden = checkpoint(layer, hidden, attention_mask=None, position_embeddings=position_embeddings,
-                                    position_ids=positions, use_reentrant=False)
-                continue
+            run = partial(checkpoint, layer, use_reentrant=False) if recompute else layer
             # no mask: sdpa attention is then causal (is_causal), which is also what LlamaForCausalLM's own
             # create_causal_mask chooses for unpadded batches; it keeps us off masking_utils, whose
             # arguments change between transformers releases (past_key_values -> cache in 5.x)
-            hidden = layer(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=positions)
+            hidden = run(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=positions)
         if self.is_last:
             return self.lm_head(self.norm(hidden))
         return hidden

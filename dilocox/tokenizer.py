@@ -61,6 +61,10 @@ class Tokenizer:
             return bytes(ids).decode("utf-8", errors="replace")
         return self._hf.decode(ids, skip_special_tokens=False)
 
+    def record(self) -> dict:
+        """What prepared shards' index and checkpoints say of the tokenizer: name, digest, vocabulary, end-of-text."""
+        return dict(name=self.name, digest=self.digest, vocab_size=self.vocab_size, eot_id=self.eot_id)
+
     def json_path(self) -> Optional[Path]:
         """The tokenizer.json this tokenizer was loaded from (None for bytes)."""
         return None if self._hf is None else Path(self.name)
@@ -70,13 +74,22 @@ def byte_tokenizer() -> Tokenizer:
     return Tokenizer(BYTES, 256, BYTES)
 
 
+def tokenizer_file(spec: str) -> Path:
+    """The tokenizer.json a non-bytes spec names: the file itself, or ``tokenizer.json`` in a folder."""
+    path = Path(spec).expanduser()
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def file_digest(raw: bytes) -> str:
+    """A tokenizer's digest: the first 16 hex digits of the SHA-256 of its tokenizer.json bytes."""
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """``bytes``, a tokenizer.json, or a folder holding one. Raises TokenizerError naming the path and problem."""
     if spec == BYTES:
         return byte_tokenizer()
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        path = path / "tokenizer.json"
+    path = tokenizer_file(spec)
     if not path.is_file():
         raise TokenizerError(f"tokenizer {spec!r}: no such file (expected 'bytes', a tokenizer.json or a folder "
                              f"holding one)")
@@ -91,7 +104,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if vocab < 2 or vocab > 2**32 - 1:
         raise TokenizerError(f"tokenizer {path}: vocabulary of {vocab} tokens")
     eot = next((hf.token_to_id(t) for t in EOT_NAMES if hf.token_to_id(t) is not None), None)
-    return Tokenizer(str(path.resolve()), vocab, hashlib.sha256(raw).hexdigest()[:16], eot, hf)
+    return Tokenizer(str(path.resolve()), vocab, file_digest(raw), eot, hf)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> Tokenizer:
@@ -120,7 +133,6 @@ def describe(tok: Tokenizer) -> str:
     if tok.is_bytes:
         return "bytes (UTF-8, 256 ids)"
     return f"{tok.name} ({tok.vocab_size} ids, sha256 {tok.digest}, end-of-text id {tok.eot_id})"
-
 
 
 def _byte_symbols() -> list[str]:

@@ -52,9 +52,8 @@ class TextWorkload:
     def architecture(self, module: torch.nn.Module) -> dict:
         """What an export needs beside theta (dilocox/export.py): the LlamaConfig fields, the Hugging Face name
         of each of ``module``'s parameters in order, and the tokenizer (name, SHA-256, vocabulary, end-of-text)."""
-        tok = self.tokenizer
         return dict(llama=dict(self.spec.llama), names=[module.full_names[n] for n, _ in module.named_parameters()],
-                    tokenizer=dict(name=tok.name, digest=tok.digest, vocab_size=tok.vocab_size, eot_id=tok.eot_id))
+                    tokenizer=self.tokenizer.record())
 
     @property
     def samples_per_step(self) -> int:
