@@ -101,12 +101,16 @@ def _exit_now(code: int) -> None:
 
 def _run(node, cfg, stop: "_StopSignals") -> int:
     from dilocox.peers.identity import IdentityError
+    from dilocox.peers.swarm import JoinError
 
     try:
         node.start()
     except (IdentityError, ValueError) as e:
         print(f"dilocox-node: {e}", file=sys.stderr)
         return 2
+    except JoinError as e:
+        print(f"dilocox-node: {e}", file=sys.stderr)
+        return 0 if e.requested else 1  # a leave while the --join peers were busy is no failure
     except Exception as e:
         print(f"dilocox-node: {e}", file=sys.stderr)
         return 1

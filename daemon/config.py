@@ -276,7 +276,7 @@ class NodeConfig(BaseModel):
                                                        "group for 3x (matchmaking + the slowest member's compute "
                                                        "lag) (at least 60 s), each flag the cap; off: the flags")
     startup_timeout: float = Field(60.0, gt=0, description="p2pd start-up and DHT bootstrap")
-    sync_deadline: Optional[float] = Field(None, gt=0, description="give up syncing with the swarm after this many "
+    sync_deadline: Optional[float] = Field(None, gt=0, description="give up joining the DHT or syncing after this many "
                                                                    "seconds (exit 1); none: keep trying")
     catch_up_steps: int = Field(16, ge=0, description="sparse rounds: applied outer updates kept (within a state "
                                                       "download's bytes) to serve joiners that replay the steps "

@@ -159,12 +159,19 @@ class Node:
                            announce_maddrs=self.cfg.announce, identity_path=identity_path,
                            startup_timeout_s=self.cfg.startup_timeout, ttl_s=3 * self.cfg.announce_period,
                            admission=self.admission, client_mode=self.cfg.client_mode,
-                           auto_relay=self.cfg.auto_relay)
+                           auto_relay=self.cfg.auto_relay, join_deadline_s=self.cfg.sync_deadline,
+                           stop=self.leave_requested, on_join_failure=self._on_join_failure)
+        self._set_state(State.JOINING, sync_reason="", sync_attempts=0)
         maddrs = self.swarm.visible_maddrs()
         self.board.update(peer_id=self.swarm.peer_id, listen_maddrs=maddrs, client_mode=self.cfg.client_mode,
                           reachability="client" if self.cfg.client_mode else "reachable")
         logger.info("joined DHT as %s, listening on %s", self.swarm.peer_id, ", ".join(maddrs))
         print(f"join with: dilocox-node --join {maddrs[0]}", flush=True)
+
+    def _on_join_failure(self, attempt: int, reason: str, wait_s: float) -> None:
+        """The --join peers did not let us in (busy or unreachable): shown in status, retried after wait_s."""
+        logger.warning("joining the DHT failed (attempt %d: %s); trying again in %.1fs", attempt, reason, wait_s)
+        self._set_state(State.BOOTSTRAPPING, sync_reason=reason, sync_attempts=attempt)
 
     def _build(self) -> None:
         cfg = self.cfg

@@ -12,8 +12,10 @@ from dilocox.proto.dilocox.v1 import node_pb2
 
 
 class State(str, Enum):
-    """Lifecycle: JOINING -> SYNCING -> TRAINING <-> AVERAGING -> DRAINING -> STOPPED (docs/architecture.md)."""
+    """Lifecycle: BOOTSTRAPPING -> JOINING -> SYNCING -> TRAINING <-> AVERAGING -> DRAINING -> STOPPED
+    (docs/architecture.md). BOOTSTRAPPING: the --join peers have not let us into the DHT yet (retrying)."""
 
+    BOOTSTRAPPING = "BOOTSTRAPPING"
     JOINING = "JOINING"
     SYNCING = "SYNCING"
     TRAINING = "TRAINING"
@@ -88,7 +90,7 @@ class Status:
     global_params_digest: str = ""
     swarm_size: int = 0
     resyncs: int = 0
-    sync_reason: str = ""  # while SYNCING: why the last attempt did not join
+    sync_reason: str = ""  # while BOOTSTRAPPING or SYNCING: why the last attempt did not join
     sync_attempts: int = 0
     last_error: str = ""
     compute_utilization: float = 0.0

@@ -11,15 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import re
+import signal
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import hivemind
 import pydantic.v1 as pydantic
 from dilocox.peers import lifecycle
 from dilocox.peers.admission import Admission, AdmissionError, peer_id_of_public_key
+from dilocox.peers.bootstrap import JoinAbandoned, keep_trying
 from hivemind.averaging.key_manager import is_valid_group
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
@@ -83,7 +86,28 @@ class SwarmSchema(pydantic.BaseModel):
 
 
 class JoinError(RuntimeError):
-    """The DHT could not start or could not reach any --join address."""
+    """The DHT could not start or could not reach any --join address (``requested``: a leave request
+    stopped the attempts, which is no failure)."""
+
+    def __init__(self, message: str, requested: bool = False):
+        super().__init__(message)
+        self.requested = requested
+
+
+def _start_dht(settings: dict, startup_timeout_s: float) -> "SupervisedDHT":
+    """Start one DHT process; on failure end it and its p2pd (its own process group) before raising."""
+    dht = SupervisedDHT(start=False, **settings)
+    try:
+        dht.run_in_background(await_ready=True, timeout=startup_timeout_s)
+    except BaseException:
+        if dht.pid is not None:
+            try:
+                os.killpg(dht.pid, signal.SIGKILL)  # p2pd shares the DHT process's group
+            except (ProcessLookupError, PermissionError):
+                pass
+            dht.join(5.0)
+        raise
+    return dht
 
 
 def parse_multiaddrs(addrs: List[str], what: str) -> List[Multiaddr]:
@@ -145,11 +169,17 @@ class Swarm:
     def __init__(self, run_id: str, private_key: RSAPrivateKey, *, initial_peers: List[str],
                  host_maddrs: List[str], announce_maddrs: List[str], identity_path: str,
                  startup_timeout_s: float = 30.0, ttl_s: float = 15.0, admission: Optional[Admission] = None,
-                 client_mode: bool = False, auto_relay: bool = False):
+                 client_mode: bool = False, auto_relay: bool = False, join_deadline_s: Optional[float] = None,
+                 stop: Optional[threading.Event] = None,
+                 on_join_failure: Callable[[int, str, float], None] = lambda attempt, reason, wait_s: None):
         """``admission``: with a swarm authority, records of peers without a valid certificate are ignored.
         ``client_mode``: hivemind's DHT client mode (no inbound requests; p2pd's DHT in client mode too).
         ``auto_relay``: p2pd looks for circuit relays among its peers to become reachable (hivemind's
-        ``use_auto_relay``; relaying itself, ``use_relay``, is on in hivemind by default)."""
+        ``use_auto_relay``; relaying itself, ``use_relay``, is on in hivemind by default).
+        With ``initial_peers``, a join that fails because they do not answer is retried with backoff
+        (peers/bootstrap.py) until ``join_deadline_s`` seconds pass (None: for ever) or ``stop`` is set,
+        calling ``on_join_failure(attempt, reason, seconds until the next)`` after each failed attempt.
+        Raises JoinError (``requested`` set when ``stop`` ended the attempts)."""
         self.run_id, self.ttl_s, self.admission = run_id, ttl_s, admission
         self.key = f"{run_id}_members"
         self.revocations_key = f"{run_id}_revocations"
@@ -160,25 +190,31 @@ class Swarm:
         parse_multiaddrs(initial_peers, "--join")
         parse_multiaddrs(host_maddrs, "--listen")
         parse_multiaddrs(announce_maddrs, "--announce")
+        settings = dict(
+            initial_peers=initial_peers or None,
+            host_maddrs=host_maddrs,
+            announce_maddrs=announce_maddrs or None,
+            identity_path=identity_path,
+            record_validators=[SchemaValidator(SwarmSchema, prefix=run_id), signer],
+            nat_port_map=False,  # UPnP discovery would multicast off the machine
+            client_mode=client_mode,
+            use_auto_relay=auto_relay,
+            # AutoNAT needs several peers to dial back before it calls us private, and autorelay waits
+            # for that verdict: a node told to use a relay is behind a NAT (hivemind's force_reachability)
+            force_reachability="private" if auto_relay else None,
+            startup_timeout=startup_timeout_s,
+        )
+        where = ", ".join(initial_peers) or "new swarm"
         try:
-            self.dht = SupervisedDHT(
-                initial_peers=initial_peers or None,
-                start=True,
-                host_maddrs=host_maddrs,
-                announce_maddrs=announce_maddrs or None,
-                identity_path=identity_path,
-                record_validators=[SchemaValidator(SwarmSchema, prefix=run_id), signer],
-                nat_port_map=False,  # UPnP discovery would multicast off the machine
-                client_mode=client_mode,
-                use_auto_relay=auto_relay,
-                # AutoNAT needs several peers to dial back before it calls us private, and autorelay waits
-                # for that verdict: a node told to use a relay is behind a NAT (hivemind's force_reachability)
-                force_reachability="private" if auto_relay else None,
-                startup_timeout=startup_timeout_s,
-                await_ready=True,
-            )
+            if initial_peers:  # a busy or briefly unreachable bootstrap peer is retried (peers/bootstrap.py)
+                self.dht = keep_trying(lambda: _start_dht(settings, startup_timeout_s), deadline_s=join_deadline_s,
+                                       stop=stop or threading.Event(), on_failure=on_join_failure)
+            else:
+                self.dht = _start_dht(settings, startup_timeout_s)
+        except JoinAbandoned as e:
+            raise JoinError(f"could not join the DHT ({where}): {e}", requested=e.requested) from e
         except Exception as e:
-            raise JoinError(f"could not start or join the DHT ({', '.join(initial_peers) or 'new swarm'}): {e}") from e
+            raise JoinError(f"could not start or join the DHT ({where}): {e}") from e
         self.peer_id = self.dht.peer_id.to_base58()
         self._lock = threading.Lock()  # one DHT pipe shared by our threads
         self._read_at = -math.inf  # monotonic time of the last DHT read of the records

@@ -62,10 +62,17 @@ def test_joins_crash_leave_and_restart_never_corrupt_or_stall_the_swarm(tmp_path
         assert all(count >= 2 for count in applied.values()), applied
         # every replica ends on the same parameters: c2's first applied round after its restart
         joint = min(r["outer_step"] for r in c2.metrics() if r["outer_step"] >= target and r["outcome"] == "applied")
-        for n in survivors:
-            n.wait_for(lambda p: any(r["outer_step"] >= joint for r in p.metrics()), 60, f"its record of step {joint}")
-        at_joint = {n.name: {r["outer_step"]: r["digest"] for r in n.metrics()}.get(joint) for n in (a, b, c2)}
-        assert len(set(at_joint.values())) == 1, (joint, at_joint)
+        # a member whose own verdict on that round failed (its result digests came late) re-syncs instead, and
+        # keeps no row of the step when its donor had moved on: compare at the first step all three recorded
+        def steps(n) -> set:
+            return {r["outer_step"] for r in n.metrics() if r["outer_step"] >= joint}
+
+        c2.wait_for(lambda _: steps(a) & steps(b) & steps(c2), 90, f"a step >= {joint} that a, b and c2 recorded")
+        common = min(steps(a) & steps(b) & steps(c2))
+        at_common = {n.name: {r["outer_step"]: r["digest"] for r in n.metrics()}[common] for n in (a, b, c2)}
+        assert len(set(at_common.values())) == 1, (joint, common, at_common, {
+            n.name: [(r["outer_step"], r["outcome"], r["digest"]) for r in n.metrics() if r["outer_step"] >= joint - 2]
+            for n in (a, b, c2)})
         for n in survivors:
             rows = n.metrics()
             # never blocked on communication longer than one averaging timeout (+ one matchmaking window)

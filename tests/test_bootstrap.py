@@ -1,0 +1,242 @@
+"""Joins that survive a busy or unreachable bootstrap peer: the retry rules (fakes) and real hivemind DHTs."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from dilocox.peers.bootstrap import Backoff, JoinAbandoned, is_join_failure, keep_trying
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class AdvancingStop(threading.Event):
+    """A stop event whose waits advance the fake clock instead of sleeping."""
+
+    def __init__(self, clock: FakeClock):
+        super().__init__()
+        self.clock, self.waits = clock, []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        self.clock.now += timeout
+        return self.is_set()
+
+
+def test_backoff_grows_to_its_cap_with_bounded_jitter():
+    b, rng = Backoff(first_s=1.0, factor=2.0, cap_s=30.0, jitter=0.25), random.Random(0)
+    for attempt, base in [(1, 1.0), (2, 2.0), (3, 4.0), (5, 16.0), (6, 30.0), (40, 30.0)]:
+        delays = [b.delay(attempt, rng) for _ in range(200)]
+        assert base * 0.75 <= min(delays) and max(delays) <= base * 1.25, (attempt, min(delays), max(delays))
+        assert max(delays) - min(delays) > base * 0.3  # joiners started together do not knock again in step
+
+
+def test_join_failures_are_retried_and_our_own_are_not():
+    assert is_join_failure(RuntimeError("DHTNode bootstrap failed: none of the initial_peers responded to a ping."))
+    assert is_join_failure(RuntimeError("Daemon failed to start: failed to connect to bootstrap peers"))
+    assert is_join_failure(TimeoutError())
+    assert not is_join_failure(RuntimeError("Daemon failed to start: failed to listen on any addresses"))
+    assert not is_join_failure(ValueError("identity is taken by another peer"))
+
+
+def test_keep_trying_retries_until_a_join_and_reports_each_failure():
+    clock = FakeClock()
+    stop, seen, calls = AdvancingStop(clock), [], []
+
+    def attempt():
+        calls.append(clock.now)
+        if len(calls) < 4:
+            raise RuntimeError("DHTNode bootstrap failed: none of the initial_peers responded to a ping.")
+        return "dht"
+
+    got = keep_trying(attempt, deadline_s=None, stop=stop, on_failure=lambda n, why, s: seen.append((n, why, s)),
+                      backoff=Backoff(jitter=0.0), clock=clock)
+    assert got == "dht" and len(calls) == 4
+    assert [(n, s) for n, _, s in seen] == [(1, 1.0), (2, 2.0), (3, 4.0)]
+    assert "initial_peers responded" in seen[0][1]
+
+
+def test_keep_trying_gives_up_at_the_deadline_and_on_a_leave():
+    clock = FakeClock()
+
+    def busy():
+        raise RuntimeError("DHTNode bootstrap failed")
+
+    with pytest.raises(JoinAbandoned, match="within --sync-deadline 10s") as e:
+        keep_trying(busy, deadline_s=10, stop=AdvancingStop(clock), on_failure=lambda *a: None,
+                    backoff=Backoff(jitter=0.0), clock=clock)
+    assert not e.value.requested and clock.now == 7.0  # waited 1 + 2 + 4; the next 8 s would pass the deadline
+
+    stop = AdvancingStop(FakeClock())
+    stop.set()
+    with pytest.raises(JoinAbandoned, match="leave requested") as e:
+        keep_trying(busy, deadline_s=None, stop=stop, on_failure=lambda *a: None)
+    assert e.value.requested
+
+    def broken():
+        raise RuntimeError("failed to listen on any addresses")
+
+    with pytest.raises(RuntimeError, match="failed to listen"):  # our own problem: no retry, no wait
+        keep_trying(broken, deadline_s=None, stop=AdvancingStop(FakeClock()), on_failure=lambda *a: None)
+
+
+def key(path):
+    """The signing key of a (new) identity file: a member's records are signed with its peer identity."""
+    from dilocox.peers.identity import load_or_create_identity
+
+    return load_or_create_identity(path)[1]
+
+
+def _p2pds() -> set[int]:
+    me = psutil.Process()
+    return {p.pid for p in me.children(recursive=True) if "p2pd" in p.name()}
+
+
+@pytest.mark.integration
+def test_a_joiner_waits_out_a_frozen_bootstrap_peer_and_leaves_no_processes_behind(tmp_path):
+    """Real hivemind DHTs: the bootstrap peer's DHT process is stopped (SIGSTOP: it accepts connections
+    through p2pd but answers no ping, as a peer swamped by joiners), so the joiner's first attempts fail;
+    once it answers again the joiner gets in, and the failed attempts left no p2pd running."""
+    from dilocox.peers.swarm import JoinError, Swarm
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    loop = ["/ip4/127.0.0.1/tcp/0"]
+    boot = Swarm("bt", RSAPrivateKey(), initial_peers=[], host_maddrs=loop, announce_maddrs=[],
+                 identity_path=str(tmp_path / "boot.key"))
+    joiner = None
+    try:
+        before, maddrs = _p2pds(), boot.visible_maddrs()  # asked before the freeze: it goes through the DHT
+        os.kill(boot.dht.pid, signal.SIGSTOP)
+        failures = []
+        thaw = threading.Timer(12.0, lambda: os.kill(boot.dht.pid, signal.SIGCONT))
+        thaw.start()
+        began = time.monotonic()
+        joiner = Swarm("bt", RSAPrivateKey(), initial_peers=maddrs, host_maddrs=loop,
+                       announce_maddrs=[], identity_path=str(tmp_path / "j.key"), startup_timeout_s=20,
+                       on_join_failure=lambda n, why, s: failures.append((n, why)))
+        assert failures and all("bootstrap" in why or "ping" in why for _, why in failures), failures
+        assert time.monotonic() - began >= 12.0
+        assert _p2pds() - before == {p.pid for p in psutil.Process(joiner.dht.pid).children(recursive=True)
+                                     if "p2pd" in p.name()}  # one p2pd per live DHT: the failed ones ended
+        # and a joiner told to give up does, with the reason
+        os.kill(boot.dht.pid, signal.SIGSTOP)
+        with pytest.raises(JoinError, match="within --sync-deadline"):
+            Swarm("bt", RSAPrivateKey(), initial_peers=maddrs, host_maddrs=loop, announce_maddrs=[],
+                  identity_path=str(tmp_path / "k.key"), join_deadline_s=5.0)
+    finally:
+        os.kill(boot.dht.pid, signal.SIGCONT)
+        for s in (joiner, boot):
+            if s is not None:
+                s.shutdown()
+
+
+@pytest.mark.integration
+def test_24_joiners_started_at_once_against_a_busy_bootstrap_peer_all_get_in(tmp_path):
+    """24 real DHT joiners start together while the only bootstrap peer is frozen for 6 s (SIGSTOP); none
+    gives up, and afterwards every one of them is in the same DHT: each sees all 25 membership records."""
+    from dilocox.peers.swarm import MemberRecord, Swarm, wait_for
+
+    loop, n = ["/ip4/127.0.0.1/tcp/0"], 24
+    boot = Swarm("storm", key(tmp_path / "boot.key"), initial_peers=[], host_maddrs=loop, announce_maddrs=[],
+                 identity_path=str(tmp_path / "boot.key"), ttl_s=120)
+    maddrs = boot.visible_maddrs()
+    joiners, errors, failures = [None] * n, [], []
+
+    def join(i: int) -> None:
+        try:
+            joiners[i] = Swarm("storm", key(tmp_path / f"{i}.key"), initial_peers=maddrs, host_maddrs=loop,
+                               announce_maddrs=[], identity_path=str(tmp_path / f"{i}.key"), ttl_s=120,
+                               on_join_failure=lambda k, why, s: failures.append((i, k)))
+        except Exception as e:  # noqa: BLE001 - the test reports whatever a joiner died of
+            errors.append((i, repr(e)))
+
+    def record(s: Swarm) -> MemberRecord:
+        return MemberRecord(peer_id=s.peer_id, run_id="storm", state="TRAINING", outer_step=0, inner_step=0,
+                            inner_steps=1, tokens_per_second=0.0, loss=0.0, global_params_digest="")
+
+    try:
+        os.kill(boot.dht.pid, signal.SIGSTOP)
+        threading.Timer(6.0, lambda: os.kill(boot.dht.pid, signal.SIGCONT)).start()
+        threads = [threading.Thread(target=join, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        assert failures, "the frozen bootstrap peer turned nobody away: the test did not test the retry"
+        everyone = [boot] + joiners
+        for s in everyone:
+            assert s.publish(record(s))
+        seen = {s.peer_id: wait_for(lambda: len(s.members(max_age_s=0)) == n + 1 and s.members(max_age_s=0), 60)
+                for s in everyone}
+        assert all(len(v) == n + 1 for v in seen.values()), {p[-6:]: len(v) for p, v in seen.items()}
+    finally:
+        os.kill(boot.dht.pid, signal.SIGCONT)
+        ends = [threading.Thread(target=s.shutdown) for s in [boot] + joiners if s is not None]
+        for t in ends:
+            t.start()
+        for t in ends:
+            t.join(60)
+
+
+@pytest.mark.integration
+def test_a_node_joining_a_busy_swarm_keeps_trying_and_every_stop_path_ends_it(tmp_path):
+    """dilocox-node processes against a frozen bootstrap peer: one started with --sync-deadline gives up with
+    the reason (exit 1), one asked to leave while retrying exits 0 at once, and one left alone gets in and
+    trains once the peer answers; none of them leaves a process behind."""
+    from bench.localswarm import LocalNode
+    from tests.helpers import FAST
+
+    boot = LocalNode("boot", tmp_path / "boot", FAST + ["--run-id", "bt"]).wait_started()
+    dht = next(p for p in psutil.Process(boot.proc.pid).children()
+               if any("p2pd" in c.name() for c in p.children()))  # the DHT process (it launched p2pd)
+    join = FAST + ["--run-id", "bt", "--join", boot.join_maddr]
+    nodes = [boot]
+    try:
+        dht.suspend()
+        quitter = LocalNode("quitter", tmp_path / "quitter", join + ["--sync-deadline", "4"])
+        leaver = LocalNode("leaver", tmp_path / "leaver", join)
+        patient = LocalNode("patient", tmp_path / "patient", join)
+        nodes += [quitter, leaver, patient]
+        assert quitter.proc.wait(90) == 1
+        assert "within --sync-deadline 4s" in quitter.log_tail() and "attempts" in quitter.log_tail()
+        leaver_pids = {p.pid for p in psutil.Process(leaver.proc.pid).children(recursive=True)}
+        for n in (leaver, patient):
+            wait_for_text(n, "joining the DHT failed (attempt 1", 60)
+        began = time.monotonic()
+        assert leaver.terminate(signal.SIGTERM) == 0, leaver.log_tail()
+        assert time.monotonic() - began < 10
+        # torch's shared-memory daemon ends by itself, after its last client (tests/test_stop.py)
+        left = [psutil.Process(p) for p in leaver_pids if psutil.pid_exists(p)]
+        assert not [(p.pid, p.name(), p.status()) for p in left
+                    if p.status() != "zombie" and p.name() != "torch_shm_manager"]
+        dht.resume()
+        patient.wait_started(120)
+        patient.wait_for(lambda p: p.status().outer_step >= 1, 120, "an outer step with the swarm")
+        assert "BOOTSTRAPPING" in patient.log_tail(200_000)  # the state it was in, logged on the change
+    finally:
+        try:
+            dht.resume()
+        except psutil.Error:
+            pass
+        for n in nodes:
+            n.terminate(signal.SIGTERM)
+
+
+def wait_for_text(node, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in node.log_tail(200_000):
+        assert node.proc.poll() is None, f"{node.name} exited {node.proc.returncode}:\n{node.log_tail()}"
+        assert time.monotonic() < deadline, f"{node.name}: no {text!r} within {timeout_s}s:\n{node.log_tail()}"
+        time.sleep(0.2)
