@@ -41,7 +41,7 @@ METRICS = {
                                    "(matchmaking + all-reduce), blocked (training waited on communication), "
                                    "allreduce (the all-reduce itself)",
     "dilocox_round_payload_bytes": "bytes of this node's encoded contribution in the last outer round",
-    "dilocox_round_outcome": "1 for the last outer round's outcome (applied, solo, applied_alone, skipped, "
+    "dilocox_round_outcome": "1 for the last outer round's outcome (applied, adopted, solo, applied_alone, skipped, "
                              "resynced), 0 for the others",
     "dilocox_compression_ratio": "fp32 size / sent size of the last round's pseudo-gradient",
     "dilocox_compression_rank": "PowerSGD rank of the last round (adaptive compression; 0 otherwise)",
@@ -54,7 +54,7 @@ METRICS = {
     "dilocox_memory_bytes": "memory held for this node's stage, by part",
 }
 
-OUTCOMES = ("applied", "solo", "applied_alone", "skipped", "resynced")
+OUTCOMES = ("applied", "adopted", "solo", "applied_alone", "skipped", "resynced")
 
 
 class StatusCollector(Collector):

@@ -51,7 +51,8 @@ from dilocox.tokenizer import load_tokenizer
 from dilocox.workload import make_workload
 
 logger = logging.getLogger(__name__)
-_RECORDED = (RoundOutcome.APPLIED, RoundOutcome.SOLO, RoundOutcome.APPLIED_ALONE, RoundOutcome.SKIPPED)
+_RECORDED = (RoundOutcome.APPLIED, RoundOutcome.ADOPTED, RoundOutcome.SOLO, RoundOutcome.APPLIED_ALONE,
+             RoundOutcome.SKIPPED)
 _GONE = (State.DRAINING.value, State.STOPPED.value)  # states of members that no longer take part
 
 
@@ -234,7 +235,8 @@ class Node:
         self.transfer.attach(self.averagers[sizes[0]], self.updates)
         self.state.on_snapshot = self.transfer.published
         self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
-                                  self.deadlines, self.contributions, self.attack)
+                                  self.deadlines, self.contributions, self.attack,
+                                  fetch_update=self.transfer.fetch_update if self.updates is not None else None)
         self.board.update(outer_step=self.state.outer_step, inner_steps=self.H, global_params_digest=self.state.digest,
                           overlap=cfg.overlap, outer_algorithm=cfg.outer_algorithm, compression=cfg.compression,
                           stage_index=cfg.stage_index,

@@ -31,6 +31,7 @@ from typing import Optional, Union
 
 import torch
 from dilocox.daemon.config import NodeConfig
+from dilocox.daemon.majority import FetchUpdate, MajorityUpdate
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.redteam import Attack
 from dilocox.daemon.replica_state import ReplicaState
@@ -47,8 +48,10 @@ from dilocox.peers.averaging import (
 )
 from dilocox.peers.deadlines import RoundDeadlines, RoundTimes
 
+from dilocox.catchup import AppliedUpdate
 from dilocox.compression import CompressionRound
 from dilocox.consensus import (
+    Standing,
     StartAction,
     Verdict,
     canonical_digest,
@@ -70,6 +73,7 @@ class RoundOutcome(str, Enum):
     """What became of a round (the value is the ``outcome`` in status and metrics.jsonl)."""
 
     APPLIED = "applied"              # the group's verified mean was applied
+    ADOPTED = "adopted"              # a split round: the majority group's update was applied in place of ours
     SOLO = "solo"                    # nobody else could take part: our own pseudo-gradient was applied
     APPLIED_ALONE = "applied_alone"  # the all-reduce failed and nobody else applied the round: ours was
     SKIPPED = "skipped"              # no result had a majority: the whole group consumed it without update
@@ -101,6 +105,7 @@ class Checked:
     group_size: int = 1
     reason: str = ""
     fetches_result: bool = False
+    adopted: Optional[AppliedUpdate] = None  # ADOPTED: the majority group's update (daemon/majority.py)
 
 
 @dataclass
@@ -145,10 +150,12 @@ class OuterRounds:
     def __init__(self, cfg: NodeConfig, state: ReplicaState, progress: ProgressTracker,
                  averagers: dict[int, PseudoGradientAverager], leave_requested: threading.Event,
                  deadlines: RoundDeadlines, contributions: Optional[ContributionServer] = None,
-                 attack: Optional[Attack] = None):
+                 attack: Optional[Attack] = None, fetch_update: Optional[FetchUpdate] = None):
         """``deadlines``: the matchmaking time and group wait each round uses (peers/deadlines.py);
         ``contributions``: serves and fetches all-gathered contributions (sparse compression);
-        ``attack``: the red-team hook (daemon/redteam.py), None on an honest node."""
+        ``attack``: the red-team hook (daemon/redteam.py), None on an honest node; ``fetch_update``:
+        fetches an update other members applied (sparse catch-up), so that a group outside a split
+        round's majority adopts the majority's update (daemon/majority.py); None: every group applies its own."""
         self.cfg, self.state, self.progress, self.averagers = cfg, state, progress, averagers
         self.deadlines = deadlines
         self.leave_requested, self.contributions, self.attack = leave_requested, contributions, attack
@@ -164,6 +171,9 @@ class OuterRounds:
         self.exchange_s: Optional[float] = None  # the longest exchange of the last EXCHANGE_WINDOW rounds (seconds)
         self._exchanges: list[float] = []
         self._stopping = threading.Event()  # shutdown: a verifier wait for an exchange ends
+        self.majority = None if fetch_update is None or cfg.num_stages > 1 else MajorityUpdate(
+            progress, fetch_update, self.delayed, cfg.averaging_timeout,
+            lambda: self._stopping.is_set() or leave_requested.is_set())
 
     def bandwidth_bps(self) -> float:
         """Our link rate for the rank cap (bit/s): configured, else the best all-reduce throughput seen
@@ -394,15 +404,21 @@ class OuterRounds:
             if checked.fetches_result:  # the re-sync may bring this very round's result: record it then
                 finished.info = self._info(p, group_size, RoundOutcome.RESYNCED, result, waited_from)
             return finished
-        averaged = {RoundOutcome.APPLIED: result.tensors if result else None,
-                    RoundOutcome.SKIPPED: None}.get(outcome, p.pseudo_gradient)  # solo, alone: our own
+        averaged = {RoundOutcome.APPLIED: result.tensors if result else None, RoundOutcome.SKIPPED: None,
+                    RoundOutcome.ADOPTED: checked.adopted.aggregate if checked.adopted else None,
+                    }.get(outcome, p.pseudo_gradient)  # solo, alone: our own
         # averaged None (skipped): only the local re-base follows; a donor serves the new shared compression
         # state only together with the outer step it belongs to
         apply_began = time.monotonic()
         with self.state.changing():
-            if outcome == RoundOutcome.APPLIED:
+            if outcome in (RoundOutcome.APPLIED, RoundOutcome.ADOPTED):  # our contribution went out either way
                 self.state.compressor.commit(p.compression)
             self.state.apply_outer(averaged, p.index, group_size)
+        if checked.adopted is not None and self.state.digest != checked.adopted.digest:
+            # same theta, aggregate and outer rule (shared settings) give the same bits; if not, the next round's
+            # start digests send us to re-sync
+            logger.error("round %d: the adopted update gave theta %s, its group's is %s", p.index, self.state.digest,
+                         checked.adopted.digest)
         info = self._info(p, group_size, outcome, result, waited_from)
         info.apply_s = time.monotonic() - apply_began
         if early:
@@ -457,6 +473,13 @@ class OuterRounds:
             return Checked(RoundOutcome.RESYNC, result, group_size, fetches_result=True,
                            reason=f"round {p.index}: all-reduce result {result_digest} differs from the group's "
                                   f"{canon} (partial result?); not applied")
+        if self.majority is not None:  # one update per round, even where matchmaking split it
+            _, holders = canonical_digest(results)
+            settled = self.majority.resolve(p.index, set(starts), len(holders), self.state.digest)
+            if settled.standing == Standing.ADOPT and settled.update is None:
+                return Checked(RoundOutcome.RESYNC, result, group_size, fetches_result=True, reason=settled.reason)
+            if settled.update is not None:
+                return Checked(RoundOutcome.ADOPTED, result, settled.update.group_size, adopted=settled.update)
         if result.allreduce_s > 0:
             self.measured_bps = max(self.measured_bps, 8 * result.bytes_sent / result.allreduce_s)
         # from all-gathered figures only, so every member picks the same rank (and averager)

@@ -26,7 +26,7 @@ from dilocox.daemon.replica_state import ReplicaState
 from dilocox.peers.allgather import ContributionServer
 from dilocox.peers.averaging import PseudoGradientAverager
 
-from dilocox.catchup import CatchUpError, decode, max_encoded_bytes
+from dilocox.catchup import AppliedUpdate, CatchUpError, decode, max_encoded_bytes
 from dilocox.consensus import (
     ACTIVE_STATES,
     DonorMeta,
@@ -300,27 +300,36 @@ class StateTransfer:
         """The updates of outer steps meta.outer_step + 1 .. newest, each from the first member that applied
         it and serves it (the donor first; clients accept no connections): (updates, bytes, "") or
         ([], 0, why not)."""
-        shapes = [tuple(p.shape) for p in self.state.outer.global_params]
         sources = [m.peer_id for m in sorted(active, key=lambda m: m.peer_id != meta.donor_peer_id)
                    if m.outer_step >= newest and not m.client_mode]
         updates, nbytes = [], 0
         for step in range(meta.outer_step + 1, newest + 1):
-            update, errors = None, []
-            for peer in sources:
-                got, failed = self.updates.fetch({peer: (None, max_encoded_bytes(shapes))}, update_key(step),
-                                                 self.cfg.request_timeout + self.transfer_s())
-                try:
-                    if peer in got:
-                        update, nbytes = decode(got[peer], shapes), nbytes + len(got[peer])
-                        break
-                except CatchUpError as e:
-                    failed[peer] = str(e)
-                errors += [f"{peer[-6:]}: {why[:100]}" for why in failed.values()]
+            update, size, errors = self._fetch_update(sources, step)
             if update is None:
                 return [], 0, f"no member served the update of outer step {step} " \
                               f"({'; '.join(errors) or 'none asked'})"
             updates.append(update)
+            nbytes += size
         return updates, nbytes, ""
+
+    def fetch_update(self, peers: list[str], step: int) -> Optional[AppliedUpdate]:
+        """The update of outer ``step`` from the first of ``peers`` that serves a valid one (decoded and checked
+        against our parameters' shapes: dilocox/catchup.py), or None (also without sparse catch-up)."""
+        return self._fetch_update(peers, step)[0] if self.updates is not None else None
+
+    def _fetch_update(self, peers: list[str], step: int) -> tuple[Optional[AppliedUpdate], int, list[str]]:
+        shapes = [tuple(p.shape) for p in self.state.outer.global_params]
+        errors = []
+        for peer in peers:
+            got, failed = self.updates.fetch({peer: (None, max_encoded_bytes(shapes))}, update_key(step),
+                                             self.cfg.request_timeout + self.transfer_s())
+            try:
+                if peer in got:
+                    return decode(got[peer], shapes), len(got[peer]), errors
+            except CatchUpError as e:
+                failed[peer] = str(e)
+            errors += [f"{peer[-6:]}: {why[:100]}" for why in failed.values()]
+        return None, 0, errors
 
     def _late_steps(self, live) -> int:
         """The donor's round's last inner steps in which its group forms (synchronous sparse rounds of whole

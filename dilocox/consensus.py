@@ -67,6 +67,36 @@ def judge_result(mine: str, results: Dict[str, str], members: Optional[int] = No
     return Verdict.APPLY if canon == mine else Verdict.RESYNC
 
 
+class Standing(str, Enum):
+    """Where our group's result stands among the groups hivemind's matchmaking formed for one round."""
+
+    MAJORITY = "majority"  # our group holds a strict majority of the round's replicas: its update is the round's
+    ADOPT = "adopt"        # another group's result is held by a strict majority: every other group adopts it
+    WAIT = "wait"          # no majority yet, but one may still appear among the results not yet reported
+    ALONE = "alone"        # no group can hold a majority: each applies its own (the next round reconciles)
+
+
+def group_standing(ours: int, replicas: int, outside: Dict[str, str], pending: int) -> Tuple[Standing, Optional[str]]:
+    """The rule that gives a split round one update (docs/protocol.md, "One update per round").
+
+    ``ours``: members of our group holding our result; ``replicas``: replicas that take part in the round
+    (ours included, from the membership records); ``outside``: peer_id -> result digest of this round,
+    published by members outside our group; ``pending``: outside members of the round that have not
+    published one yet. At most one result can be held by a strict majority, so every member of every
+    group that sees it picks the same one. Returns (standing, the majority's result digest for ADOPT)."""
+    replicas = max(replicas, ours + len(outside) + pending)
+    if 2 * ours > replicas:
+        return Standing.MAJORITY, None
+    counts = Counter(outside.values())
+    for digest, held in sorted(counts.items()):
+        if 2 * held > replicas:
+            return Standing.ADOPT, digest
+    best = max(counts.values(), default=0)
+    if 2 * (best + pending) > replicas:  # the pending members may still report a majority's result
+        return Standing.WAIT, None
+    return Standing.ALONE, None
+
+
 def settings_conflict(ours: str, others: Dict[str, str]) -> Optional[Tuple[str, List[str]]]:
     """The settings digest (NodeConfig.swarm_settings) that a strict majority of the other live members of
     our stage publish, with its holders, when it is not ours; None when ours is theirs, or they disagree

@@ -11,6 +11,7 @@ import pytest
 from dilocox.consensus import (
     DonorMeta,
     JoinKind,
+    Standing,
     StartAction,
     Verdict,
     WaitFor,
@@ -18,6 +19,7 @@ from dilocox.consensus import (
     current_join,
     donor_progress,
     failure_action,
+    group_standing,
     in_round,
     join_point,
     judge_result,
@@ -209,3 +211,42 @@ def test_join_waits_for_the_next_round_when_its_group_is_forming():
     # keeping our round (we computed it) never waits for the next one
     assert plan(meta(outer_step=4, donor_inner_step=H - 1), keep_round=True, our_round=5, late=6).kind == \
         JoinKind.DOWNLOAD
+
+
+# ---------------------------------------------------------------- split rounds: one update per round
+
+@pytest.mark.parametrize("ours, replicas, outside, pending, expected", [
+    (5, 8, {"x": "B", "y": "B", "z": "B"}, 0, (Standing.MAJORITY, None)),  # 5 of 8: ours is the round's
+    (3, 8, {"c": "M", "d": "M", "e": "M", "f": "M", "g": "M"}, 0, (Standing.ADOPT, "M")),
+    (3, 8, {"c": "M", "d": "M", "e": "M"}, 2, (Standing.WAIT, None)),  # M may still reach 5 of 8
+    (3, 8, {"c": "M", "d": "M"}, 3, (Standing.WAIT, None)),  # the 3 pending may join M, or form a group
+    (4, 8, {"c": "M", "d": "M", "e": "M", "f": "M"}, 0, (Standing.ALONE, None)),  # a tie: nobody has a majority
+    (3, 9, {"c": "M", "d": "M", "e": "N", "f": "N", "g": "O", "h": "O"}, 0, (Standing.ALONE, None)),
+    (1, 2, {}, 1, (Standing.ALONE, None)),  # half can never be a strict majority
+    (2, 3, {}, 0, (Standing.MAJORITY, None)),
+    # replicas counts at least everyone seen: a stale count cannot make two majorities
+    (3, 3, {"c": "M", "d": "M", "e": "M", "f": "M"}, 0, (Standing.ADOPT, "M")),
+])
+def test_group_standing(ours, replicas, outside, pending, expected):
+    assert group_standing(ours, replicas, outside, pending) == expected
+
+
+def test_at_most_one_group_of_a_round_keeps_its_own_update():
+    """Every split of n replicas into groups: at most one group applies its own when another is ADOPTing or
+    MAJORITY, and every group that adopts adopts the majority's result, so one update per round remains."""
+    import itertools
+
+    for n in range(2, 10):
+        for sizes in {tuple(sorted(c)) for k in range(1, min(n, 4) + 1)
+                      for c in itertools.product(range(1, n + 1), repeat=k) if sum(c) == n}:
+            digests = [f"g{i}" for i in range(len(sizes))]
+            members = [(d, i) for d, size in zip(digests, sizes) for i in range(size)]
+            verdicts = {}
+            for d, size in zip(digests, sizes):
+                outside = {f"{o}{i}": o for o, i in members if o != d}
+                verdicts[d] = group_standing(size, n, outside, 0)
+            own = [d for d, (st, _) in verdicts.items() if st in (Standing.MAJORITY, Standing.ALONE)]
+            adopted = {m for st, m in verdicts.values() if st == Standing.ADOPT}
+            if adopted:
+                assert own == list(adopted) and len(adopted) == 1, (sizes, verdicts)
+            assert all(st != Standing.WAIT for st, _ in verdicts.values())  # nothing pending: nobody waits

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ class FakeProgress:
 def computed_round(tmp_path, inner_steps: int = 2, **cfg) -> ReplicaState:
     """A real ReplicaState (tiny model, fp32 codes) that has computed round 1's inner steps; ``cfg``: more
     NodeConfig fields (e.g. overlap)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 400)
     config = NodeConfig(**{**dict(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=inner_steps,
                                   compression="none", overlap="none", seq_len=16, batch_size=2), **cfg})
@@ -292,3 +294,76 @@ def test_adaptive_waits_for_exchanges_a_round_cannot_hide(state):
                                  (1.0, 0.5)):  # the longest of the last three decides
         rounds.observe_exchange(exchange_s)
         assert rounds.overlap_budget_s(10.0, 0.05) == expected, (exchange_s, rounds.exchange_s)
+
+
+# ---------------------------------------------------------------- split rounds (daemon/majority.py)
+
+@dataclass
+class Member(Peer):
+    """A record with the round result fields (peers.swarm.MemberRecord) a split round is settled from."""
+
+    result_step: int = 0
+    result_digest: str = ""
+    client_mode: bool = False
+
+
+def _majority_update(tmp_path, state, group_size: int):
+    """What a majority group of ``group_size`` applied at outer step 1: its aggregate, theta's digests."""
+    from dilocox.catchup import AppliedUpdate
+
+    twin = computed_round(tmp_path / "twin")  # same seed: the same theta_0
+    assert twin.digest == state.digest
+    aggregate = [torch.full_like(p, 2e-3) for p in twin.outer.global_params]
+    twin.apply_outer(aggregate, 1, group_size)
+    return AppliedUpdate(1, state.digest, twin.digest, group_size, aggregate), params_digest(aggregate)
+
+
+def split_rounds(state, outside, fetch):
+    cfg = state.cfg.model_copy(update=dict(averaging_timeout=1.0))
+    flags = RoundDeadlines(None, matchmaking_cap_s=cfg.matchmaking_time,
+                           group_wait_cap_s=cfg.outer_round_deadline - cfg.averaging_timeout,
+                           request_timeout_s=cfg.request_timeout)
+    mine = None  # our group's (me, a, b) result: all three hold it
+
+    class Progress(FakeProgress):
+        def exchange_result_digests(self, result_step, digest, peers, timeout_s, inputs=None):
+            nonlocal mine
+            mine = digest
+            return {"me": digest, "a": digest, "b": digest}
+
+    _made.append(OuterRounds(cfg, state, Progress(outside), averagers={}, leave_requested=threading.Event(),
+                             deadlines=flags, fetch_update=fetch))
+    return _made[-1]
+
+
+def test_a_minority_group_adopts_the_majority_groups_update(tmp_path, state):
+    update, majority = _majority_update(tmp_path, state, 4)
+    outside = [Member(peer_id=p, outer_step=1, round=2, result_step=1, result_digest=majority) for p in "cdef"]
+    asked = []
+    done = split_rounds(state, outside, lambda peers, step: asked.append((sorted(peers), step)) or update).finish(
+        pending(state, None))
+    assert done.outcome == RoundOutcome.ADOPTED and done.info.group_size == 4
+    assert asked == [(list("cdef"), 1)]  # from the members that applied it
+    assert (state.outer_step, state.digest) == (1, update.digest)  # bit-identical with the majority's theta
+
+
+def test_a_majority_group_keeps_its_update_and_a_tie_keeps_each_groups(tmp_path, state):
+    for outside in ([Member(peer_id=p, outer_step=1, round=2, result_step=1, result_digest="M") for p in "cd"],
+                    [Member(peer_id=p, outer_step=1, round=2, result_step=1, result_digest="M") for p in "cde"]):
+        st = computed_round(tmp_path / f"s{len(outside)}")
+        done = split_rounds(st, outside, lambda peers, step: pytest.fail("nothing to fetch")).finish(pending(st, None))
+        assert done.outcome == RoundOutcome.APPLIED and st.outer_step == 1
+
+
+def test_a_majority_update_that_fails_its_checks_is_not_applied(tmp_path, state):
+    from dataclasses import replace
+
+    update, majority = _majority_update(tmp_path, state, 4)
+    outside = [Member(peer_id=p, outer_step=1, round=2, result_step=1, result_digest=majority) for p in "cdef"]
+    theta0 = state.digest
+    for bad in (replace(update, aggregate=[a * 2 for a in update.aggregate]),  # not the majority's result
+                replace(update, parent_digest="elsewhere"),  # continues another theta
+                None):  # nobody served it
+        done = split_rounds(state, outside, lambda peers, step: bad).finish(pending(state, None))
+        assert done.outcome == RoundOutcome.RESYNC and "could not be fetched" in done.reason, done.reason
+        assert (state.outer_step, state.digest) == (0, theta0)
