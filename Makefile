@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-scale bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-scale bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -111,6 +111,10 @@ bench-quality-overlap: install
 # 10/100/1000 Mbit/s with 100 ms RTT in network namespaces (needs root and TUN; ~40 min)
 bench-overlap: install
 	$(PY) -m bench.overlap_scale
+
+# N = 8, 16 and 24 nodes on loopback with 5 leaves and 5 joins each, EMULATED workload (~25 min)
+bench-swarm-size: install
+	$(PY) -m bench.swarm_size
 
 # real tokenizer, prepared shards and larger models on CPU: a 2-node llama-20m swarm with an 8192-token BPE,
 # bf16 / micro-batches / activation checkpointing, llama-150m, the outer state of llama-1b, memmap RSS (~40 min)

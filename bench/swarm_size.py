@@ -1,0 +1,228 @@
+"""Swarm size: N = 8, 16, 24 nodes on loopback with joins and leaves, on the EMULATED workload.
+
+Every node runs ``--workload synthetic:PARAMS:STEP_S`` (dilocox/synthetic.py: true payload sizes, compute
+is a sleep), so 32 nodes fit on 2 cores; no quality is claimed from it. Per size N the benchmark starts
+N nodes at once (the first is the bootstrap peer every other ``--join``s), waits for the first outer
+step, then for ``--duration`` seconds makes ``--churn`` leaves (SIGTERM to a random non-bootstrap node)
+and as many joins (a fresh node), evenly spaced, and finally asks every node to leave. From the nodes'
+metrics.jsonl and /proc it reports:
+
+- **joint**: the share of node-rounds applied with the swarm's update: outcome ``applied`` (or
+  ``adopted``: a split round's minority group took the majority's update, daemon/majority.py) and
+  the digest most nodes recorded for that outer step;
+- **splits**: outer steps at which applied rounds left two or more digests, and how many of them
+  lasted beyond one round (the next step was split too);
+- **round time** and **overhead** (round time minus compute, the median over node-rounds), and the
+  slope of the overhead against log2 N and against N (least squares over the sizes run);
+- **bytes** sent and received per node and round (the transport's counters, medians);
+- **memory**: PSS of each node's process tree (main process, DHT, averagers, p2pd), sampled every
+  10 s; the median over nodes of each node's largest sample.
+
+``make bench-swarm-size`` writes runs/bench/swarm-size/{swarm-size.json, table.md, swarm-size.png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import signal
+import statistics
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from bench.compare import _pss, _tree
+from bench.localswarm import LocalNode, wait_all
+
+BASE = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0", "--announce-period", "2",
+        "--eval-every", "1000000", "--checkpoint-every", "1000000"]
+
+
+class MemorySampler:
+    """Every ``period_s``: the PSS of each watched node's process tree; ``peaks()`` per node name."""
+
+    def __init__(self, period_s: float = 10.0):
+        self.nodes: list[LocalNode] = []
+        self.peak: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            for n in list(self.nodes):
+                if n.proc.poll() is None:
+                    self.peak[n.name] = max(self.peak.get(n.name, 0), sum(_pss(p) for p in _tree(n.proc.pid)))
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join(30)
+        return dict(self.peak)
+
+
+def run_size(n: int, a, out: Path) -> dict:
+    """One swarm of n nodes with churn; returns its figures (see the module docstring)."""
+    rng = random.Random(n)
+    args = BASE + ["--workload", a.workload, "--inner-steps", str(a.inner_steps), "--run-id", f"size{n}",
+                   "--min-replicas", str(n)] + a.extra
+    sampler = MemorySampler()
+    boot = LocalNode("n00", out / "n00", args).wait_started()
+    nodes = [boot] + [LocalNode(f"n{i:02d}", out / f"n{i:02d}", args + ["--join", boot.join_maddr])
+                      for i in range(1, n)]
+    sampler.nodes += nodes
+    began = time.monotonic()
+    try:
+        wait_all(nodes, lambda: all(x.poll_started() for x in nodes), 600, "every node's start")
+        started_s = time.monotonic() - began
+        wait_all(nodes, lambda: all(any(r["outcome"] == "applied" for r in x.metrics()) for x in nodes), 900,
+                 "an applied round on every node")
+        first_round_s = time.monotonic() - began
+        live, joined, left, events = list(nodes[1:]), n, [], []
+        t0 = time.monotonic()
+        for k in range(2 * a.churn):
+            at = t0 + (k + 1) * a.duration / (2 * a.churn + 1)
+            time.sleep(max(0.0, at - time.monotonic()))
+            if k % 2 == 0:
+                victim = live.pop(rng.randrange(len(live)))
+                code = victim.terminate(signal.SIGTERM, timeout=60)
+                left.append(victim)
+                events.append(dict(t=round(time.monotonic() - t0, 1), event="leave", node=victim.name, exit=code))
+            else:
+                fresh = LocalNode(f"n{joined:02d}", out / f"n{joined:02d}", args + ["--join", boot.join_maddr])
+                joined += 1
+                nodes.append(fresh)
+                live.append(fresh)
+                sampler.nodes.append(fresh)
+                events.append(dict(t=round(time.monotonic() - t0, 1), event="join", node=fresh.name))
+        time.sleep(max(0.0, t0 + a.duration - time.monotonic()))
+    finally:
+        codes = stop_all([x for x in nodes if x.proc.poll() is None])
+        peaks = sampler.stop()
+    return dict(nodes=n, started_s=round(started_s, 1), first_round_s=round(first_round_s, 1),
+                exit_codes=codes, events=events, **figures(nodes, peaks))
+
+
+def stop_all(nodes: list[LocalNode], timeout_s: float = 120.0) -> list[int]:
+    """SIGTERM every node at once (a node still starting has no status address to ask), then wait for each."""
+    for x in nodes:
+        x.proc.send_signal(signal.SIGTERM)
+    return [x.terminate(signal.SIGTERM, timeout=timeout_s) for x in nodes]
+
+
+def figures(nodes: list[LocalNode], peaks: dict[str, int]) -> dict:
+    rows = [dict(r, node=x.name) for x in nodes for r in {r["outer_step"]: r for r in x.metrics()}.values()]
+    by_step: dict[int, Counter] = {}
+    for r in rows:
+        by_step.setdefault(r["outer_step"], Counter())[r["digest"]] += 1
+    canon = {s: c.most_common(1)[0][0] for s, c in by_step.items()}
+    joint = [r for r in rows if r["outcome"] in ("applied", "adopted") and r["digest"] == canon[r["outer_step"]]]
+    applied_digests: dict[int, set] = {}
+    for r in rows:
+        if r["outcome"] == "applied" and r["group_size"] >= 2:
+            applied_digests.setdefault(r["outer_step"], set()).add(r["digest"])
+    split = sorted(s for s, d in applied_digests.items() if len(d) > 1)
+    lasting = [s for s in split if s + 1 in split]
+    outcomes = Counter(r["outcome"] for r in rows)
+    med = lambda xs: statistics.median(xs) if xs else math.nan  # noqa: E731
+    applied = [r for r in rows if r["outcome"] == "applied"]
+    return dict(
+        node_rounds=len(rows), joint_share=len(joint) / max(1, len(rows)), outcomes=dict(outcomes),
+        steps=max(by_step, default=0), split_steps=split, lasting_splits=len(lasting),
+        group_sizes=dict(Counter(r["group_size"] for r in applied)),
+        round_s=med([r["duration_s"] for r in applied]),
+        overhead_s=med([r["duration_s"] - r["compute_s"] for r in applied]),
+        sent_bytes=med([r["bytes_sent"] for r in applied]), received_bytes=med([r["bytes_received"] for r in applied]),
+        payload_bytes=med([r["payload_bytes"] for r in applied]),
+        pss_bytes=med(list(peaks.values())), pss_max_bytes=max(peaks.values(), default=0))
+
+
+def slopes(results: list[dict]) -> dict:
+    """Least-squares slope of the overhead (s) against log2 N and against N, with each fit's residual."""
+    def fit(xs, ys):
+        mx, my = statistics.mean(xs), statistics.mean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else math.nan
+        res = math.sqrt(statistics.mean([(y - (my + b * (x - mx))) ** 2 for x, y in zip(xs, ys)]))
+        return round(b, 4), round(res, 3)
+
+    pts = [(r["nodes"], r["overhead_s"]) for r in results if not math.isnan(r["overhead_s"])]
+    if len(pts) < 2:
+        return {}
+    (bl, rl), (bn, rn) = fit([math.log2(n) for n, _ in pts], [y for _, y in pts]), fit([n for n, _ in pts],
+                                                                                        [y for _, y in pts])
+    return dict(per_doubling_s=bl, log_residual_s=rl, per_node_s=bn, linear_residual_s=rn)
+
+
+def table(results: list[dict], a) -> str:
+    lines = [f"EMULATED workload ({a.workload}, H = {a.inner_steps}, compute is a sleep); loopback, 2 cores; "
+             f"{a.churn} leaves and {a.churn} joins in {a.duration:.0f} s per size.", "",
+             "| N | node-rounds | joint | splits (lasting) | round s | overhead s | sent / round | received / round "
+             "| sent / payload | PSS / node | groups |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ratio = r["sent_bytes"] / r["payload_bytes"] if r["payload_bytes"] else math.nan
+        groups = ", ".join(f"{k}:{v}" for k, v in sorted(r["group_sizes"].items(), key=lambda kv: -kv[1])[:4])
+        lines.append(f"| {r['nodes']} | {r['node_rounds']} | {100 * r['joint_share']:.1f}% | {len(r['split_steps'])} "
+                     f"({r['lasting_splits']}) | {r['round_s']:.1f} | {r['overhead_s']:.1f} | "
+                     f"{r['sent_bytes'] / 1e6:.2f} MB | {r['received_bytes'] / 1e6:.2f} MB | {ratio:.1f}x | "
+                     f"{r['pss_bytes'] / 1e6:.0f} MB | {groups} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: Path, a) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = [r["nodes"] for r in results]
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
+    ax[0].plot(ns, [100 * r["joint_share"] for r in results], "o-")
+    ax[0].axhline(95, ls="--", c="gray")
+    ax[0].set(title="node-rounds applied with the swarm's update", xlabel="nodes", ylabel="%", ylim=(0, 101))
+    ax[1].plot(ns, [r["round_s"] for r in results], "o-", label="round")
+    ax[1].plot(ns, [r["overhead_s"] for r in results], "s-", label="overhead (round - compute)")
+    ax[1].set(title="round time (median)", xlabel="nodes", ylabel="s")
+    ax[1].legend()
+    ax[2].plot(ns, [r["sent_bytes"] / 1e6 for r in results], "o-", label="sent")
+    ax[2].plot(ns, [r["received_bytes"] / 1e6 for r in results], "s-", label="received")
+    ax[2].plot(ns, [3 * r["payload_bytes"] / 1e6 for r in results], "--", c="gray", label="3 x payload")
+    ax[2].set(title="bytes per node and round (median)", xlabel="nodes", ylabel="MB")
+    ax[2].legend()
+    for x in ax:
+        x.set_xscale("log", base=2)
+        x.set_xticks(ns, [str(n) for n in ns])
+    fig.suptitle(f"Swarm size, EMULATED workload ({a.workload}; compute is a sleep), loopback on 2 cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 24],
+                   help="32 needs ~21 GB (0.66 GB per node): more than a 24 GB machine leaves")
+    p.add_argument("--workload", default="synthetic:1M:0.25")
+    p.add_argument("--inner-steps", type=int, default=40)
+    p.add_argument("--duration", type=float, default=240.0, help="seconds of churn after the first round")
+    p.add_argument("--churn", type=int, default=5, help="leaves and as many joins during the run")
+    p.add_argument("--out", type=Path, default=Path("runs/bench/swarm-size"))
+    p.add_argument("extra", nargs="*", help="more dilocox-node flags (after --)")
+    a = p.parse_args(argv)
+    results = []
+    for n in a.sizes:
+        r = run_size(n, a, a.out / f"n{n}")
+        results.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)
+        (a.out / "swarm-size.json").write_text(json.dumps(dict(results=results, slopes=slopes(results),
+                                                              args={k: str(v) for k, v in vars(a).items()}), indent=1))
+    (a.out / "table.md").write_text(table(results, a) + f"\noverhead slope: {slopes(results)}\n")
+    plot(results, a.out / "swarm-size.png", a)
+    print(table(results, a))
+    print("overhead slope:", slopes(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

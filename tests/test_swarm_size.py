@@ -1,0 +1,57 @@
+"""Twelve real nodes on loopback, started at once against one busy bootstrap peer (EMULATED workload:
+dilocox/synthetic.py, compute is a sleep): nobody exits, and every outer step has one update."""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+
+import psutil
+import pytest
+
+from bench.localswarm import LocalNode, wait_all
+
+pytestmark = [pytest.mark.integration]
+
+N = 12
+ARGS = ["--workload", "synthetic:200k:0.05", "--inner-steps", "20", "--listen", "/ip4/127.0.0.1/tcp/0",
+        "--status-addr", "127.0.0.1:0", "--announce-period", "2", "--min-replicas", str(N), "--run-id", "twelve"]
+
+
+def turned_away(nodes: list[LocalNode]) -> list[str]:
+    return [n.name for n in nodes if "joining the DHT failed (attempt" in n.log_tail(200_000)]
+
+
+def test_twelve_nodes_started_at_once_against_a_busy_bootstrap_peer_train_with_one_update_per_round(tmp_path):
+    boot = LocalNode("n00", tmp_path / "n00", ARGS).wait_started()
+    dht = next(p for p in psutil.Process(boot.proc.pid).children()
+               if any("p2pd" in c.name() for c in p.children()))  # the DHT process (it launched p2pd)
+    nodes = [boot]
+    try:
+        dht.suspend()  # swamped: its p2pd accepts connections, its DHT answers no ping
+        nodes += [LocalNode(f"n{i:02d}", tmp_path / f"n{i:02d}", ARGS + ["--join", boot.join_maddr])
+                  for i in range(1, N)]
+        # busy until most joiners were turned away at least once (they spend seconds importing torch first)
+        wait_all(nodes, lambda: len(turned_away(nodes)) >= N // 2, 180, "joiners turned away by the busy peer")
+        dht.resume()
+        wait_all(nodes, lambda: all(n.poll_started() for n in nodes), 240, "every node's start")
+        wait_all(nodes, lambda: all(sum(r["outcome"] in ("applied", "adopted") for r in n.metrics()) >= 4
+                                    for n in nodes), 300, "four joint rounds on every node")
+        rows = [r for n in nodes for r in n.metrics()]
+        digests: dict[int, Counter] = {}
+        for r in rows:
+            digests.setdefault(r["outer_step"], Counter())[r["digest"]] += 1
+        split = {s: dict(c) for s, c in digests.items() if len(c) > 1}
+        assert not [s for s in split if s + 1 in split], split  # no split lasts beyond one round
+        canon = {s: c.most_common(1)[0][0] for s, c in digests.items()}
+        joint = [r for r in rows if r["outcome"] in ("applied", "adopted") and r["digest"] == canon[r["outer_step"]]]
+        assert len(joint) >= 0.9 * len(rows), Counter((r["outcome"], r["group_size"]) for r in rows)
+    finally:
+        try:
+            dht.resume()
+        except psutil.Error:
+            pass
+        for n in nodes:
+            n.proc.send_signal(signal.SIGTERM)
+        codes = [n.terminate(signal.SIGTERM, timeout=60) for n in nodes]
+    assert codes == [0] * N, codes
