@@ -37,6 +37,7 @@ class LocalNode:
     def __init__(self, name: str, workdir: Path, args: list[str], threads: int = 1, wrapper: list[str] = ()):
         """``wrapper`` prefixes the command, e.g. ``ip netns exec HOST`` (bench/netsim.py)."""
         self.name, self.workdir = name, workdir
+        self.started_at = time.time()  # wall clock, as the metrics rows' "time"
         workdir.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = workdir / "stdout", workdir / "stderr"
         self.proc = subprocess.Popen(

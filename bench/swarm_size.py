@@ -32,6 +32,7 @@ import statistics
 import threading
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
 from bench.compare import _pss, _tree
@@ -66,11 +67,11 @@ class MemorySampler:
 def run_size(n: int, a, out: Path) -> dict:
     """One swarm of n nodes with churn; returns its figures (see the module docstring)."""
     rng = random.Random(n)
-    args = BASE + ["--workload", a.workload, "--inner-steps", str(a.inner_steps), "--run-id", f"size{n}",
-                   "--min-replicas", str(n)] + a.extra
+    args = BASE + ["--workload", a.workload, "--inner-steps", str(a.inner_steps), "--run-id", f"size{n}"] + a.extra
+    first = args + ["--min-replicas", str(n)]  # the first N start together; joiners later take the swarm as it is
     sampler = MemorySampler()
-    boot = LocalNode("n00", out / "n00", args).wait_started()
-    nodes = [boot] + [LocalNode(f"n{i:02d}", out / f"n{i:02d}", args + ["--join", boot.join_maddr])
+    boot = LocalNode("n00", out / "n00", first).wait_started()
+    nodes = [boot] + [LocalNode(f"n{i:02d}", out / f"n{i:02d}", first + ["--join", boot.join_maddr])
                       for i in range(1, n)]
     sampler.nodes += nodes
     began = time.monotonic()
@@ -101,8 +102,9 @@ def run_size(n: int, a, out: Path) -> dict:
     finally:
         codes = stop_all([x for x in nodes if x.proc.poll() is None])
         peaks = sampler.stop()
-    return dict(nodes=n, started_s=round(started_s, 1), first_round_s=round(first_round_s, 1),
-                exit_codes=codes, events=events, **figures(nodes, peaks))
+    found = figures(nodes, peaks)
+    return dict(nodes=n, started_s=round(started_s, 1), first_round_s=round(first_round_s, 1), exit_codes=codes,
+                events=events, joins=join_latency(nodes[n:], found["round_s"]), **found)
 
 
 def stop_all(nodes: list[LocalNode], timeout_s: float = 120.0) -> list[int]:
@@ -110,6 +112,26 @@ def stop_all(nodes: list[LocalNode], timeout_s: float = 120.0) -> list[int]:
     for x in nodes:
         x.proc.send_signal(signal.SIGTERM)
     return [x.terminate(signal.SIGTERM, timeout=timeout_s) for x in nodes]
+
+
+def launched_at(node: LocalNode) -> float:
+    """Wall time the node's process was started (LocalNode.started_at), else its first log line's."""
+    if hasattr(node, "started_at"):
+        return node.started_at
+    first = node.err_path.read_text().split("\n", 1)[0][:23]
+    return datetime.strptime(first, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def join_latency(joiners: list[LocalNode], round_s: float) -> list[dict]:
+    """For each node started during the run: seconds (and rounds of ``round_s``) from its start to its first
+    round applied with the swarm (``applied`` or ``adopted``); None if it had none."""
+    out = []
+    for x in joiners:
+        joint = [r["time"] for r in x.metrics() if r["outcome"] in ("applied", "adopted")]
+        s = min(joint) - launched_at(x) if joint else None
+        out.append(dict(node=x.name, first_joint_s=None if s is None else round(s, 1),
+                        rounds=None if s is None else round(s / round_s, 2)))
+    return out
 
 
 def figures(nodes: list[LocalNode], peaks: dict[str, int]) -> dict:
