@@ -158,6 +158,8 @@ def figures(nodes: list[LocalNode], peaks: dict[str, int]) -> dict:
         overhead_s=med([r["duration_s"] - r["compute_s"] for r in applied]),
         sent_bytes=med([r["bytes_sent"] for r in applied]), received_bytes=med([r["bytes_received"] for r in applied]),
         payload_bytes=med([r["payload_bytes"] for r in applied]),
+        phases_s={k: med([r.get(k, math.nan) for r in applied]) for k in
+                  ("encode_s", "group_s", "gather_s", "aggregate_s", "apply_s", "wait_s")},
         pss_bytes=med(list(peaks.values())), pss_max_bytes=max(peaks.values(), default=0))
 
 

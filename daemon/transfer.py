@@ -38,6 +38,7 @@ from dilocox.consensus import (
     late_steps,
     no_donor_join,
     wait_over,
+    wait_satisfied,
 )
 from dilocox.diloco import check_shapes, params_digest
 
@@ -253,6 +254,11 @@ class StateTransfer:
             timeout = (3 if point.wait_for == WaitFor.NEXT_ROUND else 1) * cfg.outer_round_deadline
             if not self.progress.wait(lambda others, p=point: wait_over(p, others), timeout, self._cancelled):
                 return None, held  # nothing moved for a whole deadline: look for a donor afresh
+            if not wait_satisfied(point, self.progress.others()):
+                # no member trains any more (or our read of the records missed them): look for a state afresh,
+                # after a pause, rather than ask the same donor's meta again at once (that spun, seen in CI)
+                time.sleep(0.5)
+                return None, held
         return None, held
 
     def _reference(self, meta: StateMeta, others: list) -> Optional[object]:

@@ -205,10 +205,19 @@ class Swarm:
             startup_timeout=startup_timeout_s,
         )
         where = ", ".join(initial_peers) or "new swarm"
+        tried = []
+
+        def attempt() -> SupervisedDHT:
+            # hivemind's check that no other peer holds our identity dials it through the join peers; after a
+            # failed attempt they may still hold our own dead attempt's addresses, and the dial hangs for minutes
+            again = dict(check_if_identity_free=False) if tried else {}
+            tried.append(True)
+            return _start_dht({**settings, **again}, startup_timeout_s)
+
         try:
             if initial_peers:  # a busy or briefly unreachable bootstrap peer is retried (peers/bootstrap.py)
-                self.dht = keep_trying(lambda: _start_dht(settings, startup_timeout_s), deadline_s=join_deadline_s,
-                                       stop=stop or threading.Event(), on_failure=on_join_failure)
+                self.dht = keep_trying(attempt, deadline_s=join_deadline_s, stop=stop or threading.Event(),
+                                       on_failure=on_join_failure)
             else:
                 self.dht = _start_dht(settings, startup_timeout_s)
         except JoinAbandoned as e:
