@@ -28,6 +28,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
@@ -95,17 +96,28 @@ class JoinError(RuntimeError):
 
 
 def _start_dht(settings: dict, startup_timeout_s: float) -> "SupervisedDHT":
-    """Start one DHT process; on failure end it and its p2pd (its own process group) before raising."""
+    """Start one DHT process; on failure end it and its p2pd (its own process group) before raising.
+
+    A failed DHT process reports its exception through hivemind's MPFuture while holding MPFuture's
+    cross-process ``_update_lock`` and then returns, so it is given time to exit by itself before its
+    group (p2pd) is killed: killed inside that lock it would leave it held, and every later process
+    of ours (the next attempt's DHT, the averagers) would block on its first update. One that must be
+    killed (a start that hung) may hold it, so MPFuture's locks are renewed (its public
+    ``reset_backend``; no other MPFuture exists yet while we join)."""
     dht = SupervisedDHT(start=False, **settings)
     try:
         dht.run_in_background(await_ready=True, timeout=startup_timeout_s)
     except BaseException:
         if dht.pid is not None:
+            dht.join(5.0)
+            hung = dht.is_alive()
             try:
                 os.killpg(dht.pid, signal.SIGKILL)  # p2pd shares the DHT process's group
             except (ProcessLookupError, PermissionError):
                 pass
             dht.join(5.0)
+            if hung:
+                MPFuture.reset_backend()
         raise
     return dht
 
