@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
+
 from bench.localswarm import LocalNode, digests_by_step, node_env  # noqa: F401 (re-exported for tests)
 
 # Seconds-scale timeouts and a tiny model so a round takes ~2 s (matchmaking window dominates).
@@ -15,3 +17,16 @@ FAST = ["--model", "tiny", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", 
 
 def start(workdir: Path, name: str, args: list[str]) -> LocalNode:
     return LocalNode(name, workdir / name, args).wait_started()
+
+
+def dht_process(node: LocalNode) -> psutil.Process:
+    """The node's DHT process: its child that launched p2pd (suspend it to play a peer too busy to answer)."""
+    return next(p for p in psutil.Process(node.proc.pid).children() if any("p2pd" in c.name() for c in p.children()))
+
+
+def thaw(proc: psutil.Process) -> None:
+    """Resume a suspended process, if it still exists."""
+    try:
+        proc.resume()
+    except psutil.Error:
+        pass

@@ -119,8 +119,8 @@ def test_a_joiner_waits_out_a_frozen_bootstrap_peer_and_leaves_no_processes_behi
         before, maddrs = _p2pds(), boot.visible_maddrs()  # asked before the freeze: it goes through the DHT
         os.kill(boot.dht.pid, signal.SIGSTOP)
         failures = []
-        thaw = threading.Timer(12.0, lambda: os.kill(boot.dht.pid, signal.SIGCONT))
-        thaw.start()
+        timer = threading.Timer(12.0, lambda: os.kill(boot.dht.pid, signal.SIGCONT))
+        timer.start()
         began = time.monotonic()
         joiner = Swarm("bt", RSAPrivateKey(), initial_peers=maddrs, host_maddrs=loop,
                        announce_maddrs=[], identity_path=str(tmp_path / "j.key"), startup_timeout_s=20,
@@ -196,11 +196,10 @@ def test_a_node_joining_a_busy_swarm_keeps_trying_and_every_stop_path_ends_it(tm
     the reason (exit 1), one asked to leave while retrying exits 0 at once, and one left alone gets in and
     trains once the peer answers; none of them leaves a process behind."""
     from bench.localswarm import LocalNode
-    from tests.helpers import FAST
+    from tests.helpers import FAST, dht_process, thaw
 
     boot = LocalNode("boot", tmp_path / "boot", FAST + ["--run-id", "bt"]).wait_started()
-    dht = next(p for p in psutil.Process(boot.proc.pid).children()
-               if any("p2pd" in c.name() for c in p.children()))  # the DHT process (it launched p2pd)
+    dht = dht_process(boot)
     join = FAST + ["--run-id", "bt", "--join", boot.join_maddr]
     nodes = [boot]
     try:
@@ -226,10 +225,7 @@ def test_a_node_joining_a_busy_swarm_keeps_trying_and_every_stop_path_ends_it(tm
         patient.wait_for(lambda p: p.status().outer_step >= 1, 120, "an outer step with the swarm")
         assert "BOOTSTRAPPING" in patient.log_tail(200_000)  # the state it was in, logged on the change
     finally:
-        try:
-            dht.resume()
-        except psutil.Error:
-            pass
+        thaw(dht)
         for n in nodes:
             n.terminate(signal.SIGTERM)
 

@@ -7,10 +7,10 @@ import signal
 import time
 from collections import Counter
 
-import psutil
 import pytest
 
 from bench.localswarm import LocalNode, wait_all
+from tests.helpers import dht_process, thaw
 
 pytestmark = [pytest.mark.integration]
 
@@ -29,8 +29,7 @@ def test_twelve_nodes_started_at_once_against_a_busy_bootstrap_peer_train_with_o
     closing note): in 2 of 3 runs on the CI machine one joiner of 11 kept failing its retries (each DHT start
     ran into --startup-timeout); it stays BOOTSTRAPPING, alive, so at least N - 1 nodes must be in."""
     boot = LocalNode("n00", tmp_path / "n00", ARGS).wait_started()
-    dht = next(p for p in psutil.Process(boot.proc.pid).children()
-               if any("p2pd" in c.name() for c in p.children()))  # the DHT process (it launched p2pd)
+    dht = dht_process(boot)
     nodes = [boot]
     try:
         dht.suspend()  # swamped: its p2pd accepts connections, its DHT answers no ping
@@ -54,10 +53,7 @@ def test_twelve_nodes_started_at_once_against_a_busy_bootstrap_peer_train_with_o
         joint = [r for r in rows if r["outcome"] in ("applied", "adopted") and r["digest"] == canon[r["outer_step"]]]
         assert len(joint) >= 0.9 * len(rows), Counter((r["outcome"], r["group_size"]) for r in rows)
     finally:
-        try:
-            dht.resume()
-        except psutil.Error:
-            pass
+        thaw(dht)
         for n in nodes:
             n.proc.send_signal(signal.SIGTERM)
         codes = [n.terminate(signal.SIGTERM, timeout=60) for n in nodes]
