@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from dilocox.catchup import AppliedUpdate
-from dilocox.consensus import ACTIVE_STATES, Standing, group_standing
+from dilocox.consensus import Standing, group_standing, in_round
 from dilocox.diloco import params_digest
 
 logger = logging.getLogger(__name__)
@@ -62,9 +62,8 @@ class MajorityUpdate:
         while True:
             others = [m for m in self.progress.others(FRESH_S) if m.peer_id not in group]
             reported = {m.peer_id: m.result_digest for m in others if m.result_step == index and m.result_digest}
-            window = (index - 1, index, index + 1) if self.delayed else (index - 1, index)
-            pending = [m for m in others if m.peer_id not in reported and m.state in ACTIVE_STATES
-                       and m.round in window and m.outer_step < index]
+            pending = [m for m in in_round(others, index, self.delayed)
+                       if m.peer_id not in reported and m.outer_step < index]
             standing, digest = group_standing(holders, len(group) + len(reported) + len(pending), reported,
                                               len(pending))
             if standing in (Standing.MAJORITY, Standing.ALONE):
