@@ -423,6 +423,8 @@ class Node:
         if previous is not None:  # delayed: apply round r-1 (normally finished long ago)
             self._set_state(State.AVERAGING)
             self._settle(self.rounds.finish(previous))
+            if self.state.round > r:  # settling r-1 re-synced us past round r: our compute of r is superseded
+                return
         if self.state.outer_step != r - 1:  # we missed theta_{r-1} (joined late, failed round): fetch it
             self._resync(f"round {r} needs the parameters of outer step {r - 1}", keep_round=True)
             if self.state.outer_step != r - 1:

@@ -3,9 +3,10 @@
 A tiny model with a wide MLP (~0.46 M parameters: theta + outer momentum ~3.7 MB) takes ~3 s to
 download at 10 Mbit/s, so the donor is killed while the bytes are on the wire. The joiner must get
 the state from the other donor and train with the swarm; the surviving donor must not stall. Rounds
-(240 inner steps, ~12 s) are kept well above the download: a download that spans the survivor's
-outer step is fetched again, and with rounds close to the download time that race is lost for
-minutes (a known limit of the join point, docs/operations.md).
+(480 inner steps, 11-14 s of compute on 2 cores) are kept well above the download: a download that
+spans the survivor's outer step is fetched again, and with rounds close to the download time that
+race is lost for minutes (a known limit of the join point, docs/operations.md; CI lost it once at
+240 inner steps, 6.8 s rounds).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ WIDE = dict(hidden_size=64, intermediate_size=1024, num_hidden_layers=2, num_att
             batch_size=8)
 ARGS = ["--status-addr", "127.0.0.1:0", "--run-id", "donor-loss", "--compression", "int8", "--overlap", "delayed",
         "--request-timeout", "1", "--matchmaking-time", str(MATCHMAKING), "--averaging-timeout", str(AVERAGING_TIMEOUT),
-        "--outer-round-deadline", "30", "--announce-period", "1", "--inner-steps", "240", "--warmup-steps", "5",
+        "--outer-round-deadline", "30", "--announce-period", "1", "--inner-steps", "480", "--warmup-steps", "5",
         "--total-steps", "2000", "--eval-batches", "1"]
 
 
