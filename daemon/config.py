@@ -105,8 +105,10 @@ class NodeConfig(BaseModel):
             parts.append(f"workload={self.workload}")
         elif self.tokenizer != "bytes":  # ids must mean the same text on every replica
             parts.append(f"tokenizer=sha256:{tokenizer_digest(self.tokenizer)}")
-        parts += [f"inner=adamw(lr={self.inner_lr!r},warmup={self.warmup_steps},wd={self.weight_decay!r},"
-                  f"betas={self.beta1!r}/{self.beta2!r})",
+        shape = f"betas={self.beta1!r}/{self.beta2!r}" if self.inner_optimizer == "adamw" else \
+            f"momentum={self.inner_momentum!r}"
+        parts += [f"inner={self.inner_optimizer}(lr={self.inner_lr!r},warmup={self.warmup_steps},"
+                  f"wd={self.weight_decay!r},{shape})",
                   f"outer=sgd({outer},momentum={self.outer_momentum!r},nesterov={self.nesterov})",
                   f"algorithm={self.outer_algorithm} aggregation={self.aggregation}(norm_bound={self.norm_bound!r},"
                   f"rules=v{RULES_VERSION})"]
@@ -211,6 +213,10 @@ class NodeConfig(BaseModel):
     min_replicas: int = Field(1, ge=1,
                               description="wait until this many replicas (us included) are live before the first round")
     max_outer_steps: Optional[int] = Field(None, ge=1, description="stop after this many outer steps")
+    inner_optimizer: Literal["adamw", "sgd"] = Field(
+        "adamw", description="adamw (DiLoCo's) or sgd (torch SGD with inner_momentum: SCAFFOLD's, whose control "
+                             "variates estimate gradients only under SGD; docs/algorithms.md)")
+    inner_momentum: float = Field(0.9, ge=0, lt=1, description="momentum of inner_optimizer=sgd (ignored by adamw)")
     inner_lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(100, ge=0)
     total_steps: Optional[int] = Field(None, ge=1,
@@ -355,7 +361,7 @@ class NodeConfig(BaseModel):
             raise ValueError(f"sparse_bits must be 1, 2, 4 or 8; got {self.sparse_bits}")
         if self.compression == "sparse" and self.sparse_topk > self.sparse_chunk:
             raise ValueError(f"sparse_topk={self.sparse_topk} must be <= sparse_chunk={self.sparse_chunk}")
-        if self.beta1**2 >= self.beta2:
+        if self.inner_optimizer == "adamw" and self.beta1**2 >= self.beta2:
             raise ValueError(f"beta1^2 must be < beta2 (bounded AdamW update); "
                              f"got beta1={self.beta1}, beta2={self.beta2}")
         return self

@@ -36,14 +36,15 @@ logger = logging.getLogger(__name__)
 
 
 def stage_memory(inner, outer, schedule, compressor) -> StageMemory:
-    """Tensor bytes held for a stage: parameters, AdamW state, outer state, error feedback.
+    """Tensor bytes held for a stage: parameters, inner_optimizer state, outer state, error feedback.
 
     ``inner``: InnerLoop, ``outer``: OuterOptimizer, ``schedule``: OuterSchedule, ``compressor``:
     Compressor. Counts storage without copying anything (called once per round)."""
     inner_state = [t for st in inner.inner_optimizer.state.values() for t in st.values()
                    if isinstance(t, torch.Tensor) and t.dim() > 0]
-    if not inner_state:  # AdamW allocates lazily at the first step: exp_avg + exp_avg_sq, fp32
-        inner_state = [p for p in inner.params for _ in range(2)]
+    if not inner_state:  # allocated lazily at the first step: AdamW's exp_avg + exp_avg_sq, SGD's momentum buffer
+        kept = dict(adamw=2, sgd=1 if inner.config.momentum else 0).get(inner.config.optimizer, 0)
+        inner_state = [p for p in inner.params for _ in range(kept)]
     theta = tensor_bytes(outer.global_params)  # the momentum buffer has theta's shapes (fp32), once allocated or not
     momentum = theta if outer.has_momentum else 0  # momentum-free outer SGD (the sparse default) keeps none
     m = StageMemory(params_bytes=tensor_bytes(inner.params), inner_optimizer_bytes=tensor_bytes(inner_state),
@@ -76,6 +77,7 @@ class ReplicaState:
         # text models: written into checkpoints so `dilocox-ctl export` can rebuild a Hugging Face model
         self.architecture = workload.architecture(module) if hasattr(workload, "architecture") else None
         inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+                                optimizer=cfg.inner_optimizer, momentum=cfg.inner_momentum,
                                 warmup_steps=cfg.warmup_steps, total_steps=total, precision=cfg.precision,
                                 micro_batch_size=cfg.micro_batch_size or 0)
         if hasattr(module, "activation_checkpointing"):  # decoder stages (dilocox/stages.py)
@@ -101,7 +103,8 @@ class ReplicaState:
         # SCAFFOLD (dilocox/scaffold.py): c shared by the swarm (digested, served, checkpointed), c_i local
         self.control = ControlVariates(self.outer.global_params) if cfg.outer_algorithm == "scaffold" else None
         self._correction: Optional[list[torch.Tensor]] = None
-        self.step_bound = exact_mean.adam_step_bound(cfg.beta1, cfg.beta2)
+        self.step_bound, self.decay_factor = exact_mean.inner_step_bound(
+            inner_cfg.optimizer, inner_cfg.betas, inner_cfg.momentum, inner_cfg.max_grad_norm)
         self.outer_step = 0
         self.round = 1
         self.digest = params_digest(self.outer.global_params)
@@ -157,7 +160,8 @@ class ReplicaState:
         """Per-tensor bound on |pseudo_gradient| for round r (the offsets of values sent in fp32;
         every replica computes the same, dilocox/exact_mean.py)."""
         lr_sum = self.lr_sum(r)
-        return [exact_mean.pseudo_gradient_bound(lr_sum, self.cfg.weight_decay, float(p.abs().max()), self.step_bound)
+        return [exact_mean.pseudo_gradient_bound(lr_sum, self.cfg.weight_decay * self.decay_factor,
+                                                  float(p.abs().max()), self.step_bound)
                 for p in self.outer.global_params]
 
     def state_bytes(self) -> int:
@@ -300,7 +304,7 @@ class ReplicaState:
                     global_params=self.outer.global_params,
                     # momentum-free outer SGD (the sparse default) keeps no buffer: none written, none restored
                     momentum=self.outer.momentum_buffers() if self.outer.has_momentum else None,
-                    inner_optimizer=self.inner.inner_optimizer.state_dict(),
+                    inner_optimizer=self.inner.inner_optimizer.state_dict(), inner_optimizer_name=cfg.inner_optimizer,
                     compression=self.compressor.state_dict(),
                     control=self.control.state_dict() if self.control is not None else None,
                     shard_position=self.shard.position, shard_key=self.shard.shard_key, round=self.round,
@@ -318,6 +322,8 @@ class ReplicaState:
         if owner != (cfg.run_id, cfg.model, cfg.stage):
             raise ValueError(f"it belongs to run {owner[0]!r} / model {owner[1]!r} / stage {owner[2]!r}")
         before = (self.checkpoint_state(), [p.detach().clone() for p in self.inner.params])
+        # theta is loaded in place (OuterOptimizer.load_state): keep a copy, not the live tensors, to roll back to
+        before[0]["global_params"] = [p.detach().clone() for p in before[0]["global_params"]]
         try:
             with self._theta_lock:
                 self._restore(state)
@@ -333,7 +339,15 @@ class ReplicaState:
             raise ValueError(f"outer_step {outer_step} is negative")
         self.outer.load_state(state["global_params"], state["momentum"])
         self.inner.load_params(self.outer.global_params)
-        self.inner.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        saved = state.get("inner_optimizer_name", "adamw")  # files written before --inner-optimizer: AdamW
+        if saved != self.cfg.inner_optimizer:
+            raise ValueError(f"its inner optimizer state is {saved}'s; this node runs --inner-optimizer "
+                             f"{self.cfg.inner_optimizer}")
+        optimizer = self.inner.inner_optimizer
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        optimizer.load_state_dict(state["inner_optimizer"])
+        for group, settings in zip(optimizer.param_groups, configured):  # the flags win over the file's betas etc.
+            group.update(settings)
         if "compression" in state:
             self.compressor.load_state_dict(state["compression"])
         if self.control is not None:

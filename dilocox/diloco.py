@@ -1,7 +1,7 @@
 """DiLoCo (Douillard et al., arXiv 2311.08105): inner loop, pseudo-gradient, outer Nesterov step.
 
 For outer step t (DiLoCo, Algorithm 1; docs/algorithms.md, "DiLoCo"):
-  1. x_r <- theta_{t-1}; H inner AdamW steps on replica r's data;
+  1. x_r <- theta_{t-1}; H inner AdamW (or SGD) steps on replica r's data;
   2. pseudo_gradient delta_r = theta_{t-1} - x_r;
   3. Delta_t = weighted mean over replicas of delta_r (done by peers/, not here);
   4. theta_t = SGD(nesterov, outer_lr, outer_momentum) step on theta_{t-1} with gradient Delta_t.
@@ -20,14 +20,22 @@ import torch
 
 from dilocox.model import causal_lm_loss
 
+INNER_OPTIMIZERS = ("adamw", "sgd")
+
 
 @dataclass
 class InnerConfig:
-    """AdamW with linear warm-up then cosine decay to min_lr_ratio * lr, driven by the global step."""
+    """The inner_optimizer with linear warm-up then cosine decay to min_lr_ratio * lr, driven by the global step.
+
+    optimizer: ``adamw`` (DiLoCo's; betas, decoupled weight_decay) or ``sgd`` (``torch.optim.SGD`` with
+    ``momentum`` and coupled weight_decay, g + wd x; SCAFFOLD's and BadSFL's local optimizer,
+    arXiv 1910.06378 and 2411.16167). momentum is read by sgd only, betas by adamw only."""
 
     lr: float = 4e-4
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
+    optimizer: str = "adamw"
+    momentum: float = 0.0
     warmup_steps: int = 100
     total_steps: int = 10_000
     min_lr_ratio: float = 0.1
@@ -55,8 +63,21 @@ def training_device(spec: str) -> str:
     return spec
 
 
+def build_inner_optimizer(params: list[torch.Tensor], config: InnerConfig) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW`` or ``torch.optim.SGD`` over ``params`` as ``config.optimizer`` names; the lr set here
+    is replaced at every step by the schedule (``InnerConfig.lr_at``). Raises ValueError for another name or
+    a momentum outside [0, 1)."""
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    if config.optimizer == "sgd":
+        if not 0.0 <= config.momentum < 1.0:
+            raise ValueError(f"inner SGD momentum must be in [0, 1), got {config.momentum}")
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    raise ValueError(f"inner optimizer {config.optimizer!r}: expected one of {', '.join(INNER_OPTIMIZERS)}")
+
+
 class InnerLoop:
-    """One replica's model and inner_optimizer (AdamW; its state persists across rounds, as in DiLoCo)."""
+    """One replica's model and inner_optimizer (AdamW or SGD; its state persists across rounds, as in DiLoCo)."""
 
     def __init__(self, model: torch.nn.Module, config: InnerConfig, device: str = "cpu",
                  loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = causal_lm_loss):
@@ -66,15 +87,13 @@ class InnerLoop:
         self.config = config
         self.loss_fn = loss_fn
         self.params = [p for p in self.model.parameters()]
-        self.inner_optimizer = torch.optim.AdamW(
-            self.params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
-        )
+        self.inner_optimizer = build_inner_optimizer(self.params, config)
 
     stop_requested = False  # a whole model has no other stages to hear a stop from (see PipelinedInnerLoop)
 
     def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, global_step: int, stop: bool = False,
                    after_step: Optional[Callable[[float], None]] = None) -> float:
-        """One AdamW step at the learning rate of ``global_step``; returns the loss (nats/token).
+        """One inner_optimizer step at the learning rate of ``global_step``; returns the loss (nats/token).
 
         ``stop`` matters only to a pipelined stage, which tells its other stages. ``after_step(lr)`` runs
         right after the optimizer step (SCAFFOLD's drift correction, dilocox/scaffold.py)."""

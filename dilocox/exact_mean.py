@@ -9,9 +9,10 @@ If every value sent lies in [C/2, 2C] for one power of two C, Sterbenz' lemma ma
 y = C + x with |x| <= C/4, and decode x_mean = a - C (exact again by Sterbenz).
 
 C must be the same on every peer before any data moves, so it comes from quantities all replicas
-share: the global parameters theta_{t-1}, the learning-rate schedule of the round and the AdamW
-hyper-parameters, through a bound on how far H AdamW steps can move one coordinate. Precision:
-x is kept to C * 2^-24 absolute, i.e. 22 bits below the bound (finer than fp16's 11 bits).
+share: the global parameters theta_{t-1}, the learning-rate schedule of the round and the inner
+optimizer's hyper-parameters, through a bound on how far H AdamW (or clipped SGD) steps can move one
+coordinate. Precision: x is kept to C * 2^-24 absolute, i.e. 22 bits below the bound (finer than
+fp16's 11 bits).
 """
 
 from __future__ import annotations
@@ -41,8 +42,33 @@ def adam_step_bound(beta1: float, beta2: float, horizon: int = 100_000) -> float
     return best * 1.01  # margin for the sampled t grid
 
 
+def sgd_step_bound(max_grad_norm: float, momentum: float) -> float:
+    """max |b_t| per coordinate of torch SGD's momentum buffer b_t = momentum b_{t-1} + g_t, per unit of lr.
+
+    Every gradient is clipped to norm max_grad_norm (InnerLoop.inner_step), so |g_t| <= max_grad_norm per
+    coordinate and the geometric sum gives max_grad_norm / (1 - momentum). Coupled weight decay adds
+    wd |x| to g_t; it passes through the same sum, so callers divide weight_decay by (1 - momentum) too
+    (``inner_step_bound``)."""
+    if not 0.0 <= momentum < 1.0 or not max_grad_norm > 0:
+        raise ValueError(f"SGD bound needs 0 <= momentum < 1 and max_grad_norm > 0, got {momentum}, {max_grad_norm}")
+    return max_grad_norm / (1.0 - momentum)
+
+
+def inner_step_bound(optimizer: str, betas: tuple[float, float], momentum: float,
+                     max_grad_norm: float) -> tuple[float, float]:
+    """(step bound per unit of lr, weight-decay factor) of the inner_optimizer, for ``pseudo_gradient_bound``.
+
+    adamw: (``adam_step_bound(*betas)``, 1); decoupled weight decay moves x by lr wd |x|. sgd:
+    (``sgd_step_bound``, 1 / (1 - momentum)); coupled weight decay rides the momentum buffer."""
+    if optimizer == "adamw":
+        return adam_step_bound(*betas), 1.0
+    if optimizer == "sgd":
+        return sgd_step_bound(max_grad_norm, momentum), 1.0 / (1.0 - momentum)
+    raise ValueError(f"no step bound for inner optimizer {optimizer!r}")
+
+
 def pseudo_gradient_bound(lr_sum: float, weight_decay: float, param_absmax: float, step_bound: float) -> float:
-    """Bound B on |x_start - x_end| per coordinate after AdamW steps whose learning rates sum to lr_sum.
+    """Bound B on |x_start - x_end| per coordinate after inner steps whose learning rates sum to lr_sum.
 
     Each step moves a coordinate by at most lr * (step_bound + weight_decay * |x|), and |x| stays
     below param_absmax + B, so B = lr_sum (step_bound + wd * param_absmax) / (1 - wd * lr_sum).

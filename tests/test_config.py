@@ -97,7 +97,8 @@ def test_swarm_settings_cover_what_replicas_must_share_and_nothing_per_node():
     # what changes theta's outer steps or the codes: the digest changes
     for flags in (["--outer-lr", "2.5"], ["--outer-lr-final", "5"], ["--total-steps", "6000"],
                   ["--inner-steps", "20"], ["--inner-lr", "2e-3"], ["--aggregation", "median"],
-                  ["--norm-bound", "3"], ["--sparse-topk", "64"], ["--outer-algorithm", "scaffold"]):
+                  ["--norm-bound", "3"], ["--sparse-topk", "64"], ["--outer-algorithm", "scaffold"],
+                  ["--inner-optimizer", "sgd"]):
         args = ["--total-steps", "3000", "--inner-steps", "30", *flags]
         cfg = load_config(parse(args if "--total-steps" not in flags else ["--inner-steps", "30", *flags]), {})
         assert cfg.settings_digest() != base.settings_digest(), flags
@@ -105,6 +106,21 @@ def test_swarm_settings_cover_what_replicas_must_share_and_nothing_per_node():
     short = load_config(parse(["--inner-steps", "30", "--max-outer-steps", "20"]), {})
     assert short.schedule_steps == 600 and "over 20 rounds" in short.swarm_settings()
     assert load_config(parse(["--inner-steps", "30"]), {}).schedule_steps == 10_000
+
+
+def test_inner_optimizer_flags():
+    sgd = load_config(parse(["--inner-optimizer", "sgd", "--inner-momentum", "0.5", "--beta1", "0.99",
+                             "--beta2", "0.9"]), {})  # betas are adamw's: not checked for sgd
+    assert "inner=sgd(lr=0.001,warmup=100,wd=0.1,momentum=0.5)" in sgd.swarm_settings()
+    other = load_config(parse(["--inner-optimizer", "sgd", "--inner-momentum", "0.9"]), {})
+    assert other.settings_digest() != sgd.settings_digest()
+    base = load_config(parse([]), {})  # adamw ignores --inner-momentum
+    assert load_config(parse(["--inner-momentum", "0.5"]), {}).settings_digest() == base.settings_digest()
+    assert "inner=adamw(" in base.swarm_settings() and "betas=0.9/0.95" in base.swarm_settings()
+    with pytest.raises(ConfigError, match="--inner-momentum: Input should be less than 1"):
+        load_config(parse(["--inner-optimizer", "sgd", "--inner-momentum", "1.0"]), {})
+    with pytest.raises(ConfigError, match="--inner-optimizer: Input should be 'adamw' or 'sgd'"):
+        load_config(parse(["--inner-optimizer", "lion"]), {})
 
 
 def test_the_rules_version_in_the_settings_is_the_aggregations():

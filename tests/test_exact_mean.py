@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dilocox import exact_mean
@@ -63,7 +64,29 @@ def test_adamw_movement_stays_inside_the_bound():
 
 
 def test_unbounded_betas_are_rejected():
-    import pytest
-
     with pytest.raises(ValueError, match="beta1"):
         exact_mean.adam_step_bound(0.99, 0.9)
+
+
+def test_clipped_sgd_movement_stays_inside_the_bound():
+    """--inner-optimizer sgd: clipped gradients, momentum and coupled weight decay (exact_mean.inner_step_bound)."""
+    torch.manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(2000) * 0.5)
+    start = p.detach().clone()
+    lrs = [0.01] * 60
+    opt = torch.optim.SGD([p], lr=lrs[0], momentum=0.9, weight_decay=0.01)
+    for i, lr in enumerate(lrs):
+        opt.param_groups[0]["lr"] = lr
+        p.grad = torch.zeros(2000)
+        p.grad[0] = 1e3  # the whole norm on one coordinate, always the same sign: the worst case per coordinate
+        torch.nn.utils.clip_grad_norm_([p], 1.0)
+        opt.step()
+    moved = (p.detach() - start).abs().max().item()
+    step_bound, decay = exact_mean.inner_step_bound("sgd", (0.9, 0.95), 0.9, 1.0)
+    assert (step_bound, decay) == (pytest.approx(10.0), pytest.approx(10.0))
+    bound = exact_mean.pseudo_gradient_bound(sum(lrs), 0.01 * decay, start.abs().max().item(), step_bound)
+    assert moved <= bound and bound < 2 * moved  # holds, and is not uselessly loose
+    with pytest.raises(ValueError, match="momentum"):
+        exact_mean.sgd_step_bound(1.0, 1.0)
+    with pytest.raises(ValueError, match="no step bound"):
+        exact_mean.inner_step_bound("lion", (0.9, 0.95), 0.0, 1.0)

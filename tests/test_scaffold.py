@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from dilocox.diloco import InnerConfig, InnerLoop
 from dilocox.scaffold import ControlVariates, apply_correction, apply_correction_step
 
 M, D, K = 4, 5, 10  # clients, dimensions, local steps
@@ -196,3 +198,67 @@ def test_updates_reject_bad_arguments():
     with pytest.raises(ValueError, match="aggregated pseudo-gradient"):
         cv.derive_c_from_aggregate([torch.ones(2)], 1.0, 1, 4)
     assert torch.equal(cv.c[0], torch.zeros(3)) and torch.equal(cv.c_i[0], torch.zeros(3))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_inner_loop_with_sgd_is_algorithm_1(momentum):
+    """--inner-optimizer sgd through the node's own code path (InnerLoop.inner_step + the after-step correction,
+    as ReplicaState.inner_step runs it) against Algorithm 1 of arXiv 1910.06378 written out on tensors:
+      y <- y - eta (g(y) - c_i + c)  (K times),  c_i+ = c_i - c + (x - y) / (K eta)   (option II).
+    With momentum, the correction stays outside the momentum buffer b <- mu b + g, as BadSFL's public code
+    applies it (w -= lr (c - c_i) after each optimizer step): y <- y - eta b - eta (c - c_i)."""
+    gen = torch.Generator().manual_seed(1)
+    model = torch.nn.Linear(6, 3)
+    x = [p.detach().clone() for p in model.parameters()]
+    batches = [(torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)) for _ in range(K)]
+    eta = 0.1
+    cv = ControlVariates(x)
+    cv.load_state_dict({"c": [torch.randn(t.shape, generator=gen) for t in x],
+                        "c_i": [torch.randn(t.shape, generator=gen) for t in x]})
+    c, c_i = [t.clone() for t in cv.c], [t.clone() for t in cv.c_i]
+
+    def loss_fn(m, inputs, targets):
+        return F.cross_entropy(m(inputs), targets)
+
+    # the reference: plain tensors and autograd, no torch.optim
+    y, b = [t.clone() for t in x], [torch.zeros_like(t) for t in x]
+    for inputs, targets in batches:
+        leaves = [t.clone().requires_grad_(True) for t in y]
+        g = torch.autograd.grad(F.cross_entropy(F.linear(inputs, *leaves), targets), leaves)
+        b = [momentum * bk + gk for bk, gk in zip(b, g)] if momentum else list(g)
+        y = [yk - eta * bk - eta * (ck - cik) for yk, bk, ck, cik in zip(y, b, c, c_i)]
+    expected_ci = [cik - ck + (xk - yk) / (K * eta) for cik, ck, xk, yk in zip(c_i, c, x, y)]
+
+    config = InnerConfig(lr=eta, weight_decay=0.0, optimizer="sgd", momentum=momentum, warmup_steps=0,
+                         min_lr_ratio=1.0, max_grad_norm=1e9)
+    inner = InnerLoop(model, config, loss_fn=loss_fn)
+    assert isinstance(inner.inner_optimizer, torch.optim.SGD)
+    correction = cv.correction()
+    for i, (inputs, targets) in enumerate(batches):
+        inner.inner_step(inputs, targets, global_step=i,
+                         after_step=lambda lr: apply_correction_step(inner.params, correction, lr))
+    for got, want in zip(inner.params, y):
+        assert torch.allclose(got.detach(), want, atol=1e-5), (got, want)
+    delta = [xk - p.detach() for xk, p in zip(x, inner.params)]
+    dc = cv.client_update(delta, K, sum(config.lr_at(i) for i in range(K)))
+    for got, want in zip(cv.c_i, expected_ci):
+        assert torch.allclose(got, want, atol=1e-4)
+    assert all(torch.allclose(d, ci_new - ci_old, atol=1e-4) for d, ci_new, ci_old in zip(dc, cv.c_i, c_i))
+    if momentum == 0.0:  # option II is then exactly the mean gradient along the trajectory, shifted by c_i - c
+        mean_grad = [torch.zeros_like(t) for t in x]
+        y = [t.clone() for t in x]
+        for inputs, targets in batches:
+            leaves = [t.clone().requires_grad_(True) for t in y]
+            g = torch.autograd.grad(F.cross_entropy(F.linear(inputs, *leaves), targets), leaves)
+            mean_grad = [m + gk / K for m, gk in zip(mean_grad, g)]
+            y = [yk - eta * (gk - cik + ck) for yk, gk, ck, cik in zip(y, g, c, c_i)]
+        assert all(torch.allclose(a, m, atol=1e-4) for a, m in zip(cv.c_i, mean_grad))
+
+
+def test_inner_optimizer_names_are_checked():
+    model = torch.nn.Linear(2, 2)
+    assert isinstance(InnerLoop(model, InnerConfig()).inner_optimizer, torch.optim.AdamW)
+    with pytest.raises(ValueError, match="inner optimizer 'lion'"):
+        InnerLoop(model, InnerConfig(optimizer="lion"))
+    with pytest.raises(ValueError, match="momentum must be in"):
+        InnerLoop(model, InnerConfig(optimizer="sgd", momentum=1.5))

@@ -1,6 +1,7 @@
 """SCAFFOLD in the node: the control variates survive a checkpoint and a state download (c adopted, c_i
-reset), a damaged c is refused; and three real nodes with --outer-algorithm scaffold on label-sharded
-Fashion-MNIST agree on parameters and c at every outer step and beat the majority-class baseline."""
+reset), a damaged c is refused; --inner-optimizer sgd in the node and its checkpoints; and three real nodes
+with --outer-algorithm scaffold and SGD inner steps on label-sharded Fashion-MNIST agree on parameters and c
+at every outer step and beat the majority-class baseline."""
 
 from __future__ import annotations
 
@@ -34,10 +35,11 @@ def synthetic_fashion(root: Path, n_train: int = 300, n_test: int = 60) -> None:
         write_idx(d / f"{split}-labels-idx1-ubyte.gz", y)
 
 
-def scaffold_state(tmp_path, monkeypatch, shard_key: int = 0) -> ReplicaState:
+def scaffold_state(tmp_path, monkeypatch, shard_key: int = 0, **settings) -> ReplicaState:
     monkeypatch.setenv("DILOCOX_DATASETS_DIR", str(tmp_path / "data"))
     cfg = NodeConfig(model="cnn", data="fashion-mnist", outer_algorithm="scaffold", compression="none",
-                     partition="label-shards:2", num_clients=3, inner_steps=3, batch_size=8, eval_batches=1)
+                     partition="label-shards:2", num_clients=3, inner_steps=3, batch_size=8, eval_batches=1,
+                     **settings)
     workload = make_workload(cfg.model, cfg.data, None, cfg.batch_size, cfg.eval_batches, cfg.partition,
                              cfg.num_clients, cfg.seed)
     return ReplicaState(cfg, workload, shard_key)
@@ -94,13 +96,43 @@ def test_control_variates_survive_checkpoint_and_download(tmp_path, monkeypatch)
     assert fresh.control.digest() == before
 
 
+def test_sgd_inner_optimizer_in_the_node_and_its_checkpoints(tmp_path, monkeypatch):
+    synthetic_fashion(tmp_path / "data")
+    st = scaffold_state(tmp_path, monkeypatch, inner_optimizer="sgd", inner_momentum=0.5, inner_lr=0.05)
+    opt = st.inner.inner_optimizer
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.5
+    assert st.memory().inner_optimizer_bytes == st.memory().params_bytes  # one momentum buffer
+    one_round(st)
+    one_round(st)
+    assert st.memory().inner_optimizer_bytes == st.memory().params_bytes
+    saved = st.checkpoint_state()
+    assert saved["inner_optimizer_name"] == "sgd"
+    # the flags win over the hyper-parameters stored in the file; the momentum buffers come back
+    other = scaffold_state(tmp_path, monkeypatch, inner_optimizer="sgd", inner_momentum=0.8, inner_lr=0.05)
+    other.restore(saved)
+    assert other.inner.inner_optimizer.param_groups[0]["momentum"] == 0.8
+    buffers = [s["momentum_buffer"] for s in other.inner.inner_optimizer.state.values()]
+    assert buffers and all(float(b.abs().sum()) > 0 for b in buffers)
+    # an AdamW node refuses SGD state (and the reverse), naming both; nothing is half-loaded
+    adamw = scaffold_state(tmp_path, monkeypatch)
+    before = adamw.digest
+    with pytest.raises(ValueError, match="inner optimizer state is sgd's; this node runs --inner-optimizer adamw"):
+        adamw.restore(saved)
+    assert adamw.digest == before and not adamw.inner.inner_optimizer.state
+    old = adamw.checkpoint_state()
+    del old["inner_optimizer_name"]  # written before --inner-optimizer existed: AdamW state
+    with pytest.raises(ValueError, match="inner optimizer state is adamw's"):
+        other.restore(old)
+
+
 @pytest.mark.integration
 @pytest.mark.skipif(not DEBIAN_FASHION_MNIST.is_dir(), reason="Debian's dataset-fashion-mnist is not installed "
                                                                "(make install and .ci/run install it)")
 def test_three_scaffold_nodes_on_label_shards(tmp_path):
     args = FAST + ["--run-id", "scaffold", "--model", "cnn", "--data", "fashion-mnist", "--outer-algorithm",
                    "scaffold", "--compression", "none", "--partition", "label-shards:2", "--num-clients", "3",
-                   "--batch-size", "32", "--min-replicas", "3", "--eval-batches", "2"]
+                   "--batch-size", "32", "--min-replicas", "3", "--eval-batches", "2",
+                   "--inner-optimizer", "sgd", "--inner-lr", "0.02"]  # SCAFFOLD's documented local optimizer
     first = start(tmp_path, "n0", args + ["--data-seed", "0"])
     nodes = [first] + [start(tmp_path, f"n{i}", args + ["--data-seed", str(i), "--join", first.join_maddr])
                        for i in (1, 2)]
@@ -119,6 +151,7 @@ def test_three_scaffold_nodes_on_label_shards(tmp_path):
         # each client holds 2 of the 10 classes; the majority-class baseline is 10% on the balanced test set
         assert rows[-1]["val_accuracy"] > 0.2, [r["val_accuracy"] for r in rows]
         assert nodes[0].status().outer_algorithm == "scaffold"
+        assert "inner=sgd(lr=0.02," in nodes[0].status().swarm_settings
     finally:
         for n in nodes:
             n.terminate(signal.SIGKILL)

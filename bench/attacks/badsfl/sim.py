@@ -94,18 +94,20 @@ class SimConfig:
     train_subset: int = 0           # 0: all 60,000 training images; else the first n (--quick)
     eval_images: int = 10_000       # clean test images for PTA (the first n)
     outer: str = "sgd1"             # sgd1 (FedAvg's outer step) or nesterov (DiLoCo)
-    optimizer: str = "adamw"        # adamw (the daemon's InnerLoop) or sgd (its optimizer swapped for plain SGD)
+    optimizer: str = "adamw"        # the inner optimizer: adamw or sgd (InnerConfig.optimizer, as --inner-optimizer)
+    momentum: float = 0.0           # SGD's momentum (the paper's CIFAR runs: 0.9)
     knobs: AttackKnobs = field(default_factory=AttackKnobs)
 
     def inner_config(self) -> InnerConfig:
         # constant lr (min_lr_ratio 1, no warm-up): every round moves alike, so persistence is not a schedule effect
         return InnerConfig(lr=self.inner_lr, weight_decay=self.weight_decay, betas=(0.9, 0.95), warmup_steps=0,
+                           optimizer=self.optimizer, momentum=self.momentum,
                            total_steps=max(1, (self.pretrain_rounds + self.rounds) * self.inner_steps),
                            min_lr_ratio=1.0, max_grad_norm=1.0)
 
     def pretrain_key(self) -> str:
         keys = ("clients", "per_round", "inner_steps", "batch_size", "inner_lr", "weight_decay", "pretrain_partition",
-                "pretrain_rounds", "seed", "train_subset", "optimizer", "outer")
+                "pretrain_rounds", "seed", "train_subset", "optimizer", "momentum", "outer")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -178,10 +180,6 @@ class Federation:
         inner_cfg = cfg.inner_config()
         self.inners = [InnerLoop(vision.build_cnn(data.num_classes, cfg.seed), inner_cfg, loss_fn=ImageWorkload.loss_fn)
                        for _ in range(cfg.clients)]
-        # the paper's local SGD: InnerLoop sets each group's lr per step, any optimizer works
-        if cfg.optimizer == "sgd":
-            for inner in self.inners:
-                inner.inner_optimizer = torch.optim.SGD(inner.params, lr=cfg.inner_lr, weight_decay=cfg.weight_decay)
         self.outer = OuterOptimizer(self.inners[0].params, **OUTERS[cfg.outer])
         self.outer.load_state(theta0, None)
         self.shards = [vision.ImageShard(data.train_x, data.train_y, p, cfg.batch_size, cfg.seed, k)
