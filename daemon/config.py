@@ -165,21 +165,21 @@ class NodeConfig(BaseModel):
     data: str = Field("builtin:shakespeare", description="text file (.txt, .md, .jsonl, .jsonl.gz), a directory of "
                                                          "them, a folder from `dilocox-ctl data prepare`, "
                                                          "builtin:shakespeare, or an image dataset (fashion-mnist, "
-                                                         "mnist: --model cnn)")
+                                                         "mnist: --model cnn or simple-cnn)")
     tokenizer: str = Field("bytes", description="bytes (UTF-8, 256 ids), or a Hugging Face tokenizer.json or a folder "
                                                  "holding one; the model's vocabulary follows it and its SHA-256 "
                                                  "joins the swarm settings")
     text_field: str = Field("text", min_length=1, description="the field holding a document's text in .jsonl data")
     model: str = Field("small", description="preset (tiny, small, llama-20m, llama-150m, llama-1b), a .json/.toml "
-                                            "LlamaConfig file (a Hugging Face config.json too), or cnn (28x28 "
-                                            "images)")
+                                            "LlamaConfig file (a Hugging Face config.json too), or cnn / "
+                                            "simple-cnn (28x28 images; simple-cnn: BadSFL's conv10-conv20-fc50)")
     workload: Optional[str] = Field(None, pattern=r"^synthetic:\S+$",
                                     description="EMULATED workload for measuring scale, never quality: "
                                                 "synthetic:PARAMS:STEP_S, a model of PARAMS fp32 values (e.g. 25M) "
                                                 "whose inner step sleeps STEP_S seconds and writes a deterministic "
                                                 "update (dilocox/synthetic.py); replaces --model and --data")
     partition: str = Field("iid", description="image data: how the training set is split among num_clients clients "
-                                              "(iid, label-shards:K, dirichlet:ALPHA; seeded by seed)")
+                                              "(iid, label-shards:K, classes:K, dirichlet:ALPHA; seeded by seed)")
     num_clients: int = Field(1, ge=1, description="image data: clients the training set is split among; this node "
                                                    "trains client data_seed mod num_clients")
     seed: int = Field(0, description="model initialisation seed (must match across the swarm)")

@@ -10,6 +10,11 @@ A partition spec is one of:
     shards of 300 (FedAvg's setting); 20 clients x K=2 -> 40 shards of 1,500, each inside one class
     (6,000 / 1,500 = 4 shards per class), so every client holds 2 classes, or 1 when both its shards
     come from the same class; 20 clients x K=10 -> 200 shards of 300, up to 10 classes each;
+  * ``classes:K``: NIID-Bench's "#C=K" quantity-based label skew (Li et al., arXiv 2102.02079,
+    sec. 4.1): every client holds exactly K distinct labels. The labels are dealt from a seeded
+    permutation, client i taking entries (iK + j) mod L, j < K, of it (L labels), so each label has an
+    owner once num_clients * K >= L (required); each label's samples are shuffled and split equally
+    among its owners;
   * ``dirichlet:ALPHA``: label-distribution skew of NIID-Bench (Li et al., arXiv 2102.02079, sec. 4.1;
     after Yurochkin et al., arXiv 1905.12022): for each class k, p_k ~ Dir(ALPHA, ..., ALPHA) over the
     num_clients clients, and client j gets a p_{k,j} fraction of class k's (shuffled) samples (the
@@ -30,7 +35,7 @@ import math
 import numpy as np
 import torch
 
-KINDS = ("iid", "label-shards", "dirichlet")
+KINDS = ("iid", "label-shards", "classes", "dirichlet")
 
 
 def _labels_array(labels: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -47,20 +52,22 @@ def _labels_array(labels: np.ndarray | torch.Tensor) -> np.ndarray:
 def _parse(spec: str) -> tuple[str, float | int | None]:
     kind, sep, arg = spec.partition(":")
     if kind not in KINDS:
-        raise ValueError(f"unknown partition kind {kind!r} in {spec!r} (known: iid, label-shards:K, dirichlet:ALPHA)")
+        raise ValueError(f"unknown partition kind {kind!r} in {spec!r} (known: iid, label-shards:K, classes:K, "
+                         f"dirichlet:ALPHA)")
     if kind == "iid":
         if sep:
             raise ValueError(f"partition 'iid' takes no parameter, got {spec!r}")
         return kind, None
     if not arg:
-        raise ValueError(f"partition {kind!r} needs a parameter: {kind}:{'K' if kind == 'label-shards' else 'ALPHA'}")
-    if kind == "label-shards":
+        raise ValueError(f"partition {kind!r} needs a parameter: {kind}:{'ALPHA' if kind == 'dirichlet' else 'K'}")
+    if kind in ("label-shards", "classes"):
         try:
             k = int(arg)
         except ValueError:
-            raise ValueError(f"label-shards:K needs an integer K, got {arg!r}") from None
+            raise ValueError(f"{kind}:K needs an integer K, got {arg!r}") from None
         if k < 1:
-            raise ValueError(f"label-shards:K needs K >= 1 shards per client, got {k}")
+            what = "shards" if kind == "label-shards" else "labels"
+            raise ValueError(f"{kind}:K needs K >= 1 {what} per client, got {k}")
         return kind, k
     try:
         alpha = float(arg)
@@ -95,6 +102,8 @@ def partition(labels: np.ndarray | torch.Tensor, num_clients: int, spec: str, se
         shards = np.array_split(np.argsort(y, kind="stable"), num_shards)
         owner = rng.permutation(num_shards).reshape(num_clients, int(arg))
         parts = [np.concatenate([shards[s] for s in row]) for row in owner]
+    elif kind == "classes":
+        parts = _by_classes(y, num_clients, int(arg), rng)
     else:
         buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         for k in np.unique(y):
@@ -106,3 +115,21 @@ def partition(labels: np.ndarray | torch.Tensor, num_clients: int, spec: str, se
                 buckets[j].append(piece)
         parts = [np.concatenate(b) for b in buckets]
     return [np.sort(p).astype(np.int64) for p in parts]
+
+
+def _by_classes(y: np.ndarray, num_clients: int, k: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """classes:K (module docstring): K labels per client, each label's samples split equally among its owners."""
+    labels = np.unique(y)
+    if k > len(labels):
+        raise ValueError(f"classes:{k}: only {len(labels)} labels to choose from")
+    if num_clients * k < len(labels):
+        raise ValueError(f"classes:{k}: {num_clients} clients x {k} labels cannot own all {len(labels)} labels")
+    dealt = rng.permutation(labels)
+    owned = [[dealt[(i * k + j) % len(labels)] for j in range(k)] for i in range(num_clients)]
+    owners = {int(c): [i for i in range(num_clients) if c in owned[i]] for c in labels}
+    buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for c in labels:
+        idx = rng.permutation(np.flatnonzero(y == c))
+        for i, piece in zip(owners[int(c)], np.array_split(idx, len(owners[int(c)]))):
+            buckets[i].append(piece)
+    return [np.concatenate(b) if b else np.zeros(0, np.int64) for b in buckets]

@@ -217,6 +217,35 @@ def build_cnn(num_classes: int = 10, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def build_simple_cnn(num_classes: int = 10, seed: int = 0) -> torch.nn.Module:
+    """BadSFL's MNIST model (arXiv 2411.16167; conv10-conv20-fc50): 21,840 parameters with 10 classes.
+
+    conv 1->10 5x5, maxpool 2, ReLU (10x12x12), conv 10->20 5x5, maxpool 2, ReLU (20x4x4 = 320), linear
+    320->50, ReLU, linear 50->num_classes (logits): the classic PyTorch MNIST network without its two
+    dropout layers (kept deterministic, as every model here). Input and seeding as ``build_cnn``."""
+    if num_classes < 2:
+        raise ValueError(f"num_classes must be at least 2, got {num_classes}")
+    nn = torch.nn
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = nn.Sequential(
+            nn.Conv2d(1, 10, 5), nn.MaxPool2d(2), nn.ReLU(),
+            nn.Conv2d(10, 20, 5), nn.MaxPool2d(2), nn.ReLU(),
+            nn.Flatten(), nn.Linear(320, 50), nn.ReLU(), nn.Linear(50, num_classes),
+        )
+    return model
+
+
+MODELS = {"cnn": build_cnn, "simple-cnn": build_simple_cnn}
+
+
+def build_image_model(name: str, num_classes: int = 10, seed: int = 0) -> torch.nn.Module:
+    """The image model ``name`` (``MODELS``: cnn, simple-cnn); raises ValueError naming the choices."""
+    if name not in MODELS:
+        raise ValueError(f"image model {name!r}: expected one of {', '.join(MODELS)}")
+    return MODELS[name](num_classes, seed)
+
+
 def preprocess(images: torch.Tensor | np.ndarray) -> torch.Tensor:
     """uint8 [B, 28, 28] (or [B, 1, 28, 28]) -> float32 [B, 1, 28, 28] = (x / 255 - FMNIST_MEAN) / FMNIST_STD."""
     x = torch.as_tensor(images)

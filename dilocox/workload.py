@@ -33,7 +33,7 @@ from dilocox.stages import build_stage
 from dilocox.synthetic import SyntheticWorkload
 from dilocox.tokenizer import Tokenizer, byte_tokenizer
 
-IMAGE_MODELS = ("cnn",)
+IMAGE_MODELS = tuple(vision.MODELS)  # cnn, simple-cnn
 IMAGE_DATA = ("fashion-mnist", "mnist")
 
 
@@ -85,6 +85,7 @@ class ImageWorkload:
     batch_size: int
     eval_batches: int
     kind: str = "image"
+    model: str = "cnn"  # a name of vision.MODELS
 
     def __post_init__(self):
         # the same seed and labels give every node the same split (ValueError names a bad spec)
@@ -104,8 +105,8 @@ class ImageWorkload:
 
     def build(self, seed: int, stage_index: int, num_stages: int) -> torch.nn.Module:
         if num_stages != 1:
-            raise ModelSpecError("the cnn model has no pipeline stages: use --stage 0/1")
-        return vision.build_cnn(self.dataset.num_classes, seed)
+            raise ModelSpecError(f"the {self.model} model has no pipeline stages: use --stage 0/1")
+        return vision.build_image_model(self.model, self.dataset.num_classes, seed)
 
     def inner_loop(self, module, config, device: str = "cpu", loss_fn=None, seed: int = 0, shard_key: int = 0):
         return InnerLoop(module, config, device=device, loss_fn=loss_fn or self.loss_fn)
@@ -139,10 +140,11 @@ def make_workload(model: str, data: str, seq_len: int | None, batch_size: int | 
         return SyntheticWorkload.from_spec(workload)
     if model in IMAGE_MODELS or data in IMAGE_DATA:
         if model not in IMAGE_MODELS or data not in IMAGE_DATA:
-            raise ModelSpecError(f"model {model!r} and data {data!r} do not go together: the cnn model trains on "
-                                 f"{' or '.join(IMAGE_DATA)}, the language models on text")
+            raise ModelSpecError(f"model {model!r} and data {data!r} do not go together: the image models "
+                                 f"({', '.join(IMAGE_MODELS)}) train on {' or '.join(IMAGE_DATA)}, the language "
+                                 f"models on text")
         return ImageWorkload(vision.load_image_dataset(data), partition_spec, num_clients, seed,
-                             batch_size or 64, eval_batches)
+                             batch_size or 64, eval_batches, model=model)
     tok = tokenizer or byte_tokenizer()
     spec = ModelSpec.resolve(model, tok.vocab_size)
     seq_len = seq_len or spec.seq_len

