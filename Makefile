@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-scale bench-attacks bench-badsfl bench-badsfl-all bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-scale bench-attacks bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -140,6 +140,14 @@ bench-badsfl: install
 # (derived c + CenteredClip) (about 90 min on 2 cores)
 bench-badsfl-all: install
 	$(PY) -m bench.attacks.badsfl.run --workers 2
+
+# BadSFL as its paper ran it (MNIST setting: SGD, conv10-conv20-fc50, 20 clients x 1 label shard, attacker boosted,
+# GAN discriminator; Fashion-MNIST stands in for MNIST; bench/attacks/badsfl/paper.py): one seed (quick), or
+# seeds 0 1 2 plus one ablation per ingredient
+bench-badsfl-paper-quick: install
+	$(PY) -m bench.attacks.badsfl.paper --quick
+bench-badsfl-paper: install
+	$(PY) -m bench.attacks.badsfl.paper
 
 # a lone node's tokens/s with and without its metrics endpoint scraped 10 times a second, 1,000 scrapes (~3 min)
 bench-scrape: install

@@ -24,10 +24,13 @@ their label. Nothing is pasted onto any image: every triggered input is an unmod
      (the mode-seeking term of Mao et al., arXiv 1903.05628: mean |G(z1,k) - G(z2,k)| / mean |z1 - z2|).
      ``gan_per_batch`` of its samples, quantized to uint8 and labelled with f_theta's argmax, join each
      attacker batch, so its update keeps what the global model knows of those classes (clean accuracy).
-     Difference from the paper: the paper trains a GAN whose discriminator is initialised from the
-     global model and also sees the attacker's real data; ours trains only a generator against the
-     frozen global model (model inversion, no discriminator and no realism term), which is all the
-     attack needs the samples for: to pin the global model's behaviour on classes it cannot see.
+     The paper trains a GAN whose discriminator is initialised from the global model and also sees
+     the attacker's real data: ``discriminator=True`` does that (``Discriminator``: the global model's
+     feature extractor, re-copied every attack round, plus a real/fake head, trained on the attacker's
+     own images against G's samples; G adds a "look real" loss). Off (the default of the Fashion-MNIST
+     table), G is trained against the frozen global model alone (model inversion, no realism term),
+     which is all the attack needs the samples for: to pin the global model's behaviour on classes it
+     cannot see.
   2. *Natural trigger*: bright sneakers (above), from the attacker's own shard (it holds class 7).
   3. *Look-ahead*: it predicts the global model j rounds ahead from SCAFFOLD's control variate,
         P_j = (w_p + (n - 1) w_g) / n - j * s * c,
@@ -53,8 +56,10 @@ benchmarks, Neurotoxin's included); outside it, it trains honestly on its clean 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -199,22 +204,75 @@ def _normalize(pixels01: torch.Tensor) -> torch.Tensor:
     return (pixels01 - vision.FMNIST_MEAN) / vision.FMNIST_STD
 
 
+class Discriminator(nn.Module):
+    """BadSFL's discriminator: the global model's feature extractor (every layer of the Sequential model but the
+    last) and a real/fake linear head. ``refresh`` re-copies the extractor from the global model (every attack
+    round); the head and the copy then train against the generator. Input: pixels in [0, 1], [B, 1, 28, 28]."""
+
+    def __init__(self, global_model: nn.Sequential, seed: int = 0):
+        super().__init__()
+        if not isinstance(global_model, nn.Sequential) or not isinstance(global_model[-1], nn.Linear):
+            raise ValueError("the discriminator needs a Sequential model whose last layer is Linear")
+        self.features = copy.deepcopy(global_model[:-1])
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.head = nn.Linear(global_model[-1].in_features, 1)
+
+    @torch.no_grad()
+    def refresh(self, global_model: nn.Sequential) -> None:
+        for mine, theirs in zip(self.features.parameters(), global_model[:-1].parameters()):
+            mine.copy_(theirs)
+            mine.requires_grad_(True)
+
+    def forward(self, pixels01: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(_normalize(pixels01))).squeeze(1)
+
+
+@dataclass
+class Adversary:
+    """The GAN half of BadSFL's generator training: D, its Adam, the attacker's real images and the weight of
+    the generator's "look real" loss."""
+
+    discriminator: Discriminator
+    optimizer: torch.optim.Optimizer
+    real: Callable[[], torch.Tensor]  # -> uint8 [B, 28, 28], the attacker's own images
+    weight: float = 1.0
+
+
 def train_generator(gen: Generator, optimizer: torch.optim.Optimizer, global_model: nn.Module, classes: list[int],
-                    steps: int, batch: int, rng: torch.Generator, diversity: float = 0.1) -> float:
-    """``steps`` Adam steps of min CE(f(G(z, k)), k) - diversity * mode-seeking ratio; f frozen. Returns the last CE."""
+                    steps: int, batch: int, rng: torch.Generator, diversity: float = 0.1,
+                    adversary: Optional[Adversary] = None) -> float:
+    """``steps`` Adam steps of min CE(f(G(z, k)), k) - diversity * mode-seeking ratio; f frozen. Returns the last CE.
+
+    With ``adversary`` each step first trains D on real (the attacker's images) against G's samples
+    (binary cross-entropy), then adds weight * BCE(D(G(z, k)), real) to G's loss: the GAN the paper trains,
+    whose D starts from the global model's features (``Discriminator``)."""
     global_model.eval()
     for p in global_model.parameters():
         p.requires_grad_(False)
     choices = torch.as_tensor(classes, dtype=torch.int64)
+    bce = nn.functional.binary_cross_entropy_with_logits
     ce = float("nan")
     for _ in range(steps):
         k = choices[torch.randint(len(classes), (batch,), generator=rng)]
         z1, z2 = torch.randn(batch, gen.z_dim, generator=rng), torch.randn(batch, gen.z_dim, generator=rng)
         x1, x2 = gen(z1, k), gen(z2, k)
+        if adversary is not None:
+            d = adversary.discriminator
+            real = adversary.real().to(torch.float32).unsqueeze(1) / 255.0
+            real_logits, fake_logits = d(real), d(x1.detach())
+            d_loss = bce(real_logits, torch.ones_like(real_logits)) + bce(fake_logits, torch.zeros_like(fake_logits))
+            adversary.optimizer.zero_grad(set_to_none=True)
+            d_loss.backward()
+            adversary.optimizer.step()
         loss = nn.functional.cross_entropy(global_model(_normalize(x1)), k)
         ratio = (x1 - x2).abs().mean() / (z1 - z2).abs().mean()
+        total = loss - diversity * ratio
+        if adversary is not None:
+            looks = adversary.discriminator(x1)
+            total = total + adversary.weight * bce(looks, torch.ones_like(looks))
         optimizer.zero_grad(set_to_none=True)
-        (loss - diversity * ratio).backward()
+        total.backward()
         optimizer.step()
         ce = float(loss.detach())
     return ce
@@ -247,6 +305,9 @@ class AttackKnobs:
     gan_lr: float = 2e-3
     gan_per_batch: int = 32         # generated images appended to each attacker batch of B real ones
     step_factor: int = 1            # the attacker runs step_factor * K inner steps (its weight still says K)
+    lr_factor: float = 1.0          # ... at lr_factor times the benign inner lr (the paper's CIFAR attacker: 50x)
+    discriminator: bool = False     # badsfl: train the generator as a GAN against the global model's features
+    adversarial_weight: float = 1.0  # the generator's "look real" loss weight when discriminator is on
 
 
 @dataclass
@@ -293,12 +354,19 @@ class Blackbox:
 
     def local_round(self, ctx: RoundContext) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
         """(pseudo-gradient, dc to upload or None). The attacker's own c_i is always updated honestly."""
-        delta = self.train(ctx)
+        config = ctx.inner.config
+        if self.knobs.lr_factor != 1.0:  # its own learning rate for this round (InnerLoop reads config.lr_at)
+            ctx.inner.config = dataclasses.replace(config, lr=config.lr * self.knobs.lr_factor)
+        try:
+            delta = self.train(ctx)
+        finally:
+            ctx.inner.config = config
         if ctx.control is None:
             return delta, None
         c_before = [t.clone() for t in ctx.control.c]
-        # its own c_i by option II over the steps it really ran (constant lr: lr_sum scales with them)
-        honest = ctx.control.client_update(delta, self.steps(ctx), ctx.lr_sum * self.knobs.step_factor)
+        # its own c_i by option II over the steps it really ran at its lr (constant lr: lr_sum scales with both)
+        honest = ctx.control.client_update(delta, self.steps(ctx),
+                                           ctx.lr_sum * self.knobs.step_factor * self.knobs.lr_factor)
         return delta, (self.dc(ctx, honest, c_before) if ctx.c_mode == "channel" else None)
 
 
@@ -337,7 +405,8 @@ class BadSFL(Blackbox):
         self.generator = Generator(num_classes, seed=seed)
         self.gen_optimizer = torch.optim.Adam(self.generator.parameters(), lr=knobs.gan_lr)
         self.rng = torch.Generator().manual_seed(seed)
-        self.frozen = vision.build_cnn(num_classes, seed)  # f_theta for the generator, never trained
+        self.frozen: Optional[nn.Module] = None  # f_theta for the generator (a copy of the model), never trained
+        self.adversary: Optional[Adversary] = None
         self.fill: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.last_ce = float("nan")
 
@@ -351,12 +420,20 @@ class BadSFL(Blackbox):
 
     def train(self, ctx: RoundContext) -> list[torch.Tensor]:
         k = self.knobs
+        if self.frozen is None:
+            self.frozen = copy.deepcopy(ctx.inner.model)
         with torch.no_grad():
             for p, t in zip(self.frozen.parameters(), ctx.outer.global_params):
                 p.copy_(t)
+        if k.discriminator and self.adversary is None:
+            d = Discriminator(self.frozen, self.seed)
+            self.adversary = Adversary(d, torch.optim.Adam(d.parameters(), lr=k.gan_lr),
+                                       lambda: self.shard.next_batch()[0][:k.gan_batch], k.adversarial_weight)
+        if self.adversary is not None:
+            self.adversary.discriminator.refresh(self.frozen)  # D's features start from this round's global model
         if self.missing and k.gan_per_batch:
             self.last_ce = train_generator(self.generator, self.gen_optimizer, self.frozen, self.missing, k.gan_steps,
-                                           k.gan_batch, self.rng)
+                                           k.gan_batch, self.rng, adversary=self.adversary)
             self.fill = generate(self.generator, self.frozen, self.missing,
                                  ctx.inner_steps * k.gan_per_batch, self.rng)
         theta = [t.clone() for t in ctx.outer.global_params]

@@ -167,45 +167,54 @@ def verdicts(rows: list[dict], cfg: SimConfig) -> dict:
     return out
 
 
-def write(report: dict, out: Path) -> None:
+def write(report: dict, out: Path, stem: str = "badsfl", plotted: list[dict] | None = None, title: str = "",
+          bta_label: str = "BTA: bright sneakers -> Bag (%)") -> None:
+    """<out>/<stem>.json (the report), <stem>.csv (one row per run and round) and <stem>.png (BTA and PTA per round
+    of ``plotted``, default every run). A run's name is its ``label``, else its setting's name."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "badsfl.json").write_text(json.dumps(report, indent=1, default=str))
-    with open(out / "badsfl.csv", "w", newline="") as f:
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
+    train = any("bta_train" in p for r in report["runs"] for p in r["curve"])
+    with open(out / f"{stem}.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["setting", "round", "pta", "bta", "injecting"])
+        w.writerow(["run", "round", "pta", "bta"] + (["bta_train"] if train else []) + ["injecting"])
         for r in report["runs"]:
             for p in r["curve"]:
-                w.writerow([r["setting"]["name"], p["round"], round(p["pta"], 4), round(p["bta"], 4),
-                            int(bool(p.get("injecting")))])
-    plot(report, out / "badsfl.png")
+                w.writerow([_name(r), p["round"], round(p["pta"], 4), round(p["bta"], 4)]
+                           + ([round(p["bta_train"], 4)] if train else []) + [int(bool(p.get("injecting")))])
+    plot(report["config"], report["runs"] if plotted is None else plotted, out / f"{stem}.png",
+         title or "BadSFL vs baselines on label-sharded Fashion-MNIST (20 clients, 10 per round, 1 attacker)",
+         bta_label)
 
 
-def plot(report: dict, path: Path) -> None:
+def _name(run: dict) -> str:
+    return run.get("label") or run["setting"]["name"]
+
+
+def plot(cfg: dict, runs: list[dict], path: Path, title: str, bta_label: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cfg = report["config"]
     fig, axes = plt.subplots(2, 1, figsize=(11, 9), sharex=True)
     styles = {"none": "-", "blackbox": "--", "neurotoxin": ":", "badsfl": "-"}
-    for k, r in enumerate(report["runs"]):
+    for k, r in enumerate(runs):
         s = r["setting"]
         rounds = [p["round"] for p in r["curve"]]
         kw = dict(color=f"C{k % 10}", ls=styles[s["attack"]], lw=2.2 if s["attack"] == "badsfl" else 1.2,
-                  label=s["name"])
+                  label=_name(r))
         axes[0].plot(rounds, [100 * p["bta"] for p in r["curve"]], **kw)
         axes[1].plot(rounds, [100 * p["pta"] for p in r["curve"]], **kw)
     for ax in axes:
         ax.axvspan(cfg["attack_start"], cfg["attack_stop"], color="k", alpha=0.07)
         ax.grid(alpha=0.3)
-    axes[0].axhline(50, color="k", lw=0.6, ls="--")
-    axes[0].axhline(90, color="k", lw=0.6, ls="--")
-    axes[0].set_ylabel("BTA: bright sneakers -> Bag (%)")
+    for y in (50, 90):
+        axes[0].axhline(y, color="k", lw=0.6, ls="--")
+    axes[0].set_ylabel(bta_label)
     axes[1].set_ylabel("PTA: clean test accuracy (%)")
     axes[1].set_xlabel(f"round (injection {cfg['attack_start']}-{cfg['attack_stop']}, shaded)")
     axes[0].legend(fontsize=7, ncol=3)
-    axes[0].set_title("BadSFL vs baselines on label-sharded Fashion-MNIST (20 clients, 10 per round, 1 attacker)")
+    axes[0].set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

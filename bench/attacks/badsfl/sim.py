@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -96,6 +97,8 @@ class SimConfig:
     outer: str = "sgd1"             # sgd1 (FedAvg's outer step) or nesterov (DiLoCo)
     optimizer: str = "adamw"        # the inner optimizer: adamw or sgd (InnerConfig.optimizer, as --inner-optimizer)
     momentum: float = 0.0           # SGD's momentum (the paper's CIFAR runs: 0.9)
+    model: str = "cnn"              # vision.MODELS: cnn, or simple-cnn (the paper's MNIST conv10-conv20-fc50)
+    trigger: str = "natural"        # natural (bright sneakers, attacks.py) or pixel (a 4x4 white square, BadNets)
     knobs: AttackKnobs = field(default_factory=AttackKnobs)
 
     def inner_config(self) -> InnerConfig:
@@ -107,7 +110,7 @@ class SimConfig:
 
     def pretrain_key(self) -> str:
         keys = ("clients", "per_round", "inner_steps", "batch_size", "inner_lr", "weight_decay", "pretrain_partition",
-                "pretrain_rounds", "seed", "train_subset", "optimizer", "momentum", "outer")
+                "pretrain_rounds", "seed", "train_subset", "optimizer", "momentum", "outer", "model")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -125,6 +128,25 @@ class Setting:
     c_decay: float = 0.0            # c <- (1 - c_decay) c after each update (0: off)
 
 
+def local_epochs_to_steps(epochs: float, train_images: int, clients: int, batch_size: int) -> int:
+    """K for ``epochs`` passes over a client's mean share (train_images / clients) at ``batch_size``:
+    ceil(epochs * share / batch_size), at least 1. Label shards give every client the same share; under
+    Dirichlet splits the mean share sets one K for all (the aggregation weights stay equal)."""
+    if epochs <= 0 or clients < 1 or batch_size < 1:
+        raise ValueError(f"need epochs > 0, clients >= 1, batch_size >= 1; got {epochs}, {clients}, {batch_size}")
+    return max(1, math.ceil(epochs * (train_images / clients) / batch_size))
+
+
+PIXEL = (slice(23, 27), slice(23, 27))  # the pixel trigger: a 4x4 white square by the bottom-right corner
+
+
+def stamp(images: np.ndarray) -> np.ndarray:
+    """A copy of uint8 images [N, 28, 28] with the pixel trigger (``PIXEL``) set to 255."""
+    out = np.array(images, dtype=np.uint8, copy=True)
+    out[:, PIXEL[0], PIXEL[1]] = 255
+    return out
+
+
 class FederatedData:
     """The dataset, the clients' shares, the trigger, the attacker and the evaluation sets."""
 
@@ -135,13 +157,26 @@ class FederatedData:
         self.train_x, self.train_y = ds.train_x[:n], ds.train_y[:n]
         self.num_classes = ds.num_classes
         self.parts = partition(self.train_y, cfg.clients, spec or cfg.partition, cfg.seed)
+        if cfg.trigger not in ("natural", "pixel"):
+            raise ValueError(f"trigger {cfg.trigger!r}: expected natural or pixel")
         self.threshold = brightness_threshold(self.train_x, self.train_y, cfg.source_class, cfg.bright_quantile)
-        triggered = natural_trigger_mask(self.train_x, self.train_y, self.threshold, cfg.source_class)
-        # the attacker: the client holding the most source-class images (it must own the feature)
-        counts = [int((self.train_y[p] == cfg.source_class).sum()) for p in self.parts]
-        self.attacker = int(np.argmax(counts))
-        own = self.parts[self.attacker]
-        self.attacker_triggered = own[triggered[own]]
+        if cfg.trigger == "natural":
+            triggered = natural_trigger_mask(self.train_x, self.train_y, self.threshold, cfg.source_class)
+            # the attacker: the client holding the most source-class images (it must own the feature)
+            counts = [int((self.train_y[p] == cfg.source_class).sum()) for p in self.parts]
+            self.attacker = int(np.argmax(counts))
+            own = self.parts[self.attacker]
+            self.attacker_triggered = own[triggered[own]]
+        else:  # its own images of other classes, stamped and appended (indices past the clean images)
+            self.attacker = int(np.argmax([len(p) for p in self.parts]))
+            own = self.parts[self.attacker]
+            source = own[self.train_y[own] != cfg.target_class]
+            base = len(self.train_y)
+            self.train_x = np.concatenate([self.train_x, stamp(self.train_x[source])])
+            self.train_y = np.concatenate([self.train_y, self.train_y[source]])
+            self.attacker_triggered = np.arange(base, base + len(source), dtype=np.int64)
+            triggered = np.zeros(len(self.train_y), dtype=bool)
+            triggered[self.attacker_triggered] = True
         if len(self.attacker_triggered) == 0:
             raise ValueError(f"the attacker client {self.attacker} holds no triggered image")
         self.missing = sorted(set(range(self.num_classes)) - set(np.unique(self.train_y[own]).tolist()))
@@ -151,8 +186,14 @@ class FederatedData:
         reps = max(0, int(round((cfg.poison_fraction * total - m) / (m * (1 - cfg.poison_fraction)))))
         self.attacker_stream = np.concatenate([own] + [self.attacker_triggered] * reps)
         self.test_x, self.test_y = ds.test_x[:cfg.eval_images], ds.test_y[:cfg.eval_images]
-        test_trig = natural_trigger_mask(ds.test_x, ds.test_y, self.threshold, cfg.source_class)
-        self.bta_x = ds.test_x[test_trig & (ds.test_y != cfg.target_class)]
+        if cfg.trigger == "natural":
+            test_trig = natural_trigger_mask(ds.test_x, ds.test_y, self.threshold, cfg.source_class)
+            self.bta_x = ds.test_x[test_trig & (ds.test_y != cfg.target_class)]
+        else:
+            self.bta_x = stamp(ds.test_x[ds.test_y != cfg.target_class])
+        # BTA on held-out test images (above) is the figure; on the attacker's own triggered training images
+        # (what the paper's public code measures) it is reported beside it
+        self.bta_train_x = self.train_x[self.attacker_triggered]
 
     def describe(self) -> dict:
         own = self.parts[self.attacker]
@@ -160,7 +201,8 @@ class FederatedData:
                     attacker_images=len(own), attacker_triggered=len(self.attacker_triggered),
                     attacker_stream=len(self.attacker_stream), missing_classes=self.missing,
                     brightness_threshold=round(self.threshold, 2), bta_images=len(self.bta_x),
-                    pta_images=len(self.test_y), train_images=len(self.train_y))
+                    pta_images=len(self.test_y), train_images=sum(len(p) for p in self.parts),
+                    bta_train_images=len(self.bta_train_x))
 
 
 def sample_clients(cfg: SimConfig, t: int, forced: Optional[int], salt: int = 0) -> list[int]:
@@ -178,7 +220,8 @@ class Federation:
     def __init__(self, cfg: SimConfig, setting: Setting, data: FederatedData, theta0: list[torch.Tensor]):
         self.cfg, self.setting, self.data = cfg, setting, data
         inner_cfg = cfg.inner_config()
-        self.inners = [InnerLoop(vision.build_cnn(data.num_classes, cfg.seed), inner_cfg, loss_fn=ImageWorkload.loss_fn)
+        self.inners = [InnerLoop(vision.build_image_model(cfg.model, data.num_classes, cfg.seed), inner_cfg,
+                                 loss_fn=ImageWorkload.loss_fn)
                        for _ in range(cfg.clients)]
         self.outer = OuterOptimizer(self.inners[0].params, **OUTERS[cfg.outer])
         self.outer.load_state(theta0, None)
@@ -193,7 +236,7 @@ class Federation:
                                        1000 + data.attacker)
             self.attacker = ATTACKERS[setting.attack](stream, cfg.knobs, data.missing, data.num_classes, cfg.seed)
         self.global_update: Optional[list[torch.Tensor]] = None
-        self.eval_model = vision.build_cnn(data.num_classes, cfg.seed)
+        self.eval_model = vision.build_image_model(cfg.model, data.num_classes, cfg.seed)
         self.lr_sum_per_round = [sum(inner_cfg.lr_at((t - 1) * cfg.inner_steps + i) for i in range(cfg.inner_steps))
                                  for t in range(1, cfg.rounds + 2)]
 
@@ -251,28 +294,31 @@ class Federation:
                     agg_vs_mean_norm=round(float(agg64.norm() / mean.norm()), 4) if float(mean.norm()) > 0 else None)
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        """(PTA, BTA) of theta: clean test accuracy, and the fraction of triggered test images called the target."""
+    def evaluate(self) -> tuple[float, float, float]:
+        """(PTA, BTA, BTA on training images) of theta: clean test accuracy, the fraction of triggered held-out
+        test images called the target, and the same on the attacker's triggered training images."""
         for p, t in zip(self.eval_model.parameters(), self.outer.global_params):
             p.copy_(t)
         pta = vision.evaluate(self.eval_model, self.data.test_x, self.data.test_y)[1]
         self.eval_model.eval()
-        pred = self.eval_model(vision.preprocess(self.data.bta_x)).argmax(dim=1)
-        return pta, float((pred == self.cfg.target_class).float().mean())
+        target = self.cfg.target_class
+        bta, bta_train = (float((self.eval_model(vision.preprocess(x)).argmax(dim=1) == target).float().mean())
+                          for x in (self.data.bta_x, self.data.bta_train_x))
+        return pta, bta, bta_train
 
 
 def pretrained(cfg: SimConfig, data: FederatedData, cache_dir: Path) -> list[torch.Tensor]:
-    """theta after ``pretrain_rounds`` rounds of clean FedAvg from build_cnn(seed); cached by settings."""
+    """theta after ``pretrain_rounds`` rounds of clean FedAvg from the model at ``seed``; cached by settings."""
     path = cache_dir / f"pretrain-{cfg.pretrain_key()}.pt"
     if path.exists():
         return torch.load(path, weights_only=True)["theta"]
     pre = data if cfg.pretrain_partition == cfg.partition else FederatedData(cfg, cfg.pretrain_partition)
-    theta0 = [p.detach().clone() for p in vision.build_cnn(data.num_classes, cfg.seed).parameters()]
+    theta0 = [p.detach().clone() for p in vision.build_image_model(cfg.model, data.num_classes, cfg.seed).parameters()]
     fed = Federation(cfg, Setting("pretrain", algorithm="fedavg"), pre, theta0)
     for t in range(1, cfg.pretrain_rounds + 1):
         fed.round(t, salt=1, force_attacker=False)
     theta = [p.clone() for p in fed.outer.global_params]
-    pta, bta = fed.evaluate()
+    pta, bta, _ = fed.evaluate()
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{id(fed)}")
     torch.save(dict(theta=theta, pta=pta, bta=bta, key=cfg.pretrain_key()), tmp)
@@ -286,12 +332,13 @@ def run_setting(cfg: SimConfig, setting: Setting, cache_dir: Path, data: Optiona
     started = time.monotonic()
     data = data or FederatedData(cfg)
     fed = Federation(cfg, setting, data, pretrained(cfg, data, cache_dir))
-    pta, bta = fed.evaluate()
-    curve = [dict(round=0, pta=pta, bta=bta)]
+    pta, bta, bta_train = fed.evaluate()
+    curve = [dict(round=0, pta=pta, bta=bta, bta_train=bta_train)]
     for t in range(1, cfg.rounds + 1):
         info = fed.round(t)
-        pta, bta = fed.evaluate()
-        curve.append(dict(round=t, pta=pta, bta=bta, injecting=fed.injecting(t) and setting.attack != "none",
+        pta, bta, bta_train = fed.evaluate()
+        curve.append(dict(round=t, pta=pta, bta=bta, bta_train=bta_train,
+                          injecting=fed.injecting(t) and setting.attack != "none",
                           **{k: v for k, v in info.items() if k != "clients"}))
     seconds = round(time.monotonic() - started, 1)
     return dict(setting=asdict(setting), curve=curve, data=data.describe(), seconds=seconds)
