@@ -207,6 +207,13 @@ def test_simple_cnn_is_badsfls_mnist_model_and_learns(fashion_mnist):
         opt.zero_grad(set_to_none=True)
     after, accuracy = evaluate(model, x, y, batch=256)
     assert after < before - 0.7 and accuracy > 0.5, (before, after, accuracy)
+    # a node's --model simple-cnn builds the same network; a text model on images is still refused by name
+    from dilocox.model import ModelSpecError
+    from dilocox.workload import make_workload
+    built = make_workload("simple-cnn", "fashion-mnist", None, 8, 1).build(0, 0, 1)
+    assert sum(p.numel() for p in built.parameters()) == 21_840
+    with pytest.raises(ModelSpecError, match=r"image models \(cnn, simple-cnn\)"):
+        make_workload("tiny", "fashion-mnist", None, 8, 1)
 
 
 def test_evaluate_matches_one_big_batch():
