@@ -63,6 +63,7 @@ ABLATIONS = {
     "no-boost": dict(knobs=dict(lr_factor=1.0, step_factor=1)),
     "no-discriminator": dict(knobs=dict(discriminator=False)),
     "short-pretrain": dict(pretrain_rounds=5),
+    "fresh-optimizer": dict(fresh_optimizer=True),
 }
 ABLATED = ["scaffold+badsfl"]
 
@@ -88,9 +89,25 @@ def jobs_for(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: l
     return sorted(jobs, key=lambda j: j[4].attack != "badsfl")
 
 
+def _changed(obj) -> dict:
+    """A dataclass's fields that differ from their defaults (nested dataclasses likewise)."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(value):
+            value = _changed(value)
+            if value:
+                out[f.name] = value
+        elif value != default:
+            out[f.name] = value
+    return out
+
+
 def job_key(cfg: SimConfig, setting) -> str:
-    """A run's cache key: the hash of its whole configuration and setting."""
-    blob = json.dumps([dataclasses.asdict(cfg), dataclasses.asdict(setting)], sort_keys=True, default=str)
+    """A run's cache key: the hash of what its configuration and setting change from the defaults (so a knob
+    added later, at its default, keeps earlier runs' keys)."""
+    blob = json.dumps([_changed(cfg), _changed(setting)], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

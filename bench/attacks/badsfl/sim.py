@@ -99,6 +99,8 @@ class SimConfig:
     momentum: float = 0.0           # SGD's momentum (the paper's CIFAR runs: 0.9)
     model: str = "cnn"              # vision.MODELS: cnn, or simple-cnn (the paper's MNIST conv10-conv20-fc50)
     trigger: str = "natural"        # natural (bright sneakers, attacks.py) or pixel (a 4x4 white square, BadNets)
+    fresh_optimizer: bool = False   # clear each client's optimizer state at its round's start (FL practice: the
+                                    # paper's code builds a new SGD every round; a node keeps it, as DiLoCo does)
     knobs: AttackKnobs = field(default_factory=AttackKnobs)
 
     def inner_config(self) -> InnerConfig:
@@ -111,6 +113,8 @@ class SimConfig:
     def pretrain_key(self) -> str:
         keys = ("clients", "per_round", "inner_steps", "batch_size", "inner_lr", "weight_decay", "pretrain_partition",
                 "pretrain_rounds", "seed", "train_subset", "optimizer", "momentum", "outer", "model")
+        if self.fresh_optimizer:  # named only when set, so keys of earlier runs stay valid
+            keys += ("fresh_optimizer",)
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -252,6 +256,8 @@ class Federation:
         lr_sum = self.lr_sum_per_round[t - 1] if t - 1 < len(self.lr_sum_per_round) else self.lr_sum_per_round[-1]
         deltas, dcs = {}, {}
         for k in chosen:
+            if cfg.fresh_optimizer:
+                self.inners[k].inner_optimizer.state.clear()  # SGD's momentum buffers (AdamW's moments) start at 0
             control = None
             if self.scaffold:
                 control = self.controls[k]
