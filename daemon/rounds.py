@@ -452,8 +452,15 @@ class OuterRounds:
         result_digest = params_digest(result.tensors)
         results = self.progress.exchange_result_digests(p.index, result_digest, set(starts),
                                                         self.cfg.request_timeout, result.inputs)
-        self._exclude_equivocators(p.index, result.inputs)
         verdict = judge_result(result_digest, results, members=len(starts))
+        if verdict == Verdict.SKIP and set(results) < set(starts):
+            # reports missing, not different (a loaded machine publishes late): wait up to averaging_timeout
+            # before skipping, else the member that saw every report applies the round and we do not (seen
+            # in CI with two members: one applied, the other skipped, and they forked until a re-sync)
+            results = self.progress.exchange_result_digests(p.index, result_digest, set(starts),
+                                                            self.cfg.averaging_timeout, result.inputs)
+            verdict = judge_result(result_digest, results, members=len(starts))
+        self._exclude_equivocators(p.index, result.inputs)
         outside = [m for m in self.progress.others(FRESH_S) if m.peer_id not in starts]
         if verdict == Verdict.SKIP and failure_action(outside, p.index) == Verdict.RESYNC:
             # our group fell apart (e.g. two late members matched each other, and one left for a re-sync)

@@ -126,6 +126,21 @@ def test_no_majority_is_skipped_without_an_update(state):
     assert (state.outer_step, state.digest) == (1, theta0)  # round consumed, theta_1 = theta_0
 
 
+def test_a_late_report_is_waited_for_instead_of_skipping_the_round(state):
+    class LateReports(FakeProgress):
+        timeouts: list = []
+
+        def exchange_result_digests(self, result_step, digest, peers, timeout_s, inputs=None):
+            self.timeouts.append(timeout_s)  # the group-mates' digests arrive only on the second, longer read
+            return {"me": digest} if len(self.timeouts) == 1 else {"me": digest, **{q: digest for q in peers}}
+
+    progress = LateReports()
+    rounds = rounds_for(state, progress)
+    done = rounds.finish(pending(state, None))
+    assert done.outcome == RoundOutcome.APPLIED and state.outer_step == 1
+    assert len(progress.timeouts) == 2 and progress.timeouts[1] == rounds.cfg.averaging_timeout
+
+
 def test_no_majority_is_still_skipped_when_only_group_mates_advanced(state):
     theta0 = state.digest
     # group-mate "a" skipped the round too (its outer_step is 1): that alone does not make us re-sync
