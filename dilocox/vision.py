@@ -197,6 +197,16 @@ def load_image_dataset(spec: str) -> ImageDataset:
 # ----------------------------------------------------------------------------------------------- model
 
 
+def _seeded(num_classes: int, seed: int, layers) -> torch.nn.Module:
+    """nn.Sequential(*layers()) initialised under torch.manual_seed(seed) inside a forked RNG (the global RNG is
+    left untouched); raises ValueError for fewer than 2 classes."""
+    if num_classes < 2:
+        raise ValueError(f"num_classes must be at least 2, got {num_classes}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(*layers())
+
+
 def build_cnn(num_classes: int = 10, seed: int = 0) -> torch.nn.Module:
     """A small CNN for 28x28x1 images: 46,730 parameters with 10 classes.
 
@@ -204,17 +214,11 @@ def build_cnn(num_classes: int = 10, seed: int = 0) -> torch.nn.Module:
     linear 512->64, ReLU, linear 64->num_classes (logits). Input float [B, 1, 28, 28] from
     ``preprocess``. The same seed gives bit-identical weights; the global RNG is left untouched.
     """
-    if num_classes < 2:
-        raise ValueError(f"num_classes must be at least 2, got {num_classes}")
     nn = torch.nn
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = nn.Sequential(
-            nn.Conv2d(1, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, num_classes),
-        )
-    return model
+    return _seeded(num_classes, seed, lambda: (
+        nn.Conv2d(1, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, num_classes)))
 
 
 def build_simple_cnn(num_classes: int = 10, seed: int = 0) -> torch.nn.Module:
@@ -223,17 +227,11 @@ def build_simple_cnn(num_classes: int = 10, seed: int = 0) -> torch.nn.Module:
     conv 1->10 5x5, maxpool 2, ReLU (10x12x12), conv 10->20 5x5, maxpool 2, ReLU (20x4x4 = 320), linear
     320->50, ReLU, linear 50->num_classes (logits): the classic PyTorch MNIST network without its two
     dropout layers (kept deterministic, as every model here). Input and seeding as ``build_cnn``."""
-    if num_classes < 2:
-        raise ValueError(f"num_classes must be at least 2, got {num_classes}")
     nn = torch.nn
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = nn.Sequential(
-            nn.Conv2d(1, 10, 5), nn.MaxPool2d(2), nn.ReLU(),
-            nn.Conv2d(10, 20, 5), nn.MaxPool2d(2), nn.ReLU(),
-            nn.Flatten(), nn.Linear(320, 50), nn.ReLU(), nn.Linear(50, num_classes),
-        )
-    return model
+    return _seeded(num_classes, seed, lambda: (
+        nn.Conv2d(1, 10, 5), nn.MaxPool2d(2), nn.ReLU(),
+        nn.Conv2d(10, 20, 5), nn.MaxPool2d(2), nn.ReLU(),
+        nn.Flatten(), nn.Linear(320, 50), nn.ReLU(), nn.Linear(50, num_classes)))
 
 
 MODELS = {"cnn": build_cnn, "simple-cnn": build_simple_cnn}
