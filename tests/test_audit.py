@@ -1,0 +1,165 @@
+"""Recomputation audits (dilocox/audit.py): who audits whom, how often a liar is caught, and that each link of a
+full recomputation passes an honest contribution recomputed under other float settings and fails each lie."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dilocox import audit
+from dilocox.audit import AuditVerdict
+from dilocox.data import Corpus, ReplicaShard
+from dilocox.diloco import InnerConfig, InnerLoop
+from dilocox.model import ModelSpec
+from dilocox.sparse import SparseCodec, SparseConfig, decode
+from dilocox.stages import build_stage
+
+SPARSE = SparseConfig(chunk=4096, topk=128, bits=2, beta=0.9, rice=True)
+H = 6
+
+
+def test_pairs_are_the_same_for_every_member_and_never_self():
+    members = [f"peer{i}" for i in range(7)]
+    rand = audit.round_randomness(3, {p: f"{i:016x}" for i, p in enumerate(members)})
+    pairs = audit.audit_pairs(members, rand, 1.0)
+    assert pairs == audit.audit_pairs(list(reversed(members)), rand, 1.0)
+    assert set(pairs) == set(members) and all(a != t and t in members for a, t in pairs.items())
+    assert audit.audit_pairs(members, rand, 0.0) == {}
+    assert audit.audit_pairs(["alone"], rand, 1.0) == {}
+    # another round's digests draw other pairs
+    other = audit.round_randomness(4, {p: f"{i:016x}" for i, p in enumerate(members)})
+    assert any(audit.audit_pairs(members, other, 1.0) != audit.audit_pairs(members, audit.round_randomness(
+        r, {p: "0" for p in members}), 1.0) for r in range(5, 9))
+    with pytest.raises(ValueError, match="audit rate"):
+        audit.audit_pairs(members, rand, 1.5)
+
+
+def test_the_rate_and_the_catch_probability_agree_with_a_count():
+    """The drawn pairs audit a fixed peer about as often as catch_probability says (2 colluders of 5)."""
+    members, liars, rate = [f"p{i}" for i in range(5)], {"p3", "p4"}, 0.6
+    caught = 0
+    for r in range(3000):
+        pairs = audit.audit_pairs(members, audit.round_randomness(r, {"x": str(r)}), rate)
+        caught += any(t == "p4" and a not in liars for a, t in pairs.items())
+    assert abs(caught / 3000 - audit.catch_probability(rate, 5, 2)) < 0.03
+    p = audit.audit_rate_for(5, liars=2, rounds=10, confidence=0.99)
+    assert audit.catch_probability(p, 5, 2, rounds=10) == pytest.approx(0.99)
+    assert 0.5 < p < 0.6 and audit.audit_rate_for(5, liars=1) < p
+    with pytest.raises(ValueError, match="no audit rate"):
+        audit.audit_rate_for(5, liars=4, rounds=1)
+
+
+@pytest.fixture(scope="module")
+def setting():
+    torch.manual_seed(0)
+    spec = ModelSpec.resolve("tiny")
+    corpus = Corpus.from_spec("builtin:shakespeare", spec.seq_len)
+    cfg = InnerConfig(lr=4e-4, warmup_steps=2, total_steps=10 * H)
+    inner = InnerLoop(build_stage(spec, 0, 0, 1), cfg)
+    shard = ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, 0, 3)
+    theta = [p.detach().clone() for p in inner.params]
+    codec = SparseCodec([tuple(p.shape) for p in theta], SPARSE)
+    batches = [shard.batch_at(i) for i in range(2 * H)]
+    # round 0 trains to give the optimizer and error feedback a state; round 1 is the audited one
+    for i, (x, y) in enumerate(batches[:H]):
+        inner.inner_step(x, y, global_step=i)
+    delta0 = [t - p.detach() for t, p in zip(theta, inner.params)]
+    sent0 = decode(codec.encode(delta0), [tuple(t.shape) for t in theta], SPARSE)
+    theta = [p.detach().clone() for p in inner.params]
+    start = (copy.deepcopy(inner.inner_optimizer.state_dict()), [e.clone() for e in codec.error])
+    delta, opt_after = audit.recompute(inner, theta, start[0], batches[H:], H)
+    payload, e_next = codec.prepare(delta)
+    e_next = _shaped(e_next, delta)
+    auditor = InnerLoop(build_stage(spec, 0, 0, 1), InnerConfig(**{**cfg.__dict__, "precision": "bf16"}))
+    return dict(theta=theta, start=start, batches=batches[H:], delta=delta, payload=payload, opt_after=opt_after,
+                e_next=e_next, auditor=auditor, delta0=delta0, sent0=sent0, shapes=[tuple(t.shape) for t in delta])
+
+
+def _shaped(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.reshape(d.shape) for t, d in zip(flat.split([d.numel() for d in like]), like)]
+
+
+def _full(s, payload, e_start, e_next):
+    delta, opt = audit.recompute(s["auditor"], s["theta"], s["start"][0], s["batches"], H)
+    return audit.full_audit(payload, e_start, e_next, delta, s["opt_after"], opt, SPARSE)
+
+
+def test_an_honest_contribution_recomputed_in_bf16_passes_every_link(setting):
+    s = setting
+    report = _full(s, s["payload"], s["start"][1], s["e_next"])
+    assert report.verdict == AuditVerdict.HONEST, report.stats
+    assert report.stats["error_feedback_error"] < 0.05 and report.stats["optimizer_error"] < 0.05
+    # the recomputation left the committed optimizer state as it was
+    again = _full(s, s["payload"], s["start"][1], s["e_next"])
+    assert again.stats == report.stats
+
+
+def _lie(s, scale):
+    codec = SparseCodec(s["shapes"], SPARSE)
+    codec.load_state_dict({"error": s["start"][1]})
+    payload, e_next = codec.prepare([scale * d for d in s["delta"]])
+    return payload, _shaped(e_next, s["delta"])
+
+
+@pytest.mark.parametrize("scale", [-1000.0, 100.0, -0.5])
+def test_a_lie_fails_the_contribution_and_error_feedback_links(setting, scale):
+    s = setting
+    payload, e_next = _lie(s, scale)
+    report = _full(s, payload, s["start"][1], e_next)
+    assert report.verdict == AuditVerdict.LIED
+    assert report.stats["contribution_error"] > 1.0 and report.stats["error_feedback_error"] > 1.0
+
+
+def test_a_liar_that_fits_its_error_feedback_breaks_the_previous_link(setting):
+    """Committing e_r' = (beta e_r + lie - honest) / beta makes the lie the honest encoding of round r (the
+    contribution and error-feedback links of round r hold), but e_r' is not what round r-1 left: the audit of
+    round r-1, whose committed e_r is now e_r', fails its error-feedback link."""
+    s = setting
+    lie = [-0.5 * d for d in s["delta"]]
+    fake = [(SPARSE.beta * e + v - d) / SPARSE.beta for e, v, d in zip(s["start"][1], lie, s["delta"])]
+    payload, e_next = _lie(s, -0.5)
+    report = _full(s, payload, fake, e_next)
+    assert report.stats["contribution_error"] < 0.5 and report.stats["error_feedback_error"] < 0.05
+    # round r-1 (here the first round, e_{r-1} = 0) as the liar's commitments claim it: e_r' - 0 + Decode(c_{r-1})
+    claimed = [f + c for f, c in zip(fake, s["sent0"])]
+    assert audit.relative_error(claimed, s["delta0"]) > audit.Thresholds().max_link_error
+
+
+def test_the_cheap_checks(setting):
+    s = setting
+    prefix, _ = audit.recompute(s["auditor"], s["theta"], s["start"][0], s["batches"][:2], H)
+    sent = decode(s["payload"], s["shapes"], SPARSE)
+    claimed = [n - SPARSE.beta * e + c for n, e, c in zip(s["e_next"], s["start"][1], sent)]
+    assert audit.prefix_audit(claimed, prefix, 2, H).verdict == AuditVerdict.HONEST
+    assert audit.prefix_audit([-c for c in claimed], prefix, 2, H).verdict == AuditVerdict.LIED
+    assert audit.prefix_audit([100 * c for c in claimed], prefix, 2, H).verdict == AuditVerdict.LIED
+    loss_fn = s["auditor"].loss_fn
+    honest = audit.loss_change_audit(s["auditor"].model, loss_fn, s["theta"], s["delta"], s["batches"][:2])
+    assert honest.verdict == AuditVerdict.HONEST and honest.stats["loss_drop"] > 0
+    flipped = audit.loss_change_audit(s["auditor"].model, loss_fn, s["theta"], [-d for d in s["delta"]],
+                                      s["batches"][:2])
+    assert flipped.verdict == AuditVerdict.LIED
+
+
+def test_state_digest_changes_with_any_committed_value(setting):
+    opt, err = setting["start"]
+    d = audit.state_digest(opt, err)
+    assert d == audit.state_digest(copy.deepcopy(opt), [e.clone() for e in err])
+    bumped = [e.clone() for e in err]
+    bumped[0].view(-1)[0] += 1e-3
+    assert audit.state_digest(opt, bumped) != d
+
+
+def test_a_round_the_contributor_did_not_apply_keeps_its_buffer(setting):
+    """A skipped or re-synced round never entered the contributor's error feedback: it says so, and then its next
+    committed buffer must be the same bits as its start buffer."""
+    s = setting
+    delta, opt = audit.recompute(s["auditor"], s["theta"], s["start"][0], s["batches"], H)
+    kept = audit.full_audit(s["payload"], s["start"][1], s["start"][1], delta, s["opt_after"], opt, SPARSE,
+                            error_moved=False)
+    assert kept.verdict == AuditVerdict.HONEST and kept.stats["error_feedback_error"] == 0.0, kept.stats
+    moved = audit.full_audit(s["payload"], s["start"][1], s["e_next"], delta, s["opt_after"], opt, SPARSE,
+                             error_moved=False)
+    assert moved.verdict == AuditVerdict.LIED
