@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-scale bench-attacks bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-scale bench-attacks bench-audit bench-audit-quick bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -128,6 +128,16 @@ bench-quality-swarm: install
 # every attack of bench/attacks/ against 5 real nodes (1 and 2 malicious), default defense vs plain mean (~35 min)
 bench-attacks: install
 	$(PY) -m bench.attacks.run
+
+# recomputation audits (dilocox/audit.py) in one process, real training of 5 tiny replicas: each check's statistics on
+# 300 honest node-rounds x 3 seeds (auditor in bf16) and on every lie, exclusions and the loss against clean runs
+bench-audit: install
+	$(PY) -m bench.audit --workers 2
+
+# the same on seed 0, three attacks, 2 liars, 8 rounds (~5 min)
+bench-audit-quick: install
+	$(PY) -m bench.audit --seeds 0 --rounds 8 --attack-rounds 8 --attacks sign-flip ipm-0.5 ipm-0.5-fit \
+		--malicious 2 --out runs/bench/audit-quick
 
 # BadSFL (arXiv 2411.16167) against SCAFFOLD and FedAvg, beside the black-box baseline, the clean runs and the
 # default defense: the settings the issue's targets are read from (20 clients of label-sharded Fashion-MNIST in
