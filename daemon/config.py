@@ -112,6 +112,8 @@ class NodeConfig(BaseModel):
                   f"outer=sgd({outer},momentum={self.outer_momentum!r},nesterov={self.nesterov})",
                   f"algorithm={self.outer_algorithm} aggregation={self.aggregation}(norm_bound={self.norm_bound!r},"
                   f"rules=v{RULES_VERSION})"]
+        if self.audit_rate:
+            parts.append(f"audits={self.audit_rate!r}")
         if self.compression == "sparse":
             parts.append(f"codes=sparse(chunk={self.sparse_chunk},topk={self.sparse_topk},bits={self.sparse_bits},"
                          f"rice={self.sparse_rice})")
@@ -265,6 +267,9 @@ class NodeConfig(BaseModel):
     norm_bound: Optional[float] = Field(None, ge=0, description="sparse: clip each contribution to this multiple of "
                                                                 "the group's lower median norm first (0: off; "
                                                                 "default: 2 for sparse, 0 otherwise)")
+    audit_rate: float = Field(0.0, ge=0, le=1, description="sparse: probability that a member recomputes a drawn "
+                              "group-mate's round and accuses it if it lied (dilocox/audit.py; 0: off; 0.57 catches "
+                              "2 colluding liars of 5 within 10 rounds with probability 0.99)")
     rank_min: int = Field(1, ge=1, description="adaptive: lowest PowerSGD rank")
     rank_max: int = Field(8, ge=1, description="adaptive: highest PowerSGD rank (also the first round's)")
     rank_energy: float = Field(0.5, gt=0, le=1,
@@ -361,6 +366,11 @@ class NodeConfig(BaseModel):
             raise ValueError(f"sparse_bits must be 1, 2, 4 or 8; got {self.sparse_bits}")
         if self.compression == "sparse" and self.sparse_topk > self.sparse_chunk:
             raise ValueError(f"sparse_topk={self.sparse_topk} must be <= sparse_chunk={self.sparse_chunk}")
+        if self.audit_rate and (self.compression != "sparse" or self.overlap != "none" or self.stage != "0/1"
+                                or self.outer_algorithm != "diloco" or self.workload):
+            raise ValueError("audit_rate needs synchronous sparse rounds of whole models trained with DiLoCo on a real "
+                             "workload (compression=sparse, overlap=none, stage 0/1, outer_algorithm=diloco, no "
+                             "workload): only those contributions can be recomputed (docs/security.md, Audits)")
         if self.inner_optimizer == "adamw" and self.beta1**2 >= self.beta2:
             raise ValueError(f"beta1^2 must be < beta2 (bounded AdamW update); "
                              f"got beta1={self.beta1}, beta2={self.beta2}")

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 from dilocox.daemon.admission import RevocationKeeper, describe_admission, load_admission
+from dilocox.daemon.audits import KEEP_ROUNDS, Audits
 from dilocox.daemon.config import NodeConfig
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.redteam import load_attack
@@ -105,6 +106,8 @@ class Node:
         self.averagers: dict[int, PseudoGradientAverager] = {}  # buffer size -> averager (one per rank)
         self.contributions: Optional[ContributionServer] = None  # sparse rounds: all-gather of payloads
         self.updates: Optional[ContributionServer] = None  # sparse rounds: applied updates, for catch-up
+        self.audit_states: Optional[ContributionServer] = None  # --audit-rate: our committed round start states
+        self.audits: Optional[Audits] = None
         self._reachability = reachability.Reachability.REACHABLE  # the last verdict (peers/reachability.py)
         self.skip_steps = 0  # inner steps of the next round the swarm has already done (joiners)
         self.resumed_from = 0  # outer step of the checkpoint we resumed from (0: none)
@@ -225,6 +228,11 @@ class Node:
                                                   admitted=self.progress.admitted if self.admission else None,
                                                   max_bytes=self.state.state_bytes(), offer_wait_s=0.0)
                 self.state.on_applied = lambda u: self.updates.offer(update_key(u.outer_step), encode(u))
+            if cfg.audit_rate:  # recomputation audits (daemon/audits.py)
+                self.audit_states = ContributionServer(self.swarm.replicate_p2p, f"{prefix}_audit", keep=KEEP_ROUNDS,
+                                                       startup_timeout_s=cfg.startup_timeout, offer_wait_s=0.0,
+                                                       admitted=self.progress.admitted if self.admission else None)
+                self.audits = Audits(cfg, self.state, self.workload, self.audit_states, self.swarm.peer_id)
         # sparse whole-model rounds derive matchmaking and the group wait from measurement (flags as caps);
         # all-reduce rounds and pipeline stages keep the flags
         measured = self.contributions.link if self.contributions and cfg.adaptive_deadlines and not self.staged \
@@ -236,7 +244,8 @@ class Node:
         self.state.on_snapshot = self.transfer.published
         self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
                                   self.deadlines, self.contributions, self.attack,
-                                  fetch_update=self.transfer.fetch_update if self.updates is not None else None)
+                                  fetch_update=self.transfer.fetch_update if self.updates is not None else None,
+                                  audits=self.audits)
         self.board.update(outer_step=self.state.outer_step, inner_steps=self.H, global_params_digest=self.state.digest,
                           overlap=cfg.overlap, outer_algorithm=cfg.outer_algorithm, compression=cfg.compression,
                           stage_index=cfg.stage_index,
@@ -271,7 +280,8 @@ class Node:
             self.progress.stop()
         if self.rounds is not None:
             self.rounds.shutdown()
-        for closer in (self.pipeline, self.contributions, self.updates, *self.averagers.values(), self.swarm):
+        for closer in (self.pipeline, self.audits, self.contributions, self.updates, self.audit_states,
+                       *self.averagers.values(), self.swarm):
             try:
                 if closer is not None:
                     closer.shutdown()
@@ -295,7 +305,8 @@ class Node:
                     certificate=self.admission.certificate_blob if self.admission else "",
                     client_mode=cfg.client_mode,
                     undialable=self.contributions.dials.undialable() if self.contributions else [],
-                    settings=self.settings_digest)
+                    settings=self.settings_digest,
+                    accusations=dict(self.audits.accusations) if self.audits else {})
 
     def _deadlines(self, info: RoundInfo) -> str:
         """Status line: the deadlines in use (measured, or the flags) and what they came from."""
@@ -454,6 +465,8 @@ class Node:
                 val_loss, val_accuracy = st.evaluate()
                 self.board.update(val_loss=val_loss, val_accuracy=val_accuracy)
         losses, start = [], time.monotonic()
+        if self.audits is not None:  # the round's start state, committed before anyone knows who audits it
+            self.audits.commit(st.round, skip)
         self._set_state(State.TRAINING, inner_step=skip)
         for i in range(skip, self.H):
             if self.leave_requested.is_set() and not self.staged:
@@ -495,6 +508,10 @@ class Node:
                 self._record(finished.info, finished.losses)
         elif finished.outcome in _RECORDED:
             self._record(finished.info, finished.losses)
+        if self.audits is not None:
+            if finished.result is not None:
+                self.audits.observe(finished.index, finished.result)
+            self.audits.review(self.progress.others())
 
     def _form_replica(self) -> bool:
         """Block until our replica has all its stages (True) or we are asked to leave (False)."""
@@ -610,7 +627,8 @@ class Node:
                       control_digest=st.control.digest() if st.control else "",
                       loss=sum(losses) / len(losses), tokens_total=s.tokens_total,
                       tokens_per_second=s.tokens_per_second, overlap=self.cfg.overlap,
-                      compute_utilization=utilization, device_peak_bytes=_device_peak_bytes(), time=time.time())
+                      compute_utilization=utilization, device_peak_bytes=_device_peak_bytes(), time=time.time(),
+                      **(self.audits.summary() if self.audits else {}))
         logger.info("round %s", json.dumps(record, sort_keys=True))
         if self._metrics:
             self._metrics.write(json.dumps(record, sort_keys=True) + "\n")

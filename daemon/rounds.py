@@ -30,6 +30,7 @@ from enum import Enum
 from typing import Optional, Union
 
 import torch
+from dilocox.daemon.audits import Audits
 from dilocox.daemon.config import NodeConfig
 from dilocox.daemon.majority import FetchUpdate, MajorityUpdate
 from dilocox.daemon.progress import ProgressTracker
@@ -93,6 +94,7 @@ class Finished:
     info: Optional[RoundInfo] = None
     losses: list[float] = field(default_factory=list)
     reason: str = ""
+    result: Optional[RoundResult] = None  # APPLIED: the exchange's result (daemon/audits.py keeps it)
 
 
 @dataclass
@@ -150,15 +152,18 @@ class OuterRounds:
     def __init__(self, cfg: NodeConfig, state: ReplicaState, progress: ProgressTracker,
                  averagers: dict[int, PseudoGradientAverager], leave_requested: threading.Event,
                  deadlines: RoundDeadlines, contributions: Optional[ContributionServer] = None,
-                 attack: Optional[Attack] = None, fetch_update: Optional[FetchUpdate] = None):
+                 attack: Optional[Attack] = None, fetch_update: Optional[FetchUpdate] = None,
+                 audits: Optional[Audits] = None):
         """``deadlines``: the matchmaking time and group wait each round uses (peers/deadlines.py);
         ``contributions``: serves and fetches all-gathered contributions (sparse compression);
         ``attack``: the red-team hook (daemon/redteam.py), None on an honest node; ``fetch_update``:
         fetches an update other members applied (sparse catch-up), so that a group outside a split
-        round's majority adopts the majority's update (daemon/majority.py); None: every group applies its own."""
+        round's majority adopts the majority's update (daemon/majority.py); None: every group applies its own.
+        ``audits``: commitments for the gathered metadata and the peers audits excluded (daemon/audits.py)."""
         self.cfg, self.state, self.progress, self.averagers = cfg, state, progress, averagers
         self.deadlines = deadlines
         self.leave_requested, self.contributions, self.attack = leave_requested, contributions, attack
+        self.audits = audits
         self.delayed = cfg.overlap != "none"  # overlapped: round r's exchange runs while round r + 1 computes
         self.merge_early = cfg.overlap == "adaptive" and cfg.num_stages == 1  # merge as soon as it is in
         self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
@@ -186,7 +191,8 @@ class OuterRounds:
         return RoundGather(outer_step=self.state.round - 1, start_digest=self.state.start_digest(),
                            weight=float(weight), bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s,
                            client_mode=self.cfg.client_mode, link_bps=link.bps if link else 0.0,
-                           link_latency_s=link.latency_s if link else 0.0)
+                           link_latency_s=link.latency_s if link else 0.0,
+                           **(self.audits.gather_fields(self.state.round) if self.audits is not None else {}))
 
     # ------------------------------------------------------------------ starting
     def start(self, pseudo_gradient: list[torch.Tensor], weight: int, compute_s: float,
@@ -266,6 +272,9 @@ class OuterRounds:
         until = self.excluded.get(peer_id, 0)
         if until >= self.state.round:
             return f"served different bytes to different members; excluded until round {until}"
+        audited = self.audits.excluded(peer_id) if self.audits is not None else None
+        if audited is not None:
+            return f"excluded by audit: {audited}"
         if self.contributions is not None and self.contributions.admitted is not None:
             return self.contributions.admitted(peer_id)
         return None
@@ -424,7 +433,9 @@ class OuterRounds:
         if early:
             p.early = info
             return Finished(p.index, RoundOutcome.DEFERRED, info)
-        return self._finish_locally(p, info)
+        finished = self._finish_locally(p, info)
+        finished.result = result if outcome == RoundOutcome.APPLIED else None
+        return finished
 
     def _check(self, p: PendingRound) -> "Checked":
         """Wait for round p's exchange and check it against the group: start digests, the group's result digests

@@ -474,7 +474,8 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     received = sum(len(b) for p, b in got.items() if p != me) + res.bytes_received
     inputs = {p: hashlib.sha256(b).hexdigest()[:16] for p, b in got.items() if p not in dropped}
     return RoundResult(mean, metas, len(payload), sent, received, res.allreduce_s + time.monotonic() - started,
-                       int(2 * (n - 1) / n * 4 * numel), dropped=dropped, inputs=inputs, download_deadline_s=fetch_s,
+                       int(2 * (n - 1) / n * 4 * numel), dropped=dropped, inputs=inputs,
+                       contributions={p: b for p, b in got.items() if p not in dropped}, download_deadline_s=fetch_s,
                        link_bps=server.link.snapshot().bps,
                        phases=dict(matchmaking=started - called, gather=fetched - started,
                                    aggregate=time.monotonic() - fetched))

@@ -61,6 +61,13 @@ class RoundGather(pydantic.BaseModel):
     # is the longest any member needs, so that all members stop waiting for a missing payload together
     link_bps: pydantic.confloat(ge=0, allow_inf_nan=False) = 0.0
     link_latency_s: pydantic.confloat(ge=0, allow_inf_nan=False) = 0.0
+    # audits (daemon/audits.py): the sender's commitment to its round start state, served as ``state/<round>``,
+    # and where its round's batches begin in its data stream (empty / 0: no commitment)
+    state_sha256: pydantic.constr(strict=True, regex=r"^([0-9a-f]{64})?$") = ""
+    state_bytes: pydantic.conint(ge=0, le=1 << 40) = 0
+    data_position: pydantic.conint(ge=0) = 0
+    shard_key: pydantic.conint(ge=0, lt=1 << 63) = 0
+    error_feedback_moved: pydantic.StrictBool = True  # False: the previous round left our error feedback as it was
 
 
 def group_limits(gathered: Dict[str, Optional[RoundGather]]) -> Tuple[float, float]:
@@ -91,6 +98,7 @@ class RoundResult:
     fp32_bytes_sent: int             # what the same round would send uncompressed (fp32 both ways)
     dropped: Dict[str, str] = field(default_factory=dict)  # peer_id -> why its contribution was not used
     inputs: Dict[str, str] = field(default_factory=dict)   # sparse: peer_id -> digest of the payload used
+    contributions: Dict[str, bytes] = field(default_factory=dict)  # sparse: peer_id -> the payload used (audits)
     download_deadline_s: float = 0.0  # sparse: the deadline the downloads had (peers/deadlines.py; 0: none)
     link_bps: float = 0.0  # sparse: our measured download rate after this round (bit/s; 0: not measured)
     phases: Dict[str, float] = field(default_factory=dict)  # seconds per phase: matchmaking, gather, aggregate

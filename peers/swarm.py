@@ -69,8 +69,10 @@ class MemberRecord(pydantic.BaseModel):
     undialable: List[pydantic.constr(strict=True, max_length=64)] = []
     # 16 hex digits of the SHA-256 of the settings replicas must share (NodeConfig.swarm_settings); empty: unknown
     settings: pydantic.constr(strict=True, max_length=16) = ""
+    # audits (daemon/audits.py): peer_id -> the round whose recomputation showed that peer lied
+    accusations: Dict[pydantic.constr(strict=True, max_length=64), pydantic.conint(ge=1)] = {}
 
-    @pydantic.validator("inputs", "undialable")
+    @pydantic.validator("inputs", "undialable", "accusations")
     def _few_peers(cls, value):
         if len(value) > 1024:
             raise ValueError(f"{len(value)} peers: at most 1024")

@@ -123,6 +123,18 @@ def test_inner_optimizer_flags():
         load_config(parse(["--inner-optimizer", "lion"]), {})
 
 
+def test_audit_rate_flag():
+    on = load_config(parse(["--audit-rate", "0.6"]), {})
+    assert on.audit_rate == 0.6 and "audits=0.6" in on.swarm_settings()
+    assert "audits" not in load_config(parse([]), {}).swarm_settings()  # off by default: digests unchanged
+    for flags in (["--overlap", "adaptive"], ["--compression", "adaptive"], ["--outer-algorithm", "scaffold"],
+                  ["--stage", "0/2"], ["--workload", "synthetic:1M:0.1"]):
+        with pytest.raises(ConfigError, match="audit_rate needs synchronous sparse rounds"):
+            load_config(parse(["--audit-rate", "0.5", *flags]), {})
+    with pytest.raises(ConfigError, match="--audit-rate: Input should be less than or equal to 1"):
+        load_config(parse(["--audit-rate", "1.5"]), {})
+
+
 def test_the_rules_version_in_the_settings_is_the_aggregations():
     """Nodes whose aggregates differ in the last bits must not share a swarm: the settings line carries
     dilocox/robust.py's RULES_VERSION (config.py keeps a copy so that --help imports no torch)."""

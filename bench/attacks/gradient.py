@@ -3,7 +3,8 @@
 * ``SignFlip``: -1000 x the honest pseudo-gradient (sign flip with scaling);
 * ``Noise``: Gaussian noise scaled to the honest pseudo-gradient's norm (a useless update that looks
   normal in size);
-* ``Scale``: 100 x the honest pseudo-gradient (a too-large, correctly signed update).
+* ``Scale``: 100 x the honest pseudo-gradient (a too-large, correctly signed update);
+* ``InnerProduct``: -0.5 x the honest pseudo-gradient (small-norm, the wrong way: what audits catch).
 """
 
 from __future__ import annotations
@@ -35,3 +36,13 @@ class Noise(Attack):
         honest = torch.sqrt(sum((t.double() ** 2).sum() for t in tensors))
         drawn = torch.sqrt(sum((n.double() ** 2).sum() for n in noise))
         return [(n * (honest / drawn)).float() for n in noise]
+
+
+class InnerProduct(Attack):
+    """Inner-product manipulation by one peer (Xie et al., arXiv 1903.03936): -0.5 x its honest pseudo-gradient, a
+    small-norm update pointing the wrong way, which norm- and distance-based rules let through."""
+
+    name = "inner-product-x0.5"
+
+    def pseudo_gradient(self, tensors: list[torch.Tensor], round_index: int) -> list[torch.Tensor]:
+        return [-0.5 * t for t in tensors]

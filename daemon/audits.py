@@ -1,0 +1,258 @@
+"""Audits: this node's part in the recomputation audits of sparse rounds (``--audit-rate``; dilocox/audit.py).
+
+Per round r, on the training thread:
+
+* ``commit(r)`` at the start of the round's inner steps: the start state S_r (the inner optimizer's state and the
+  error-feedback buffer) is serialized, offered under ``state/r`` on its own ContributionServer, and its SHA-256,
+  length and data position go into the round's gathered metadata (``gather_fields``): a commitment made before
+  anyone knows who will audit the round.
+* ``observe(r, result)`` once round r was applied: its contributions, gathered metadata and theta are kept for
+  KEEP_ROUNDS rounds. Round r's gathers carry every member's S_r, so round r-1 can now be audited: the pairs
+  come from round r-1's contribution digests (``audit_pairs`` over ``round_randomness``), and if we audit someone,
+  the audit thread fetches its S_{r-1} and S_r, recomputes its H inner steps on its data and checks the three links
+  (``full_audit``). A lie puts the peer into our ``accusations`` (published in our signed membership record) and
+  excludes it from the contributions we accept.
+* ``review(members)``: an accusation another member published is checked by recomputing the same round here. If
+  it holds, the accused is excluded; if not, it counts against the accuser, and STRIKES of those exclude it.
+
+Exclusion drops the peer's contributions from every later round this node aggregates (``excluded``); a certified
+swarm's operator is asked, in the log, to revoke its certificate. A peer that does not serve its committed state is
+logged and counted, not accused: a broken link looks the same (docs/security.md, "Audits").
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import logging
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+import torch
+
+from dilocox import audit
+from dilocox.sparse import ContributionError
+
+logger = logging.getLogger(__name__)
+KEEP_ROUNDS = 4  # start states and round records kept: an audit of round r reads S_r and S_{r+1} during round r+2
+STRIKES = 2  # accusations that did not hold up before the accuser is excluded
+FETCH_TIMEOUT_S = 60.0
+
+
+class AuditOutcome(str, Enum):
+    HONEST = "honest"            # every link within its threshold
+    LIED = "lied"                # a link failed, or the committed state does not fit the model
+    UNAVAILABLE = "unavailable"  # the peer did not serve its committed state in time
+    SKIPPED = "skipped"          # not auditable here: a round we did not keep, a partial round, a missing commitment
+
+
+@dataclass
+class RoundRecord:
+    """What a round we applied leaves for audits: theta at its start, the group's gathered metadata (peer_id ->
+    RoundGather) and the contributions we aggregated (peer_id -> payload)."""
+
+    theta: list
+    gathered: dict
+    contributions: dict
+
+
+def encode_state(optimizer_state: dict, error: list[torch.Tensor]) -> bytes:
+    """A start state as bytes: torch.save of tensors and numbers only (``torch.load(weights_only=True)`` reads it)."""
+    buf = io.BytesIO()
+    torch.save({"optimizer": optimizer_state, "error": [e.detach().cpu().clone() for e in error]}, buf)
+    return buf.getvalue()
+
+
+def decode_state(blob: bytes, params: list[torch.Tensor], param_groups: list) -> tuple[dict, list[torch.Tensor]]:
+    """(inner optimizer state_dict with OUR ``param_groups``, error-feedback buffer) from a peer's bytes. Raises
+    ValueError naming what does not fit ``params`` (shapes, non-finite values, missing entries)."""
+    try:
+        raw = torch.load(io.BytesIO(blob), weights_only=True)
+        state, error = raw["optimizer"]["state"], list(raw["error"])
+    except Exception as e:  # any unpickling or layout problem of untrusted bytes
+        raise ValueError(f"start state does not load: {type(e).__name__}: {str(e)[:120]}") from e
+    audit_shapes = [tuple(p.shape) for p in params]
+    if [tuple(getattr(e, "shape", ())) for e in error] != audit_shapes:
+        raise ValueError("start state: the error-feedback buffer does not fit the model")
+    per_param = {}
+    for i, p in enumerate(params):
+        entry = state.get(i, {}) if isinstance(state, dict) else {}
+        for key, value in entry.items():
+            if value is None:  # torch's SGD keeps momentum_buffer None without momentum
+                continue
+            if not isinstance(value, torch.Tensor) or not torch.isfinite(value).all():
+                raise ValueError(f"start state: optimizer entry {i}/{key} is not a finite tensor")
+            if value.dim() > 0 and tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"start state: optimizer entry {i}/{key} has shape {tuple(value.shape)}, "
+                                 f"the parameter {tuple(p.shape)}")
+        per_param[i] = {k: v.float() if isinstance(v, torch.Tensor) and k != "step" else v for k, v in entry.items()}
+    if not all(torch.isfinite(e).all() for e in error):
+        raise ValueError("start state: the error-feedback buffer holds NaN or Inf")
+    return {"state": {i: v for i, v in per_param.items() if v}, "param_groups": copy.deepcopy(param_groups)}, \
+        [e.float() for e in error]
+
+
+class Audits:
+    """One node's audits. ``state``: daemon.replica_state.ReplicaState (whole model, sparse, DiLoCo);
+    ``server``: a ContributionServer of its own namespace for start states; ``me``: our peer_id."""
+
+    def __init__(self, cfg, state, workload, server, me: str):
+        self.cfg, self.state, self.workload, self.server, self.me = cfg, state, workload, server, me
+        self.rate = cfg.audit_rate
+        self.thresholds = audit.Thresholds()
+        self._commits: dict[int, dict] = {}  # round -> our commitment (gather fields)
+        self._thetas: dict[int, list] = {}   # round -> theta at its start
+        self._rounds: dict[int, RoundRecord] = {}
+        self._judged: set = set()  # (accused, round) checked here
+        self._strikes: Counter = Counter()
+        self._lock = threading.Lock()
+        self.accusations: dict[str, int] = {}   # accused peer_id -> round we found it lied in (published)
+        self._excluded: dict[str, str] = {}     # peer_id -> why its contributions are no longer accepted
+        self.outcomes: Counter = Counter()      # AuditOutcome -> audits done here (ours and verifications)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
+        self._inner = None  # the recomputation's own model and optimizer, built at the first audit
+        self._last_error = b""  # SHA-256 of the error-feedback buffer at our last commitment
+
+    # ------------------------------------------------------------------ our commitments
+    def commit(self, r: int, first_step: int) -> None:
+        """Round r's start state, before its first inner step (``first_step``: inner steps skipped, e.g. by a joiner;
+        such a round is not auditable and commits nothing)."""
+        if first_step != 0:
+            return
+        st = self.state
+        blob = encode_state(copy.deepcopy(st.inner.inner_optimizer.state_dict()), st.compressor.error)
+        self.server.offer(f"state/{r}", blob)
+        error = hashlib.sha256()
+        for e in st.compressor.error:
+            error.update(e.detach().cpu().contiguous().numpy().tobytes())
+        # whether round r - 1's update entered the buffer (a skipped or re-synced round leaves it as it was)
+        moved, self._last_error = error.digest() != self._last_error, error.digest()
+        with self._lock:
+            self._commits[r] = dict(state_sha256=hashlib.sha256(blob).hexdigest(), state_bytes=len(blob),
+                                    data_position=st.shard.position, shard_key=st.shard.shard_key,
+                                    error_feedback_moved=moved)
+            self._thetas[r] = [t.clone() for t in st.outer.global_params]
+            for old in [k for k in self._commits if k <= r - KEEP_ROUNDS]:
+                self._commits.pop(old)
+                self._thetas.pop(old, None)
+
+    def gather_fields(self, r: int) -> dict:
+        """Round r's commitment for the gathered metadata (empty: none made)."""
+        with self._lock:
+            return dict(self._commits.get(r, {}))
+
+    # ------------------------------------------------------------------ rounds and accusations
+    def observe(self, r: int, result) -> None:
+        """Round r was applied from ``result`` (peers.averaging.RoundResult): keep it; audit round r - 1 if the
+        round's randomness draws us."""
+        with self._lock:
+            theta = self._thetas.get(r)
+            if theta is not None:
+                self._rounds[r] = RoundRecord(theta, dict(result.gathered), dict(result.contributions))
+            for old in [k for k in self._rounds if k <= r - KEEP_ROUNDS]:
+                self._rounds.pop(old)
+            prev = self._rounds.get(r - 1)
+        if prev is None or not self.rate:
+            return
+        digests = {p: hashlib.sha256(b).hexdigest() for p, b in prev.contributions.items()}
+        target = audit.audit_pairs(sorted(digests), audit.round_randomness(r - 1, digests), self.rate).get(self.me)
+        if target is not None and target not in self._excluded:
+            self._worker.submit(self._run, r - 1, target, None)
+
+    def review(self, members) -> None:
+        """Check the accusations other members publish (``members``: peers.swarm.MemberRecord list)."""
+        for m in members:
+            for accused, r in (getattr(m, "accusations", None) or {}).items():
+                if accused == self.me or accused in self._excluded or (accused, r) in self._judged:
+                    continue
+                with self._lock:
+                    known = r in self._rounds and r + 1 in self._rounds
+                if known:
+                    self._judged.add((accused, r))
+                    self._worker.submit(self._run, r, accused, m.peer_id)
+
+    def excluded(self, peer_id: str) -> Optional[str]:
+        """Why ``peer_id``'s contributions are no longer accepted, or None."""
+        return self._excluded.get(peer_id)
+
+    def summary(self) -> dict:
+        """For metrics.jsonl: peers excluded by audits, our accusations, and audits done here by outcome."""
+        return dict(audit_excluded=sorted(self._excluded), audit_accusations=dict(self.accusations),
+                    audit_outcomes={o.value: n for o, n in self.outcomes.items()})
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ the audit thread
+    def _run(self, r: int, peer: str, accuser: Optional[str]) -> None:
+        try:
+            outcome, stats = self.audit(r, peer)
+        except Exception as e:  # an audit must never take the node down
+            logger.exception("audit of %s's round %d failed: %s", peer, r, e)
+            return
+        self.outcomes[outcome] += 1
+        what = f"round {r} of {peer}" + (f" (accused by {accuser})" if accuser else "")
+        if outcome == AuditOutcome.LIED:
+            self._judged.add((peer, r))
+            self.accusations[peer] = r
+            self._exclude(peer, f"its round {r} does not match its recomputation ({stats})")
+        elif outcome == AuditOutcome.HONEST and accuser is not None:
+            self._strikes[accuser] += 1
+            logger.warning("audit: %s holds up on recomputation (%s): the accusation counts against %s (%d of %d)",
+                           what, stats, accuser, self._strikes[accuser], STRIKES)
+            if self._strikes[accuser] >= STRIKES:
+                self._exclude(accuser, f"{STRIKES} of its accusations did not hold up")
+        else:
+            logger.info("audit of %s: %s %s", what, outcome.value, stats)
+
+    def _exclude(self, peer: str, why: str) -> None:
+        if peer in self._excluded:
+            return
+        self._excluded[peer] = why
+        logger.warning("audit: excluding %s from later rounds: %s", peer, why)
+        if self.cfg.authority:
+            logger.warning("audit: the swarm authority's operator should revoke the certificate of %s", peer)
+
+    def audit(self, r: int, peer: str) -> tuple[AuditOutcome, str]:
+        """Recompute ``peer``'s round r (kept by ``observe``) and judge it: (outcome, its statistics as text)."""
+        with self._lock:
+            rec, nxt = self._rounds.get(r), self._rounds.get(r + 1)
+        meta, meta_next = (rec.gathered.get(peer) if rec else None), (nxt.gathered.get(peer) if nxt else None)
+        payload = rec.contributions.get(peer) if rec else None
+        if meta is None or meta_next is None or payload is None or not meta.state_sha256 \
+                or not meta_next.state_sha256:
+            return AuditOutcome.SKIPPED, "no commitment or contribution kept for it"
+        blobs = {}
+        for k, m in ((r, meta), (r + 1, meta_next)):
+            got, failed = self.server.fetch({peer: (m.state_sha256, m.state_bytes)}, f"state/{k}", FETCH_TIMEOUT_S)
+            if peer not in got:
+                return AuditOutcome.UNAVAILABLE, f"state/{k}: {failed.get(peer, 'not served')}"
+            blobs[k] = got[peer]
+        inner = self._auditor()
+        try:
+            opt, e_start = decode_state(blobs[r], inner.params, inner.inner_optimizer.state_dict()["param_groups"])
+            opt_next, e_next = decode_state(blobs[r + 1], inner.params,
+                                            inner.inner_optimizer.state_dict()["param_groups"])
+        except ValueError as e:
+            return AuditOutcome.LIED, str(e)
+        shard = self.workload.shard(self.cfg.seed, meta.shard_key)
+        batches = [shard.batch_at(meta.data_position + i) for i in range(self.cfg.inner_steps)]
+        delta, opt_rec = audit.recompute(inner, rec.theta, opt, batches, (r - 1) * self.cfg.inner_steps)
+        try:
+            report = audit.full_audit(payload, e_start, e_next, delta, opt_next, opt_rec, self.cfg.sparse_config(),
+                                      self.thresholds, error_moved=meta_next.error_feedback_moved)
+        except ContributionError as e:
+            return AuditOutcome.LIED, f"its contribution does not decode: {e}"
+        stats = ", ".join(f"{k} {v:.3g}" for k, v in report.stats.items())
+        return (AuditOutcome.LIED if report.verdict == audit.AuditVerdict.LIED else AuditOutcome.HONEST), stats
+
+    def _auditor(self):
+        if self._inner is None:
+            module = self.workload.build(self.cfg.seed, 0, 1)
+            self._inner = self.workload.inner_loop(module, self.state.inner.config)
+        return self._inner

@@ -1,0 +1,81 @@
+"""The node's audit rules (daemon/audits.py) with the recomputation faked: who is excluded after an accusation,
+what a failed accusation costs the accuser, and that a peer's start state is checked before it is used."""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+import torch
+from dilocox.daemon.audits import STRIKES, AuditOutcome, Audits, decode_state, encode_state
+
+
+def _audits(verdicts: dict) -> Audits:
+    """An Audits whose recomputation returns ``verdicts[(peer, round)]`` and which holds records of rounds 1-9."""
+    a = Audits(SimpleNamespace(audit_rate=1.0, authority=None), state=None, workload=None, server=None, me="me")
+    a._rounds = {r: object() for r in range(1, 10)}
+    a.audit = lambda r, peer: (verdicts[(peer, r)], "faked")
+    return a
+
+
+def _drain(a: Audits) -> None:
+    a._worker.submit(lambda: None).result(timeout=10)
+
+
+def test_an_accusation_that_holds_up_excludes_the_accused():
+    a = _audits({("liar", 3): AuditOutcome.LIED})
+    a.review([SimpleNamespace(peer_id="x", accusations={"liar": 3})])
+    _drain(a)
+    assert a.excluded("liar") and a.accusations == {"liar": 3} and a.excluded("x") is None
+    # judged once: a second reading of the same accusation recomputes nothing
+    a.audit = lambda r, peer: pytest.fail("judged twice")
+    a.review([SimpleNamespace(peer_id="y", accusations={"liar": 3})])
+    _drain(a)
+    a.shutdown()
+
+
+def test_accusations_that_do_not_hold_up_exclude_the_accuser_at_the_strike_limit():
+    a = _audits({("honest", r): AuditOutcome.HONEST for r in range(1, 9)})
+    for r in range(1, STRIKES + 1):
+        assert a.excluded("slanderer") is None
+        a.review([SimpleNamespace(peer_id="slanderer", accusations={"honest": r})])
+        _drain(a)
+    assert a.excluded("slanderer") and a.excluded("honest") is None and not a.accusations
+    a.shutdown()
+
+
+def test_unavailable_or_unknown_rounds_accuse_nobody():
+    a = _audits({("quiet", 2): AuditOutcome.UNAVAILABLE})
+    a.review([SimpleNamespace(peer_id="x", accusations={"quiet": 2, "gone": 42, "me": 2})])  # 42: not kept here
+    _drain(a)
+    assert a.excluded("quiet") is None and a.excluded("x") is None and a.outcomes == {AuditOutcome.UNAVAILABLE: 1}
+    a.shutdown()
+
+
+def test_a_start_state_is_checked_before_use():
+    params = [torch.zeros(3, 2), torch.zeros(4)]
+    opt = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    groups = opt.state_dict()["param_groups"]
+    good = encode_state(opt.state_dict(), [torch.ones(3, 2), torch.ones(4)])
+    state, error = decode_state(good, params, groups)
+    assert set(state["state"]) == {0, 1} and [tuple(e.shape) for e in error] == [(3, 2), (4,)]
+    with pytest.raises(ValueError, match="does not load"):
+        decode_state(b"not a state", params, groups)
+    with pytest.raises(ValueError, match="error-feedback buffer does not fit"):
+        decode_state(encode_state(opt.state_dict(), [torch.ones(2, 3), torch.ones(4)]), params, groups)
+    bad = opt.state_dict()
+    bad["state"][1]["exp_avg"] = torch.ones(5)
+    with pytest.raises(ValueError, match="has shape"):
+        decode_state(encode_state(bad, [torch.ones(3, 2), torch.ones(4)]), params, groups)
+    bad["state"][1]["exp_avg"] = torch.full((4,), float("nan"))
+    with pytest.raises(ValueError, match="not a finite tensor"):
+        decode_state(encode_state(bad, [torch.ones(3, 2), torch.ones(4)]), params, groups)
+    # arbitrary pickled objects are refused (weights_only)
+    buf = io.BytesIO()
+    torch.save({"optimizer": {"state": {}}, "error": [SimpleNamespace(payload="arbitrary object")]}, buf)
+    with pytest.raises(ValueError, match="does not load"):
+        decode_state(buf.getvalue(), params, groups)
