@@ -167,6 +167,8 @@ class Audits:
     def review(self, members) -> None:
         """Check the accusations other members publish (``members``: peers.swarm.MemberRecord list)."""
         for m in members:
+            if m.peer_id in self._excluded:  # a liar's or slanderer's accusations cost us nothing more
+                continue
             for accused, r in (getattr(m, "accusations", None) or {}).items():
                 if accused == self.me or accused in self._excluded or (accused, r) in self._judged:
                     continue
@@ -190,6 +192,8 @@ class Audits:
 
     # ------------------------------------------------------------------ the audit thread
     def _run(self, r: int, peer: str, accuser: Optional[str]) -> None:
+        if accuser is not None and accuser in self._excluded:
+            return
         try:
             outcome, stats = self.audit(r, peer)
         except Exception as e:  # an audit must never take the node down

@@ -42,6 +42,10 @@ def test_accusations_that_do_not_hold_up_exclude_the_accuser_at_the_strike_limit
         a.review([SimpleNamespace(peer_id="slanderer", accusations={"honest": r})])
         _drain(a)
     assert a.excluded("slanderer") and a.excluded("honest") is None and not a.accusations
+    # an excluded accuser's further accusations are not even checked
+    a.audit = lambda r, peer: pytest.fail("checked an excluded accuser's accusation")
+    a.review([SimpleNamespace(peer_id="slanderer", accusations={"honest": 9})])
+    _drain(a)
     a.shutdown()
 
 
