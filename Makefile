@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-scale bench-attacks bench-audit bench-audit-quick bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -134,7 +134,12 @@ bench-attacks: install
 bench-audit: install
 	$(PY) -m bench.audit --workers 2
 
-# the same on seed 0, three attacks, 2 liars, 8 rounds (~5 min)
+# the same defense in a real swarm: 5 nodes, 1 and 2 liars, default defense with and without audits (~15 min)
+bench-attacks-audits: install
+	$(PY) -m bench.attacks.run --defenses default audits --attacks inner-product sign-flip \
+		--out runs/bench/attacks-audits/cells
+
+# the in-process audit bench on seed 0, three attacks, 2 liars, 8 rounds (~5 min)
 bench-audit-quick: install
 	$(PY) -m bench.audit --seeds 0 --rounds 8 --attack-rounds 8 --attacks sign-flip ipm-0.5 ipm-0.5-fit \
 		--malicious 2 --out runs/bench/audit-quick

@@ -7,8 +7,12 @@ honest nodes' validation loss at the end (mean over honest nodes) and its change
 run of the same defense, the backdoor success rate of an honest node's final parameters (the text
 backdoor only), rounds the honest nodes skipped, honest nodes that crashed, and outer steps at which
 honest nodes hold different parameters (a split). Writes runs/bench/attacks.{json,csv,png}.
+``--defenses audits`` adds recomputation audits (``--audit-rate 0.57``) to the default defense; its cells also
+give the outer step at which each honest node excluded a liar, and honest peers excluded (false exclusions).
 
     python -m bench.attacks.run --replicas 5 --malicious 1 2 --outer-steps 12
+    python -m bench.attacks.run --defenses default audits --attacks inner-product sign-flip \
+        --out runs/bench/attacks-audits/cells
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ ATTACKS = {
     "wrong-start": "bench.attacks.protocol:WrongStart",
     "equivocation": "bench.attacks.protocol:Equivocate",
     "backdoor": "bench.attacks.backdoor:Backdoor",
+    "inner-product": "bench.attacks.gradient:InnerProduct",
 }
-DEFENSES = {"none": ["--aggregation", "mean", "--norm-bound", "0"], "default": []}
+# audits: the rate that catches 2 liars of 5 within 10 rounds with probability 0.99 (dilocox.audit.audit_rate_for)
+DEFENSES = {"none": ["--aggregation", "mean", "--norm-bound", "0"], "default": [], "audits": ["--audit-rate", "0.57"]}
 COMMON = ["--model", "tiny", "--inner-steps", "20", "--warmup-steps", "10", "--request-timeout", "1",
           "--matchmaking-time", "2", "--averaging-timeout", "10", "--outer-round-deadline", "40",
           "--announce-period", "1", "--eval-batches", "4", "--listen", "/ip4/127.0.0.1/tcp/0",
@@ -72,6 +78,8 @@ def run_cell(attack: str | None, malicious: int, defense: str, replicas: int, ou
         for n in nodes:
             n.terminate(signal.SIGKILL)
     rows = [n.metrics() for n in honest]
+    liars = {r["peer_id"] for n in nodes if n not in honest for r in n.metrics()[:1]}
+    excluded = [next((r["outer_step"] for r in rs if liars & set(r.get("audit_excluded", ()))), None) for rs in rows]
     finals = [r[-1]["val_loss"] for r in rows if r]
     splits = sum(len(d) > 1 for d in digests_by_step(honest).values())
     cell = dict(attack=attack or "clean", malicious=malicious if attack else 0, defense=defense,
@@ -79,6 +87,10 @@ def run_cell(attack: str | None, malicious: int, defense: str, replicas: int, ou
                 skipped=sum(r["outcome"] == "skipped" for rs in rows for r in rs),
                 crashed=sum(c != 0 for c in codes), splits=splits,
                 dropped=sum(len(r.get("dropped", [])) for rs in rows for r in rs),
+                # audits: outer step at which each honest node first excluded a liar (None: never); honest peers
+                # any honest node excluded (false exclusions)
+                liar_excluded_at=excluded if defense == "audits" else [],
+                honest_excluded=len({p for rs in rows for r in rs for p in r.get("audit_excluded", ())} - liars),
                 seconds=round(time.monotonic() - started))
     if attack == "backdoor" or attack is None:
         cell["backdoor_rate"] = _backdoor_rate(honest[0].workdir / "ckpt", seed)
