@@ -26,9 +26,9 @@ import copy
 import hashlib
 import io
 import logging
+import queue
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
@@ -41,7 +41,6 @@ from dilocox.sparse import ContributionError
 logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 4  # start states and round records kept: an audit of round r reads S_r and S_{r+1} during round r+2
 STRIKES = 2  # accusations that did not hold up before the accuser is excluded
-FETCH_TIMEOUT_S = 60.0
 
 
 class AuditOutcome(str, Enum):
@@ -114,9 +113,11 @@ class Audits:
         self.accusations: dict[str, int] = {}   # accused peer_id -> round we found it lied in (published)
         self._excluded: dict[str, str] = {}     # peer_id -> why its contributions are no longer accepted
         self.outcomes: Counter = Counter()      # AuditOutcome -> audits done here (ours and verifications)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
+        # one audit at a time, on a daemon thread: a recomputation in flight never holds up the process's exit
+        self._jobs: queue.Queue = queue.Queue()
+        self._stopping = threading.Event()
+        threading.Thread(target=self._serve_jobs, name="audit", daemon=True).start()
         self._inner = None  # the recomputation's own model and optimizer, built at the first audit
-        self._last_error = b""  # SHA-256 of the error-feedback buffer at our last commitment
 
     # ------------------------------------------------------------------ our commitments
     def commit(self, r: int, first_step: int) -> None:
@@ -127,15 +128,9 @@ class Audits:
         st = self.state
         blob = encode_state(copy.deepcopy(st.inner.inner_optimizer.state_dict()), st.compressor.error)
         self.server.offer(f"state/{r}", blob)
-        error = hashlib.sha256()
-        for e in st.compressor.error:
-            error.update(e.detach().cpu().contiguous().numpy().tobytes())
-        # whether round r - 1's update entered the buffer (a skipped or re-synced round leaves it as it was)
-        moved, self._last_error = error.digest() != self._last_error, error.digest()
         with self._lock:
             self._commits[r] = dict(state_sha256=hashlib.sha256(blob).hexdigest(), state_bytes=len(blob),
-                                    data_position=st.shard.position, shard_key=st.shard.shard_key,
-                                    error_feedback_moved=moved)
+                                    data_position=st.shard.position, shard_key=st.shard.shard_key)
             self._thetas[r] = [t.clone() for t in st.outer.global_params]
             for old in [k for k in self._commits if k <= r - KEEP_ROUNDS]:
                 self._commits.pop(old)
@@ -162,10 +157,13 @@ class Audits:
         digests = {p: hashlib.sha256(b).hexdigest() for p, b in prev.contributions.items()}
         target = audit.audit_pairs(sorted(digests), audit.round_randomness(r - 1, digests), self.rate).get(self.me)
         if target is not None and target not in self._excluded:
-            self._worker.submit(self._run, r - 1, target, None)
+            self._jobs.put((r - 1, target, None))
 
     def review(self, members) -> None:
-        """Check the accusations other members publish (``members``: peers.swarm.MemberRecord list)."""
+        """Check the accusations other members publish (``members``: peers.swarm.MemberRecord list). Where we kept the
+        accused round we recompute it: a lie excludes the accused, an honest result counts against the accuser. Where
+        we did not (we joined later, or skipped it), we audit the accused's latest round we kept instead: a lie there
+        excludes it too, an honest result proves nothing about the accused round and counts against nobody."""
         for m in members:
             if m.peer_id in self._excluded:  # a liar's or slanderer's accusations cost us nothing more
                 continue
@@ -173,10 +171,14 @@ class Audits:
                 if accused == self.me or accused in self._excluded or (accused, r) in self._judged:
                     continue
                 with self._lock:
-                    known = r in self._rounds and r + 1 in self._rounds
-                if known:
+                    kept = sorted(k for k in self._rounds if k + 1 in self._rounds
+                                  and accused in self._rounds[k].contributions)
+                if r in kept:
                     self._judged.add((accused, r))
-                    self._worker.submit(self._run, r, accused, m.peer_id)
+                    self._jobs.put((r, accused, m.peer_id))
+                elif kept and (accused, -kept[-1]) not in self._judged:  # negative: a stand-in round
+                    self._judged.add((accused, -kept[-1]))
+                    self._jobs.put((kept[-1], accused, None))
 
     def excluded(self, peer_id: str) -> Optional[str]:
         """Why ``peer_id``'s contributions are no longer accepted, or None."""
@@ -187,12 +189,29 @@ class Audits:
         return dict(audit_excluded=sorted(self._excluded), audit_accusations=dict(self.accusations),
                     audit_outcomes={o.value: n for o, n in self.outcomes.items()})
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Block until every queued audit is done (True) or ``timeout_s`` passes (False)."""
+        done = threading.Event()
+        self._jobs.put(done)
+        return done.wait(timeout_s)
+
     def shutdown(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._stopping.set()
 
     # ------------------------------------------------------------------ the audit thread
+    def _serve_jobs(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                job = self._jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if isinstance(job, threading.Event):
+                job.set()
+            else:
+                self._run(*job)
+
     def _run(self, r: int, peer: str, accuser: Optional[str]) -> None:
-        if accuser is not None and accuser in self._excluded:
+        if (accuser is not None and accuser in self._excluded) or self._stopping.is_set():
             return
         try:
             outcome, stats = self.audit(r, peer)
@@ -233,7 +252,8 @@ class Audits:
             return AuditOutcome.SKIPPED, "no commitment or contribution kept for it"
         blobs = {}
         for k, m in ((r, meta), (r + 1, meta_next)):
-            got, failed = self.server.fetch({peer: (m.state_sha256, m.state_bytes)}, f"state/{k}", FETCH_TIMEOUT_S)
+            got, failed = self.server.fetch({peer: (m.state_sha256, m.state_bytes)}, f"state/{k}",
+                                            self.cfg.averaging_timeout)
             if peer not in got:
                 return AuditOutcome.UNAVAILABLE, f"state/{k}: {failed.get(peer, 'not served')}"
             blobs[k] = got[peer]
@@ -249,10 +269,10 @@ class Audits:
         delta, opt_rec = audit.recompute(inner, rec.theta, opt, batches, (r - 1) * self.cfg.inner_steps)
         try:
             report = audit.full_audit(payload, e_start, e_next, delta, opt_next, opt_rec, self.cfg.sparse_config(),
-                                      self.thresholds, error_moved=meta_next.error_feedback_moved)
+                                      self.thresholds)
         except ContributionError as e:
             return AuditOutcome.LIED, f"its contribution does not decode: {e}"
-        stats = ", ".join(f"{k} {v:.3g}" for k, v in report.stats.items())
+        stats = ", ".join([f"{k} {v:.3g}" for k, v in report.stats.items()] + [report.detail] * bool(report.detail))
         return (AuditOutcome.LIED if report.verdict == audit.AuditVerdict.LIED else AuditOutcome.HONEST), stats
 
     def _auditor(self):

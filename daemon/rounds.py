@@ -94,7 +94,9 @@ class Finished:
     info: Optional[RoundInfo] = None
     losses: list[float] = field(default_factory=list)
     reason: str = ""
-    result: Optional[RoundResult] = None  # APPLIED: the exchange's result (daemon/audits.py keeps it)
+    # the exchange's result where one came in from a group that started from our parameters (daemon/audits.py
+    # keeps its contributions to audit, whatever became of the round)
+    result: Optional[RoundResult] = None
 
 
 @dataclass
@@ -412,6 +414,7 @@ class OuterRounds:
             finished = self._resync(p, early, checked.reason)
             if checked.fetches_result:  # the re-sync may bring this very round's result: record it then
                 finished.info = self._info(p, group_size, RoundOutcome.RESYNCED, result, waited_from)
+            finished.result = result
             return finished
         averaged = {RoundOutcome.APPLIED: result.tensors if result else None, RoundOutcome.SKIPPED: None,
                     RoundOutcome.ADOPTED: checked.adopted.aggregate if checked.adopted else None,
@@ -434,7 +437,7 @@ class OuterRounds:
             p.early = info
             return Finished(p.index, RoundOutcome.DEFERRED, info)
         finished = self._finish_locally(p, info)
-        finished.result = result if outcome == RoundOutcome.APPLIED else None
+        finished.result = result
         return finished
 
     def _check(self, p: PendingRound) -> "Checked":

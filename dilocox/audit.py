@@ -12,8 +12,8 @@ state s_0, error-feedback buffer e_r) and serves it to an auditor on request. An
 S_r and the next round's committed e_{r+1} and s_H, recomputes Δ_r, and checks three links:
 
 * **contribution**: Decode(Encode(β e_r + Δ_r)) against Decode(c_r);
-* **error feedback**: the claimed Δ_r = e_{r+1} - β e_r + Decode(c_r) against the recomputed Δ_r (a contributor that
-  did not apply round r, so its buffer kept e_r, says so, and then e_{r+1} = e_r bit for bit);
+* **error feedback**: the claimed Δ_r = e_{r+1} - β e_r + Decode(c_r) against the recomputed Δ_r, unless e_{r+1}
+  is e_r bit for bit (round r was not applied there) or zero (the contributor re-synced by download);
 * **optimizer**: the committed s_H against the recomputed one.
 
 A liar that sends a c_r other than its honest one must either fail the contribution link, or commit an
@@ -78,6 +78,7 @@ class AuditReport:
     check: AuditCheck
     verdict: AuditVerdict
     stats: dict = field(default_factory=dict)
+    detail: str = ""
 
 
 def round_randomness(round_index: int, result_digests: Mapping[str, str]) -> bytes:
@@ -179,31 +180,35 @@ def _optimizer_tensors(state: dict) -> list[torch.Tensor]:
 
 def full_audit(payload: bytes, error_start: Sequence[torch.Tensor], error_next: Optional[Sequence[torch.Tensor]],
                delta: Sequence[torch.Tensor], optimizer_next: Optional[dict], recomputed_optimizer: Optional[dict],
-               cfg: SparseConfig, thresholds: Thresholds = Thresholds(), error_moved: bool = True) -> AuditReport:
+               cfg: SparseConfig, thresholds: Thresholds = Thresholds()) -> AuditReport:
     """The RECOMPUTE check of one contribution. ``payload``: the contribution c_r as gathered; ``error_start``
     and ``error_next``: the committed e_r and e_{r+1} (None: that link is not checked); ``delta``: the
     recomputed Δ_r (``recompute``); ``optimizer_next`` / ``recomputed_optimizer``: the committed and the
-    recomputed inner optimizer state after the round (None: not checked). ``error_moved``: the contributor says its
-    buffer took the round's update (it applied the round); False: it did not (a skipped or re-synced round), and
-    e_{r+1} must equal e_r bit for bit. Raises ContributionError if the payload does not decode (a malformed
-    contribution is rejected before any audit)."""
+    recomputed inner optimizer state after the round (None: not checked). The error-feedback link has three
+    honest forms, told apart by the bits: e_{r+1} = e_r (the round was not applied there: skipped), e_{r+1} = 0 (the
+    contributor re-synced by download, which resets the buffer) or the codec's update (``detail`` says which).
+    Raises ContributionError if the payload does not decode (a malformed contribution is rejected before any
+    audit)."""
     shapes = [tuple(d.shape) for d in delta]
     sent = decode(payload, shapes, cfg)
     codec = SparseCodec(shapes, cfg)
     codec.load_state_dict({"error": list(error_start)})
     honest_payload, _ = codec.prepare(delta)
     stats = dict(contribution_error=relative_error(sent, decode(honest_payload, shapes, cfg)))
-    if error_next is not None and error_moved:
-        claimed = [n - cfg.beta * e + s for n, e, s in zip(error_next, error_start, sent)]
-        stats["error_feedback_error"] = relative_error(claimed, delta)
-    elif error_next is not None:  # the round was not applied there (skipped, re-synced): the buffer must not move
-        stats["error_feedback_error"] = 0.0 if all(torch.equal(a, b) for a, b in zip(error_next, error_start)) \
-            else math.inf
+    detail = ""
+    if error_next is not None:
+        if all(torch.equal(a, b) for a, b in zip(error_next, error_start)):
+            detail, stats["error_feedback_error"] = "kept (round not applied there)", 0.0
+        elif all(not bool(n.any()) for n in error_next):
+            detail, stats["error_feedback_error"] = "reset (re-synced by download)", 0.0
+        else:
+            claimed = [n - cfg.beta * e + s for n, e, s in zip(error_next, error_start, sent)]
+            stats["error_feedback_error"] = relative_error(claimed, delta)
     if optimizer_next is not None and recomputed_optimizer is not None:
         stats["optimizer_error"] = relative_error(_optimizer_tensors(optimizer_next),
                                                   _optimizer_tensors(recomputed_optimizer))
     lied = any(not (v <= thresholds.max_link_error) for v in stats.values())  # NaN counts as a lie
-    return AuditReport(AuditCheck.RECOMPUTE, AuditVerdict.LIED if lied else AuditVerdict.HONEST, stats)
+    return AuditReport(AuditCheck.RECOMPUTE, AuditVerdict.LIED if lied else AuditVerdict.HONEST, stats, detail)
 
 
 def prefix_audit(claimed_delta: Sequence[torch.Tensor], prefix_delta: Sequence[torch.Tensor], prefix_steps: int,

@@ -67,7 +67,6 @@ class RoundGather(pydantic.BaseModel):
     state_bytes: pydantic.conint(ge=0, le=1 << 40) = 0
     data_position: pydantic.conint(ge=0) = 0
     shard_key: pydantic.conint(ge=0, lt=1 << 63) = 0
-    error_feedback_moved: pydantic.StrictBool = True  # False: the previous round left our error feedback as it was
 
 
 def group_limits(gathered: Dict[str, Optional[RoundGather]]) -> Tuple[float, float]:

@@ -152,14 +152,16 @@ def test_state_digest_changes_with_any_committed_value(setting):
     assert audit.state_digest(opt, bumped) != d
 
 
-def test_a_round_the_contributor_did_not_apply_keeps_its_buffer(setting):
-    """A skipped or re-synced round never entered the contributor's error feedback: it says so, and then its next
-    committed buffer must be the same bits as its start buffer."""
+def test_a_round_the_contributor_did_not_apply_or_a_reset_is_honest(setting):
+    """A skipped round never entered the contributor's error feedback (e_{r+1} = e_r), and a re-sync by download
+    zeroes it: both are honest forms of the link, told apart by the bits; any other buffer must follow the codec."""
     s = setting
     delta, opt = audit.recompute(s["auditor"], s["theta"], s["start"][0], s["batches"], H)
-    kept = audit.full_audit(s["payload"], s["start"][1], s["start"][1], delta, s["opt_after"], opt, SPARSE,
-                            error_moved=False)
-    assert kept.verdict == AuditVerdict.HONEST and kept.stats["error_feedback_error"] == 0.0, kept.stats
-    moved = audit.full_audit(s["payload"], s["start"][1], s["e_next"], delta, s["opt_after"], opt, SPARSE,
-                             error_moved=False)
-    assert moved.verdict == AuditVerdict.LIED
+    kept = audit.full_audit(s["payload"], s["start"][1], s["start"][1], delta, s["opt_after"], opt, SPARSE)
+    assert kept.verdict == AuditVerdict.HONEST and kept.stats["error_feedback_error"] == 0.0 and "kept" in kept.detail
+    zero = [torch.zeros_like(e) for e in s["start"][1]]
+    reset = audit.full_audit(s["payload"], s["start"][1], zero, delta, s["opt_after"], opt, SPARSE)
+    assert reset.verdict == AuditVerdict.HONEST and "reset" in reset.detail
+    other = [e * 0.5 for e in s["start"][1]]
+    assert audit.full_audit(s["payload"], s["start"][1], other, delta, s["opt_after"], opt, SPARSE).verdict \
+        == AuditVerdict.LIED

@@ -13,14 +13,16 @@ from dilocox.daemon.audits import STRIKES, AuditOutcome, Audits, decode_state, e
 
 def _audits(verdicts: dict) -> Audits:
     """An Audits whose recomputation returns ``verdicts[(peer, round)]`` and which holds records of rounds 1-9."""
-    a = Audits(SimpleNamespace(audit_rate=1.0, authority=None), state=None, workload=None, server=None, me="me")
-    a._rounds = {r: object() for r in range(1, 10)}
+    a = Audits(SimpleNamespace(audit_rate=1.0, authority=None, averaging_timeout=1.0), state=None, workload=None,
+               server=None, me="me")
+    peers = {p: b"" for p, _ in verdicts}
+    a._rounds = {r: SimpleNamespace(contributions=peers) for r in range(1, 10)}
     a.audit = lambda r, peer: (verdicts[(peer, r)], "faked")
     return a
 
 
 def _drain(a: Audits) -> None:
-    a._worker.submit(lambda: None).result(timeout=10)
+    assert a.wait_idle(10)
 
 
 def test_an_accusation_that_holds_up_excludes_the_accused():
@@ -49,11 +51,22 @@ def test_accusations_that_do_not_hold_up_exclude_the_accuser_at_the_strike_limit
     a.shutdown()
 
 
-def test_unavailable_or_unknown_rounds_accuse_nobody():
+def test_unavailable_states_and_unknown_peers_accuse_nobody():
     a = _audits({("quiet", 2): AuditOutcome.UNAVAILABLE})
-    a.review([SimpleNamespace(peer_id="x", accusations={"quiet": 2, "gone": 42, "me": 2})])  # 42: not kept here
+    a.review([SimpleNamespace(peer_id="x", accusations={"quiet": 2, "stranger": 3, "me": 2})])  # no round of theirs
     _drain(a)
     assert a.excluded("quiet") is None and a.excluded("x") is None and a.outcomes == {AuditOutcome.UNAVAILABLE: 1}
+    a.shutdown()
+
+
+def test_an_accused_round_we_did_not_keep_is_stood_in_for_by_the_latest_we_kept():
+    """A member that joined after the accused round audits the accused's latest round it kept: a lie there excludes
+    the accused; an honest one proves nothing about the accused round and counts against nobody."""
+    a = _audits({("liar", 8): AuditOutcome.LIED, ("reformed", 8): AuditOutcome.HONEST})
+    a.review([SimpleNamespace(peer_id="x", accusations={"liar": 42, "reformed": 42})])
+    _drain(a)
+    assert a.excluded("liar") and a.excluded("reformed") is None and a.excluded("x") is None
+    assert a._strikes == {} and a.outcomes == {AuditOutcome.LIED: 1, AuditOutcome.HONEST: 1}
     a.shutdown()
 
 
