@@ -250,6 +250,11 @@ class Audits:
         if meta is None or meta_next is None or payload is None or not meta.state_sha256 \
                 or not meta_next.state_sha256:
             return AuditOutcome.SKIPPED, "no commitment or contribution kept for it"
+        continued = (meta.shard_key, meta.data_position + self.cfg.inner_steps)
+        if (meta_next.shard_key, meta_next.data_position) != continued:
+            # a full round draws exactly H batches: after its first commitment a peer cannot pick its data
+            return AuditOutcome.LIED, (f"its data stream jumped from position {meta.data_position} of shard "
+                                       f"{meta.shard_key} to {meta_next.data_position} of {meta_next.shard_key}")
         blobs = {}
         for k, m in ((r, meta), (r + 1, meta_next)):
             got, failed = self.server.fetch({peer: (m.state_sha256, m.state_bytes)}, f"state/{k}",

@@ -96,3 +96,19 @@ def test_a_start_state_is_checked_before_use():
     torch.save({"optimizer": {"state": {}}, "error": [SimpleNamespace(payload="arbitrary object")]}, buf)
     with pytest.raises(ValueError, match="does not load"):
         decode_state(buf.getvalue(), params, groups)
+
+
+def test_a_data_stream_that_does_not_continue_is_a_lie():
+    """A full round draws H batches: the next commitment must continue the same shard at position + H (checked before
+    anything is fetched or recomputed)."""
+    def meta(position, shard=7):
+        return SimpleNamespace(state_sha256="ab" * 32, state_bytes=10, data_position=position, shard_key=shard)
+
+    a = Audits(SimpleNamespace(audit_rate=1.0, authority=None, averaging_timeout=1.0, inner_steps=20), state=None,
+               workload=None, server=None, me="me")
+    for nxt, verdict in ((meta(140), AuditOutcome.LIED), (meta(120, shard=8), AuditOutcome.LIED)):
+        a._rounds = {3: SimpleNamespace(theta=[], gathered={"p": meta(100)}, contributions={"p": b"c"}),
+                     4: SimpleNamespace(theta=[], gathered={"p": nxt}, contributions={"p": b"c"})}
+        outcome, why = a.audit(3, "p")
+        assert outcome == verdict and "data stream jumped" in why
+    a.shutdown()
