@@ -132,7 +132,7 @@ bench-attacks: install
 # recomputation audits (dilocox/audit.py) in one process, real training of 5 tiny replicas: each check's statistics on
 # 300 honest node-rounds x 3 seeds (auditor in bf16) and on every lie, exclusions and the loss against clean runs
 bench-audit: install
-	$(PY) -m bench.audit --workers 2
+	$(PY) -m bench.audit --workers 2 --spread-attacks sign-flip ipm-0.5
 
 # the same defense in a real swarm: 5 nodes, 1 and 2 liars, default defense with and without audits (~15 min)
 bench-attacks-audits: install

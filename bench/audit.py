@@ -2,9 +2,10 @@
 
 R replicas of the tiny model train in one process with the daemon's code for everything but the transport
 (``InnerLoop`` with AdamW, the sparse codec with error feedback, CenteredClip with norm bound 2, the
-SparseLoCo outer step): the setting of ``make bench-attacks``, minus the sockets. Replica i trains with
-``torch.set_num_threads(1 + i % 2)``; whoever audits it recomputes with the other thread count, or under
-bf16 autocast (``--auditor-precision bf16``), to emulate honest peers on different hardware.
+SparseLoCo outer step): the setting of ``make bench-attacks``, minus the sockets. Whoever audits a replica
+recomputes under bf16 autocast (``--auditor-precision bf16``, the default) while the replica trains in fp32, to
+emulate honest peers on different hardware; ``--vary-threads`` also trains replica i on 1 + i % 2 threads and
+audits it on the other count (on this CPU that alone gives the same bits).
 
 Every contribution of every round is put through all three checks, so each check's statistics are known for
 every honest and every lying node-round; the swarm acts on one check (``--check``, default recompute) for the
@@ -22,7 +23,7 @@ Per run: each check's statistic on honest and on lying node-rounds, false accusa
 was excluded, the final validation loss of theta against the clean run of the same seed, and each check's
 time against a round's compute. Writes <out>.{json,csv,png}.
 
-    python -m bench.audit --seeds 0 1 2 --rounds 60 --attack-rounds 12 --workers 2
+    python -m bench.audit --seeds 0 1 2 --rounds 60 --attack-rounds 12 --workers 2 --spread-attacks sign-flip ipm-0.5
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def _lie(attack: str, own: list[torch.Tensor], colluders_mean: list[torch.Tensor
 
 
 class Replica:
-    def __init__(self, index: int, spec, corpus, seed: int, inner_cfg: InnerConfig, shapes, malicious: bool):
-        self.index, self.malicious, self.threads = index, malicious, 1 + index % 2
+    def __init__(self, index: int, spec, corpus, seed: int, inner_cfg: InnerConfig, shapes, malicious: bool,
+                 threads: int = 1):
+        self.index, self.malicious, self.threads = index, malicious, threads
         self.peer = f"r{index}"
         self.inner = InnerLoop(build_stage(spec, seed, 0, 1), inner_cfg)
         self.shard = ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, seed, index)
@@ -117,7 +119,7 @@ def _checks(rep: Replica, r: int, theta, auditor: InnerLoop, threads: int, shape
 
 
 def run(seed: int, attack: str | None, malicious: int, rounds: int, replicas: int, rate: float, check: str,
-        auditor_precision: str, act: bool) -> dict:
+        auditor_precision: str, act: bool, vary_threads: bool = False) -> dict:
     torch.manual_seed(seed)
     spec = ModelSpec.resolve("tiny")
     corpus = Corpus.from_spec("builtin:shakespeare", spec.seq_len)
@@ -125,7 +127,8 @@ def run(seed: int, attack: str | None, malicious: int, rounds: int, replicas: in
     outer = OuterOptimizer(build_stage(spec, seed, 0, 1).parameters(), 2.5, 0.0, False, 4.5, ramp_steps=rounds)
     shapes = [tuple(p.shape) for p in outer.global_params]
     bad = set(range(replicas - malicious, replicas)) if attack else set()
-    reps = [Replica(i, spec, corpus, seed, inner_cfg, shapes, i in bad) for i in range(replicas)]
+    reps = [Replica(i, spec, corpus, seed, inner_cfg, shapes, i in bad, 1 + i % 2 if vary_threads else 1)
+            for i in range(replicas)]
     auditor = InnerLoop(build_stage(spec, seed, 0, 1), InnerConfig(**{**inner_cfg.__dict__,
                                                                        "precision": auditor_precision}))
     val = validation_batches(corpus, spec.seq_len, spec.batch_size, 8)
@@ -145,7 +148,7 @@ def run(seed: int, attack: str | None, malicious: int, rounds: int, replicas: in
                 reps[i].commit(r)
         if r >= 1:  # round r-1's audits use the start states committed in round r: they finish during round r
             _audit_round(reps, r - 1, thetas.pop(r - 1), auditor, shapes, rows, active, excluded, strikes, rate,
-                         check, act)
+                         check, act, vary_threads)
             for rep in reps:  # keep two rounds of commitments
                 rep.committed.pop(r - 1, None)
                 rep.payloads.pop(r - 1, None)
@@ -180,13 +183,14 @@ def _contribute(reps, r, deltas, active, bad, attack, outer, shapes) -> None:
     outer.step(mean, outer_step=r + 1)
 
 
-def _audit_round(reps, r, theta, auditor, shapes, rows, active, excluded, strikes, rate, check, act) -> None:
+def _audit_round(reps, r, theta, auditor, shapes, rows, active, excluded, strikes, rate, check, act,
+                 vary: bool = False) -> None:
     """Every contribution of round r through every check (rows), then the swarm's actions for the drawn pairs."""
     verdicts = {}
     for rep in reps:
         if r not in rep.payloads or r + 1 not in rep.committed:  # excluded before it committed round r + 1
             continue
-        reports, seconds = _checks(rep, r, theta, auditor, 3 - rep.threads, shapes)
+        reports, seconds = _checks(rep, r, theta, auditor, 3 - rep.threads if rep.threads > 1 or vary else 1, shapes)
         verdicts[rep.index] = reports[check].verdict
         rows.append(dict(round=r, peer=rep.peer, lying=rep.malicious,
                          **{f"{c}_lied": rep_.verdict == audit.AuditVerdict.LIED for c, rep_ in reports.items()},
@@ -263,21 +267,35 @@ def main(argv=None) -> None:
                     help="bf16: the auditor recomputes under bf16 autocast (threads alone give the same bits here)")
     ap.add_argument("--no-audit-baseline", action="store_true", help="also run each attack with no audits")
     ap.add_argument("--workers", type=int, default=1, help="runs in parallel (2 skews the check costs)")
+    ap.add_argument("--vary-threads", action="store_true",
+                    help="replica i trains on 1 + i %% 2 threads, its auditor on the other count")
+    ap.add_argument("--spread-attacks", nargs="*", default=None, choices=ATTACKS,
+                    help="attacks run on every seed (default: all); the others on the first seed only")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
     rate = a.audit_rate if a.audit_rate is not None else audit.audit_rate_for(a.replicas, max(a.malicious))
-    common = dict(replicas=a.replicas, rate=rate, check=a.check, auditor_precision=a.auditor_precision)
-    jobs = [dict(seed=s, attack=None, malicious=0, rounds=a.rounds, act=True, **common) for s in a.seeds]
+    common = dict(replicas=a.replicas, rate=rate, check=a.check, auditor_precision=a.auditor_precision,
+                  vary_threads=a.vary_threads)
+    # the short clean runs and the attacks first, the long clean runs (false accusations) last
+    jobs = [dict(seed=s, attack=None, malicious=0, rounds=a.attack_rounds, act=True, **common) for s in a.seeds]
+    spread = a.attacks if a.spread_attacks is None else a.spread_attacks
     for s in a.seeds:
         for m in a.malicious:
-            for atk in a.attacks:
+            for atk in (a.attacks if s == a.seeds[0] else [x for x in a.attacks if x in spread]):
                 for act in ([True, False] if a.no_audit_baseline else [True]):
                     jobs.append(dict(seed=s, attack=atk, malicious=m, rounds=a.attack_rounds, act=act, **common))
-    jobs += [dict(seed=s, attack=None, malicious=0, rounds=a.attack_rounds, act=True, **common) for s in a.seeds]
-    runs = []
+    jobs += [dict(seed=s, attack=None, malicious=0, rounds=a.rounds, act=True, **common) for s in a.seeds]
+    done_path = a.out.with_suffix(".runs.jsonl")  # each finished run, so an interrupted bench resumes
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    runs = [json.loads(line) for line in done_path.read_text().splitlines()] if done_path.exists() else []
+    key = lambda j: (j["seed"], j["attack"] or "clean", j["malicious"], j["rounds"], j["act"])  # noqa: E731
+    finished = {key(r) for r in runs}
+    jobs = [j for j in jobs if key(j) not in finished]
     with mp.get_context("spawn").Pool(a.workers) as pool:
         for r in pool.imap_unordered(_job, jobs):
             runs.append(r)
+            with open(done_path, "a") as f:
+                f.write(json.dumps(r, default=str) + "\n")
             print(f"seed {r['seed']} {r['attack']:>12} m{r['malicious']} rounds {r['rounds']} act {r['act']}: "
                   f"val {r['val_loss']:.4f} excluded {r['excluded']} ({r['seconds']:.0f}s)", flush=True)
     # the loss comparison is at equal rounds: the long clean runs only count honest node-rounds
