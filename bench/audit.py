@@ -190,7 +190,7 @@ def _audit_round(reps, r, theta, auditor, shapes, rows, active, excluded, strike
     for rep in reps:
         if r not in rep.payloads or r + 1 not in rep.committed:  # excluded before it committed round r + 1
             continue
-        reports, seconds = _checks(rep, r, theta, auditor, 3 - rep.threads if rep.threads > 1 or vary else 1, shapes)
+        reports, seconds = _checks(rep, r, theta, auditor, 3 - rep.threads if vary else 1, shapes)
         verdicts[rep.index] = reports[check].verdict
         rows.append(dict(round=r, peer=rep.peer, lying=rep.malicious,
                          **{f"{c}_lied": rep_.verdict == audit.AuditVerdict.LIED for c, rep_ in reports.items()},

@@ -52,18 +52,20 @@ class AuditOutcome(str, Enum):
 
 @dataclass
 class RoundRecord:
-    """What a round we applied leaves for audits: theta at its start, the group's gathered metadata (peer_id ->
-    RoundGather) and the contributions we aggregated (peer_id -> payload)."""
+    """What a round we took part in leaves for audits: theta at its start, the group's gathered metadata (peer_id ->
+    RoundGather), the contributions we aggregated (peer_id -> payload) and their digests (``RoundResult.inputs``, what
+    members publish)."""
 
     theta: list
     gathered: dict
     contributions: dict
+    inputs: dict
 
 
 def encode_state(optimizer_state: dict, error: list[torch.Tensor]) -> bytes:
     """A start state as bytes: torch.save of tensors and numbers only (``torch.load(weights_only=True)`` reads it)."""
     buf = io.BytesIO()
-    torch.save({"optimizer": optimizer_state, "error": [e.detach().cpu().clone() for e in error]}, buf)
+    torch.save({"optimizer": optimizer_state, "error": [e.detach().cpu() for e in error]}, buf)  # copies the bytes
     return buf.getvalue()
 
 
@@ -126,7 +128,7 @@ class Audits:
         if first_step != 0:
             return
         st = self.state
-        blob = encode_state(copy.deepcopy(st.inner.inner_optimizer.state_dict()), st.compressor.error)
+        blob = encode_state(st.inner.inner_optimizer.state_dict(), st.compressor.error)  # serialized now: no copy
         self.server.offer(f"state/{r}", blob)
         with self._lock:
             self._commits[r] = dict(state_sha256=hashlib.sha256(blob).hexdigest(), state_bytes=len(blob),
@@ -148,13 +150,14 @@ class Audits:
         with self._lock:
             theta = self._thetas.get(r)
             if theta is not None:
-                self._rounds[r] = RoundRecord(theta, dict(result.gathered), dict(result.contributions))
+                self._rounds[r] = RoundRecord(theta, dict(result.gathered), dict(result.contributions),
+                                              dict(result.inputs))
             for old in [k for k in self._rounds if k <= r - KEEP_ROUNDS]:
                 self._rounds.pop(old)
             prev = self._rounds.get(r - 1)
         if prev is None or not self.rate:
             return
-        digests = {p: hashlib.sha256(b).hexdigest() for p, b in prev.contributions.items()}
+        digests = prev.inputs  # the contributions' digests, the same on every member that used the same contributions
         target = audit.audit_pairs(sorted(digests), audit.round_randomness(r - 1, digests), self.rate).get(self.me)
         if target is not None and target not in self._excluded:
             self._jobs.put((r - 1, target, None))
@@ -263,10 +266,10 @@ class Audits:
                 return AuditOutcome.UNAVAILABLE, f"state/{k}: {failed.get(peer, 'not served')}"
             blobs[k] = got[peer]
         inner = self._auditor()
+        groups = inner.inner_optimizer.state_dict()["param_groups"]
         try:
-            opt, e_start = decode_state(blobs[r], inner.params, inner.inner_optimizer.state_dict()["param_groups"])
-            opt_next, e_next = decode_state(blobs[r + 1], inner.params,
-                                            inner.inner_optimizer.state_dict()["param_groups"])
+            opt, e_start = decode_state(blobs[r], inner.params, groups)
+            opt_next, e_next = decode_state(blobs[r + 1], inner.params, groups)
         except ValueError as e:
             return AuditOutcome.LIED, str(e)
         shard = self.workload.shard(self.cfg.seed, meta.shard_key)

@@ -247,16 +247,3 @@ def loss_change_audit(model: torch.nn.Module, loss_fn: Callable, theta: Sequence
     return AuditReport(AuditCheck.LOSS_CHANGE, AuditVerdict.HONEST if ok else AuditVerdict.LIED,
                        dict(loss_before=before, loss_after=after, loss_drop=drop))
 
-
-def state_digest(optimizer_state: dict, error: Sequence[torch.Tensor]) -> str:
-    """Hex SHA-256 of a start state (the inner optimizer's per-parameter tensors and step counts, then the
-    error-feedback buffer), what a contributor commits to in its gathered metadata."""
-    h = hashlib.sha256(b"dilocox-start-state\0")
-    for index in sorted(optimizer_state.get("state", {})):
-        for key in sorted(optimizer_state["state"][index]):
-            v = optimizer_state["state"][index][key]
-            h.update(f"{index}/{key}\0".encode())
-            h.update(torch.as_tensor(v).detach().cpu().contiguous().numpy().tobytes())
-    for t in error:
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
