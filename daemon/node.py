@@ -72,14 +72,15 @@ def _device_peak_bytes() -> int:
 
 
 class Node:
-    def __init__(self, cfg: NodeConfig, board: StatusBoard):
-        """Checks the model, data and stage split (raises DataError / ModelSpecError naming the problem)."""
+    def __init__(self, cfg: NodeConfig, board: StatusBoard, workload=None):
+        """Checks the model, data and stage split (raises DataError / ModelSpecError naming the problem).
+        ``workload``: the one ``cfg`` describes, when the caller has loaded it already (--local-epochs)."""
         self.cfg, self.board = cfg, board
         self.leave_requested = threading.Event()
         self.finished = threading.Event()
         self.exit_code = 0
         # fails fast on a bad model, data or partition (ModelSpecError, DataError, VisionDataError, ValueError)
-        self.workload = make_workload(cfg.model, cfg.data, cfg.seq_len, cfg.batch_size, cfg.eval_batches,
+        self.workload = workload or make_workload(cfg.model, cfg.data, cfg.seq_len, cfg.batch_size, cfg.eval_batches,
                                       cfg.partition, cfg.num_clients, cfg.seed, cfg.workload,
                                       load_tokenizer(cfg.tokenizer), cfg.text_field, cfg.data_parts)
         self.staged = cfg.num_stages > 1

@@ -38,6 +38,18 @@ import torch
 KINDS = ("iid", "label-shards", "classes", "dirichlet")
 
 
+def local_epochs_to_steps(epochs: float, train_samples: int, clients: int, batch_size: int) -> int:
+    """K (= H, inner steps per round) for ``epochs`` passes over a client's mean share of the training set:
+    ceil(epochs * (train_samples / clients) / batch_size), at least 1. Samples are images, or tokens with
+    ``batch_size`` in tokens per step. Label shards give every client the same share; under Dirichlet
+    splits the mean share sets one K for all, as a swarm's rounds need one H (the aggregation weights stay
+    equal). Raises ValueError for epochs <= 0, clients < 1 or batch_size < 1."""
+    if not epochs > 0 or clients < 1 or batch_size < 1 or train_samples < 0:
+        raise ValueError(f"need epochs > 0, clients >= 1, batch_size >= 1 and train_samples >= 0; got {epochs}, "
+                         f"{clients}, {batch_size}, {train_samples}")
+    return max(1, math.ceil(epochs * (train_samples / clients) / batch_size))
+
+
 def _labels_array(labels: np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(labels, torch.Tensor):
         labels = labels.detach().cpu().numpy()

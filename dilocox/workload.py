@@ -28,7 +28,7 @@ from dilocox import vision
 from dilocox.data import Corpus, ReplicaShard, validation_batches
 from dilocox.diloco import InnerLoop
 from dilocox.model import ModelSpec, ModelSpecError, causal_lm_loss
-from dilocox.partition import partition
+from dilocox.partition import local_epochs_to_steps, partition
 from dilocox.stages import build_stage
 from dilocox.synthetic import SyntheticWorkload
 from dilocox.tokenizer import Tokenizer, byte_tokenizer
@@ -62,6 +62,11 @@ class TextWorkload:
 
     def build(self, seed: int, stage_index: int, num_stages: int) -> torch.nn.Module:
         return build_stage(self.spec, seed, stage_index, num_stages)
+
+    def steps_for_epochs(self, epochs: float) -> int:
+        """H for ``epochs`` passes over one of the ``data_parts`` parts of the training stream, at
+        batch_size * seq_len tokens per inner step (dilocox.partition.local_epochs_to_steps)."""
+        return local_epochs_to_steps(epochs, len(self.corpus.train), self.data_parts, self.samples_per_step)
 
     def inner_loop(self, module, config, device: str = "cpu", loss_fn=None, seed: int = 0, shard_key: int = 0):
         return InnerLoop(module, config, device=device, loss_fn=loss_fn or self.loss_fn)
@@ -102,6 +107,11 @@ class ImageWorkload:
 
     def client(self, shard_key: int) -> int:
         return shard_key % self.num_clients
+
+    def steps_for_epochs(self, epochs: float) -> int:
+        """H for ``epochs`` passes over a client's mean share (training images / num_clients) at batch_size
+        images per inner step (dilocox.partition.local_epochs_to_steps): the same on every node of a swarm."""
+        return local_epochs_to_steps(epochs, len(self.dataset.train_y), self.num_clients, self.batch_size)
 
     def build(self, seed: int, stage_index: int, num_stages: int) -> torch.nn.Module:
         if num_stages != 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 from dilocox.daemon.config import ConfigError, add_flags, load_config
@@ -144,3 +145,28 @@ def test_the_rules_version_in_the_settings_is_the_aggregations():
 
     assert config.RULES_VERSION == robust.RULES_VERSION
     assert f"rules=v{robust.RULES_VERSION}" in config.NodeConfig().swarm_settings()
+
+
+def test_local_epochs_set_h_from_the_data():
+    """--local-epochs E: H = ceil(E * a client's mean share / batch), the same on every node of the swarm."""
+    from dilocox.daemon.cli import resolve_local_epochs
+
+    from dilocox.vision import DEBIAN_FASHION_MNIST
+
+    with pytest.raises(ConfigError, match="give it or inner_steps, not both"):
+        load_config(parse(["--local-epochs", "2", "--inner-steps", "10"]), {})
+    with pytest.raises(ConfigError, match="not with an emulated workload"):
+        load_config(parse(["--local-epochs", "2", "--workload", "synthetic:1M:0.1"]), {})
+    with pytest.raises(ConfigError, match="--local-epochs: Input should be greater than 0"):
+        load_config(parse(["--local-epochs", "0"]), {})
+    # text: the builtin corpus cut into 4 parts, 4 x 64 tokens per step
+    text = load_config(parse(["--local-epochs", "0.5", "--model", "tiny", "--data-parts", "4", "--batch-size", "4",
+                              "--seq-len", "64"]), {})
+    resolved, workload = resolve_local_epochs(text)
+    tokens = len(workload.corpus.train)
+    assert resolved.inner_steps == math.ceil(0.5 * tokens / 4 / 256) > 1
+    assert resolved.local_epochs is None and f"H={resolved.inner_steps} " in resolved.swarm_settings()
+    if DEBIAN_FASHION_MNIST.is_dir():  # BadSFL's MNIST setting: 2 epochs of 60,000 / 20 images at batch 64
+        image = load_config(parse(["--local-epochs", "2", "--model", "simple-cnn", "--data", "fashion-mnist",
+                                   "--num-clients", "20", "--partition", "label-shards:1", "--batch-size", "64"]), {})
+        assert resolve_local_epochs(image)[0].inner_steps == 94  # ceil(2 * 3,000 / 64)

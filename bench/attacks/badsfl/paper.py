@@ -57,6 +57,9 @@ SETTINGS = ["fedavg+badsfl", "scaffold", "scaffold+blackbox", "scaffold+neurotox
             "scaffold+badsfl/default", "scaffold/default", "scaffold+badsfl/cclip-nb2"]
 # the settings the targets are read from: run on every seed (the others on the first seed only)
 KEY = ["scaffold", "scaffold+blackbox", "scaffold+badsfl", "scaffold+badsfl/default"]
+# the published defenses the paper compares against (defenses.py): not in the default runs; when named by
+# --settings they run on every seed (make bench-badsfl-paper-defenses)
+COMPARED = [f"scaffold{a}/{d}" for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "")]
 # one ingredient of the preset changed each (the note's "which ingredient moves persistence")
 ABLATIONS = {
     "adamw": dict(optimizer="adamw", inner_lr=1e-3, momentum=0.0, weight_decay=0.1),
@@ -79,9 +82,10 @@ def ablate(cfg: SimConfig, change: dict) -> SimConfig:
 
 def jobs_for(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: list[str]) -> list[tuple]:
     """(label, seed, ablation, config, setting) for every run: ``settings`` on the first seed, those of them in
-    ``KEY`` on the other seeds, the ablations on the first seed; badsfl first so no worker is left with one."""
+    ``KEY`` or ``COMPARED`` on the other seeds, the ablations on the first seed; badsfl first so no worker is
+    left with one."""
     jobs = [(f"{name} seed={seed}", seed, "-", dataclasses.replace(cfg, seed=seed), BY_NAME[name])
-            for seed in seeds for name in settings if seed == seeds[0] or name in KEY]
+            for seed in seeds for name in settings if seed == seeds[0] or name in KEY or name in COMPARED]
     for ab in ablations:
         jobs += [(f"{name} [{ab}] seed={seeds[0]}", seeds[0], ab,
                   ablate(dataclasses.replace(cfg, seed=seeds[0]), ABLATIONS[ab]), BY_NAME[name])

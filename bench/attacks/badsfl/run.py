@@ -17,7 +17,9 @@ Defenses: ``cclip-nb2``: centered-clip + norm bound 2 on the pseudo-gradients (d
 ``nb2``: norm bounding alone (mean); ``derived``: c derived from the aggregate (no dc channel: the daemon);
 ``c-decay``: c <- 0.8 c after every update; ``default`` (the daemon's for --outer-algorithm scaffold): derived c +
 norm bound 2 + mean; ``derived-cclip-nb2``: derived c + norm bound 2 + centered-clip (the default until 2026-11-24:
-it cost about 4 points of clean accuracy over 3 seeds, docs/security.md).
+it cost about 4 points of clean accuracy over 3 seeds, docs/security.md). The published baselines the BadSFL
+paper compares against (defenses.py): ``flame`` (FLAME), ``dp-prune`` (weak DP, then pruning of the deployed
+model), ``sparsefed`` (SparseFed's clipped server-side top-k).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ SETTINGS = [
     Setting("scaffold/derived", c_mode="derived"),
     Setting("scaffold+badsfl/derived-cclip-nb2", attack="badsfl", **OLD_DEFAULT),
     Setting("scaffold/derived-cclip-nb2", **OLD_DEFAULT),
+    # the published defenses the BadSFL paper compares against (defenses.py), with the paper's dc channel
+    *[Setting(f"scaffold{a}/{d}", attack=a[1:] or "none", defense=d)
+      for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "")],
 ]
 BY_NAME = {s.name: s for s in SETTINGS}
 QUICK = dict(clients=6, per_round=3, rounds=6, attack_start=2, attack_stop=4, inner_steps=2, batch_size=16,

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,9 +60,10 @@ from bench.attacks.badsfl.attacks import (
     poison_labels,
 )
 from bench.attacks.badsfl.client import flatten, local_round, scaffold_hook, unflatten
+from bench.attacks.badsfl.defenses import Defense
 from dilocox import robust, vision
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
-from dilocox.partition import partition
+from dilocox.partition import local_epochs_to_steps, partition  # noqa: F401 (re-exported for the harness)
 from dilocox.scaffold import ControlVariates
 from dilocox.workload import ImageWorkload
 
@@ -130,15 +130,7 @@ class Setting:
     rule: str = "mean"              # dilocox.robust rule on pseudo-gradients
     norm_bound: float = 0.0         # multiple of the lower median norm (0: off)
     c_decay: float = 0.0            # c <- (1 - c_decay) c after each update (0: off)
-
-
-def local_epochs_to_steps(epochs: float, train_images: int, clients: int, batch_size: int) -> int:
-    """K for ``epochs`` passes over a client's mean share (train_images / clients) at ``batch_size``:
-    ceil(epochs * share / batch_size), at least 1. Label shards give every client the same share; under
-    Dirichlet splits the mean share sets one K for all (the aggregation weights stay equal)."""
-    if epochs <= 0 or clients < 1 or batch_size < 1:
-        raise ValueError(f"need epochs > 0, clients >= 1, batch_size >= 1; got {epochs}, {clients}, {batch_size}")
-    return max(1, math.ceil(epochs * (train_images / clients) / batch_size))
+    defense: str = "none"           # a published baseline instead of ``rule`` (defenses.py: flame, dp-prune, sparsefed)
 
 
 PIXEL = (slice(23, 27), slice(23, 27))  # the pixel trigger: a 4x4 white square by the bottom-right corner
@@ -240,6 +232,7 @@ class Federation:
                                        1000 + data.attacker)
             self.attacker = ATTACKERS[setting.attack](stream, cfg.knobs, data.missing, data.num_classes, cfg.seed)
         self.global_update: Optional[list[torch.Tensor]] = None
+        self.defense = Defense(setting.defense, cfg.seed) if setting.defense != "none" else None
         self.eval_model = vision.build_image_model(cfg.model, data.num_classes, cfg.seed)
         self.lr_sum_per_round = [sum(inner_cfg.lr_at((t - 1) * cfg.inner_steps + i) for i in range(cfg.inner_steps))
                                  for t in range(1, cfg.rounds + 2)]
@@ -273,14 +266,23 @@ class Federation:
             deltas[f"c{k:02d}"], dcs[f"c{k:02d}"] = delta, dc
         like = self.outer.global_params
         vectors = {key: flatten(d) for key, d in deltas.items()}
-        agg, report = robust.aggregate(vectors, {key: float(cfg.inner_steps) for key in vectors}, s.rule,
-                                       norm_bound=s.norm_bound)
+        admitted = sorted(vectors)
+        if self.defense is not None:
+            outcome = self.defense.aggregate(vectors)
+            agg, admitted = outcome.aggregate, outcome.admitted
+            report = dict(clipped=sorted(set(vectors) - set(admitted)))  # FLAME's rejected clients
+        else:
+            agg, report = robust.aggregate(vectors, {key: float(cfg.inner_steps) for key in vectors}, s.rule,
+                                           norm_bound=s.norm_bound)
         before = [p.clone() for p in like]
         self.outer.step(unflatten(agg, like))
         self.global_update = [a - b for a, b in zip(like, before)]
+        if self.defense is not None:  # dp-prune: the round's clients rank channels on a sample of their own images
+            batches = [vision.preprocess(self.data.train_x[self.data.parts[k][:PRUNE_SAMPLE]]) for k in chosen]
+            self.defense.rank_channels(self.eval_model, like, batches, last_conv_activations)
         if self.scaffold:
-            if s.c_mode == "channel":
-                mean_dc = [torch.stack([dcs[key][i] for key in sorted(dcs)]).mean(0) for i in range(len(like))]
+            if s.c_mode == "channel":  # a server that rejects a client's update rejects its dc too
+                mean_dc = [torch.stack([dcs[key][i] for key in admitted]).mean(0) for i in range(len(like))]
                 self.server.server_update(mean_dc, len(chosen), cfg.clients)
             else:
                 self.server.derive_c_from_aggregate(unflatten(agg, like), lr_sum, len(chosen), cfg.clients)
@@ -303,7 +305,8 @@ class Federation:
     def evaluate(self) -> tuple[float, float, float]:
         """(PTA, BTA, BTA on training images) of theta: clean test accuracy, the fraction of triggered held-out
         test images called the target, and the same on the attacker's triggered training images."""
-        for p, t in zip(self.eval_model.parameters(), self.outer.global_params):
+        theta = self.outer.global_params
+        for p, t in zip(self.eval_model.parameters(), self.defense.deployed(theta) if self.defense else theta):
             p.copy_(t)
         pta = vision.evaluate(self.eval_model, self.data.test_x, self.data.test_y)[1]
         self.eval_model.eval()
@@ -311,6 +314,18 @@ class Federation:
         bta, bta_train = (float((self.eval_model(vision.preprocess(x)).argmax(dim=1) == target).float().mean())
                           for x in (self.data.bta_x, self.data.bta_train_x))
         return pta, bta, bta_train
+
+
+PRUNE_SAMPLE = 64  # images per client for dp-prune's channel ranking (the first of its share)
+
+
+def last_conv_activations(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W]: the output of the first ReLU after the last Conv2d of a Sequential image model."""
+    layers = list(model)
+    last = max(i for i, m in enumerate(layers) if isinstance(m, torch.nn.Conv2d))
+    end = next(i for i in range(last, len(layers)) if isinstance(layers[i], torch.nn.ReLU))
+    model.eval()
+    return torch.nn.Sequential(*layers[:end + 1])(x)
 
 
 def pretrained(cfg: SimConfig, data: FederatedData, cache_dir: Path) -> list[torch.Tensor]:
