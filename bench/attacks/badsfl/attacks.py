@@ -308,6 +308,8 @@ class AttackKnobs:
     lr_factor: float = 1.0          # ... at lr_factor times the benign inner lr (the paper's CIFAR attacker: 50x)
     discriminator: bool = False     # badsfl: train the generator as a GAN against the global model's features
     adversarial_weight: float = 1.0  # the generator's "look real" loss weight when discriminator is on
+    self_correction: bool = True    # the attacker applies SCAFFOLD's correction to its own steps (the paper's public
+                                    # code does not: its poison optimizer steps plainly)
 
 
 @dataclass
@@ -340,7 +342,9 @@ class Blackbox:
         return self.shard.next_batch()
 
     def hooks(self, ctx: RoundContext) -> list:
-        return [scaffold_hook(ctx.inner, ctx.control.correction())] if ctx.control is not None else []
+        if ctx.control is None or not self.knobs.self_correction:
+            return []
+        return [scaffold_hook(ctx.inner, ctx.control.correction())]
 
     def steps(self, ctx: RoundContext) -> int:
         return self.knobs.step_factor * ctx.inner_steps

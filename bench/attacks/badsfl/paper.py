@@ -67,6 +67,13 @@ ABLATIONS = {
     "no-discriminator": dict(knobs=dict(discriminator=False)),
     "short-pretrain": dict(pretrain_rounds=5),
     "fresh-optimizer": dict(fresh_optimizer=True),
+    # what the paper's public code does differently (its attacker steps without SCAFFOLD's correction, is an
+    # extra party present in the attack window only, and poisons images no benign client holds)
+    "no-self-correction": dict(knobs=dict(self_correction=False)),
+    "extra-attacker": dict(attacker_role="extra"),
+    "exclusive-trigger": dict(exclusive_trigger=True),
+    "no-lookahead": dict(knobs=dict(lookahead_rounds=0)),
+    "paper-code": dict(attacker_role="extra", exclusive_trigger=True, knobs=dict(self_correction=False)),
 }
 ABLATED = ["scaffold+badsfl"]
 
@@ -80,7 +87,8 @@ def ablate(cfg: SimConfig, change: dict) -> SimConfig:
     return dataclasses.replace(cfg, **change)
 
 
-def jobs_for(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: list[str]) -> list[tuple]:
+def jobs_for(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: list[str],
+             ablated: list[str] = ABLATED) -> list[tuple]:
     """(label, seed, ablation, config, setting) for every run: ``settings`` on the first seed, those of them in
     ``KEY`` or ``COMPARED`` on the other seeds, the ablations on the first seed; badsfl first so no worker is
     left with one."""
@@ -89,7 +97,7 @@ def jobs_for(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: l
     for ab in ablations:
         jobs += [(f"{name} [{ab}] seed={seeds[0]}", seeds[0], ab,
                   ablate(dataclasses.replace(cfg, seed=seeds[0]), ABLATIONS[ab]), BY_NAME[name])
-                 for name in ABLATED]
+                 for name in ablated]
     return sorted(jobs, key=lambda j: j[4].attack != "badsfl")
 
 
@@ -133,12 +141,12 @@ def _job(args):
 
 
 def run(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: list[str], out: Path,
-        workers: int) -> dict:
+        workers: int, ablated: list[str] = ABLATED) -> dict:
     """Pre-train every distinct starting model once, run all jobs in ``workers`` processes, write the outputs."""
     torch.set_num_threads(1)
     started = time.monotonic()
     cache_dir = out / "badsfl"
-    jobs = jobs_for(cfg, settings, seeds, ablations)
+    jobs = jobs_for(cfg, settings, seeds, ablations, ablated)
     for key_cfg in {j[3].pretrain_key(): j[3] for j in jobs}.values():
         pretrained(key_cfg, FederatedData(key_cfg), cache_dir)
     data = FederatedData(dataclasses.replace(cfg, seed=seeds[0])).describe()
@@ -148,7 +156,7 @@ def run(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: list[s
         for r in pool.imap_unordered(_job, [(*j, cache_dir) for j in jobs]):
             results.append(r)
             print(f"{r['label']:>44}: {r['seconds']:.0f}s", flush=True)
-    order = {j[0]: i for i, j in enumerate(jobs_for(cfg, settings, seeds, ablations))}
+    order = {j[0]: i for i, j in enumerate(jobs)}
     results.sort(key=lambda r: (r["ablation"] != "-", r["seed"], order[r["label"]]))
     rows = []
     for r in results:
@@ -242,6 +250,8 @@ def main(argv=None) -> None:
                     help="default: SETTINGS (--quick: the KEY ones)")
     ap.add_argument("--ablations", nargs="*", choices=list(ABLATIONS), default=None,
                     help="default: all (--quick: none)")
+    ap.add_argument("--ablated", nargs="+", choices=list(BY_NAME), default=ABLATED,
+                    help="the settings the ablations run on (default: scaffold+badsfl)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT / "badsfl-paper",
                     help="outputs, and the cache of finished runs the quick and the full benchmark share")
@@ -270,7 +280,7 @@ def main(argv=None) -> None:
     seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
     ablations = a.ablations if a.ablations is not None else ([] if a.quick else list(ABLATIONS))
     settings = a.settings or (KEY if a.quick else SETTINGS)
-    run(config_from_flags(a), settings, seeds, ablations, a.out, a.workers)
+    run(config_from_flags(a), settings, seeds, ablations, a.out, a.workers, a.ablated)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,11 @@ class SimConfig:
     trigger: str = "natural"        # natural (bright sneakers, attacks.py) or pixel (a 4x4 white square, BadNets)
     fresh_optimizer: bool = False   # clear each client's optimizer state at its round's start (FL practice: the
                                     # paper's code builds a new SGD every round; a node keeps it, as DiLoCo does)
+    attacker_role: str = "client"   # client: one of the N clients, its share its data, sampled after the window too;
+                                    # extra: an (N+1)-th party in the window only, its data an IID sample plus the
+                                    # triggered images (the paper's public code)
+    exclusive_trigger: bool = False  # no benign client holds a triggered image (natural trigger; the paper's code
+                                     # poisons images no benign share holds)
     knobs: AttackKnobs = field(default_factory=AttackKnobs)
 
     def inner_config(self) -> InnerConfig:
@@ -113,8 +118,9 @@ class SimConfig:
     def pretrain_key(self) -> str:
         keys = ("clients", "per_round", "inner_steps", "batch_size", "inner_lr", "weight_decay", "pretrain_partition",
                 "pretrain_rounds", "seed", "train_subset", "optimizer", "momentum", "outer", "model")
-        if self.fresh_optimizer:  # named only when set, so keys of earlier runs stay valid
-            keys += ("fresh_optimizer",)
+        # named only when set, so keys of earlier runs stay valid (they change the benign shares)
+        keys += tuple(k for k in ("fresh_optimizer", "attacker_role", "exclusive_trigger")
+                      if getattr(self, k) != getattr(SimConfig, k))
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -156,15 +162,27 @@ class FederatedData:
         if cfg.trigger not in ("natural", "pixel"):
             raise ValueError(f"trigger {cfg.trigger!r}: expected natural or pixel")
         self.threshold = brightness_threshold(self.train_x, self.train_y, cfg.source_class, cfg.bright_quantile)
+        if cfg.attacker_role not in ("client", "extra"):
+            raise ValueError(f"attacker_role {cfg.attacker_role!r}: expected client or extra")
+        natural = natural_trigger_mask(self.train_x, self.train_y, self.threshold, cfg.source_class) \
+            if cfg.trigger == "natural" else np.zeros(n, dtype=bool)
+        if cfg.attacker_role == "extra":  # part N: an IID sample of the images without the trigger
+            rng = np.random.default_rng([cfg.seed, 7919])
+            self.parts.append(np.sort(rng.choice(np.flatnonzero(~natural), n // cfg.clients, replace=False)))
         if cfg.trigger == "natural":
-            triggered = natural_trigger_mask(self.train_x, self.train_y, self.threshold, cfg.source_class)
-            # the attacker: the client holding the most source-class images (it must own the feature)
+            triggered = natural
+            # the attacker: the client holding the most source-class images (it must own the feature), or the
+            # extra party, which is given every triggered image
             counts = [int((self.train_y[p] == cfg.source_class).sum()) for p in self.parts]
-            self.attacker = int(np.argmax(counts))
+            self.attacker = cfg.clients if cfg.attacker_role == "extra" else int(np.argmax(counts))
             own = self.parts[self.attacker]
-            self.attacker_triggered = own[triggered[own]]
+            self.attacker_triggered = np.flatnonzero(triggered) if cfg.attacker_role == "extra" \
+                else own[triggered[own]]
+            if cfg.exclusive_trigger:
+                self.parts = [p if k == self.attacker else p[~triggered[p]] for k, p in enumerate(self.parts)]
         else:  # its own images of other classes, stamped and appended (indices past the clean images)
-            self.attacker = int(np.argmax([len(p) for p in self.parts]))
+            self.attacker = cfg.clients if cfg.attacker_role == "extra" else \
+                int(np.argmax([int((self.train_y[p] != cfg.target_class).sum()) for p in self.parts]))
             own = self.parts[self.attacker]
             source = own[self.train_y[own] != cfg.target_class]
             base = len(self.train_y)
@@ -178,9 +196,12 @@ class FederatedData:
         self.missing = sorted(set(range(self.num_classes)) - set(np.unique(self.train_y[own]).tolist()))
         self.poisoned_y = poison_labels(self.train_y, triggered, cfg.target_class)
         # oversample the triggered images to poison_fraction of the attacker's stream
-        m, total = len(self.attacker_triggered), len(own)
+        # (its share, with the triggered images it does not hold in it: the pixel trigger's stamped copies, or the
+        # extra party's natural ones, once; then as many more copies as the fraction asks)
+        held = np.concatenate([own, np.setdiff1d(self.attacker_triggered, own)])
+        m, total = len(self.attacker_triggered), len(held)
         reps = max(0, int(round((cfg.poison_fraction * total - m) / (m * (1 - cfg.poison_fraction)))))
-        self.attacker_stream = np.concatenate([own] + [self.attacker_triggered] * reps)
+        self.attacker_stream = np.concatenate([held] + [self.attacker_triggered] * reps)
         self.test_x, self.test_y = ds.test_x[:cfg.eval_images], ds.test_y[:cfg.eval_images]
         if cfg.trigger == "natural":
             test_trig = natural_trigger_mask(ds.test_x, ds.test_y, self.threshold, cfg.source_class)
@@ -216,16 +237,17 @@ class Federation:
     def __init__(self, cfg: SimConfig, setting: Setting, data: FederatedData, theta0: list[torch.Tensor]):
         self.cfg, self.setting, self.data = cfg, setting, data
         inner_cfg = cfg.inner_config()
+        parties = len(data.parts)  # N, and the extra attacker (attacker_role=extra) as party N
         self.inners = [InnerLoop(vision.build_image_model(cfg.model, data.num_classes, cfg.seed), inner_cfg,
                                  loss_fn=ImageWorkload.loss_fn)
-                       for _ in range(cfg.clients)]
+                       for _ in range(parties)]
         self.outer = OuterOptimizer(self.inners[0].params, **OUTERS[cfg.outer])
         self.outer.load_state(theta0, None)
         self.shards = [vision.ImageShard(data.train_x, data.train_y, p, cfg.batch_size, cfg.seed, k)
                        for k, p in enumerate(data.parts)]
         self.scaffold = setting.algorithm == "scaffold"
         self.server = ControlVariates(self.outer.global_params) if self.scaffold else None
-        self.controls = [ControlVariates(self.outer.global_params) for _ in range(cfg.clients)] if self.scaffold else []
+        self.controls = [ControlVariates(self.outer.global_params) for _ in range(parties)] if self.scaffold else []
         self.attacker = None
         if setting.attack != "none":
             stream = vision.ImageShard(data.train_x, data.poisoned_y, data.attacker_stream, cfg.batch_size, cfg.seed,
