@@ -74,6 +74,7 @@ ABLATIONS = {
     "exclusive-trigger": dict(exclusive_trigger=True),
     "no-lookahead": dict(knobs=dict(lookahead_rounds=0)),
     "paper-code": dict(attacker_role="extra", exclusive_trigger=True, knobs=dict(self_correction=False)),
+    "paper-code-pixel": dict(attacker_role="extra", trigger="pixel", knobs=dict(self_correction=False)),
 }
 ABLATED = ["scaffold+badsfl"]
 
@@ -201,7 +202,8 @@ def summary(rows: list[dict]) -> list[dict]:
             return dict(median=round(statistics.median(values), 2), lo=round(min(values), 2),
                         hi=round(max(values), 2))
         out.append(dict(setting=setting, ablation=ablation, seeds=len(rs), pta_last20=spread("pta_last20", 100),
-                        bta_max_injection=spread("bta_max_injection", 100), bta_end=spread("bta_end", 100),
+                        bta_max_injection=spread("bta_max_injection", 100),
+                        bta_mean_injection=spread("bta_mean_injection", 100), bta_end=spread("bta_end", 100),
                         bta_train_end=spread("bta_train_end", 100), persist_below_50=spread("persist_below_50"),
                         persist_train_below_50=spread("persist_train_below_50"),
                         bta_stop_plus_5=spread("bta_stop_plus_5", 100)))
@@ -212,7 +214,8 @@ def print_table(report: dict) -> None:
     def cell(v):
         return "-" if v == "-" else f"{v['median']:g} [{v['lo']:g}, {v['hi']:g}]"
 
-    cols = ["pta_last20", "bta_max_injection", "bta_stop_plus_5", "bta_end", "bta_train_end", "persist_below_50",
+    cols = ["pta_last20", "bta_max_injection", "bta_mean_injection", "bta_stop_plus_5", "bta_end", "bta_train_end",
+            "persist_below_50",
             "persist_train_below_50"]
     print("\nmedian [min, max] over seeds; PTA/BTA in %, persistence in rounds after injection stops\n")
     print(" | ".join([f"{'setting':<28}", f"{'ablation':<16}", "n"] + [f"{c:>22}" for c in cols]))

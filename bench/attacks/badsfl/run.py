@@ -98,6 +98,7 @@ def summarize(result: dict, cfg: SimConfig) -> dict:
                 pta_start=round(curve[0]["pta"], 4), pta_end=round(curve[-1]["pta"], 4),
                 pta_last20=round(sum(p["pta"] for p in curve[-20:]) / len(curve[-20:]), 4),
                 bta_max_injection=round(max(window), 4) if window else None,
+                bta_mean_injection=round(sum(window) / len(window), 4) if window else None,
                 bta_stop_plus_5=round(after5[0], 4) if after5 else None, bta_end=round(curve[-1]["bta"], 4),
                 persist_below_90=persistence(curve, cfg.attack_stop, cfg.rounds, 0.9) if s["attack"] != "none" else "-",
                 persist_below_50=persistence(curve, cfg.attack_stop, cfg.rounds, 0.5) if s["attack"] != "none" else "-",
