@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-code bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -163,12 +163,19 @@ bench-badsfl-paper-quick: install
 	$(PY) -m bench.attacks.badsfl.paper --quick
 bench-badsfl-paper: install
 	$(PY) -m bench.attacks.badsfl.paper
-# the published defenses the paper compares against (FLAME, weak DP + pruning, SparseFed), 3 seeds; the clean
-# SCAFFOLD runs they are read against come from bench-badsfl-paper's cache (about 60 min on 2 cores)
+# what the paper's public code does differently, one ablation each and together (scaffold+badsfl, seed 0;
+# about 35 min on 2 cores)
+bench-badsfl-paper-code: install
+	$(PY) -m bench.attacks.badsfl.paper --seeds 0 --settings scaffold+badsfl --ablations no-self-correction \
+		extra-attacker exclusive-trigger no-lookahead paper-code paper-code-pixel --report badsfl-paper-code
+# the published defenses the paper compares against (FLAME, weak DP + pruning, SparseFed) beside the default,
+# in the preset and in the paper-code-pixel ablation (its public code's attacker and a pixel trigger: the
+# variant where BadSFL persists), with the baselines; seed 0 (about 60 min on 2 cores)
+BADSFL_DEFENSES = scaffold+badsfl scaffold+badsfl/default scaffold+badsfl/flame scaffold+badsfl/dp-prune \
+	scaffold+badsfl/sparsefed
 bench-badsfl-paper-defenses: install
-	$(PY) -m bench.attacks.badsfl.paper --ablations --settings scaffold scaffold+badsfl \
-		scaffold+badsfl/flame scaffold/flame scaffold+badsfl/dp-prune scaffold/dp-prune \
-		scaffold+badsfl/sparsefed scaffold/sparsefed
+	$(PY) -m bench.attacks.badsfl.paper --seeds 0 --settings $(BADSFL_DEFENSES) --ablations paper-code-pixel \
+		--ablated scaffold scaffold+blackbox scaffold+neurotoxin $(BADSFL_DEFENSES) --report badsfl-paper-defenses
 
 # a lone node's tokens/s with and without its metrics endpoint scraped 10 times a second, 1,000 scrapes (~3 min)
 bench-scrape: install

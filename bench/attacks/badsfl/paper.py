@@ -76,6 +76,8 @@ ABLATIONS = {
     "paper-code": dict(attacker_role="extra", exclusive_trigger=True, knobs=dict(self_correction=False)),
     "paper-code-pixel": dict(attacker_role="extra", trigger="pixel", knobs=dict(self_correction=False)),
 }
+# make bench-badsfl-paper runs the first five; the paper-code ones are make bench-badsfl-paper-code
+DEFAULT_ABLATIONS = ["adamw", "no-boost", "no-discriminator", "short-pretrain", "fresh-optimizer"]
 ABLATED = ["scaffold+badsfl"]
 
 
@@ -142,7 +144,7 @@ def _job(args):
 
 
 def run(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: list[str], out: Path,
-        workers: int, ablated: list[str] = ABLATED) -> dict:
+        workers: int, ablated: list[str] = ABLATED, report_name: str = "badsfl-paper") -> dict:
     """Pre-train every distinct starting model once, run all jobs in ``workers`` processes, write the outputs."""
     torch.set_num_threads(1)
     started = time.monotonic()
@@ -175,7 +177,7 @@ def run(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: list[s
                   runs=[{k: v for k, v in r.items() if k != "config"} for r in results],
                   seconds=round(time.monotonic() - started, 1), workers=workers)
     first = [r for r in report["runs"] if r["seed"] == seeds[0]]
-    write(report, out, "badsfl-paper", [dict(r, label=r["label"].replace(f" seed={seeds[0]}", "")) for r in first],
+    write(report, out, report_name, [dict(r, label=r["label"].replace(f" seed={seeds[0]}", "")) for r in first],
           f"BadSFL, the paper's MNIST setting on Fashion-MNIST ({cfg.model}, {cfg.optimizer}, {cfg.clients} clients, "
           f"{cfg.per_round} per round, seed {seeds[0]})", f"BTA, held-out test images -> class {cfg.target_class} (%)")
     print_table(report)
@@ -252,10 +254,12 @@ def main(argv=None) -> None:
     ap.add_argument("--settings", nargs="+", choices=list(BY_NAME), default=None,
                     help="default: SETTINGS (--quick: the KEY ones)")
     ap.add_argument("--ablations", nargs="*", choices=list(ABLATIONS), default=None,
-                    help="default: all (--quick: none)")
+                    help="default: DEFAULT_ABLATIONS (--quick: none)")
     ap.add_argument("--ablated", nargs="+", choices=list(BY_NAME), default=ABLATED,
                     help="the settings the ablations run on (default: scaffold+badsfl)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--report", default="badsfl-paper",
+                    help="the outputs' file stem (<out>/<report>.json, .csv, .png); the run cache is shared")
     ap.add_argument("--out", type=Path, default=OUT / "badsfl-paper",
                     help="outputs, and the cache of finished runs the quick and the full benchmark share")
     knobs = ap.add_argument_group("federated-learning knobs (default: the preset in the module docstring)")
@@ -281,9 +285,9 @@ def main(argv=None) -> None:
     knobs.add_argument("--discriminator", action=argparse.BooleanOptionalAction, default=None)
     a = ap.parse_args(argv)
     seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
-    ablations = a.ablations if a.ablations is not None else ([] if a.quick else list(ABLATIONS))
+    ablations = a.ablations if a.ablations is not None else ([] if a.quick else DEFAULT_ABLATIONS)
     settings = a.settings or (KEY if a.quick else SETTINGS)
-    run(config_from_flags(a), settings, seeds, ablations, a.out, a.workers, a.ablated)
+    run(config_from_flags(a), settings, seeds, ablations, a.out, a.workers, a.ablated, a.report)
 
 
 if __name__ == "__main__":
