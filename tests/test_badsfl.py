@@ -111,3 +111,27 @@ def test_the_attackers_own_lr_and_the_gan_discriminator(tmp_path):
     fed.round(2)
     assert inner.config is before and seen and all(lr == pytest.approx(5 * cfg.inner_lr) for lr in seen)
     assert len(seen) == 2 * cfg.inner_steps
+
+
+def test_the_public_codes_attacker_an_extra_party_in_the_window_only(tmp_path):
+    """paper-code: the attacker is party N (not one of the N clients), trains only in the attack window, steps
+    without SCAFFOLD's correction, and holds every triggered image (no benign share keeps one)."""
+    from types import SimpleNamespace
+
+    from bench.attacks.badsfl.attacks import Blackbox
+
+    knobs = dataclasses.replace(QUICK["knobs"], self_correction=False)
+    cfg = SimConfig(**{**QUICK, "rounds": 5, "attack_start": 2, "attack_stop": 3, "attacker_role": "extra",
+                       "exclusive_trigger": True, "knobs": knobs})
+    data = FederatedData(cfg)
+    assert data.attacker == cfg.clients and len(data.parts) == cfg.clients + 1
+    triggered = set(data.attacker_triggered.tolist())
+    assert triggered and not any(triggered & set(p.tolist()) for p in data.parts[:cfg.clients])
+    assert triggered <= set(data.attacker_stream.tolist())
+    run = run_setting(cfg, BY_NAME["scaffold+badsfl"], tmp_path, data)
+    present = [p["round"] for p in run["curve"][1:] if p["attacker_norm_ratio"] is not None]
+    assert present == [2, 3], present  # in the window only, never sampled as a client afterwards
+    # no correction hook on its own steps, even with control variates in play
+    assert Blackbox(None, knobs, [], 10, 0).hooks(SimpleNamespace(control=object())) == []
+    with pytest.raises(ValueError, match="attacker_role"):
+        FederatedData(dataclasses.replace(cfg, attacker_role="insider"))
