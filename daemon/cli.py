@@ -25,6 +25,12 @@ import time
 
 # hivemind forks its DHT/averager processes after our gRPC server exists; they never use grpcio
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# Memory (docs/operations.md, "Memory per node"); an operator's own values win. hivemind shares tensors with its
+# averager through torch's file_system strategy by default, which starts a torch_shm_manager process (about 60 MB
+# per node); file descriptors need none, and a node shares only a few tensors. p2pd (Go) inherits our
+# environment: a lower GC target keeps its heap about 25 MB smaller for a little more GC work.
+os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+os.environ.setdefault("GOGC", "50")
 
 
 from dilocox.daemon.config import ConfigError, add_flags, load_config
