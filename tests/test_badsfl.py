@@ -48,7 +48,8 @@ def test_badsfl_takes_hold_during_injection_in_a_small_federation(tmp_path):
 
 def test_the_papers_knobs_epochs_pixel_trigger_and_ablations():
     from bench.attacks.badsfl.paper import ABLATIONS, PAPER, ablate, config_from_flags, main  # noqa: F401
-    from bench.attacks.badsfl.sim import local_epochs_to_steps, stamp
+    from bench.attacks.badsfl.sim import stamp
+    from dilocox.partition import local_epochs_to_steps
 
     assert PAPER.inner_steps == 38 == local_epochs_to_steps(2, 24_000, 20, 64)  # 2 epochs of 1,200 at batch 64
     assert local_epochs_to_steps(0.01, 100, 10, 64) == 1

@@ -86,6 +86,7 @@ class Defense:
         if name not in DEFENSES:
             raise ValueError(f"defense {name!r}: expected one of {', '.join(DEFENSES)}")
         self.name = name
+        self.prunes = name == "dp-prune"  # ranks channels after each step (``rank_channels``)
         self.flame_lambda, self.dp_sigma = flame_lambda, dp_sigma
         self.prune_fraction, self.sparse_fraction = prune_fraction, sparse_fraction
         self.noise = torch.Generator().manual_seed(10_007 + seed)
@@ -118,7 +119,7 @@ class Defense:
         round, preprocessed [B, 1, 28, 28]) by mean activation, and mark the ``prune_fraction`` least active by
         mean rank for ``deployed``. ``forward_to(model, x)`` returns that convolution's activations
         [B, C, H, W] with ``params`` (theta) loaded into ``model``."""
-        if self.name != "dp-prune":
+        if not self.prunes:
             return
         weight = self._last_conv(params)
         for p, t in zip(model.parameters(), params):
@@ -134,7 +135,7 @@ class Defense:
         """The model the server would deploy: ``params`` itself, or for ``dp-prune`` a copy with the marked
         channels of the last convolution (weights and bias) at zero. Pruning acts on the deployed model, as in
         Wu et al. (after training); training goes on from the unpruned theta."""
-        if self.name != "dp-prune" or not self.pruned:
+        if not self.prunes or not self.pruned:
             return params
         out = [p.clone() for p in params]
         weight = self._last_conv(params)

@@ -45,7 +45,8 @@ import torch
 
 from bench.attacks.badsfl.attacks import AttackKnobs
 from bench.attacks.badsfl.run import BY_NAME, OUT, persistence, summarize, write
-from bench.attacks.badsfl.sim import FederatedData, SimConfig, local_epochs_to_steps, pretrained, run_setting
+from bench.attacks.badsfl.sim import FederatedData, SimConfig, pretrained, run_setting
+from dilocox.partition import local_epochs_to_steps
 
 EPOCHS = 2.0
 PAPER = SimConfig(clients=20, per_round=10, rounds=100, attack_start=10, attack_stop=40,

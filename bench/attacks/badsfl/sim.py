@@ -63,7 +63,7 @@ from bench.attacks.badsfl.client import flatten, local_round, scaffold_hook, unf
 from bench.attacks.badsfl.defenses import Defense
 from dilocox import robust, vision
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
-from dilocox.partition import local_epochs_to_steps, partition  # noqa: F401 (re-exported for the harness)
+from dilocox.partition import partition
 from dilocox.scaffold import ControlVariates
 from dilocox.workload import ImageWorkload
 
@@ -299,7 +299,7 @@ class Federation:
         before = [p.clone() for p in like]
         self.outer.step(unflatten(agg, like))
         self.global_update = [a - b for a, b in zip(like, before)]
-        if self.defense is not None:  # dp-prune: the round's clients rank channels on a sample of their own images
+        if self.defense is not None and self.defense.prunes:  # the round's clients rank channels on their own images
             batches = [vision.preprocess(self.data.train_x[self.data.parts[k][:PRUNE_SAMPLE]]) for k in chosen]
             self.defense.rank_channels(self.eval_model, like, batches, last_conv_activations)
         if self.scaffold:
