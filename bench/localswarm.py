@@ -126,11 +126,14 @@ def wait_all(nodes: list[LocalNode], predicate, timeout_s: float, what: str) -> 
     while not predicate():
         dead = [n.name for n in nodes if n.proc.poll() is not None]
         if dead:
-            raise RuntimeError(f"{dead} exited while waiting for {what}:\n" +
-                               "\n".join(n.log_tail(1500) for n in nodes))
+            raise RuntimeError(f"{dead} exited while waiting for {what}:\n{_tails(nodes)}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout_s:.0f}s:\n" + "\n".join(n.log_tail(1500) for n in nodes))
+            raise TimeoutError(f"no {what} within {timeout_s:.0f}s:\n{_tails(nodes)}")
         time.sleep(0.2)
+
+
+def _tails(nodes: list[LocalNode], chars: int = 1500) -> str:
+    return "\n".join(f"--- {n.name}\n{n.log_tail(chars)}" for n in nodes)
 
 
 def write_json(path: Path, data) -> None:

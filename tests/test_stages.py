@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from bench.localswarm import group_applied
+from bench.localswarm import group_applied, wait_all
 from tests.helpers import FAST, start
 
 pytestmark = [pytest.mark.integration, pytest.mark.swarm]
@@ -38,6 +38,7 @@ def _assert_groups_agree(members, upto: int) -> set[int]:
     return {step for step, _ in applied}
 
 
+@pytest.mark.timeout(480)  # about 150 s; each phase's own deadline fails first, with the nodes' logs
 def test_two_replicas_of_two_stages_train_agree_and_survive_a_dead_stage(tmp_path):
     a0 = start(tmp_path, "a0", STAGED + ["--stage", "0/2"])
     join = ["--join", a0.join_maddr]
@@ -46,8 +47,10 @@ def test_two_replicas_of_two_stages_train_agree_and_survive_a_dead_stage(tmp_pat
     b1 = start(tmp_path, "b1", STAGED + ["--stage", "1/2"] + join)
     nodes = [a0, a1, b0, b1]
     try:
-        for n in nodes:  # stage k averages with stage k of the other replica
-            n.wait_for(lambda p: len(_joint(p)) >= 3, 240, "three rounds averaged with the other replica")
+        # stage k averages with stage k of the other replica (about 40 s here). One deadline for all four, under
+        # the test's timeout, so a start that hangs fails with every node's log (CI once timed out here silently)
+        wait_all(nodes, lambda: all(len(_joint(n)) >= 3 for n in nodes), 180,
+                 "three rounds of every node averaged with the other replica")
         for n in nodes:
             s = n.status()
             assert s.num_stages == 2 and len(s.replica_members) == 2 and s.replica_id == s.replica_members[0], s
