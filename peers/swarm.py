@@ -23,9 +23,9 @@ import pydantic.v1 as pydantic
 from dilocox.peers import lifecycle
 from dilocox.peers.admission import Admission, AdmissionError, peer_id_of_public_key
 from dilocox.peers.bootstrap import JoinAbandoned, keep_trying
+from dilocox.peers.validation import CachedSchemaValidator, CachedSignatureValidator
 from hivemind.averaging.key_manager import is_valid_group
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.schema import BytesWithPublicKey
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
@@ -199,7 +199,7 @@ class Swarm:
         self.revocations_key = f"{run_id}_revocations"
         self._owners: Dict[bytes, Optional[str]] = {}  # DHT subkey -> the peer id of its RSA key
         self._refused: Dict[str, str] = {}  # peer_id -> why its record is ignored (logged once per reason)
-        signer = RSASignatureValidator(private_key)
+        signer = CachedSignatureValidator(private_key)
         self.public_key = signer.local_public_key
         parse_multiaddrs(initial_peers, "--join")
         parse_multiaddrs(host_maddrs, "--listen")
@@ -209,7 +209,8 @@ class Swarm:
             host_maddrs=host_maddrs,
             announce_maddrs=announce_maddrs or None,
             identity_path=identity_path,
-            record_validators=[SchemaValidator(SwarmSchema, prefix=run_id), signer],
+            # both remember verdicts: a read returns the same signed records many times (peers/validation.py)
+            record_validators=[CachedSchemaValidator(SwarmSchema, prefix=run_id), signer],
             nat_port_map=False,  # UPnP discovery would multicast off the machine
             client_mode=client_mode,
             use_auto_relay=auto_relay,

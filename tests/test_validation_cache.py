@@ -1,0 +1,84 @@
+"""Record validators that remember verdicts (peers/validation.py): same verdicts as hivemind's, each record
+checked once, a changed record checked afresh, a merged schema empties the cache."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.schema import SchemaValidator
+from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.serializer import MSGPackSerializer
+
+from dilocox.peers.swarm import MemberRecord, SwarmSchema
+from dilocox.peers.validation import CachedSchemaValidator, CachedSignatureValidator, VerdictCache
+
+
+def _member_record(validators: CompositeValidator, signer: RSASignatureValidator, outer_step: int,
+                   expiration_time: float = 2e9) -> DHTRecord:
+    """A membership record as hivemind's DHT stores it: key id, serialized subkey and value, then signed."""
+    value = MemberRecord(peer_id="QmPeer", run_id="run", state="TRAINING", outer_step=outer_step, inner_step=1,
+                         inner_steps=20, tokens_per_second=1.0, loss=2.0, global_params_digest="d").dict()
+    record = DHTRecord(key=DHTID.generate(source="run_members").to_bytes(),
+                       subkey=MSGPackSerializer.dumps(signer.local_public_key),
+                       value=MSGPackSerializer.dumps(value), expiration_time=expiration_time)
+    return dataclasses.replace(record, value=validators.sign_value(record))
+
+
+def test_cached_validators_give_hivemind_verdicts_once_per_record():
+    key = RSAPrivateKey()
+    signer, schema = CachedSignatureValidator(key), CachedSchemaValidator(SwarmSchema, prefix="run")
+    ours = CompositeValidator([schema, signer])
+    plain = CompositeValidator([SchemaValidator(SwarmSchema, prefix="run"), RSASignatureValidator(key)])
+    record = _member_record(ours, signer, outer_step=3)
+    assert plain.validate(record) and ours.validate(record)
+    for _ in range(5):  # the same record returned by five DHT peers
+        assert ours.validate(dataclasses.replace(record))
+    assert (signer.verdicts.misses, signer.verdicts.hits) == (1, 5)
+    assert (schema.verdicts.misses, schema.verdicts.hits) == (1, 5)
+
+    # a forged copy: the signature of step 3 over the value of step 4
+    forged_value = MSGPackSerializer.dumps(MemberRecord(**{**MSGPackSerializer.loads(
+        RSASignatureValidator().strip_value(record)), "outer_step": 4}).dict())
+    signature = record.value[len(RSASignatureValidator().strip_value(record)):]
+    forged = dataclasses.replace(record, value=forged_value + signature)
+    assert not plain.validate(forged)
+    assert not ours.validate(forged) and not ours.validate(forged)  # refused, and refused again from the cache
+    assert signer.verdicts.misses == 2
+
+    # a republication (new expiration time) is a new record: checked afresh
+    again = _member_record(ours, signer, outer_step=3, expiration_time=2e9 + 1)
+    assert ours.validate(again) and signer.verdicts.misses == 3
+
+
+def test_a_malformed_value_is_refused_by_the_cached_schema_validator():
+    signer, schema = CachedSignatureValidator(RSAPrivateKey()), CachedSchemaValidator(SwarmSchema, prefix="run")
+    ours = CompositeValidator([schema, signer])
+    record = _member_record(ours, signer, outer_step=3)
+    stripped = signer.strip_value(record)
+    bad = dataclasses.replace(record, value=MSGPackSerializer.dumps({"peer_id": 5}))
+    assert schema.validate(dataclasses.replace(record, value=stripped))
+    assert not schema.validate(bad) and not schema.validate(bad)
+    assert (schema.verdicts.misses, schema.verdicts.hits) == (2, 1)
+
+
+def test_merging_a_schema_empties_the_cache_and_the_cache_stays_bounded():
+    schema = CachedSchemaValidator(SwarmSchema, prefix="run", allow_extra_keys=False)
+    unknown = DHTRecord(key=b"elsewhere", subkey=b"", value=b"", expiration_time=2e9)
+    assert not schema.validate(unknown) and not schema.validate(unknown)
+    assert schema.verdicts.hits == 1
+    # the merged validator allows extra keys (hivemind's default), so the verdict changes: the cache must not hide it
+    assert schema.merge_with(SchemaValidator(SwarmSchema, prefix="other"))
+    assert schema.validate(unknown) and schema.verdicts.misses == 2
+
+    cache = VerdictCache(size=3)
+    checks = []
+    for i in [1, 2, 3, 1, 4, 2]:  # 1 is used again before 4 arrives, so 2 is the one evicted
+        cache.verdict(DHTRecord(key=bytes([i]), subkey=b"", value=b"", expiration_time=0.0),
+                      lambda r: checks.append(r.key) or True)
+    assert checks == [b"\x01", b"\x02", b"\x03", b"\x04", b"\x02"]
+    with pytest.raises(ValueError, match="at least one record"):
+        VerdictCache(size=0)
