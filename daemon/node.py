@@ -221,7 +221,8 @@ class Node:
             self.contributions = ContributionServer(self.swarm.replicate_p2p, prefix,
                                                     startup_timeout_s=cfg.startup_timeout,
                                                     tamper=self.attack.payload if self.attack else None,
-                                                    admitted=self.progress.admitted if self.admission else None)
+                                                    admitted=self.progress.admitted if self.admission else None,
+                                                    left=self._left)
             if cfg.catch_up_steps:  # applied updates for joiners that missed them (dilocox/catchup.py); more
                 # bytes of them than a state download holds would be slower to replay than to download again
                 self.updates = ContributionServer(self.swarm.replicate_p2p, f"{prefix}_updates",
@@ -377,6 +378,10 @@ class Node:
     def _donor_progress(self) -> tuple[str, int]:
         s = self.board.snapshot()
         return s.state.value, s.inner_step
+
+    def _left(self, peer_id: str) -> bool:
+        """True when ``peer_id`` has no live membership record, or one that says it is leaving or has left."""
+        return not any(m.peer_id == peer_id and m.state not in _GONE for m in self.progress.members())
 
     def _set_state(self, state: State, **changes) -> None:
         previous = self.board.snapshot().state

@@ -72,13 +72,17 @@ class ContributionServer(ServicerBase):
     def __init__(self, replicate_p2p: Callable[[], "asyncio.Future[P2P]"], namespace: str, *,
                  keep: int = 4, tamper: Optional[Tamper] = None, startup_timeout_s: float = 30.0,
                  admitted: Optional[Callable[[str], Optional[str]]] = None, max_bytes: Optional[int] = None,
-                 offer_wait_s: float = OFFER_WAIT_S):
+                 offer_wait_s: float = OFFER_WAIT_S, left: Optional[Callable[[str], bool]] = None):
         """``admitted(peer_id)``: None if that peer may fetch our contributions, else why not (a certified
-        swarm: peers/admission.py); None for an open swarm. ``max_bytes``: the oldest offers are also dropped
+        swarm: peers/admission.py); None for an open swarm. ``left(peer_id)``: True once that peer has left the
+        swarm (no live membership record, or one that says it is leaving; a blocking read, run off our loop):
+        a fetch then stops asking the relays for its payload when none of them holds a copy, instead of
+        asking until the deadline (a member that leaves mid-round never serves it). None: never.
+        ``max_bytes``: the oldest offers are also dropped
         while all of them together hold more (the newest is always kept). ``offer_wait_s``: how long a request
         for a key we have not offered yet waits for the offer (0: answer at once, e.g. for keys that may never
         come, such as the applied update of a round we skipped)."""
-        self.namespace, self.keep, self.tamper, self.admitted = namespace, keep, tamper, admitted
+        self.namespace, self.keep, self.tamper, self.admitted, self.left = namespace, keep, tamper, admitted, left
         self.max_bytes, self.offer_wait_s = max_bytes, offer_wait_s
         self._refused: Dict[str, str] = {}
         self._offers: "OrderedDict[str, bytes]" = OrderedDict()
@@ -260,6 +264,11 @@ class ContributionServer(ServicerBase):
                     logger.info("fetched %s's contribution via relay %s", peer, src)
                 self._keep_copy(key, peer, payload)
                 return payload
+            if sources and peer not in sources and self.left is not None and \
+                    await asyncio.get_running_loop().run_in_executor(None, self.left, peer):
+                # copies only come from the contributor, directly or through members that got one: gone, and no
+                # member we asked in this pass holds one, nobody ever will
+                raise ContributionError("it left the swarm before anyone we asked got a copy")
             if sources:
                 await asyncio.sleep(RELAY_POLL_S)
         raise ContributionError("neither the peer nor a relay served it (" +

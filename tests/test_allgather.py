@@ -205,6 +205,19 @@ def test_a_contribution_nobody_can_dial_comes_through_a_relay_and_a_failed_dial_
     assert gone_id in failed and gone_id in b.dials.undialable() and not b.dials.worth_dialing(gone_id)
     _, failed = b.fetch({gone_id: (SHA, 10)}, "k1", 20)
     assert "neither the peer nor a relay" in failed[gone_id] and "no relay" in failed[gone_id]
+    # relays without a copy are asked until the deadline, unless the contributor is known to have left (its
+    # record says so): then one pass over them decides, and the group stops waiting for it (it took 60 s)
+    _, failed = b.fetch({gone_id: (SHA, 10)}, "k1", 3, relays=(a_id,))
+    assert "not received within 3s" in failed[gone_id]
+    b.left = lambda peer: True
+    try:
+        started = time.monotonic()
+        _, failed = b.fetch({gone_id: (SHA, 10)}, "k1", 20, relays=(a_id,))
+        assert "it left the swarm" in failed[gone_id] and time.monotonic() - started < 6, failed
+        got, _ = b.fetch(wanted, "k1", 20, relays=(a_id,), no_direct=frozenset({c_id}))  # a relay's copy still counts
+        assert got == {c_id: payload}
+    finally:
+        b.left = None
 
 
 def test_an_empty_stream_is_asked_for_again_then_dropped_with_its_reason(trio):
