@@ -112,7 +112,7 @@ bench-quality-overlap: install
 bench-overlap: install
 	$(PY) -m bench.overlap_scale
 
-# N = 8, 16 and 24 nodes on loopback with 5 leaves and 5 joins each, EMULATED workload (~25 min)
+# N = 8, 16 and 32 nodes on loopback with 5 leaves and 5 joins each, EMULATED workload (~15 min)
 bench-swarm-size: install
 	$(PY) -m bench.swarm_size
 

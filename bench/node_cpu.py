@@ -68,11 +68,13 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=float, default=60.0, help="seconds of measurement after the first round")
     p.add_argument("--workload", default="synthetic:1M:0.25")
     p.add_argument("--inner-steps", type=int, default=40)
+    p.add_argument("--announce-period", default="2", help="seconds; 2 (more DHT work than the default 5) is what "
+                   "docs/operations.md's table used")
     p.add_argument("--profile", action="store_true", help="py-spy node n01's main and DHT processes")
     p.add_argument("--out", type=Path, default=Path("runs/bench/node-cpu"))
     a = p.parse_args(argv)
     args = BASE + ["--workload", a.workload, "--inner-steps", str(a.inner_steps), "--run-id", "cpu",
-                   "--min-replicas", str(a.nodes)]
+                   "--min-replicas", str(a.nodes), "--announce-period", a.announce_period]
     boot = LocalNode("n00", a.out / "n00", args).wait_started()
     nodes = [boot] + [LocalNode(f"n{i:02d}", a.out / f"n{i:02d}", args + ["--join", boot.join_maddr])
                       for i in range(1, a.nodes)]

@@ -6,15 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from dilocox.peers.swarm import MemberRecord, SwarmSchema
+from dilocox.peers.validation import CachedSchemaValidator, CachedSignatureValidator, VerdictCache
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import SchemaValidator
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
-
-from dilocox.peers.swarm import MemberRecord, SwarmSchema
-from dilocox.peers.validation import CachedSchemaValidator, CachedSignatureValidator, VerdictCache
 
 
 def _member_record(validators: CompositeValidator, signer: RSASignatureValidator, outer_step: int,
