@@ -60,7 +60,13 @@ def test_two_replicas_of_two_stages_train_agree_and_survive_a_dead_stage(tmp_pat
         by_peer = {n.status().peer_id: n for n in nodes}
         for first in (a0, b0):
             partner = by_peer[first.status().replica_members[1]]
-            losses = [{r["outer_step"]: r["loss"] for r in n.metrics()} for n in (first, partner)]
+
+            def losses_of(pair=(first, partner)):
+                return [{r["outer_step"]: r["loss"] for r in n.metrics()} for n in pair]
+            # the four nodes met the joint-round wait together, so one stage may not have written its latest rows yet
+            wait_all([first, partner], lambda: len(set(losses_of()[0]) & set(losses_of()[1])) >= 3, 60,
+                     "three rounds with both stages' losses recorded")
+            losses = losses_of()
             common = sorted(set(losses[0]) & set(losses[1]))
             assert len(common) >= 3, losses
             assert [losses[0][t] for t in common] == pytest.approx([losses[1][t] for t in common], abs=1e-6), losses
