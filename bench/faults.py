@@ -280,7 +280,7 @@ def _count(watch: Watch, log, unclean, target) -> dict:
     return dict(
         events=[e for _, e, _ in log],
         rounds=len({r["outer_step"] for r in all_rows
-                    if r["outcome"] in ("applied", "adopted", "solo", "applied_alone")}),
+                    if r["outcome"] in ("applied", "adopted", "united", "solo", "applied_alone")}),
         node_rounds=len(all_rows), stalls=sum(r["wait_s"] > AVERAGING_TIMEOUT for r in all_rows),
         past_deadline=sum(r["wait_s"] > round_deadline_s(r) for r in all_rows),
         longest_stall_s=round(max((r["wait_s"] for r in all_rows), default=0.0), 2),

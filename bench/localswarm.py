@@ -22,6 +22,8 @@ import grpc
 from dilocox.proto.dilocox.v1 import node_pb2, node_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
+# round outcomes (metrics.jsonl) that apply the swarm's update of a round: the group's, a majority's, a union's
+JOINT = ("applied", "adopted", "united")
 
 
 def node_env(threads: int = 1) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from bench.compare import _pss, _tree
-from bench.localswarm import LocalNode, wait_all
+from bench.localswarm import JOINT, LocalNode, wait_all
 from bench.swarm_size import BASE, stop_all
 
 IDLE_FRAMES = ("_watchdog", "DHT.run", "select", "socket.accept", "Connection._recv", "sleep")
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     began = time.monotonic()
     try:
         wait_all(nodes, lambda: all(x.poll_started() for x in nodes), 900, "every node's start")
-        wait_all(nodes, lambda: all(any(r["outcome"] == "applied" for r in x.metrics()) for x in nodes), 900,
+        wait_all(nodes, lambda: all(any(r["outcome"] in JOINT for r in x.metrics()) for x in nodes), 900,
                  "an applied round on every node")
         first_round_s = time.monotonic() - began
         before = [kinds(x) for x in nodes]

@@ -7,10 +7,11 @@ step, then for ``--duration`` seconds makes ``--churn`` leaves (SIGTERM to a ran
 and as many joins (a fresh node), evenly spaced, and finally asks every node to leave. From the nodes'
 metrics.jsonl and /proc it reports:
 
-- **joint**: the share of node-rounds applied with the swarm's update: outcome ``applied`` (or
-  ``adopted``: a split round's minority group took the majority's update, daemon/majority.py) and
-  the digest most nodes recorded for that outer step;
-- **splits**: outer steps at which applied rounds left two or more digests, and how many of them
+- **joint**: the share of node-rounds applied with the swarm's update: outcome ``applied``, ``adopted``
+  (a split round's minority group took the majority's update, daemon/majority.py) or ``united`` (a
+  split round without a majority applied the union of its groups' results), and the digest most
+  nodes recorded for that outer step;
+- **splits**: outer steps at which those rounds left two or more digests, and how many of them
   lasted beyond one round (the next step was split too);
 - **round time** and **overhead** (round time minus compute, the median over node-rounds), and the
   slope of the overhead against log2 N and against N (least squares over the sizes run);
@@ -36,7 +37,7 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.compare import _pss, _tree
-from bench.localswarm import LocalNode, wait_all
+from bench.localswarm import JOINT, LocalNode, wait_all
 
 # the daemon's default announce period (5 s): at 32 nodes on 2 cores, records with the 6 s lifetime of a 2 s period
 # expired before their late re-publication, and nodes waiting for all 32 to be live never saw them at once
@@ -80,7 +81,7 @@ def run_size(n: int, a, out: Path) -> dict:
     try:
         wait_all(nodes, lambda: all(x.poll_started() for x in nodes), 600, "every node's start")
         started_s = time.monotonic() - began
-        wait_all(nodes, lambda: all(any(r["outcome"] == "applied" for r in x.metrics()) for x in nodes), 900,
+        wait_all(nodes, lambda: all(any(r["outcome"] in JOINT for r in x.metrics()) for x in nodes), 900,
                  "an applied round on every node")
         first_round_s = time.monotonic() - began
         live, joined, left, events = list(nodes[1:]), n, [], []
@@ -129,7 +130,7 @@ def join_latency(joiners: list[LocalNode], round_s: float) -> list[dict]:
     round applied with the swarm (``applied`` or ``adopted``); None if it had none."""
     out = []
     for x in joiners:
-        joint = [r["time"] for r in x.metrics() if r["outcome"] in ("applied", "adopted")]
+        joint = [r["time"] for r in x.metrics() if r["outcome"] in JOINT]
         s = min(joint) - launched_at(x) if joint else None
         out.append(dict(node=x.name, first_joint_s=None if s is None else round(s, 1),
                         rounds=None if s is None else round(s / round_s, 2)))
@@ -142,16 +143,16 @@ def figures(nodes: list[LocalNode], peaks: dict[str, int]) -> dict:
     for r in rows:
         by_step.setdefault(r["outer_step"], Counter())[r["digest"]] += 1
     canon = {s: c.most_common(1)[0][0] for s, c in by_step.items()}
-    joint = [r for r in rows if r["outcome"] in ("applied", "adopted") and r["digest"] == canon[r["outer_step"]]]
+    joint = [r for r in rows if r["outcome"] in JOINT and r["digest"] == canon[r["outer_step"]]]
     applied_digests: dict[int, set] = {}
     for r in rows:
-        if r["outcome"] == "applied" and r["group_size"] >= 2:
+        if r["outcome"] in JOINT and r["group_size"] >= 2:
             applied_digests.setdefault(r["outer_step"], set()).add(r["digest"])
     split = sorted(s for s, d in applied_digests.items() if len(d) > 1)
     lasting = [s for s in split if s + 1 in split]
     outcomes = Counter(r["outcome"] for r in rows)
     med = lambda xs: statistics.median(xs) if xs else math.nan  # noqa: E731
-    applied = [r for r in rows if r["outcome"] == "applied"]
+    applied = [r for r in rows if r["outcome"] in JOINT]
     return dict(
         node_rounds=len(rows), joint_share=len(joint) / max(1, len(rows)), outcomes=dict(outcomes),
         steps=max(by_step, default=0), split_steps=split, lasting_splits=len(lasting),

@@ -35,7 +35,7 @@ def plot_timeline(timeline: dict, path: Path, title: str = "") -> Path:
     palette = {size: SIZE_COLORS[min(size, len(SIZE_COLORS)) - 1] for size in sizes}
     for y, name in enumerate(names):
         for t, step, size, outcome in rounds[name]:
-            applied = outcome in ("applied", "adopted", "solo", "applied_alone")
+            applied = outcome in ("applied", "adopted", "united", "solo", "applied_alone")
             ax.scatter(t - t0, y, s=28, marker="o", color=palette.get(size, "black") if applied else "none",
                        edgecolors=palette.get(size, "black"), linewidths=1.0, zorder=3)
             if step % 5 == 0:

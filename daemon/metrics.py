@@ -54,7 +54,7 @@ METRICS = {
     "dilocox_memory_bytes": "memory held for this node's stage, by part",
 }
 
-OUTCOMES = ("applied", "adopted", "solo", "applied_alone", "skipped", "resynced")
+OUTCOMES = ("applied", "adopted", "united", "solo", "applied_alone", "skipped", "resynced")
 
 
 class StatusCollector(Collector):

@@ -33,7 +33,7 @@ from dilocox.daemon.replica_state import ReplicaState
 from dilocox.daemon.rounds import Finished, OuterRounds, RoundOutcome
 from dilocox.daemon.staging import PipelineReplica, stage_tag
 from dilocox.daemon.status import RoundInfo, State, StatusBoard
-from dilocox.daemon.transfer import StateTransfer, update_key
+from dilocox.daemon.transfer import StateTransfer, result_key, update_key
 from dilocox.peers import deadlines, reachability
 from dilocox.peers.admission import Admission
 from dilocox.peers.allgather import ContributionServer
@@ -52,8 +52,9 @@ from dilocox.tokenizer import load_tokenizer
 from dilocox.workload import make_workload
 
 logger = logging.getLogger(__name__)
-_RECORDED = (RoundOutcome.APPLIED, RoundOutcome.ADOPTED, RoundOutcome.SOLO, RoundOutcome.APPLIED_ALONE,
-             RoundOutcome.SKIPPED)
+RESULT_ROUNDS = 2  # rounds whose group result we serve: a slow group may still be uniting the last one
+_RECORDED = (RoundOutcome.APPLIED, RoundOutcome.ADOPTED, RoundOutcome.UNITED, RoundOutcome.SOLO,
+             RoundOutcome.APPLIED_ALONE, RoundOutcome.SKIPPED)
 _GONE = (State.DRAINING.value, State.STOPPED.value)  # states of members that no longer take part
 
 
@@ -107,6 +108,7 @@ class Node:
         self.averagers: dict[int, PseudoGradientAverager] = {}  # buffer size -> averager (one per rank)
         self.contributions: Optional[ContributionServer] = None  # sparse rounds: all-gather of payloads
         self.updates: Optional[ContributionServer] = None  # sparse rounds: applied updates, for catch-up
+        self.results: Optional[ContributionServer] = None  # sparse rounds: our group's result of a split round
         self.audit_states: Optional[ContributionServer] = None  # --audit-rate: our committed round start states
         self.audits: Optional[Audits] = None
         self._reachability = reachability.Reachability.REACHABLE  # the last verdict (peers/reachability.py)
@@ -230,6 +232,11 @@ class Node:
                                                   admitted=self.progress.admitted if self.admission else None,
                                                   max_bytes=self.state.state_bytes(), offer_wait_s=0.0)
                 self.state.on_applied = lambda u: self.updates.offer(update_key(u.outer_step), encode(u))
+                # a group's result while a split round is settled, for the other groups to unite (daemon/majority.py)
+                self.results = ContributionServer(self.swarm.replicate_p2p, f"{prefix}_results", keep=RESULT_ROUNDS,
+                                                  startup_timeout_s=cfg.startup_timeout, offer_wait_s=0.0,
+                                                  admitted=self.progress.admitted if self.admission else None,
+                                                  max_bytes=self.state.state_bytes())
             if cfg.audit_rate:  # recomputation audits (daemon/audits.py)
                 self.audit_states = ContributionServer(self.swarm.replicate_p2p, f"{prefix}_audit", keep=KEEP_ROUNDS,
                                                        startup_timeout_s=cfg.startup_timeout, offer_wait_s=0.0,
@@ -242,17 +249,24 @@ class Node:
         self.deadlines = RoundDeadlines(measured, matchmaking_cap_s=cfg.matchmaking_time,
                                         group_wait_cap_s=cfg.outer_round_deadline - cfg.averaging_timeout,
                                         request_timeout_s=cfg.request_timeout)
-        self.transfer.attach(self.averagers[sizes[0]], self.updates)
+        self.transfer.attach(self.averagers[sizes[0]], self.updates, self.results)
         self.state.on_snapshot = self.transfer.published
         self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
                                   self.deadlines, self.contributions, self.attack,
                                   fetch_update=self.transfer.fetch_update if self.updates is not None else None,
-                                  audits=self.audits)
+                                  audits=self.audits,
+                                  fetch_result=self.transfer.fetch_result if self.results is not None else None,
+                                  offer_result=self._offer_result if self.results is not None else None)
         self.board.update(outer_step=self.state.outer_step, inner_steps=self.H, global_params_digest=self.state.digest,
                           overlap=cfg.overlap, outer_algorithm=cfg.outer_algorithm, compression=cfg.compression,
                           stage_index=cfg.stage_index,
                           attack=self.attack.name if self.attack else "",
                           num_stages=cfg.num_stages, memory=self.state.memory())
+
+    def _offer_result(self, index: int, result) -> None:
+        """Serve our group's result of round ``index`` (an AppliedUpdate whose digest is the result's) to the
+        other groups of a split round (daemon/majority.py)."""
+        self.results.offer(result_key(index), encode(result))
 
     def _make_averagers(self, prefix: str, sizes: list[int]) -> None:
         """One averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors), or one for
@@ -282,7 +296,7 @@ class Node:
             self.progress.stop()
         if self.rounds is not None:
             self.rounds.shutdown()
-        for closer in (self.pipeline, self.audits, self.contributions, self.updates, self.audit_states,
+        for closer in (self.pipeline, self.audits, self.contributions, self.updates, self.results, self.audit_states,
                        *self.averagers.values(), self.swarm):
             try:
                 if closer is not None:

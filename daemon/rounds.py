@@ -32,7 +32,7 @@ from typing import Optional, Union
 import torch
 from dilocox.daemon.audits import Audits
 from dilocox.daemon.config import NodeConfig
-from dilocox.daemon.majority import FetchUpdate, MajorityUpdate
+from dilocox.daemon.majority import FetchResult, FetchUpdate, MajorityUpdate, OfferResult
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.redteam import Attack
 from dilocox.daemon.replica_state import ReplicaState
@@ -75,6 +75,7 @@ class RoundOutcome(str, Enum):
 
     APPLIED = "applied"              # the group's verified mean was applied
     ADOPTED = "adopted"              # a split round: the majority group's update was applied in place of ours
+    UNITED = "united"                # a split round without a majority: the union of every group's results
     SOLO = "solo"                    # nobody else could take part: our own pseudo-gradient was applied
     APPLIED_ALONE = "applied_alone"  # the all-reduce failed and nobody else applied the round: ours was
     SKIPPED = "skipped"              # no result had a majority: the whole group consumed it without update
@@ -101,15 +102,15 @@ class Finished:
 
 @dataclass
 class Checked:
-    """What checking a round's finished exchange found (``OuterRounds._check``): APPLIED, SKIPPED, APPLIED_ALONE,
-    RESYNC (``reason``; ``fetches_result``: the re-sync may bring this round's result) or CANCELLED."""
+    """What checking a round's finished exchange found (``OuterRounds._check``): APPLIED, ADOPTED, UNITED, SKIPPED,
+    APPLIED_ALONE, RESYNC (``reason``; ``fetches_result``: the re-sync may bring this round's result) or CANCELLED."""
 
     outcome: RoundOutcome
     result: Optional[RoundResult] = None
     group_size: int = 1
     reason: str = ""
     fetches_result: bool = False
-    adopted: Optional[AppliedUpdate] = None  # ADOPTED: the majority group's update (daemon/majority.py)
+    adopted: Optional[AppliedUpdate] = None  # ADOPTED, UNITED: what is applied in place of ours (daemon/majority.py)
 
 
 @dataclass
@@ -155,12 +156,15 @@ class OuterRounds:
                  averagers: dict[int, PseudoGradientAverager], leave_requested: threading.Event,
                  deadlines: RoundDeadlines, contributions: Optional[ContributionServer] = None,
                  attack: Optional[Attack] = None, fetch_update: Optional[FetchUpdate] = None,
-                 audits: Optional[Audits] = None):
+                 audits: Optional[Audits] = None, fetch_result: Optional[FetchResult] = None,
+                 offer_result: Optional[OfferResult] = None):
         """``deadlines``: the matchmaking time and group wait each round uses (peers/deadlines.py);
         ``contributions``: serves and fetches all-gathered contributions (sparse compression);
         ``attack``: the red-team hook (daemon/redteam.py), None on an honest node; ``fetch_update``:
         fetches an update other members applied (sparse catch-up), so that a group outside a split
         round's majority adopts the majority's update (daemon/majority.py); None: every group applies its own.
+        ``fetch_result`` / ``offer_result``: fetch another group's result of a round, serve ours, so that the
+        groups of a split round without a majority apply the union of their results (None: each its own).
         ``audits``: commitments for the gathered metadata and the peers audits excluded (daemon/audits.py)."""
         self.cfg, self.state, self.progress, self.averagers = cfg, state, progress, averagers
         self.deadlines = deadlines
@@ -180,7 +184,7 @@ class OuterRounds:
         self._stopping = threading.Event()  # shutdown: a verifier wait for an exchange ends
         self.majority = None if fetch_update is None or cfg.num_stages > 1 else MajorityUpdate(
             progress, fetch_update, self.delayed, cfg.averaging_timeout,
-            lambda: self._stopping.is_set() or leave_requested.is_set())
+            lambda: self._stopping.is_set() or leave_requested.is_set(), fetch_result, offer_result)
 
     def bandwidth_bps(self) -> float:
         """Our link rate for the rank cap (bit/s): configured, else the best all-reduce throughput seen
@@ -418,15 +422,16 @@ class OuterRounds:
             return finished
         averaged = {RoundOutcome.APPLIED: result.tensors if result else None, RoundOutcome.SKIPPED: None,
                     RoundOutcome.ADOPTED: checked.adopted.aggregate if checked.adopted else None,
+                    RoundOutcome.UNITED: checked.adopted.aggregate if checked.adopted else None,
                     }.get(outcome, p.pseudo_gradient)  # solo, alone: our own
         # averaged None (skipped): only the local re-base follows; a donor serves the new shared compression
         # state only together with the outer step it belongs to
         apply_began = time.monotonic()
         with self.state.changing():
-            if outcome in (RoundOutcome.APPLIED, RoundOutcome.ADOPTED):  # our contribution went out either way
+            if outcome in (RoundOutcome.APPLIED, RoundOutcome.ADOPTED, RoundOutcome.UNITED):  # ours went out
                 self.state.compressor.commit(p.compression)
             self.state.apply_outer(averaged, p.index, group_size)
-        if checked.adopted is not None and self.state.digest != checked.adopted.digest:
+        if outcome == RoundOutcome.ADOPTED and self.state.digest != checked.adopted.digest:
             # same theta, aggregate and outer rule (shared settings) give the same bits; if not, the next round's
             # start digests send us to re-sync
             logger.error("round %d: the adopted update gave theta %s, its group's is %s", p.index, self.state.digest,
@@ -496,11 +501,13 @@ class OuterRounds:
                                   f"{canon} (partial result?); not applied")
         if self.majority is not None:  # one update per round, even where matchmaking split it
             _, holders = canonical_digest(results)
-            settled = self.majority.resolve(p.index, set(starts), len(holders), self.state.digest)
-            if settled.standing == Standing.ADOPT and settled.update is None:
+            settled = self.majority.resolve(p.index, set(starts), len(holders), self.state.digest, result.tensors,
+                                            len(result.inputs))
+            if settled.standing in (Standing.ADOPT, Standing.UNION) and settled.update is None:
                 return Checked(RoundOutcome.RESYNC, result, group_size, fetches_result=True, reason=settled.reason)
             if settled.update is not None:
-                return Checked(RoundOutcome.ADOPTED, result, settled.update.group_size, adopted=settled.update)
+                outcome = RoundOutcome.UNITED if settled.standing == Standing.UNION else RoundOutcome.ADOPTED
+                return Checked(outcome, result, settled.update.group_size, adopted=settled.update)
         if result.allreduce_s > 0:
             self.measured_bps = max(self.measured_bps, 8 * result.bytes_sent / result.allreduce_s)
         # from all-gathered figures only, so every member picks the same rank (and averager)

@@ -89,16 +89,19 @@ class StateTransfer:
         self._donor_progress, self._cancelled = donor_progress, cancelled
         self.averager: Optional[PseudoGradientAverager] = None  # set by attach()
         self.updates: Optional[ContributionServer] = None  # set by attach(): applied updates, for catch-up
+        self.results: Optional[ContributionServer] = None  # set by attach(): group results of split rounds
         self.caught_up = 0  # outer steps replayed by catch-up since start
         self._waited_for_result, self._late_waits = False, 0
         self._busy_until = 0.0  # monotonic time until which we serve no other joiner
         self.attempts = 0  # state downloads and waits of the current sync
         self.on_attempt: Callable[[str, int], None] = lambda reason, attempts: None  # e.g. status
 
-    def attach(self, averager: PseudoGradientAverager, updates: Optional[ContributionServer] = None) -> None:
-        """The averager that serves (``serve``) and downloads our stage's state, and the server of applied
-        updates (sparse rounds; None: no catch-up, a joiner that missed steps downloads again)."""
-        self.averager, self.updates = averager, updates
+    def attach(self, averager: PseudoGradientAverager, updates: Optional[ContributionServer] = None,
+               results: Optional[ContributionServer] = None) -> None:
+        """The averager that serves (``serve``) and downloads our stage's state, the server of applied
+        updates (sparse rounds; None: no catch-up, a joiner that missed steps downloads again) and that of
+        split rounds' group results (daemon/majority.py; None: no union)."""
+        self.averager, self.updates, self.results = averager, updates, results
         self.published()
 
     def published(self) -> None:
@@ -323,12 +326,19 @@ class StateTransfer:
         against our parameters' shapes: dilocox/catchup.py), or None (also without sparse catch-up)."""
         return self._fetch_update(peers, step)[0] if self.updates is not None else None
 
-    def _fetch_update(self, peers: list[str], step: int) -> tuple[Optional[AppliedUpdate], int, list[str]]:
+    def fetch_result(self, peers: list[str], index: int) -> Optional[AppliedUpdate]:
+        """The group result of round ``index`` from the first of ``peers`` that offers one (decoded and checked
+        against our shapes; its digests are what the server claims), or None; for daemon/majority.py."""
+        return self._fetch_update(peers, index, self.results, result_key(index))[0] if self.results else None
+
+    def _fetch_update(self, peers: list[str], step: int, server: Optional[ContributionServer] = None,
+                      key: str = "") -> tuple[Optional[AppliedUpdate], int, list[str]]:
         shapes = [tuple(p.shape) for p in self.state.outer.global_params]
+        server, key = server or self.updates, key or update_key(step)
         errors = []
         for peer in peers:
-            got, failed = self.updates.fetch({peer: (None, max_encoded_bytes(shapes))}, update_key(step),
-                                             self.cfg.request_timeout + self.transfer_s())
+            got, failed = server.fetch({peer: (None, max_encoded_bytes(shapes))}, key,
+                                       self.cfg.request_timeout + self.transfer_s())
             try:
                 if peer in got:
                     return decode(got[peer], shapes), len(got[peer]), errors
@@ -386,6 +396,11 @@ class StateTransfer:
             held = ", ".join(f"{m.peer_id[-6:]}: {m.outer_step}/{m.global_params_digest}" for m in records)
             raise ValueError(f"no member's record holds the downloaded state (outer step {meta.outer_step}, digest "
                              f"{meta.digest}; records hold {held or 'nothing'}): not adopted")
+
+
+def result_key(index: int) -> str:
+    """Key under which a node serves its group's result of round ``index`` while a split round is settled."""
+    return f"result/{index}"
 
 
 def update_key(outer_step: int) -> str:

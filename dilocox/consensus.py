@@ -73,28 +73,54 @@ class Standing(str, Enum):
     MAJORITY = "majority"  # our group holds a strict majority of the round's replicas: its update is the round's
     ADOPT = "adopt"        # another group's result is held by a strict majority: every other group adopts it
     WAIT = "wait"          # no majority yet, but one may still appear among the results not yet reported
-    ALONE = "alone"        # no group can hold a majority: each applies its own (the next round reconciles)
+    UNION = "union"        # no group can hold a majority and every group reported: all apply the union of results
+    ALONE = "alone"        # no group can hold a majority, nor be united with: each applies its own
 
 
-def group_standing(ours: int, replicas: int, outside: Dict[str, str], pending: int) -> Tuple[Standing, Optional[str]]:
+def union_groups(outside: Dict[str, str], sizes: Dict[str, int]) -> Dict[str, int]:
+    """The other groups' results a UNION round combines: result digest -> weight.
+
+    ``outside``: peer_id -> result digest, as for ``group_standing``; ``sizes``: peer_id -> how many
+    contributions that member's group used (the ``inputs`` of its record; every member of a group
+    publishes the same set). A digest counts only if a strict majority of its group holds it
+    (2 x holders > the largest size its holders report), the condition under which that group's
+    members APPLY it (``judge_result``); a member's partial result, which its group re-syncs from, is
+    left out. Its weight is that size (its holder count where no holder lists inputs): every member
+    reads the same number from any one holder's signed record, and a minority cannot inflate it past
+    twice its holders. Sorted by digest, so every group combines in one order."""
+    counts = Counter(outside.values())
+    largest: Dict[str, int] = {}
+    for peer, digest in outside.items():
+        largest[digest] = max(largest.get(digest, 0), sizes.get(peer, 0))
+    return {d: largest[d] or held for d, held in sorted(counts.items()) if 2 * held > largest[d]}
+
+
+def group_standing(ours: int, replicas: int, outside: Dict[str, str], pending: int,
+                   sizes: Optional[Dict[str, int]] = None) -> Tuple[Standing, Optional[str]]:
     """The rule that gives a split round one update (docs/protocol.md, "One update per round").
 
     ``ours``: members of our group holding our result; ``replicas``: replicas that take part in the round
     (ours included, from the membership records); ``outside``: peer_id -> result digest of this round,
     published by members outside our group; ``pending``: outside members of the round that have not
-    published one yet. At most one result can be held by a strict majority, so every member of every
-    group that sees it picks the same one. Returns (standing, the majority's result digest for ADOPT)."""
-    replicas = max(replicas, ours + len(outside) + pending)
+    published one yet; ``sizes``: peer_id -> contributions its group used (``union_groups``). A result
+    that a strict majority of its own group holds counts with its group's size, so a record read late
+    does not shrink a group. At most one result can be held by a strict majority, so every member of
+    every group that sees it picks the same one. Without a possible majority, every group waits for
+    the pending reports (WAIT), then unites with the groups that reported (UNION; ``union_groups``
+    says which); ALONE when nobody outside reported. Returns (standing, the majority's result digest
+    for ADOPT)."""
+    counts = Counter(outside.values())
+    valid = union_groups(outside, sizes or {})
+    held = {d: max(c, valid.get(d, 0)) for d, c in counts.items()}
+    replicas = max(replicas, ours + sum(held.values()) + pending)
     if 2 * ours > replicas:
         return Standing.MAJORITY, None
-    counts = Counter(outside.values())
-    for digest, held in sorted(counts.items()):
-        if 2 * held > replicas:
+    for digest, n in sorted(held.items()):
+        if 2 * n > replicas:
             return Standing.ADOPT, digest
-    best = max(counts.values(), default=0)
-    if 2 * (best + pending) > replicas:  # the pending members may still report a majority's result
+    if pending:  # a majority may still appear, or the union needs the missing groups' results
         return Standing.WAIT, None
-    return Standing.ALONE, None
+    return (Standing.UNION if outside else Standing.ALONE), None
 
 
 def settings_conflict(ours: str, others: Dict[str, str]) -> Optional[Tuple[str, List[str]]]:

@@ -220,15 +220,30 @@ def test_join_waits_for_the_next_round_when_its_group_is_forming():
     (3, 8, {"c": "M", "d": "M", "e": "M", "f": "M", "g": "M"}, 0, (Standing.ADOPT, "M")),
     (3, 8, {"c": "M", "d": "M", "e": "M"}, 2, (Standing.WAIT, None)),  # M may still reach 5 of 8
     (3, 8, {"c": "M", "d": "M"}, 3, (Standing.WAIT, None)),  # the 3 pending may join M, or form a group
-    (4, 8, {"c": "M", "d": "M", "e": "M", "f": "M"}, 0, (Standing.ALONE, None)),  # a tie: nobody has a majority
-    (3, 9, {"c": "M", "d": "M", "e": "N", "f": "N", "g": "O", "h": "O"}, 0, (Standing.ALONE, None)),
-    (1, 2, {}, 1, (Standing.ALONE, None)),  # half can never be a strict majority
+    (4, 8, {"c": "M", "d": "M", "e": "M", "f": "M"}, 0, (Standing.UNION, None)),  # a tie: nobody has a majority
+    (3, 9, {"c": "M", "d": "M", "e": "N", "f": "N", "g": "O", "h": "O"}, 0, (Standing.UNION, None)),
+    (3, 9, {"c": "M", "d": "M", "e": "N"}, 3, (Standing.WAIT, None)),  # no majority, but the union needs them
+    (1, 2, {}, 1, (Standing.WAIT, None)),  # half can never be a strict majority, but it may report a result
+    (1, 2, {}, 0, (Standing.ALONE, None)),  # nobody outside reported: nothing to unite with
     (2, 3, {}, 0, (Standing.MAJORITY, None)),
     # replicas counts at least everyone seen: a stale count cannot make two majorities
     (3, 3, {"c": "M", "d": "M", "e": "M", "f": "M"}, 0, (Standing.ADOPT, "M")),
 ])
 def test_group_standing(ours, replicas, outside, pending, expected):
     assert group_standing(ours, replicas, outside, pending) == expected
+
+
+def test_a_group_read_in_part_counts_with_its_size():
+    """32 replicas: our group of 15 reads only 10 records of the other group's 17; those records list its 17
+    contributions, so it is the majority (adopted): by holder counts alone our 15 of 25 would keep its own
+    while that group keeps its own too, two updates in one round."""
+    outside = {f"b{i}": "B" for i in range(10)}
+    sizes = {p: 17 for p in outside}
+    assert group_standing(15, 25, outside, 0) == (Standing.MAJORITY, None)  # by holder counts alone
+    assert group_standing(15, 25, outside, 0, sizes) == (Standing.ADOPT, "B")
+    # and that group, reading all of ours, keeps its own
+    assert group_standing(17, 32, {f"a{i}": "A" for i in range(15)}, 0, {f"a{i}": 15 for i in range(15)}) == (
+        Standing.MAJORITY, None)
 
 
 def test_at_most_one_group_of_a_round_keeps_its_own_update():
@@ -247,6 +262,31 @@ def test_at_most_one_group_of_a_round_keeps_its_own_update():
                 verdicts[d] = group_standing(size, n, outside, 0)
             own = [d for d, (st, _) in verdicts.items() if st in (Standing.MAJORITY, Standing.ALONE)]
             adopted = {m for st, m in verdicts.values() if st == Standing.ADOPT}
+            united = [d for d, (st, _) in verdicts.items() if st == Standing.UNION]
             if adopted:
-                assert own == list(adopted) and len(adopted) == 1, (sizes, verdicts)
+                assert own == list(adopted) and len(adopted) == 1 and not united, (sizes, verdicts)
+            else:  # no majority: every group unites (or the only group keeps its own)
+                assert len(united) == len(sizes) or own == digests == ["g0"], (sizes, verdicts)
             assert all(st != Standing.WAIT for st, _ in verdicts.values())  # nothing pending: nobody waits
+
+
+@pytest.mark.parametrize("outside, sizes, expected", [
+    # two other groups, each all holding its result: both count, weighted by contributions, sorted by digest
+    ({"c": "N", "d": "N", "e": "M", "f": "M", "g": "M"}, {"c": 2, "d": 2, "e": 3, "f": 3, "g": 3},
+     {"M": 3, "N": 2}),
+    # a member of a group of 3 with a partial result (1 holder of 3): its group re-syncs it, we leave it out;
+    # the group's weight is its 3 contributions although only 2 holders' records were read
+    ({"c": "M", "d": "M", "e": "P"}, {"c": 3, "d": 3, "e": 3}, {"M": 3}),
+    # a holder of 3 seen alone is not a majority of its group (yet): left out
+    ({"c": "M"}, {"c": 3}, {}),
+    # a lone member that claims a group of 5 holds no majority of it: left out
+    ({"c": "X"}, {"c": 5}, {}),
+    # a lone member that claims no group is a group of one: weight 1; two that list none: 2 holders
+    ({"c": "X"}, {}, {"X": 1}),
+    ({"c": "X", "d": "X"}, {}, {"X": 2}),
+])
+def test_union_groups(outside, sizes, expected):
+    from dilocox.consensus import union_groups
+
+    got = union_groups(outside, sizes)
+    assert got == expected and list(got) == sorted(expected)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -320,6 +320,7 @@ class Member(Peer):
     result_step: int = 0
     result_digest: str = ""
     client_mode: bool = False
+    inputs: dict = field(default_factory=dict)  # contributor -> payload digest: the contributions its group used
 
 
 def _majority_update(tmp_path, state, group_size: int):
@@ -333,7 +334,7 @@ def _majority_update(tmp_path, state, group_size: int):
     return AppliedUpdate(1, state.digest, twin.digest, group_size, aggregate), params_digest(aggregate)
 
 
-def split_rounds(state, outside, fetch):
+def split_rounds(state, outside, fetch, fetch_result=None, offer_result=None):
     cfg = state.cfg.model_copy(update=dict(averaging_timeout=1.0))
     flags = RoundDeadlines(None, matchmaking_cap_s=cfg.matchmaking_time,
                            group_wait_cap_s=cfg.outer_round_deadline - cfg.averaging_timeout,
@@ -347,7 +348,8 @@ def split_rounds(state, outside, fetch):
             return {"me": digest, "a": digest, "b": digest}
 
     _made.append(OuterRounds(cfg, state, Progress(outside), averagers={}, leave_requested=threading.Event(),
-                             deadlines=flags, fetch_update=fetch))
+                             deadlines=flags, fetch_update=fetch, fetch_result=fetch_result,
+                             offer_result=offer_result))
     return _made[-1]
 
 
@@ -382,3 +384,47 @@ def test_a_majority_update_that_fails_its_checks_is_not_applied(tmp_path, state)
         done = split_rounds(state, outside, lambda peers, step: bad).finish(pending(state, None))
         assert done.outcome == RoundOutcome.RESYNC and "could not be fetched" in done.reason, done.reason
         assert (state.outer_step, state.digest) == (0, theta0)
+
+
+def test_groups_without_a_majority_apply_the_union_of_their_results(tmp_path, state):
+    """A tie, 3 against 3: both groups offer their result, fetch the other's, and apply the same union
+    (dilocox/union.py, in result-digest order), so theta stays bit-identical across the split."""
+    from dilocox.catchup import AppliedUpdate
+    from dilocox.union import unite
+
+    theirs = [torch.full_like(p, -1e-3) for p in state.outer.global_params]
+    their_digest = params_digest(theirs)
+    outside = [Member(peer_id=p, outer_step=0, round=1, result_step=1, result_digest=their_digest,
+                      inputs={q: "0" * 16 for q in "cde"}) for p in "cde"]
+    offered, asked = [], []
+    theta0 = state.digest
+    twin = computed_round(tmp_path / "twin")  # the same theta_0, to apply the expected union by hand
+    done = split_rounds(state, outside, lambda peers, step: pytest.fail("no majority to adopt"),
+                        fetch_result=lambda peers, r: asked.append((sorted(peers), r)) or AppliedUpdate(
+                            r, theta0, their_digest, 99, theirs),
+                        offer_result=lambda r, u: offered.append((r, u))).finish(pending(state, None))
+    assert done.outcome == RoundOutcome.UNITED and done.info.group_size == 6, done
+    assert asked == [(list("cde"), 1)]
+    (r, ours), = offered  # our group's result went out before the union was decided
+    assert r == 1 and ours.parent_digest == theta0 and ours.digest == params_digest(ours.aggregate)
+    # weights are the holders in the records (3 and 3), not the 99 the server claimed
+    expected = unite([(3, u) for _, u in sorted([(their_digest, theirs), (ours.digest, ours.aggregate)])])
+    twin.apply_outer(expected, 1, 6)
+    assert (state.outer_step, state.digest) == (1, twin.digest)
+
+
+def test_a_union_whose_other_result_cannot_be_had_re_syncs(tmp_path, state):
+    from dataclasses import replace
+
+    from dilocox.catchup import AppliedUpdate
+
+    theirs = [torch.full_like(p, -1e-3) for p in state.outer.global_params]
+    outside = [Member(peer_id=p, outer_step=0, round=1, result_step=1, result_digest=params_digest(theirs))
+               for p in "cde"]
+    good = AppliedUpdate(1, state.digest, params_digest(theirs), 3, theirs)
+    for bad in (None, replace(good, aggregate=[a * 2 for a in theirs]), replace(good, parent_digest="elsewhere")):
+        st = computed_round(tmp_path / f"u{id(bad)}")
+        done = split_rounds(st, outside, lambda peers, step: None, fetch_result=lambda peers, r: bad,
+                            offer_result=lambda r, u: None).finish(pending(st, None))
+        assert done.outcome == RoundOutcome.RESYNC and "union of 2 groups" in done.reason, done.reason
+        assert st.outer_step == 0

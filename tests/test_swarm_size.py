@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from bench.localswarm import LocalNode, wait_all
+from bench.localswarm import JOINT, LocalNode, wait_all
 from tests.helpers import dht_process, thaw
 
 pytestmark = [pytest.mark.integration]
@@ -41,7 +41,7 @@ def test_twelve_nodes_started_at_once_against_a_busy_bootstrap_peer_train_with_o
         wait_all(nodes, lambda: sum(n.poll_started() for n in nodes) >= N - 1, 240, "N - 1 nodes' start")
         time.sleep(10.0)  # a last joiner that is about to get in
         inside = [n for n in nodes if n.poll_started()]
-        wait_all(nodes, lambda: all(sum(r["outcome"] in ("applied", "adopted") for r in n.metrics()) >= 4
+        wait_all(nodes, lambda: all(sum(r["outcome"] in JOINT for r in n.metrics()) >= 4
                                     for n in inside), 300, "four joint rounds on every node inside")
         rows = [r for n in nodes for r in n.metrics()]
         digests: dict[int, Counter] = {}
@@ -50,7 +50,7 @@ def test_twelve_nodes_started_at_once_against_a_busy_bootstrap_peer_train_with_o
         split = {s: dict(c) for s, c in digests.items() if len(c) > 1}
         assert not [s for s in split if s + 1 in split], split  # no split lasts beyond one round
         canon = {s: c.most_common(1)[0][0] for s, c in digests.items()}
-        joint = [r for r in rows if r["outcome"] in ("applied", "adopted") and r["digest"] == canon[r["outer_step"]]]
+        joint = [r for r in rows if r["outcome"] in JOINT and r["digest"] == canon[r["outer_step"]]]
         assert len(joint) >= 0.9 * len(rows), Counter((r["outcome"], r["group_size"]) for r in rows)
     finally:
         thaw(dht)
