@@ -80,11 +80,14 @@ class LocalNode:
         return self.stub().GetStatus(node_pb2.GetStatusRequest(), timeout=timeout)
 
     def metrics(self) -> list[dict]:
-        """One record per outer step (daemon/rounds.py), from the node's metrics.jsonl."""
+        """One record per outer step (daemon/rounds.py), from the node's metrics.jsonl. A last line without its
+        newline is a record the node is still writing: left for the next call."""
         path = self.workdir / "ckpt" / "metrics.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        text = path.read_text()
+        lines = text.split("\n")[:-1]  # the piece after the last newline is incomplete (or empty)
+        return [json.loads(line) for line in lines if line.strip()]
 
     def wait_for(self, predicate, timeout: float, what: str):
         """Poll ``predicate(self)`` until truthy; raises if the node exits or time runs out."""

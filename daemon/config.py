@@ -283,6 +283,10 @@ class NodeConfig(BaseModel):
     # timeouts (seconds)
     request_timeout: float = Field(5.0, gt=0)
     matchmaking_time: float = Field(15.0, gt=0)
+    max_group_size: Optional[int] = Field(
+        None, ge=2, description="the most replicas in one round's group (hivemind's target_group_size); a larger "
+                                "round splits into groups that apply the union of their results (sparse rounds with "
+                                "catch-up: docs/protocol.md, 'One update per round'); default: no limit")
     averaging_timeout: float = Field(60.0, gt=0)
     outer_round_deadline: float = Field(300.0, gt=0)
     adaptive_deadlines: bool = Field(True, description="sparse rounds: wait for downloads as long as the measured "

@@ -22,6 +22,7 @@ The rule and its limits are in docs/protocol.md ("One update per round").
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -29,7 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from dilocox.catchup import AppliedUpdate
-from dilocox.consensus import Standing, group_standing, in_round, union_groups
+from dilocox.consensus import Standing, applied_majority, chosen_union, group_standing, in_round, union_groups
 from dilocox.diloco import params_digest
 from dilocox.union import UnionError, unite
 
@@ -38,6 +39,7 @@ POLL_S = 0.25
 FRESH_S = 0.2
 FETCH_SHARE = 0.25  # of wait_s: the least time a union has to fetch the other groups' results
 STABLE_S = 1.0  # a union is decided once the groups seen stayed the same this long (records arrive late)
+ROSTER_SHARE = 0.25  # of wait_s: how long a member's record counts after reads stopped returning it
 
 # fetch(peer_ids, outer_step) -> the update one of them applied at that step (checked against our shapes), or None
 FetchUpdate = Callable[[list[str], int], Optional[AppliedUpdate]]
@@ -71,6 +73,9 @@ class MajorityUpdate:
         self.progress, self.fetch, self.delayed = progress, fetch, delayed
         self.wait_s, self.cancelled = wait_s, cancelled
         self.fetch_result, self.offer_result = fetch_result, offer_result
+        # peer_id -> (its last record, monotonic time last read): a record a loaded DHT read misses still counts
+        # for ROSTER_SHARE x wait_s, so a group does not take itself for the round's majority (seen at 32 nodes)
+        self._roster: dict[str, tuple[object, float]] = {}
 
     def resolve(self, index: int, group: set[str], holders: int, parent_digest: str,
                 result: Optional[Sequence[torch.Tensor]] = None, weight: int = 0) -> Resolution:
@@ -85,7 +90,14 @@ class MajorityUpdate:
         reason = ""
         seen, seen_since = None, 0.0  # the union's groups at the last poll, and since when unchanged
         while True:
-            others = [m for m in self.progress.others(FRESH_S) if m.peer_id not in group]
+            others = [m for m in self._others() if m.peer_id not in group]
+            theta = applied_majority(others, index, len(group))
+            if theta is not None:  # most of the swarm has applied round index already: take what they applied
+                update, why = self._fetch_applied(index, theta, parent_digest, others)
+                if update is not None:
+                    logger.info("round %d: a majority of the swarm already applied it (theta %s); our group of %d "
+                                "adopts that update", index, theta, len(group))
+                    return Resolution(Standing.ADOPT, update)
             reported = {m.peer_id: m.result_digest for m in others if m.result_step == index and m.result_digest}
             pending = [m for m in in_round(others, index, self.delayed)
                        if m.peer_id not in reported and m.outer_step < index]
@@ -98,6 +110,10 @@ class MajorityUpdate:
             if standing == Standing.UNION and not uniting:
                 standing = Standing.ALONE
             if standing in (Standing.MAJORITY, Standing.ALONE):
+                if reported or len(group) < len(others) + len(group):
+                    logger.info("round %d: our group of %d keeps its update (%s: %d members seen outside it, %d "
+                                "reported a result, %d pending)", index, len(group), standing.value, len(others),
+                                len(reported), len(pending))
                 return Resolution(standing)
             if standing == Standing.UNION:
                 groups = union_groups(reported, sizes)
@@ -105,7 +121,7 @@ class MajorityUpdate:
                     seen, seen_since = groups, time.monotonic()
                 if late or time.monotonic() - seen_since >= STABLE_S:
                     # fetches get time of their own when the union was only decided at the deadline
-                    return self._unite(index, groups, weight or holders, list(result), parent_digest, others,
+                    return self._unite(index, groups, weight or holders, list(result), parent_digest, group,
                                        max(deadline, time.monotonic() + FETCH_SHARE * self.wait_s))
             if standing == Standing.ADOPT:
                 update, reason = self._fetch(index, digest, parent_digest, others)
@@ -122,22 +138,41 @@ class MajorityUpdate:
                 return Resolution(Standing.ALONE)
             time.sleep(POLL_S)
 
+    def _others(self) -> list:
+        """The other members' records: a fresh read merged with the roster (``_roster``)."""
+        now = time.monotonic()
+        for m in self.progress.others(FRESH_S):
+            self._roster[m.peer_id] = (m, now)
+        keep_s = ROSTER_SHARE * self.wait_s
+        self._roster = {p: (m, t) for p, (m, t) in self._roster.items() if now - t <= keep_s}
+        return [m for m, _ in self._roster.values()]
+
     def _unite(self, index: int, groups: dict[str, int], weight: int, ours: list[torch.Tensor],
-               parent_digest: str, others, deadline: float) -> Resolution:
-        """Fetch every group's result in ``groups`` (digest -> weight) and unite them with ours (``weight``); fetches
-        are retried until ``deadline`` (a group may still be offering). Re-sync when one cannot be had.
+               parent_digest: str, group: set[str], deadline: float) -> Resolution:
+        """Propose the union of ``groups`` (digest -> weight) and ours (``weight``), settle on the proposal
+        most members of the round made (``chosen_union``), fetch its results and unite them. Proposals
+        are awaited, and fetches retried, until ``deadline``. Re-sync when a chosen result cannot be had.
         A fetched result's ``digest`` field is the result digest its server claims: only the content check
         (params_digest of the aggregate) is trusted."""
         mine = params_digest(ours)
-        groups = {d: w for d, w in groups.items() if d != mine}
-        if not groups:
+        if not set(groups) - {mine}:
             return Resolution(Standing.ALONE)
+        proposal = tuple(sorted({*groups, mine}))
+        self.progress.propose_union(index, list(proposal))
+        chosen, everyone = self._settle_union(index, proposal, deadline)
+        others = [m for m in everyone if m.peer_id not in group]
+        weights = {**self._weights(index, everyone), mine: weight}
         got: dict[str, AppliedUpdate] = {}
         why = ""
         while True:
-            for digest in sorted(set(groups) - set(got)):
+            missing = [d for d in chosen if d not in weights]
+            if missing:
+                return Resolution(Standing.UNION, None, reason=f"round {index}: the chosen union holds results "
+                                                               f"nobody reported to us: {missing}")
+            for digest in sorted(set(chosen) - set(got) - {mine}):
                 sources = [m.peer_id for m in others if m.result_step == index and m.result_digest == digest
                            and not m.client_mode]
+                random.shuffle(sources)  # every holder serves the same bytes: spread the fetchers over them
                 update = self.fetch_result(sources, index) if sources else None
                 if update is None or update.aggregate is None:
                     why = f"no holder of {digest[:16]} served it" if sources else f"no holder of {digest[:16]} " \
@@ -148,22 +183,61 @@ class MajorityUpdate:
                     why = f"what a holder of {digest[:16]} served does not match that digest"
                 else:
                     got[digest] = update
-            if len(got) == len(groups):
+            if set(got) >= set(chosen) - {mine}:
                 break
             if time.monotonic() >= deadline or self.cancelled():
-                return Resolution(Standing.UNION, None, reason=f"round {index}: the union of {len(groups) + 1} "
+                return Resolution(Standing.UNION, None, reason=f"round {index}: the union of {len(chosen)} "
                                                                f"groups' results could not be fetched ({why})")
             time.sleep(POLL_S)
-        everyone = sorted([(mine, weight, ours)] + [(d, groups[d], got[d].aggregate) for d in got])
+            others = [m for m in self._others() if m.peer_id not in group]
+            weights = {**self._weights(index, others), **weights}
+        results = {**{d: u.aggregate for d, u in got.items()}, mine: ours}
         try:
-            united = unite([(w, tensors) for _, w, tensors in everyone])
+            united = unite([(weights[d], results[d]) for d in chosen])
         except UnionError as e:
             return Resolution(Standing.UNION, None, reason=f"round {index}: group results cannot be united: {e}")
-        weight = sum(w for _, w, _ in everyone)
-        logger.info("round %d: no group holds a majority; uniting %d groups' results (weights %s)", index,
-                    len(everyone), [w for _, w, _ in everyone])
-        return Resolution(Standing.UNION, AppliedUpdate(index, parent_digest, "", weight, united),
-                          groups=len(everyone))
+        logger.info("round %d: no group holds a majority; uniting %d groups' results (weights %s%s)", index,
+                    len(chosen), [weights[d] for d in chosen], "" if mine in chosen else "; ours came too late")
+        return Resolution(Standing.UNION, AppliedUpdate(index, parent_digest, "", sum(weights[d] for d in chosen),
+                                                        united), groups=len(chosen))
+
+    def _settle_union(self, index: int, proposal: tuple, deadline: float) -> tuple[tuple, list]:
+        """Wait until every member (group-mates too) holding a result of round ``index`` that a union may
+        hold has proposed one, or ``deadline``; then the chosen union (ours is ``proposal``) and the
+        records read last."""
+        while True:
+            everyone = self._others()
+            reported = {m.peer_id: m.result_digest for m in everyone if m.result_step == index and m.result_digest}
+            valid = set(union_groups(reported, {m.peer_id: len(m.inputs) for m in everyone}))
+            proposals = {m.peer_id: tuple(m.union) for m in everyone if m.result_step == index and m.union}
+            proposals[self.progress.peer_id] = proposal
+            waiting = [p for p, d in reported.items() if d in valid and p not in proposals]
+            if not waiting or time.monotonic() >= deadline or self.cancelled():
+                return chosen_union(proposals), everyone
+            time.sleep(POLL_S)
+
+    @staticmethod
+    def _weights(index: int, records) -> dict[str, int]:
+        """Result digest of round ``index`` -> its weight: the contributions its holders' records list (the
+        largest; the holder count where none lists any), as in dilocox.consensus.union_groups."""
+        held: dict[str, list[int]] = {}
+        for m in records:
+            if m.result_step == index and m.result_digest:
+                held.setdefault(m.result_digest, []).append(len(m.inputs))
+        return {d: max(sizes) or len(sizes) for d, sizes in held.items()}
+
+    def _fetch_applied(self, index: int, theta: str, parent_digest: str, others) -> tuple[Optional[AppliedUpdate],
+                                                                                           str]:
+        """The update that took the members at outer step ``index`` with theta digest ``theta`` there."""
+        sources = [m.peer_id for m in others if m.outer_step == index and m.global_params_digest == theta
+                   and not m.client_mode]
+        random.shuffle(sources)
+        update = self.fetch(sources, index) if sources else None
+        if update is None or update.aggregate is None:
+            return None, "no member served it"
+        if update.parent_digest != parent_digest or update.digest != theta:
+            return None, f"it takes {update.parent_digest} to {update.digest}, not ours {parent_digest} to {theta}"
+        return update, ""
 
     def _fetch(self, index: int, digest: str, parent_digest: str, others) -> tuple[Optional[AppliedUpdate], str]:
         """The majority's update from a member that applied it; (None, why) if none serves a valid one yet."""
@@ -171,6 +245,7 @@ class MajorityUpdate:
                    and m.outer_step >= index and not m.client_mode]
         if not sources:
             return None, "no member of that group has applied it yet"
+        random.shuffle(sources)  # content-addressed: any of them will do, so spread the fetchers over them
         update = self.fetch(sources, index)
         if update is None or update.aggregate is None:
             return None, "no member served it"

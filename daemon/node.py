@@ -285,7 +285,7 @@ class Node:
             self.averagers[size] = PseudoGradientAverager(
                 size, self.swarm.dht, f"{prefix}{size}", serve if size == sizes[0] else None,
                 matchmaking_time_s=floor_s, request_timeout_s=cfg.request_timeout,
-                averaging_timeout_s=cfg.averaging_timeout)
+                averaging_timeout_s=cfg.averaging_timeout, target_group_size=cfg.max_group_size)
 
     def _drain(self) -> None:
         if self.board.snapshot().state != State.STOPPED:

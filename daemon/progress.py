@@ -35,6 +35,7 @@ class ProgressTracker:
         self.poll_s = min(1.0, announce_period_s)
         self._result = (0, "")  # (round, digest) of the last averaged pseudo-gradient we hold
         self._inputs: Dict[str, str] = {}  # that round's contributions we used: peer_id -> payload digest
+        self._union: List[str] = []  # that round's group results we propose to unite (daemon/majority.py)
         self._poke = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -59,7 +60,7 @@ class ProgressTracker:
         try:
             step, digest = self._result
             self.swarm.publish(MemberRecord(**{**self._describe(), "state": "STOPPED"}, result_step=step,
-                                            result_digest=digest, inputs=self._inputs))
+                                            result_digest=digest, inputs=self._inputs, union=self._union))
         except Exception as e:  # leaving must not fail because the DHT is already gone
             logger.warning("could not publish our last membership record: %s", e)
 
@@ -70,7 +71,7 @@ class ProgressTracker:
     def publish(self) -> None:
         step, digest = self._result
         self.swarm.publish(MemberRecord(**self._describe(), result_step=step, result_digest=digest,
-                                        inputs=self._inputs))
+                                        inputs=self._inputs, union=self._union))
 
     def _heartbeat(self) -> None:
         beats = 0
@@ -109,7 +110,7 @@ class ProgressTracker:
         """Publish our result digest of round ``result_step`` (and, for a sparse round, the digests of the
         contributions we used) and collect the group's (``peers``), waiting at most ``timeout_s``;
         peer_id -> digest for those that reported (ours included)."""
-        self._result, self._inputs = (result_step, digest), dict(inputs or {})
+        self._result, self._inputs, self._union = (result_step, digest), dict(inputs or {}), []
         self.publish()
         found = {self.peer_id: digest}
         deadline = time.monotonic() + timeout_s
@@ -121,6 +122,13 @@ class ProgressTracker:
                 break
             time.sleep(0.25)  # a short wait: the whole group waits for the slowest digest
         return found
+
+    def propose_union(self, result_step: int, digests: List[str]) -> None:
+        """Publish the group results of round ``result_step`` (our last result's round) whose union we propose
+        to apply (daemon/majority.py)."""
+        if self._result[0] == result_step:
+            self._union = sorted(digests)
+            self.publish()
 
     def input_conflicts(self, result_step: int, inputs: Dict[str, str]) -> Dict[str, str]:
         """Contributors of round ``result_step`` that another member used with other bytes than we did

@@ -123,6 +123,31 @@ def group_standing(ours: int, replicas: int, outside: Dict[str, str], pending: i
     return (Standing.UNION if outside else Standing.ALONE), None
 
 
+def applied_majority(others: Sequence[PeerProgress], r: int, group: int) -> Optional[str]:
+    """The theta digest that a strict majority of the live replicas already holds at outer step ``r``, or
+    None. ``others``: the other members' records (outside our group of ``group`` members, which has not
+    applied r yet); live replicas: ours plus every other active one. A member whose group settled late
+    (its records read in a changed swarm) joins what most of the swarm applied instead of weighing
+    results again."""
+    live = group + sum(m.state in ACTIVE_STATES for m in others)
+    counts = Counter(m.global_params_digest for m in others if m.state in ACTIVE_STATES and m.outer_step == r)
+    for digest, n in sorted(counts.items()):
+        if 2 * n > live:
+            return digest
+    return None
+
+
+def chosen_union(proposals: Dict[str, Tuple[str, ...]]) -> Tuple[str, ...]:
+    """The union of group results a split round applies, given each member's proposal (peer_id -> the
+    sorted result digests it would unite; daemon/majority.py): the proposal most members made; on a tie
+    the one with more groups, then the smallest. Every member that reads the same proposals picks the
+    same; a group that decided before a late group reported gives way to the members that saw it."""
+    if not proposals:
+        return ()
+    counts = Counter(proposals.values())
+    return min(counts, key=lambda u: (-counts[u], -len(u), u))
+
+
 def settings_conflict(ours: str, others: Dict[str, str]) -> Optional[Tuple[str, List[str]]]:
     """The settings digest (NodeConfig.swarm_settings) that a strict majority of the other live members of
     our stage publish, with its holders, when it is not ours; None when ours is theirs, or they disagree

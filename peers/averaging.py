@@ -118,7 +118,8 @@ class PseudoGradientAverager(DecentralizedAverager):
     def __init__(self, size: int, dht: DHT, prefix: str,
                  state_provider: Optional[Callable[[], Tuple[dict, List[torch.Tensor]]]] = None, *,
                  matchmaking_time_s: float, request_timeout_s: float, averaging_timeout_s: float,
-                 part_size_bytes: int = DEFAULT_PART_SIZE_BYTES, **averager_kwargs):
+                 part_size_bytes: int = DEFAULT_PART_SIZE_BYTES, target_group_size: Optional[int] = None,
+                 **averager_kwargs):
         self._state_provider = state_provider
         # hivemind's control pipe is not thread-safe: the comm thread (step, set_group_bits) and the
         # training thread (priority, state download) must not write to it at once (it corrupts the stream)
@@ -130,7 +131,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             dht,
             start=True,
             prefix=prefix,
-            target_group_size=None,
+            target_group_size=target_group_size,  # None: hivemind forms groups of any size
             min_group_size=2,
             initial_group_bits=group_bits(0),
             min_matchmaking_time=matchmaking_time_s,

@@ -64,6 +64,9 @@ class MemberRecord(pydantic.BaseModel):
     # sparse round `result_step`: contributor peer_id -> first 16 hex digits of the SHA-256 of the payload we
     # used, so members can see a contributor that served different bytes to different peers
     inputs: Dict[pydantic.constr(strict=True, max_length=64), pydantic.constr(strict=True, max_length=16)] = {}
+    # split round `result_step` without a majority: the group results whose union we propose to apply
+    # (daemon/majority.py); empty otherwise
+    union: List[pydantic.constr(strict=True, max_length=16)] = []
     # reachability (peers/reachability.py): we accept no inbound connections; peers we could not dial lately
     client_mode: pydantic.StrictBool = False
     undialable: List[pydantic.constr(strict=True, max_length=64)] = []
@@ -72,7 +75,7 @@ class MemberRecord(pydantic.BaseModel):
     # audits (daemon/audits.py): peer_id -> the round whose recomputation showed that peer lied
     accusations: Dict[pydantic.constr(strict=True, max_length=64), pydantic.conint(ge=1)] = {}
 
-    @pydantic.validator("inputs", "undialable", "accusations")
+    @pydantic.validator("inputs", "undialable", "accusations", "union")
     def _few_peers(cls, value):
         if len(value) > 1024:
             raise ValueError(f"{len(value)} peers: at most 1024")

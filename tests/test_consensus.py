@@ -290,3 +290,26 @@ def test_union_groups(outside, sizes, expected):
 
     got = union_groups(outside, sizes)
     assert got == expected and list(got) == sorted(expected)
+
+
+def test_chosen_union_is_the_proposal_most_members_made_then_the_larger():
+    from dilocox.consensus import chosen_union
+
+    assert chosen_union({}) == ()
+    early, late = ("a", "b", "c"), ("a", "b", "c", "d")
+    assert chosen_union({**{f"e{i}": early for i in range(7)}, **{f"l{i}": late for i in range(21)}}) == late
+    assert chosen_union({"x": early, "y": late}) == late  # a tie: the one that saw more groups
+    assert chosen_union({"x": ("a", "c"), "y": ("a", "b")}) == ("a", "b")  # then the smallest
+
+
+def test_applied_majority_is_a_theta_most_live_replicas_hold_at_that_step():
+    from dilocox.consensus import applied_majority
+
+    def peer(name, step, digest, state="TRAINING"):
+        return Peer(peer_id=name, state=state, outer_step=step, round=step + 1, global_params_digest=digest)
+
+    ahead = [peer(f"a{i}", 2, "D") for i in range(20)]
+    assert applied_majority(ahead + [peer(f"b{i}", 1, "C") for i in range(9)], 2, 2) == "D"  # 20 of 31
+    assert applied_majority(ahead[:14] + [peer(f"b{i}", 1, "C") for i in range(15)], 2, 2) is None  # 14 of 31
+    assert applied_majority(ahead, 3, 2) is None  # nobody is at step 3
+    assert applied_majority([peer(f"s{i}", 2, "D", "SYNCING") for i in range(20)], 2, 2) is None  # not active

@@ -38,6 +38,9 @@ class FakeProgress:
     def input_conflicts(self, result_step, inputs):
         return {}
 
+    def propose_union(self, result_step, digests):
+        self.proposed = (result_step, list(digests))
+
     def wait(self, predicate, timeout_s, cancelled):
         return predicate(self._others)
 
@@ -321,6 +324,7 @@ class Member(Peer):
     result_digest: str = ""
     client_mode: bool = False
     inputs: dict = field(default_factory=dict)  # contributor -> payload digest: the contributions its group used
+    union: list = field(default_factory=list)  # the group results it proposes to unite
 
 
 def _majority_update(tmp_path, state, group_size: int):
@@ -355,7 +359,8 @@ def split_rounds(state, outside, fetch, fetch_result=None, offer_result=None):
 
 def test_a_minority_group_adopts_the_majority_groups_update(tmp_path, state):
     update, majority = _majority_update(tmp_path, state, 4)
-    outside = [Member(peer_id=p, outer_step=1, round=2, result_step=1, result_digest=majority) for p in "cdef"]
+    outside = [Member(peer_id=p, outer_step=1, round=2, result_step=1, result_digest=majority,
+                      global_params_digest=update.digest) for p in "cdef"]
     asked = []
     done = split_rounds(state, outside, lambda peers, step: asked.append((sorted(peers), step)) or update).finish(
         pending(state, None))
@@ -428,3 +433,41 @@ def test_a_union_whose_other_result_cannot_be_had_re_syncs(tmp_path, state):
                             offer_result=lambda r, u: None).finish(pending(st, None))
         assert done.outcome == RoundOutcome.RESYNC and "union of 2 groups" in done.reason, done.reason
         assert st.outer_step == 0
+
+
+def test_a_group_whose_result_came_too_late_applies_the_union_most_members_proposed(tmp_path, state):
+    """Five members of two other groups (3 and 2) united without our result (it came too late for them): we
+    propose theirs plus ours, the proposal most members made wins, and we apply it without ours."""
+    from dilocox.catchup import AppliedUpdate
+    from dilocox.union import unite
+
+    x, y = ([torch.full_like(p, v) for p in state.outer.global_params] for v in (1e-3, -2e-3))
+    dx, dy = params_digest(x), params_digest(y)
+    union = sorted([dx, dy])
+    outside = [Member(peer_id=p, outer_step=0, round=1, result_step=1, result_digest=dx, union=union,
+                      inputs={q: "0" * 16 for q in "cde"}) for p in "cde"]
+    outside += [Member(peer_id=p, outer_step=0, round=1, result_step=1, result_digest=dy, union=union,
+                       inputs={q: "0" * 16 for q in "fg"}) for p in "fg"]
+    served = {dx: x, dy: y}
+    twin = computed_round(tmp_path / "twin")
+    rounds = split_rounds(state, outside, lambda peers, step: None,
+                          fetch_result=lambda peers, r: AppliedUpdate(r, state.digest, "", 1, served[
+                              dx if peers[0] in "cde" else dy]), offer_result=lambda r, u: None)
+    done = rounds.finish(pending(state, None))
+    assert done.outcome == RoundOutcome.UNITED and done.info.group_size == 5, done
+    proposed_step, proposed = rounds.progress.proposed
+    assert proposed_step == 1 and len(proposed) == 3 and set(union) < set(proposed)  # ours proposed theirs + ours
+    twin.apply_outer(unite([(3 if d == dx else 2, served[d]) for d in union]), 1, 5)
+    assert state.digest == twin.digest
+
+
+def test_a_late_group_adopts_what_most_of_the_swarm_already_applied(tmp_path, state):
+    """Five of seven replicas already hold theta_1 = D (their groups settled first); ours of 2 fetches the update
+    that took them there and applies it, whatever the results in the records say by now."""
+    update, _ = _majority_update(tmp_path, state, 5)
+    outside = [Member(peer_id=p, outer_step=1, round=2, global_params_digest=update.digest) for p in "cdefg"]
+    asked = []
+    done = split_rounds(state, outside, lambda peers, step: asked.append((sorted(peers), step)) or update).finish(
+        pending(state, None))
+    assert done.outcome == RoundOutcome.ADOPTED and asked == [(list("cdefg"), 1)]
+    assert (state.outer_step, state.digest) == (1, update.digest)
