@@ -81,3 +81,16 @@ def test_merging_a_schema_empties_the_cache_and_the_cache_stays_bounded():
     assert checks == [b"\x01", b"\x02", b"\x03", b"\x04", b"\x02"]
     with pytest.raises(ValueError, match="at least one record"):
         VerdictCache(size=0)
+
+
+def test_a_union_proposal_in_a_record_is_bounded():
+    """``union`` (daemon/majority.py) comes from peers: digests of 16 hex digits, at most 1024 of them."""
+    import pydantic.v1 as pydantic
+
+    base = dict(peer_id="QmPeer", run_id="run", state="TRAINING", outer_step=1, inner_step=1, inner_steps=20,
+                tokens_per_second=1.0, loss=2.0, global_params_digest="d", result_step=1, result_digest="a" * 16)
+    assert MemberRecord(**base, union=["a" * 16, "b" * 16]).union == ["a" * 16, "b" * 16]
+    for bad, why in ((["a" * 17], "at most 16"), ([f"{i:016x}" for i in range(1025)], "at most 1024"),
+                     ([7], "str")):
+        with pytest.raises(pydantic.ValidationError, match=why):
+            MemberRecord(**base, union=bad)
