@@ -172,15 +172,12 @@ class MajorityUpdate:
             for digest in sorted(set(chosen) - set(got) - {mine}):
                 sources = [m.peer_id for m in others if m.result_step == index and m.result_digest == digest
                            and not m.client_mode]
-                random.shuffle(sources)  # every holder serves the same bytes: spread the fetchers over them
-                update = self.fetch_result(sources, index) if sources else None
-                if update is None or update.aggregate is None:
-                    why = f"no holder of {digest[:16]} served it" if sources else f"no holder of {digest[:16]} " \
-                                                                                  f"accepts connections"
-                elif update.parent_digest != parent_digest:
-                    why = f"{digest[:16]} continues theta {update.parent_digest}, ours is {parent_digest}"
-                elif params_digest(update.aggregate) != digest:  # content-addressed: any holder may serve it
-                    why = f"what a holder of {digest[:16]} served does not match that digest"
+                if not sources:
+                    why = f"no holder of {digest[:16]} accepts connections"
+                    continue
+                update, problem = self._fetch_checked(self.fetch_result, sources, index, parent_digest, digest)
+                if update is None:
+                    why = f"{digest[:16]}: {problem}"
                 else:
                     got[digest] = update
             if set(got) >= set(chosen) - {mine}:
@@ -231,13 +228,9 @@ class MajorityUpdate:
         """The update that took the members at outer step ``index`` with theta digest ``theta`` there."""
         sources = [m.peer_id for m in others if m.outer_step == index and m.global_params_digest == theta
                    and not m.client_mode]
-        random.shuffle(sources)
-        update = self.fetch(sources, index) if sources else None
-        if update is None or update.aggregate is None:
+        if not sources:
             return None, "no member served it"
-        if update.parent_digest != parent_digest or update.digest != theta:
-            return None, f"it takes {update.parent_digest} to {update.digest}, not ours {parent_digest} to {theta}"
-        return update, ""
+        return self._fetch_checked(self.fetch, sources, index, parent_digest, theta=theta)
 
     def _fetch(self, index: int, digest: str, parent_digest: str, others) -> tuple[Optional[AppliedUpdate], str]:
         """The majority's update from a member that applied it; (None, why) if none serves a valid one yet."""
@@ -245,12 +238,22 @@ class MajorityUpdate:
                    and m.outer_step >= index and not m.client_mode]
         if not sources:
             return None, "no member of that group has applied it yet"
-        random.shuffle(sources)  # content-addressed: any of them will do, so spread the fetchers over them
-        update = self.fetch(sources, index)
+        return self._fetch_checked(self.fetch, sources, index, parent_digest, digest)
+
+    @staticmethod
+    def _fetch_checked(fetch: FetchUpdate, sources: list[str], index: int, parent_digest: str,
+                       result_digest: str = "", theta: str = "") -> tuple[Optional[AppliedUpdate], str]:
+        """Round ``index``'s update from one of ``sources`` (asked in random order: each serves the same bytes, so
+        fetchers spread over them), checked to continue ``parent_digest`` and, where given, to hold
+        ``result_digest`` (its content) or to lead to ``theta`` (as its server claims); (None, why) if not."""
+        random.shuffle(sources)
+        update = fetch(sources, index)
         if update is None or update.aggregate is None:
             return None, "no member served it"
         if update.parent_digest != parent_digest:
             return None, f"it continues theta {update.parent_digest}, ours is {parent_digest}"
-        if params_digest(update.aggregate) != digest:  # content-addressed: the bytes are the majority's result
-            return None, "its aggregate does not match the majority's result digest"
+        if result_digest and params_digest(update.aggregate) != result_digest:  # content-addressed
+            return None, f"its aggregate does not match the result digest {result_digest[:16]}"
+        if theta and update.digest != theta:
+            return None, f"it leads to theta {update.digest}, not {theta}"
         return update, ""

@@ -420,9 +420,9 @@ class OuterRounds:
                 finished.info = self._info(p, group_size, RoundOutcome.RESYNCED, result, waited_from)
             finished.result = result
             return finished
+        adopted = checked.adopted.aggregate if checked.adopted else None
         averaged = {RoundOutcome.APPLIED: result.tensors if result else None, RoundOutcome.SKIPPED: None,
-                    RoundOutcome.ADOPTED: checked.adopted.aggregate if checked.adopted else None,
-                    RoundOutcome.UNITED: checked.adopted.aggregate if checked.adopted else None,
+                    RoundOutcome.ADOPTED: adopted, RoundOutcome.UNITED: adopted,
                     }.get(outcome, p.pseudo_gradient)  # solo, alone: our own
         # averaged None (skipped): only the local re-base follows; a donor serves the new shared compression
         # state only together with the outer step it belongs to
