@@ -100,6 +100,11 @@ class JoinError(RuntimeError):
         self.requested = requested
 
 
+async def _peer_id_of(_dht, node):
+    """Runs in the DHT process through hivemind's documented ``DHT.run_coroutine`` hook: the node's PeerID."""
+    return node.peer_id
+
+
 def _start_dht(settings: dict, startup_timeout_s: float) -> "SupervisedDHT":
     """Start one DHT process; on failure end it and its p2pd (its own process group) before raising.
 
@@ -112,6 +117,10 @@ def _start_dht(settings: dict, startup_timeout_s: float) -> "SupervisedDHT":
     dht = SupervisedDHT(start=False, **settings)
     try:
         dht.run_in_background(await_ready=True, timeout=startup_timeout_s)
+        # the first call through its pipe, bounded: a DHT process that is ready but never answers (seen in CI with
+        # 24 DHTs starting at once in one process) is ended here and the join retried, instead of hanging the
+        # caller on hivemind's unbounded ``peer_id``
+        dht.run_coroutine(_peer_id_of, return_future=True).result(startup_timeout_s)
     except BaseException:
         if dht.pid is not None:
             dht.join(5.0)
