@@ -60,6 +60,7 @@ from dilocox.consensus import (
     in_round,
     judge_result,
     round_start_action,
+    undecided,
 )
 from dilocox.diloco import params_digest
 from dilocox.sparse import SparseRound
@@ -473,17 +474,14 @@ class OuterRounds:
                                                         self.cfg.request_timeout, result.inputs)
         verdict = judge_result(result_digest, results, members=len(starts))
         if verdict == Verdict.SKIP and set(results) < set(starts):
-            # reports missing, not different (a loaded machine publishes late): wait up to averaging_timeout
-            # before skipping, else the member that saw every report applies the round and we do not (seen
-            # in CI with two members: one applied, the other skipped, and they forked until a re-sync)
-            results = self.progress.exchange_result_digests(p.index, result_digest, set(starts),
-                                                            self.cfg.averaging_timeout, result.inputs)
+            results = self._await_reports(p, result_digest, set(starts), result.inputs)
             verdict = judge_result(result_digest, results, members=len(starts))
         self._exclude_equivocators(p.index, result.inputs)
-        outside = [m for m in self.progress.others(FRESH_S) if m.peer_id not in starts]
-        if verdict == Verdict.SKIP and failure_action(outside, p.index) == Verdict.RESYNC:
-            # our group fell apart (e.g. two late members matched each other, and one left for a re-sync)
-            # while the other replicas applied the round: skipping would diverge from them
+        unreported = [m for m in self.progress.others(FRESH_S) if m.peer_id not in results]
+        if verdict == Verdict.SKIP and failure_action(unreported, p.index) == Verdict.RESYNC:
+            # our group fell apart (e.g. two late members matched each other, and one left for a re-sync), or
+            # a group-mate consumed the round without a report we saw, while others applied it: skipping would
+            # diverge from them
             return Checked(RoundOutcome.RESYNC, result, group_size, fetches_result=True,
                            reason=f"round {p.index}: no majority among our group's results "
                                   f"{sorted(set(results.values()))}, and other replicas applied it")
@@ -513,6 +511,27 @@ class OuterRounds:
         # from all-gathered figures only, so every member picks the same rank (and averager)
         p.compression.decide_rank(*group_limits(result.gathered), group_size)
         return Checked(RoundOutcome.APPLIED, result, group_size)
+
+    def _await_reports(self, p: PendingRound, digest: str, group: set[str], inputs: dict) -> dict[str, str]:
+        """Result reports of round p's group when some were missing at first (missing, not different: a loaded
+        member publishes late): wait up to averaging_timeout, then on while a member without a report may still
+        apply the round (``consensus.undecided``), up to outer_round_deadline, a leave or a dropped round.
+        Skipping while a group-mate applies forks theta: seen in CI with two pipeline-stage members, one
+        reporting 27 s after the all-reduce. Returns peer_id -> digest of those that reported (ours included)."""
+        deadline = time.monotonic() + self.cfg.outer_round_deadline
+        timeout_s, polls = self.cfg.averaging_timeout, 0
+        while True:
+            results = self.progress.exchange_result_digests(p.index, digest, group, timeout_s, inputs)
+            polls += 1
+            missing = group - set(results)
+            waiting_for = undecided(self.progress.others(FRESH_S), missing, p.index) if missing else []
+            if (not waiting_for or time.monotonic() >= deadline or p.cancel.is_set() or self._stopping.is_set()
+                    or self.leave_requested.is_set()):
+                return results
+            if polls == 1:
+                logger.info("round %d: no result report yet from %s, who may still apply it; waiting", p.index,
+                            ", ".join(q[-8:] for q in waiting_for))
+            timeout_s = min(self.cfg.request_timeout, max(0.0, deadline - time.monotonic()))
 
     def _await_exchange(self, p: PendingRound) -> "RoundResult":
         """Round p's exchange result, waited for in slices so a dropped round (``p.cancel``: a re-sync or leave)

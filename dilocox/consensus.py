@@ -13,7 +13,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 TRAINING, AVERAGING, SYNCING, JOINING = "TRAINING", "AVERAGING", "SYNCING", "JOINING"
 ACTIVE_STATES = (TRAINING, AVERAGING)  # replicas that will average the round they are in
@@ -29,6 +29,7 @@ class PeerProgress(Protocol):
     inner_step: int
     global_params_digest: str
     num_stages: int
+    result_step: int  # round of the last all-reduce result it reported
 
 
 class Verdict(str, Enum):
@@ -195,6 +196,17 @@ def round_start_action(others: Sequence[PeerProgress], r: int, delayed: bool) ->
     expected = in_round(others, r, delayed) + [m for m in others if m.num_stages == 1
                                                and m.state in (SYNCING, JOINING)]
     return StartAction.ALLREDUCE if expected else StartAction.SOLO
+
+
+def undecided(others: Sequence[PeerProgress], missing: Set[str], r: int) -> List[str]:
+    """Group members of round r whose result report is ``missing`` and who may still report it and APPLY:
+    live, in a training state, theta not past r - 1 and no report of round r or later. Skipping while one
+    of them may still apply would make the verdict one-sided: in a group of 2 the member that saw both
+    reports applies and the one that missed its peer's skips, and their theta forks (seen in CI on loaded
+    pipeline-stage nodes, whose report came 27 s after the all-reduce). A member that re-syncs, leaves or
+    whose record expired is decided: it applies nothing of this round."""
+    return sorted(m.peer_id for m in others if m.peer_id in missing and m.state in ACTIVE_STATES
+                  and m.outer_step < r and m.result_step < r)
 
 
 def failure_action(others: Sequence[PeerProgress], r: int) -> Verdict:

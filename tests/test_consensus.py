@@ -27,6 +27,7 @@ from dilocox.consensus import (
     no_donor_join,
     round_start_action,
     settings_conflict,
+    undecided,
     wait_over,
     wait_satisfied,
 )
@@ -43,6 +44,7 @@ class Peer:
     inner_step: int = 3
     global_params_digest: str = "d4"
     num_stages: int = 1
+    result_step: int = 0
 
 
 # ---------------------------------------------------------------- verdicts
@@ -104,6 +106,19 @@ def test_round_already_applied_by_others_needs_resync():
     assert failure_action([Peer(outer_step=5)], 5) == Verdict.RESYNC
     assert failure_action([Peer(outer_step=4)], 5) == Verdict.APPLY  # applied alone: nobody has round 5
     assert failure_action([Peer(outer_step=9, state="STOPPED")], 5) == Verdict.APPLY
+
+
+def test_a_group_mate_without_a_report_is_undecided_until_it_reports_moves_on_or_stops():
+    missing = {"a", "b", "c", "d", "e"}
+    others = [Peer(peer_id="a", outer_step=4, round=6),              # computing round 6, round 5 not checked yet
+              Peer(peer_id="b", outer_step=4, result_step=5),        # reported round 5 (read too late for us)
+              Peer(peer_id="c", outer_step=5),                       # applied or consumed round 5
+              Peer(peer_id="d", outer_step=4, state="SYNCING"),      # dropped the round for a re-sync
+              Peer(peer_id="e", outer_step=4, state="STOPPED"),      # left
+              Peer(peer_id="z", outer_step=4)]                       # its report is in (not missing)
+    assert undecided(others, missing, 5) == ["a"]
+    assert undecided(others, missing | {"z"}, 5) == ["a", "z"]
+    assert undecided([], missing, 5) == []  # records expired: nobody can still apply
 
 
 def test_in_round_window():

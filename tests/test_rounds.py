@@ -144,6 +144,62 @@ def test_a_late_report_is_waited_for_instead_of_skipping_the_round(state):
     assert len(progress.timeouts) == 2 and progress.timeouts[1] == rounds.cfg.averaging_timeout
 
 
+class SlowGroupMates(FakeProgress):
+    """Group-mates "a" and "b" still checking round 1 (records: AVERAGING, theta of outer step 0, no report of
+    round 1); their reports appear with the ``reports_on``-th read, if ever. A read without every report
+    lasts its timeout, as ProgressTracker's does."""
+
+    def __init__(self, reports_on=None, **peer):
+        super().__init__([Peer(peer_id=q, state="AVERAGING", outer_step=0, round=2, **peer) for q in "ab"])
+        self.reports_on, self.timeouts = reports_on, []
+
+    def exchange_result_digests(self, result_step, digest, peers, timeout_s, inputs=None):
+        self.timeouts.append(timeout_s)
+        if self.reports_on is not None and len(self.timeouts) >= self.reports_on:
+            return {"me": digest, **{q: digest for q in peers}}
+        time.sleep(timeout_s)
+        return {"me": digest}
+
+
+def quick(rounds):
+    rounds.cfg = rounds.cfg.model_copy(update=dict(request_timeout=0.05, matchmaking_time=0.1,
+                                                   averaging_timeout=0.2, outer_round_deadline=1.0))
+    return rounds
+
+
+def test_group_mates_that_may_still_apply_are_waited_for_past_averaging_timeout(state):
+    # their reports come on the 5th read, 0.4 s after averaging_timeout: skipping then would leave them
+    # applying a round we skipped (seen in CI: one of two stage replicas applied, the other skipped)
+    progress = SlowGroupMates(reports_on=5)
+    done = quick(rounds_for(state, progress)).finish(pending(state, None))
+    assert done.outcome == RoundOutcome.APPLIED and state.outer_step == 1
+    assert progress.timeouts[:2] == [0.05, 0.2] and len(progress.timeouts) == 5
+
+
+def test_group_mates_that_never_report_are_waited_for_up_to_outer_round_deadline_then_skipped(state):
+    theta0, began = state.digest, time.monotonic()
+    progress = SlowGroupMates(reports_on=None)
+    done = quick(rounds_for(state, progress)).finish(pending(state, None))
+    assert done.outcome == RoundOutcome.SKIPPED and (state.outer_step, state.digest) == (1, theta0)
+    assert 1.0 <= time.monotonic() - began < 3.0 and len(progress.timeouts) > 3
+
+
+def test_group_mates_that_dropped_the_round_are_not_waited_for(state):
+    progress = SlowGroupMates(reports_on=None)
+    progress._others = [Peer(peer_id="a", state="SYNCING", outer_step=0), Peer(peer_id="b", state="STOPPED")]
+    done = quick(rounds_for(state, progress)).finish(pending(state, None))
+    assert done.outcome == RoundOutcome.SKIPPED and len(progress.timeouts) == 2  # request_timeout, averaging
+
+
+def test_a_group_mate_that_consumed_the_round_without_a_report_we_saw_sends_us_to_resync(state):
+    theta0 = state.digest
+    progress = SlowGroupMates(reports_on=None)
+    progress._others = [Peer(peer_id="a", outer_step=1, round=2), Peer(peer_id="b", state="STOPPED")]
+    done = quick(rounds_for(state, progress)).finish(pending(state, None))
+    assert done.outcome == RoundOutcome.RESYNC and "other replicas applied it" in done.reason
+    assert (state.outer_step, state.digest) == (0, theta0)
+
+
 def test_no_majority_is_still_skipped_when_only_group_mates_advanced(state):
     theta0 = state.digest
     # group-mate "a" skipped the round too (its outer_step is 1): that alone does not make us re-sync
