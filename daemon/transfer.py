@@ -29,6 +29,8 @@ from dilocox.peers.averaging import PseudoGradientAverager
 from dilocox.catchup import AppliedUpdate, CatchUpError, decode, max_encoded_bytes
 from dilocox.consensus import (
     ACTIVE_STATES,
+    JOINING,
+    SYNCING,
     DonorMeta,
     JoinKind,
     JoinPoint,
@@ -178,9 +180,10 @@ class StateTransfer:
             if not active:
                 # a joiner that saw the swarm train never starts from the seed: records can vanish for a moment
                 # (a busy or saturated link delays DHT reads), and the seed would fork the swarm
+                newest = max((m.outer_step for m in others if m.state in (JOINING, SYNCING)), default=0)
                 point = None if initial and seen_active else no_donor_join(
                     initial, keep_round, time.monotonic() - first_seen, 2 * cfg.announce_period + 2, st.outer_step,
-                    st.round, cfg.min_replicas)
+                    st.round, cfg.min_replicas, newest_seen=newest)
                 if point is not None:
                     return point, None
                 time.sleep(0.3)

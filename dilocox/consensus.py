@@ -266,10 +266,17 @@ class DonorMeta:
 
 
 def no_donor_join(initial: bool, keep_round: bool, waited_s: float, patience_s: float, outer_step: int,
-                  round_: int, min_replicas: int) -> Optional[JoinPoint]:
+                  round_: int, min_replicas: int, newest_seen: int = 0) -> Optional[JoinPoint]:
     """No live replica of our stage trains. A joiner starts from the seed (at once when min_replicas > 1:
     the swarm starts together; else after ``patience_s`` for records to appear); a re-syncing node
-    continues from its own parameters after ``patience_s``. None: keep looking."""
+    continues from its own parameters after ``patience_s``. None: keep looking.
+
+    ``newest_seen``: the newest outer step in any live member's record, syncing ones included. A joiner
+    never starts from the seed while a member holds newer parameters: it waits for one to train again.
+    (In a test every member of a trained swarm was re-syncing for a moment; a joiner with min_replicas 3
+    saw three live members, none training, started from the seed and trained alone for 10 rounds.)"""
+    if initial and newest_seen > outer_step:
+        return None
     if initial and waited_s >= (0 if min_replicas > 1 else patience_s):
         return JoinPoint(JoinKind.SEED, round=round_, outer_step=outer_step)
     if not initial and waited_s >= patience_s:

@@ -137,6 +137,17 @@ def test_no_donor_joiner_starts_from_seed_after_patience():
     assert no_donor_join(True, False, 0.0, 6.0, 0, 1, min_replicas=2).kind == JoinKind.SEED  # the swarm starts together
 
 
+def test_a_joiner_never_starts_from_the_seed_while_a_syncing_member_holds_newer_parameters():
+    # every member of a trained swarm re-syncing at once: wait for one to train, however long, and whatever
+    # min_replicas says (from the seed the joiner trained alone for 10 rounds in a test)
+    for min_replicas in (1, 3):
+        assert no_donor_join(True, False, 600.0, 6.0, 0, 1, min_replicas, newest_seen=7) is None
+    assert no_donor_join(True, False, 0.0, 6.0, 0, 1, 3, newest_seen=0).kind == JoinKind.SEED
+    assert no_donor_join(True, False, 6.0, 6.0, 7, 8, 1, newest_seen=7).kind == JoinKind.SEED  # its checkpoint
+    # a re-syncing node is not a joiner: after patience it continues from its own parameters, as before
+    assert no_donor_join(False, False, 6.0, 6.0, 3, 5, 1, newest_seen=7).kind == JoinKind.ALONE
+
+
 def test_no_donor_resync_continues_alone_and_may_claim_the_previous_step():
     assert no_donor_join(False, False, 1.0, 6.0, 3, 5, 1) is None
     alone = no_donor_join(False, False, 6.0, 6.0, 3, 5, 1)
