@@ -295,8 +295,13 @@ class OuterRounds:
     def early_wanted(self) -> bool:
         """Sparse rounds form their group while their last inner steps compute (``begin_early``): the all-gather
         needs nothing of the butterfly's per-phase data, so only the payload is late. Overlapped rounds do so
-        only once the previous round's exchange is over (one exchange at a time on the comm thread)."""
+        only once the previous round's update is applied: the gathered start digest, taken now, must be that of
+        theta_{r-1}, the outer step it names. (An exchange that is over is not enough: its update merges later.
+        Under load two of three members gathered theta_{r-2} as step r-1, the third theta_{r-1}, and all three
+        re-synced.)"""
         if self.contributions is None or self.early is not None:
+            return False
+        if self.state.outer_step != self.state.round - 1:
             return False
         p = self.pending
         return p is None or p.future is None or p.future.done()

@@ -527,3 +527,14 @@ def test_a_late_group_adopts_what_most_of_the_swarm_already_applied(tmp_path, st
         pending(state, None))
     assert done.outcome == RoundOutcome.ADOPTED and asked == [(list("cdefg"), 1)]
     assert (state.outer_step, state.digest) == (1, update.digest)
+
+
+def test_early_matchmaking_waits_until_the_previous_rounds_update_is_applied(state):
+    """A sparse round's early matchmaking gathers its start digest when it begins: before update r-1 is merged
+    that would be theta_{r-2} under the name of outer step r-1, and members that gathered at different moments
+    disagree on the start and all re-sync (seen under load with adaptive overlap)."""
+    rounds = rounds_for(state, FakeProgress(), overlap="adaptive")
+    rounds.contributions = object()  # sparse rounds: contributions are all-gathered
+    assert state.outer_step == state.round - 1 and rounds.early_wanted()
+    state.round += 1  # round 2 computes while round 1's update is not merged yet
+    assert not rounds.early_wanted()
