@@ -40,6 +40,10 @@ FRESH_S = 0.2
 FETCH_SHARE = 0.25  # of wait_s: the least time a union has to fetch the other groups' results
 STABLE_S = 1.0  # a union is decided once the groups seen stayed the same this long (records arrive late)
 ROSTER_SHARE = 0.25  # of wait_s: how long a member's record counts after reads stopped returning it
+# holders asked per fetch attempt: each is bounded by the transfer's own timeout, and the caller's loop asks others
+# at its next poll, so a holder that is gone or overloaded costs one timeout, not one per holder (at 32 nodes a
+# sweep over 30 holders kept a member in one round for minutes and past its leave)
+FETCH_SOURCES = 2
 
 # fetch(peer_ids, outer_step) -> the update one of them applied at that step (checked against our shapes), or None
 FetchUpdate = Callable[[list[str], int], Optional[AppliedUpdate]]
@@ -170,6 +174,8 @@ class MajorityUpdate:
                 return Resolution(Standing.UNION, None, reason=f"round {index}: the chosen union holds results "
                                                                f"nobody reported to us: {missing}")
             for digest in sorted(set(chosen) - set(got) - {mine}):
+                if self.cancelled():
+                    break
                 sources = [m.peer_id for m in others if m.result_step == index and m.result_digest == digest
                            and not m.client_mode]
                 if not sources:
@@ -245,9 +251,10 @@ class MajorityUpdate:
                        result_digest: str = "", theta: str = "") -> tuple[Optional[AppliedUpdate], str]:
         """Round ``index``'s update from one of ``sources`` (asked in random order: each serves the same bytes, so
         fetchers spread over them), checked to continue ``parent_digest`` and, where given, to hold
-        ``result_digest`` (its content) or to lead to ``theta`` (as its server claims); (None, why) if not."""
+        ``result_digest`` (its content) or to lead to ``theta`` (as its server claims); (None, why) if not.
+        At most ``FETCH_SOURCES`` of them are asked per call."""
         random.shuffle(sources)
-        update = fetch(sources, index)
+        update = fetch(sources[:FETCH_SOURCES], index)
         if update is None or update.aggregate is None:
             return None, "no member served it"
         if update.parent_digest != parent_digest:

@@ -507,6 +507,8 @@ class OuterRounds:
             settled = self.majority.resolve(p.index, set(starts), len(holders), self.state.digest, result.tensors,
                                             len(result.inputs))
             if settled.standing in (Standing.ADOPT, Standing.UNION) and settled.update is None:
+                if self.leave_requested.is_set():  # leaving: nothing to re-sync for; the checkpoint keeps r - 1
+                    return Checked(RoundOutcome.CANCELLED)
                 return Checked(RoundOutcome.RESYNC, result, group_size, fetches_result=True, reason=settled.reason)
             if settled.update is not None:
                 outcome = RoundOutcome.UNITED if settled.standing == Standing.UNION else RoundOutcome.ADOPTED

@@ -340,6 +340,9 @@ class StateTransfer:
         server, key = server or self.updates, key or update_key(step)
         errors = []
         for peer in peers:
+            if self._cancelled():  # leaving: one source at most, however many hold it
+                errors.append("asked to leave")
+                break
             got, failed = server.fetch({peer: (None, max_encoded_bytes(shapes))}, key,
                                        self.cfg.request_timeout + self.transfer_s())
             try:

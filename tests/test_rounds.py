@@ -421,7 +421,8 @@ def test_a_minority_group_adopts_the_majority_groups_update(tmp_path, state):
     done = split_rounds(state, outside, lambda peers, step: asked.append((sorted(peers), step)) or update).finish(
         pending(state, None))
     assert done.outcome == RoundOutcome.ADOPTED and done.info.group_size == 4
-    assert asked == [(list("cdef"), 1)]  # from the members that applied it
+    (peers, step), = asked  # from members that applied it: two of them (majority.FETCH_SOURCES), at random
+    assert step == 1 and len(peers) == 2 and set(peers) < set("cdef"), asked
     assert (state.outer_step, state.digest) == (1, update.digest)  # bit-identical with the majority's theta
 
 
@@ -465,7 +466,8 @@ def test_groups_without_a_majority_apply_the_union_of_their_results(tmp_path, st
                             r, theta0, their_digest, 99, theirs),
                         offer_result=lambda r, u: offered.append((r, u))).finish(pending(state, None))
     assert done.outcome == RoundOutcome.UNITED and done.info.group_size == 6, done
-    assert asked == [(list("cde"), 1)]
+    (peers, step), = asked
+    assert step == 1 and len(peers) == 2 and set(peers) < set("cde"), asked
     (r, ours), = offered  # our group's result went out before the union was decided
     assert r == 1 and ours.parent_digest == theta0 and ours.digest == params_digest(ours.aggregate)
     # weights are the holders in the records (3 and 3), not the 99 the server claimed
@@ -525,8 +527,33 @@ def test_a_late_group_adopts_what_most_of_the_swarm_already_applied(tmp_path, st
     asked = []
     done = split_rounds(state, outside, lambda peers, step: asked.append((sorted(peers), step)) or update).finish(
         pending(state, None))
-    assert done.outcome == RoundOutcome.ADOPTED and asked == [(list("cdefg"), 1)]
+    assert done.outcome == RoundOutcome.ADOPTED and len(asked) == 1 and set(asked[0][0]) < set("cdefg"), asked
     assert (state.outer_step, state.digest) == (1, update.digest)
+
+
+def test_a_fetch_asks_two_holders_at_a_time_and_a_leave_ends_the_settling_at_once(tmp_path, state):
+    """A majority result whose holders do not answer (each ask costs the transfer's timeout, here 0.3 s): every
+    attempt asks at most two of the 20 holders (not a sweep over all of them, which at 32 nodes held a member in
+    one round for minutes), and a leave requested meanwhile ends the round as CANCELLED within one attempt,
+    with nothing applied."""
+    _, majority = _majority_update(tmp_path, state, 20)
+    outside = [Member(peer_id=f"p{i:02d}", outer_step=1, round=2, result_step=1, result_digest=majority)
+               for i in range(20)]
+    asked = []
+
+    def slow(peers, step):
+        asked.append(list(peers))
+        time.sleep(0.3 * len(peers))
+        return None
+
+    rounds = split_rounds(state, outside, slow)
+    threading.Timer(0.5, rounds.leave_requested.set).start()
+    began = time.monotonic()
+    done = rounds.finish(pending(state, None))
+    assert done.outcome == RoundOutcome.CANCELLED, done
+    assert time.monotonic() - began < 3.0  # an attempt or two after the leave, not a sweep over 20 holders
+    assert asked and all(len(peers) <= 2 for peers in asked), asked
+    assert state.outer_step == 0
 
 
 def test_early_matchmaking_waits_until_the_previous_rounds_update_is_applied(state):
