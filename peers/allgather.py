@@ -31,6 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import AsyncIterator, Callable, Dict, Optional, Tuple, Union
 
 import pydantic.v1 as pydantic
@@ -192,7 +193,14 @@ class ContributionServer(ServicerBase):
         match, peer_id -> why it was not accepted)."""
         if not wanted:
             return {}, {}
-        results = self._call(self._fetch_all(wanted, key, timeout_s, tuple(relays), no_direct), timeout_s + 5.0)
+        future = asyncio.run_coroutine_threadsafe(self._fetch_all(wanted, key, timeout_s, tuple(relays), no_direct),
+                                                  self._loop)
+        try:
+            results = future.result(timeout_s + 5.0)
+        except FutureTimeout:  # our event loop is starved (32 nodes on 2 cores): a failed fetch
+            future.cancel()  # the caller asks again or elsewhere; an exception here ended a node (seen at 32)
+            return {}, {peer: f"not received within {timeout_s + 5.0:.0f}s (our transport did not answer in time)"
+                        for peer in wanted}
         got, failed = {}, {}
         for peer, outcome in results.items():
             if isinstance(outcome, bytes):

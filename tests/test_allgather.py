@@ -101,6 +101,26 @@ def test_fetch_checks_length_and_digest(servers):
     assert "no contribution under key" in failed[a_id]
 
 
+def test_a_fetch_on_a_starved_event_loop_fails_with_a_reason_and_the_next_one_works(servers, monkeypatch):
+    """Our transport's event loop does not answer within the fetch's timeout + 5 s (32 nodes on 2 cores): the fetch
+    fails with a reason for every peer asked, instead of raising a bare TimeoutError (which ended a node)."""
+    (a_id, a), (b_id, b) = servers
+    a.offer("starved", b"x" * 100)
+    fetch_all = ContributionServer._fetch_all
+
+    async def starved(self, *args):
+        time.sleep(5.6)  # blocks the loop, as a busy machine does
+        return await fetch_all(self, *args)
+
+    monkeypatch.setattr(ContributionServer, "_fetch_all", starved)
+    got, failed = b.fetch({a_id: (None, 100)}, "starved", 0.1)
+    assert not got and "our transport did not answer in time" in failed[a_id], failed
+    monkeypatch.undo()
+    time.sleep(0.6)  # the blocked call ends
+    got, failed = b.fetch({a_id: (None, 100)}, "starved", 30)
+    assert got == {a_id: b"x" * 100} and not failed
+
+
 def test_a_contribution_asked_for_before_it_is_offered_is_served_once_it_is(servers):
     """A group-mate whose compute ended first asks while we still encode: the request waits for our offer
     (up to offer_wait_s) instead of failing, which would make members drop different contributions."""
