@@ -480,6 +480,8 @@ class OuterRounds:
         verdict = judge_result(result_digest, results, members=len(starts))
         if verdict == Verdict.SKIP and set(results) < set(starts):
             results = self._await_reports(p, result_digest, set(starts), result.inputs)
+            if set(results) < set(starts) and self._dropped(p):  # leaving: nothing consumed, the checkpoint keeps r-1
+                return Checked(RoundOutcome.CANCELLED)
             verdict = judge_result(result_digest, results, members=len(starts))
         self._exclude_equivocators(p.index, result.inputs)
         unreported = [m for m in self.progress.others(FRESH_S) if m.peer_id not in results]
@@ -522,23 +524,33 @@ class OuterRounds:
     def _await_reports(self, p: PendingRound, digest: str, group: set[str], inputs: dict) -> dict[str, str]:
         """Result reports of round p's group when some were missing at first (missing, not different: a loaded
         member publishes late): wait up to averaging_timeout, then on while a member without a report may still
-        apply the round (``consensus.undecided``), up to outer_round_deadline, a leave or a dropped round.
-        Skipping while a group-mate applies forks theta: seen in CI with two pipeline-stage members, one
-        reporting 27 s after the all-reduce. Returns peer_id -> digest of those that reported (ours included)."""
-        deadline = time.monotonic() + self.cfg.outer_round_deadline
-        timeout_s, polls = self.cfg.averaging_timeout, 0
+        apply the round (``consensus.undecided``), up to outer_round_deadline. Skipping while a group-mate
+        applies forks theta: seen in CI with two pipeline-stage members, one reporting 27 s after the all-reduce.
+        Read in request_timeout slices, so a leave or a dropped round ends the wait within one (a leave that
+        waited out averaging_timeout missed a 60 s drain at 32 nodes). Returns peer_id -> digest of those that
+        reported (ours included)."""
+        began = time.monotonic()
+        patient_until, deadline = began + self.cfg.averaging_timeout, began + self.cfg.outer_round_deadline
+        logged = False
         while True:
-            results = self.progress.exchange_result_digests(p.index, digest, group, timeout_s, inputs)
-            polls += 1
-            missing = group - set(results)
-            waiting_for = undecided(self.progress.others(FRESH_S), missing, p.index) if missing else []
-            if (not waiting_for or time.monotonic() >= deadline or p.cancel.is_set() or self._stopping.is_set()
-                    or self.leave_requested.is_set()):
+            slice_s = max(0.0, min(self.cfg.request_timeout, deadline - time.monotonic()))
+            results = self.progress.exchange_result_digests(p.index, digest, group, slice_s, inputs)
+            missing, now = group - set(results), time.monotonic()
+            if not missing or now >= deadline or self._dropped(p):
                 return results
-            if polls == 1:
+            if now < patient_until:
+                continue
+            waiting_for = undecided(self.progress.others(FRESH_S), missing, p.index)
+            if not waiting_for:
+                return results
+            if not logged:
                 logger.info("round %d: no result report yet from %s, who may still apply it; waiting", p.index,
                             ", ".join(q[-8:] for q in waiting_for))
-            timeout_s = min(self.cfg.request_timeout, max(0.0, deadline - time.monotonic()))
+                logged = True
+
+    def _dropped(self, p: PendingRound) -> bool:
+        """Round p no longer matters to us: dropped (a re-sync), or we stop or leave."""
+        return p.cancel.is_set() or self._stopping.is_set() or self.leave_requested.is_set()
 
     def _await_exchange(self, p: PendingRound) -> "RoundResult":
         """Round p's exchange result, waited for in slices so a dropped round (``p.cancel``: a re-sync or leave)

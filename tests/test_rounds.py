@@ -141,7 +141,7 @@ def test_a_late_report_is_waited_for_instead_of_skipping_the_round(state):
     rounds = rounds_for(state, progress)
     done = rounds.finish(pending(state, None))
     assert done.outcome == RoundOutcome.APPLIED and state.outer_step == 1
-    assert len(progress.timeouts) == 2 and progress.timeouts[1] == rounds.cfg.averaging_timeout
+    assert len(progress.timeouts) == 2 and progress.timeouts[1] == rounds.cfg.request_timeout  # read in slices
 
 
 class SlowGroupMates(FakeProgress):
@@ -168,12 +168,12 @@ def quick(rounds):
 
 
 def test_group_mates_that_may_still_apply_are_waited_for_past_averaging_timeout(state):
-    # their reports come on the 5th read, 0.4 s after averaging_timeout: skipping then would leave them
-    # applying a round we skipped (seen in CI: one of two stage replicas applied, the other skipped)
-    progress = SlowGroupMates(reports_on=5)
+    # their reports come on the 8th read (slices of 0.05 s), after averaging_timeout: skipping then would leave
+    # them applying a round we skipped (seen in CI: one of two stage replicas applied, the other skipped)
+    progress = SlowGroupMates(reports_on=8)
     done = quick(rounds_for(state, progress)).finish(pending(state, None))
     assert done.outcome == RoundOutcome.APPLIED and state.outer_step == 1
-    assert progress.timeouts[:2] == [0.05, 0.2] and len(progress.timeouts) == 5
+    assert len(progress.timeouts) == 8 and max(progress.timeouts) <= 0.05
 
 
 def test_group_mates_that_never_report_are_waited_for_up_to_outer_round_deadline_then_skipped(state):
@@ -187,8 +187,21 @@ def test_group_mates_that_never_report_are_waited_for_up_to_outer_round_deadline
 def test_group_mates_that_dropped_the_round_are_not_waited_for(state):
     progress = SlowGroupMates(reports_on=None)
     progress._others = [Peer(peer_id="a", state="SYNCING", outer_step=0), Peer(peer_id="b", state="STOPPED")]
+    began = time.monotonic()
     done = quick(rounds_for(state, progress)).finish(pending(state, None))
-    assert done.outcome == RoundOutcome.SKIPPED and len(progress.timeouts) == 2  # request_timeout, averaging
+    assert done.outcome == RoundOutcome.SKIPPED and time.monotonic() - began < 0.6  # averaging_timeout (0.2 s), no more
+
+
+def test_a_leave_ends_the_wait_for_missing_reports_within_a_slice_and_consumes_nothing(state):
+    theta0 = state.digest
+    rounds = rounds_for(state, SlowGroupMates(reports_on=None))
+    rounds.cfg = rounds.cfg.model_copy(update=dict(request_timeout=0.05, matchmaking_time=0.1,
+                                                   averaging_timeout=5.0, outer_round_deadline=10.0))
+    threading.Timer(0.3, rounds.leave_requested.set).start()
+    began = time.monotonic()
+    done = rounds.finish(pending(state, None))
+    assert done.outcome == RoundOutcome.CANCELLED and time.monotonic() - began < 1.0  # not averaging_timeout
+    assert (state.outer_step, state.digest) == (0, theta0)
 
 
 def test_a_group_mate_that_consumed_the_round_without_a_report_we_saw_sends_us_to_resync(state):
