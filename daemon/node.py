@@ -27,6 +27,7 @@ import torch
 from dilocox.daemon.admission import RevocationKeeper, describe_admission, load_admission
 from dilocox.daemon.audits import KEEP_ROUNDS, Audits
 from dilocox.daemon.config import NodeConfig
+from dilocox.daemon.join_ahead import JoinAhead
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.redteam import load_attack
 from dilocox.daemon.replica_state import ReplicaState
@@ -111,6 +112,7 @@ class Node:
         self.results: Optional[ContributionServer] = None  # sparse rounds: our group's result of a split round
         self.audit_states: Optional[ContributionServer] = None  # --audit-rate: our committed round start states
         self.audits: Optional[Audits] = None
+        self.ahead: Optional[JoinAhead] = None  # merges the update a node that joined ahead misses
         self._reachability = reachability.Reachability.REACHABLE  # the last verdict (peers/reachability.py)
         self.skip_steps = 0  # inner steps of the next round the swarm has already done (joiners)
         self.resumed_from = 0  # outer step of the checkpoint we resumed from (0: none)
@@ -249,7 +251,12 @@ class Node:
         self.deadlines = RoundDeadlines(measured, matchmaking_cap_s=cfg.matchmaking_time,
                                         group_wait_cap_s=cfg.outer_round_deadline - cfg.averaging_timeout,
                                         request_timeout_s=cfg.request_timeout)
-        self.transfer.attach(self.averagers[sizes[0]], self.updates, self.results)
+        # synchronous sparse whole-model rounds with catch-up: a (re-)joiner computes the next round while the
+        # swarm finishes the current one and merges its update mid-round (daemon/join_ahead.py); audits would
+        # see a round start other than theta_{r-1}, so not with them
+        if self.updates is not None and cfg.overlap == "none" and not self.staged and not cfg.audit_rate:
+            self.ahead = JoinAhead(self.state, self.progress, self.transfer.fetch_update, self._published_step)
+        self.transfer.attach(self.averagers[sizes[0]], self.updates, self.results, ahead=self.ahead is not None)
         self.state.on_snapshot = self.transfer.published
         self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
                                   self.deadlines, self.contributions, self.attack,
@@ -456,6 +463,8 @@ class Node:
             self._settle(self.rounds.finish(previous))
             if self.state.round > r:  # settling r-1 re-synced us past round r: our compute of r is superseded
                 return
+        if self.ahead is not None and self.ahead.behind():  # joined ahead: theta_{r-1} should be served soon
+            self.ahead.wait(self.cfg.outer_round_deadline, self.leave_requested.is_set)
         if self.state.outer_step != r - 1:  # we missed theta_{r-1} (joined late, failed round): fetch it
             self._resync(f"round {r} needs the parameters of outer step {r - 1}", keep_round=True)
             if self.state.outer_step != r - 1:
@@ -504,19 +513,25 @@ class Node:
             tokens_per_s = x.numel() / max(time.monotonic() - step_start, 1e-9)
             losses.append(loss)
             if not self.staged and self.rounds.finish_early(i + 1 - skip):
-                self.board.update(outer_step=st.outer_step, global_params_digest=st.digest)
-                self.progress.poke()  # publish the new outer_step: joiners waiting for it download now
+                self._published_step()
+            behind = self.ahead is not None and not self.ahead.merge()  # joined ahead: theta_{r-1} not in yet
             s = self.board.snapshot()
             ema = tokens_per_s if s.tokens_per_second == 0 else 0.9 * s.tokens_per_second + 0.1 * tokens_per_s
             self.board.update(inner_step=i + 1, loss=sum(losses[-10:]) / len(losses[-10:]),
                               tokens_total=s.tokens_total + x.numel(), tokens_per_second=ema,
                               initial_loss=loss if math.isnan(s.initial_loss) else s.initial_loss)
-            if not self.staged and self.rounds.early_wanted():
+            if not self.staged and not behind and self.rounds.early_wanted():
                 # form the round's group during its last inner steps: matchmaking takes matchmaking_time
                 eta_s = (self.H - i - 1) * x.numel() / ema
                 if eta_s <= self.rounds.early_window_s():
                     self.rounds.begin_early(self.H - skip, time.monotonic() - start + eta_s, eta_s)
         return losses, time.monotonic() - start, skip
+
+    def _published_step(self) -> None:
+        """Theta moved mid-round (overlap's early apply, a merge after joining ahead): publish the new outer
+        step, so joiners waiting for it download now."""
+        self.board.update(outer_step=self.state.outer_step, global_params_digest=self.state.digest)
+        self.progress.poke()
 
     def _settle(self, finished: Optional[Finished]) -> None:
         """Act on a round's outcome: record it, or re-sync (and record a re-sync that fetched it)."""

@@ -92,6 +92,7 @@ class StateTransfer:
         self.averager: Optional[PseudoGradientAverager] = None  # set by attach()
         self.updates: Optional[ContributionServer] = None  # set by attach(): applied updates, for catch-up
         self.results: Optional[ContributionServer] = None  # set by attach(): group results of split rounds
+        self.ahead = False  # set by attach(): joins may compute the next round ahead of its start
         self.caught_up = 0  # outer steps replayed by catch-up since start
         self._waited_for_result, self._late_waits = False, 0
         self._busy_until = 0.0  # monotonic time until which we serve no other joiner
@@ -99,11 +100,12 @@ class StateTransfer:
         self.on_attempt: Callable[[str, int], None] = lambda reason, attempts: None  # e.g. status
 
     def attach(self, averager: PseudoGradientAverager, updates: Optional[ContributionServer] = None,
-               results: Optional[ContributionServer] = None) -> None:
+               results: Optional[ContributionServer] = None, ahead: bool = False) -> None:
         """The averager that serves (``serve``) and downloads our stage's state, the server of applied
         updates (sparse rounds; None: no catch-up, a joiner that missed steps downloads again) and that of
-        split rounds' group results (daemon/majority.py; None: no union)."""
-        self.averager, self.updates, self.results = averager, updates, results
+        split rounds' group results (daemon/majority.py; None: no union). ``ahead``: the node merges one
+        missed update mid-round (daemon/join_ahead.py), so joins may compute the next round at once."""
+        self.averager, self.updates, self.results, self.ahead = averager, updates, results, ahead
         self.published()
 
     def published(self) -> None:
@@ -244,13 +246,16 @@ class StateTransfer:
                                early_apply=cfg.overlap != "none" and cfg.num_stages == 1,
                                waited_for_result=self._waited_for_result,
                                # twice at most: where a join always lands late (a slow link), join anyway
-                               late=self._late_steps(live) if self._late_waits < 2 else 0)
+                               late=self._late_steps(live) if self._late_waits < 2 else 0,
+                               ahead=self.ahead and not keep_round)
             if point.kind == JoinKind.REFETCH:  # the swarm moved on meanwhile: catch up again
                 logger.info("%s", point.reason)
                 if ref is None:  # nobody's record is at our step: only a new download helps
                     return None, held
                 continue
             if point.kind != JoinKind.WAIT:
+                if point.reason:
+                    logger.info("%s", point.reason)
                 return point, held
             logger.info("%s", point.reason)
             attempted(point.reason)

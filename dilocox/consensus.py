@@ -319,7 +319,8 @@ def late_steps(inner_steps: int, step_s: float, window_s: float) -> int:
 
 
 def join_point(meta: DonorMeta, live: Optional[PeerProgress], *, inner_steps: int, our_round: int,
-               keep_round: bool, early_apply: bool, waited_for_result: bool, late: int = 0) -> JoinPoint:
+               keep_round: bool, early_apply: bool, waited_for_result: bool, late: int = 0,
+               ahead: bool = False) -> JoinPoint:
     """The join-point rule for a downloaded state.
 
     ``live``: the donor's current membership record (None if not seen); ``keep_round``: we finished
@@ -328,9 +329,17 @@ def join_point(meta: DonorMeta, live: Optional[PeerProgress], *, inner_steps: in
     ``waited_for_result``: we already waited once for a donor's mid-round result; ``late``: the round's
     last inner steps in which its group forms (``late_steps``): a joiner that would start there waits for
     the next round instead (it would miss the group, find the round gone on without it and re-sync: on a
-    busy machine, again and again).
+    busy machine, again and again); ``ahead``: we can merge one missed outer update mid-round (synchronous
+    sparse rounds with catch-up: daemon/join_ahead.py), so where the round's group has formed or is forming
+    we compute the next round from the donor's theta at once (DOWNLOAD at donor_round + 1, skip 0, one
+    outer step behind) instead of waiting for it to begin: a joiner that waited, then fetched the update,
+    found the next round's short training window gone again (32 nodes on 2 cores: minutes of this).
     """
     if not keep_round and (meta.donor_state == AVERAGING or meta.donor_inner_step >= inner_steps):
+        if ahead and meta.outer_step >= meta.donor_round - 1:
+            return JoinPoint(JoinKind.DOWNLOAD, round=meta.donor_round + 1, outer_step=meta.outer_step,
+                             reason=f"donor is finishing round {meta.donor_round}: computing round "
+                                    f"{meta.donor_round + 1} ahead of its start")
         # the next round has begun once a member trains in it (outer_step may advance before that)
         return JoinPoint(JoinKind.WAIT, wait_for=WaitFor.NEXT_ROUND, after_step=meta.donor_round,
                          reason=f"donor is finishing round {meta.donor_round}; waiting for the next round")
@@ -351,6 +360,10 @@ def join_point(meta: DonorMeta, live: Optional[PeerProgress], *, inner_steps: in
                                                   f"download; fetching a newer state")
     round_ = our_round if keep else max(meta.donor_round, meta.outer_step + 1)
     if not keep and skip > 0 and skip >= inner_steps - late:
+        if ahead and meta.outer_step >= round_ - 1:
+            return JoinPoint(JoinKind.DOWNLOAD, round=round_ + 1, outer_step=meta.outer_step,
+                             reason=f"donor is at inner step {skip} of {inner_steps}: computing round {round_ + 1} "
+                                    f"ahead of its start")
         return JoinPoint(JoinKind.WAIT, wait_for=WaitFor.NEXT_ROUND, after_step=round_, late=True,
                          reason=f"donor is at inner step {skip} of {inner_steps}: round {round_}'s group is "
                                 f"already forming; waiting for the next round")

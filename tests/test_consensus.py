@@ -239,6 +239,20 @@ def test_join_waits_for_the_next_round_when_its_group_is_forming():
         JoinKind.DOWNLOAD
 
 
+def test_join_ahead_computes_the_next_round_where_the_group_has_formed_or_is_forming():
+    # the donor averages round 5, or is in the last inner steps in which its group forms: round 6 from theta_4
+    for m, late in ((meta(donor_state="AVERAGING"), 0), (meta(donor_inner_step=H), 0), (meta(donor_inner_step=H - 6),
+                                                                                        6)):
+        point = plan(m, late=late, ahead=True)
+        assert (point.kind, point.round, point.skip, point.outer_step, point.keep_round) == \
+            (JoinKind.DOWNLOAD, 6, 0, 4, False), point
+    # where a round can still be joined, join it where the donor is; a kept round never goes ahead
+    assert (plan(meta(), ahead=True).round, plan(meta(), ahead=True).skip) == (5, 6)
+    assert plan(meta(outer_step=4, donor_state="AVERAGING"), keep_round=True, our_round=5, ahead=True).keep_round
+    # more than one outer step behind the donor's round (a delayed donor): no merge can cover it, so wait
+    assert plan(meta(outer_step=3, donor_state="AVERAGING"), ahead=True).kind == JoinKind.WAIT
+
+
 # ---------------------------------------------------------------- split rounds: one update per round
 
 @pytest.mark.parametrize("ours, replicas, outside, pending, expected", [

@@ -1,0 +1,91 @@
+"""Join ahead: compute the next round while the swarm finishes the current one, merge its update mid-round.
+
+A joiner (or a re-syncing node) whose donor is finishing round r (its group formed, or forming) holds
+theta_{r-1}. Waiting for round r + 1 to begin, then fetching update r, took longer than the short training
+window of round r + 1 at 32 nodes on 2 cores, so such a node chased the swarm for minutes
+(dilocox.consensus.join_point, ``ahead``). Instead it computes round r + 1 from theta_{r-1} at once, and as
+soon as a live member serves the update of outer step r (``update/{r}``, dilocox/catchup.py) this component
+applies it by the outer rule, bit-identical with what the members applied, before the round's exchange
+begins. Local parameters are left alone: the round's pseudo-gradient is measured from where the round
+began, as for a kept round (``keep_round``), one outer step stale, as in DiLoCoX's one-step delay
+(arXiv 2506.21263, sec. 3.2).
+
+Only synchronous sparse rounds of whole models (catch-up serves their updates; ``NodeConfig``:
+``overlap == "none"``, one stage). The update's theta digest must be one a live member's signed record
+holds at that outer step, as for any catch-up (daemon/transfer.py, ``vouch``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Callable, Optional
+
+from dilocox.catchup import AppliedUpdate
+from dilocox.consensus import ACTIVE_STATES
+
+logger = logging.getLogger(__name__)
+POLL_S = 1.0  # between asks for the missed update: each reads the records and may fetch a few MB
+SOURCES = 2  # holders asked per attempt (daemon/majority.py, FETCH_SOURCES)
+
+
+class JoinAhead:
+    """Merges the one outer update a node computing ahead is missing (``merge``), or waits for it (``wait``)."""
+
+    def __init__(self, state, progress, fetch: Callable[[list[str], int], Optional[AppliedUpdate]],
+                 on_merged: Callable[[], None] = lambda: None):
+        """``state``: the ReplicaState (daemon/replica_state.py); ``progress``: the membership records
+        (daemon/progress.py); ``fetch(peer_ids, outer_step)``: the update one of them applied at that step
+        (daemon/transfer.py, ``fetch_update``); ``on_merged()``: publish the new outer step."""
+        self.state, self.progress, self.fetch, self.on_merged = state, progress, fetch, on_merged
+        self._next_try = 0.0
+        self.merged = 0  # updates merged mid-round since start
+
+    def behind(self) -> bool:
+        """Do we compute round r holding theta_{r-2} (joined ahead), so the exchange cannot begin yet?"""
+        return self.state.outer_step == self.state.round - 2
+
+    def merge(self, now: Optional[float] = None) -> bool:
+        """Apply the missed update if a live member serves it (asked at most every POLL_S). True when not
+        behind (any more); False while the update is not to be had, or failed its checks (logged)."""
+        if not self.behind():
+            return True
+        now = time.monotonic() if now is None else now
+        if now < self._next_try:
+            return False
+        self._next_try = now + POLL_S
+        st, step = self.state, self.state.outer_step + 1
+        records = [m for m in self.progress.others() if m.state in ACTIVE_STATES]
+        held = {m.global_params_digest for m in records if m.outer_step == step}
+        sources = [m.peer_id for m in records if m.outer_step >= step and not m.client_mode]
+        if not held or not sources:
+            return False
+        random.shuffle(sources)
+        update = self.fetch(sources[:SOURCES], step)
+        if update is None:
+            return False
+        if update.parent_digest != st.digest or update.digest not in held:
+            logger.warning("the update of outer step %d served to us continues theta %s and leads to %s; ours is "
+                           "%s and the members hold %s: not merged", step, update.parent_digest, update.digest,
+                           st.digest, sorted(held))
+            return False
+        with st.changing():
+            st.apply_outer(update.aggregate, step, update.group_size)
+        if st.digest != update.digest:  # same theta, aggregate and rule give the same bits; if not, re-sync follows
+            logger.error("merging the update of outer step %d gave theta %s, its members hold %s", step, st.digest,
+                         update.digest)
+        self.merged += 1
+        logger.info("merged the update of outer step %d mid-round (joined ahead): round %d starts its exchange from "
+                    "theta %s", step, st.round, st.digest)
+        self.on_merged()
+        return True
+
+    def wait(self, timeout_s: float, cancelled: Callable[[], bool]) -> bool:
+        """``merge`` until it succeeds, ``timeout_s`` passes or ``cancelled()``; True when no longer behind."""
+        deadline = time.monotonic() + timeout_s
+        while not self.merge():
+            if time.monotonic() >= deadline or cancelled():
+                return False
+            time.sleep(0.1)
+        return True

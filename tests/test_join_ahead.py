@@ -1,0 +1,77 @@
+"""Joining ahead (daemon/join_ahead.py, dilocox.consensus.join_point ``ahead``): a joiner whose donor is finishing
+a round computes the next one at once and merges the missed update mid-round, with real ReplicaStates and the
+simulated swarm of test_catchup."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from dilocox.daemon.join_ahead import JoinAhead
+
+from dilocox.catchup import decode, encode
+from dilocox.consensus import JoinKind
+from dilocox.diloco import params_digest
+from tests.test_catchup import H, SimProgress, SimSwarm, UpdateServer, joiner_for, make_state
+
+
+def _joined_ahead(tmp_path):
+    """A donor averaging round 3 (its group formed): the joiner takes theta_2 and computes round 4 at once."""
+    donor = make_state(tmp_path)
+    swarm = SimSwarm(donor)
+    swarm.advance(2 * (H + 1) + H)  # round 3, averaging
+    joiner, t = joiner_for(tmp_path, donor, swarm, download_ticks=0)
+    t.ahead = True
+    point, got = t.sync(initial=True)
+    assert (point.kind, point.round, point.skip, point.outer_step) == (JoinKind.DOWNLOAD, 4, 0, 2), point
+    joiner.adopt(got.theta, got.momentum, got.meta.compression_rank, got.compression_shared, got.meta.outer_step,
+                 got.meta.digest, point.round, point.keep_round, got.control)
+    return donor, swarm, joiner, t
+
+
+def test_a_joiner_computes_the_next_round_at_once_and_merges_the_missed_update_mid_round(tmp_path):
+    donor, swarm, joiner, t = _joined_ahead(tmp_path)
+    ahead = JoinAhead(joiner, SimProgress(swarm), t.fetch_update)
+    assert ahead.behind() and not ahead.merge(now=0.0)  # nobody holds theta_3 yet: nothing to fetch
+    for p in joiner.params:  # inner steps of round 4, from theta_2
+        p.data.add_(0.01)
+    progress = [g.clone() for g in joiner.pseudo_gradient()]
+    swarm.advance(1)  # the donor applies round 3
+    assert not ahead.merge(now=0.5)  # asked at most once per POLL_S
+    assert ahead.merge(now=2.0) and not ahead.behind() and ahead.merged == 1
+    # theta_3 and its momentum bit for bit as the donor's; our round's progress is still ours to send
+    assert (joiner.outer_step, joiner.digest, joiner.round) == (3, donor.digest, 4)
+    assert params_digest(joiner.outer.momentum_buffers()) == params_digest(donor.outer.momentum_buffers())
+    assert all(torch.equal(a, b) for a, b in zip(joiner.pseudo_gradient(), progress))
+    assert joiner.start_digest() == donor.start_digest()  # round 4's exchange starts where the swarm's does
+
+
+def test_a_forged_or_unvouched_update_is_not_merged(tmp_path):
+    donor, swarm, joiner, t = _joined_ahead(tmp_path)
+    swarm.advance(1)
+    shapes = [tuple(p.shape) for p in donor.outer.global_params]
+    theta2 = joiner.digest
+    forged = lambda step, payload: encode(dataclasses.replace(  # noqa: E731
+        decode(payload, shapes), parent_digest="elsewhere"))
+    t.updates = UpdateServer(swarm, forged)
+    ahead = JoinAhead(joiner, SimProgress(swarm), t.fetch_update)
+    assert not ahead.merge(now=0.0) and (joiner.outer_step, joiner.digest) == (2, theta2)
+
+    class Unvouched(SimProgress):  # the records hold another theta at outer step 3 than the update leads to
+        def others(self, max_age_s: float = 1.0):
+            return [dataclasses.replace(self.swarm.record(), global_params_digest="f" * 16)]
+
+    t.updates = UpdateServer(swarm)
+    ahead = JoinAhead(joiner, Unvouched(swarm), t.fetch_update)
+    assert not ahead.merge(now=0.0) and (joiner.outer_step, joiner.digest) == (2, theta2)
+    assert JoinAhead(joiner, SimProgress(swarm), t.fetch_update).merge(now=0.0) and joiner.digest == donor.digest
+
+
+def test_without_join_ahead_the_joiner_waits_for_the_next_round(tmp_path):
+    donor = make_state(tmp_path)
+    swarm = SimSwarm(donor)
+    swarm.advance(2 * (H + 1) + H)
+    joiner, t = joiner_for(tmp_path, donor, swarm, download_ticks=0)
+    point, _ = t.sync(initial=True)  # the wait ends when round 4 trains; the catch-up then brings theta_3
+    assert (point.kind, point.round, point.outer_step) == (JoinKind.DOWNLOAD, 4, 3), point
+    assert swarm.donor.round == 4
