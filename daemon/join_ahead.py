@@ -40,6 +40,7 @@ class JoinAhead:
         (daemon/transfer.py, ``fetch_update``); ``on_merged()``: publish the new outer step."""
         self.state, self.progress, self.fetch, self.on_merged = state, progress, fetch, on_merged
         self._next_try = 0.0
+        self._forked_at = -1  # an outer step whose update does not continue our theta: no source can help
         self.merged = 0  # updates merged mid-round since start
 
     def behind(self) -> bool:
@@ -56,6 +57,8 @@ class JoinAhead:
             return False
         self._next_try = now + POLL_S
         st, step = self.state, self.state.outer_step + 1
+        if step == self._forked_at:
+            return False
         records = [m for m in self.progress.others() if m.state in ACTIVE_STATES]
         held = {m.global_params_digest for m in records if m.outer_step == step}
         sources = [m.peer_id for m in records if m.outer_step >= step and not m.client_mode]
@@ -69,6 +72,10 @@ class JoinAhead:
             logger.warning("the update of outer step %d served to us continues theta %s and leads to %s; ours is "
                            "%s and the members hold %s: not merged", step, update.parent_digest, update.digest,
                            st.digest, sorted(held))
+            if update.parent_digest != st.digest and update.digest in held:
+                # the members' theta_{r-1} is not ours (we took a state from a lineage that forked): stop asking;
+                # the round's end re-syncs, keeping the round's progress
+                self._forked_at = step
             return False
         with st.changing():
             st.apply_outer(update.aggregate, step, update.group_size)

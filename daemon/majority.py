@@ -94,7 +94,7 @@ class MajorityUpdate:
         reason = ""
         seen, seen_since = None, 0.0  # the union's groups at the last poll, and since when unchanged
         while True:
-            others = [m for m in self._others() if m.peer_id not in group]
+            others = [m for m in self._others(index, parent_digest) if m.peer_id not in group]
             theta = applied_majority(others, index, len(group))
             if theta is not None:  # most of the swarm has applied round index already: take what they applied
                 update, why = self._fetch_applied(index, theta, parent_digest, others)
@@ -142,14 +142,20 @@ class MajorityUpdate:
                 return Resolution(Standing.ALONE)
             time.sleep(POLL_S)
 
-    def _others(self) -> list:
-        """The other members' records: a fresh read merged with the roster (``_roster``)."""
+    def _others(self, index: int, parent_digest: str) -> list:
+        """The other members' records in round ``index``'s lineage: a fresh read merged with the roster
+        (``_roster``), less the members whose record holds another theta at outer step index - 1. Their round
+        continues another theta, so their results can be neither adopted nor united with ours (seen at 32 nodes:
+        a union that named such a result sent all 9 members that chose it to re-sync); counting them would only
+        make our lineage wait for them. Their lineage settles on its own, and the next round's start digests
+        send the smaller one to re-sync."""
         now = time.monotonic()
         for m in self.progress.others(FRESH_S):
             self._roster[m.peer_id] = (m, now)
         keep_s = ROSTER_SHARE * self.wait_s
         self._roster = {p: (m, t) for p, (m, t) in self._roster.items() if now - t <= keep_s}
-        return [m for m, _ in self._roster.values()]
+        return [m for m, _ in self._roster.values()
+                if m.outer_step != index - 1 or m.global_params_digest in ("", parent_digest)]
 
     def _unite(self, index: int, groups: dict[str, int], weight: int, ours: list[torch.Tensor],
                parent_digest: str, group: set[str], deadline: float) -> Resolution:
@@ -163,7 +169,7 @@ class MajorityUpdate:
             return Resolution(Standing.ALONE)
         proposal = tuple(sorted({*groups, mine}))
         self.progress.propose_union(index, list(proposal))
-        chosen, everyone = self._settle_union(index, proposal, deadline)
+        chosen, everyone = self._settle_union(index, proposal, parent_digest, deadline)
         others = [m for m in everyone if m.peer_id not in group]
         weights = {**self._weights(index, everyone), mine: weight}
         got: dict[str, AppliedUpdate] = {}
@@ -192,7 +198,7 @@ class MajorityUpdate:
                 return Resolution(Standing.UNION, None, reason=f"round {index}: the union of {len(chosen)} "
                                                                f"groups' results could not be fetched ({why})")
             time.sleep(POLL_S)
-            others = [m for m in self._others() if m.peer_id not in group]
+            others = [m for m in self._others(index, parent_digest) if m.peer_id not in group]
             weights = {**self._weights(index, others), **weights}
         results = {**{d: u.aggregate for d, u in got.items()}, mine: ours}
         try:
@@ -204,12 +210,12 @@ class MajorityUpdate:
         return Resolution(Standing.UNION, AppliedUpdate(index, parent_digest, "", sum(weights[d] for d in chosen),
                                                         united), groups=len(chosen))
 
-    def _settle_union(self, index: int, proposal: tuple, deadline: float) -> tuple[tuple, list]:
+    def _settle_union(self, index: int, proposal: tuple, parent_digest: str, deadline: float) -> tuple[tuple, list]:
         """Wait until every member (group-mates too) holding a result of round ``index`` that a union may
         hold has proposed one, or ``deadline``; then the chosen union (ours is ``proposal``) and the
         records read last."""
         while True:
-            everyone = self._others()
+            everyone = self._others(index, parent_digest)
             reported = {m.peer_id: m.result_digest for m in everyone if m.result_step == index and m.result_digest}
             valid = set(union_groups(reported, {m.peer_id: len(m.inputs) for m in everyone}))
             proposals = {m.peer_id: tuple(m.union) for m in everyone if m.result_step == index and m.union}

@@ -56,6 +56,8 @@ def test_a_forged_or_unvouched_update_is_not_merged(tmp_path):
     t.updates = UpdateServer(swarm, forged)
     ahead = JoinAhead(joiner, SimProgress(swarm), t.fetch_update)
     assert not ahead.merge(now=0.0) and (joiner.outer_step, joiner.digest) == (2, theta2)
+    fetched = len(t.updates.fetched)  # the members' theta_2 is not ours: no source can help, so no more asks
+    assert not ahead.merge(now=10.0) and len(t.updates.fetched) == fetched
 
     class Unvouched(SimProgress):  # the records hold another theta at outer step 3 than the update leads to
         def others(self, max_age_s: float = 1.0):

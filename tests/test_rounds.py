@@ -469,7 +469,8 @@ def test_groups_without_a_majority_apply_the_union_of_their_results(tmp_path, st
 
     theirs = [torch.full_like(p, -1e-3) for p in state.outer.global_params]
     their_digest = params_digest(theirs)
-    outside = [Member(peer_id=p, outer_step=0, round=1, result_step=1, result_digest=their_digest,
+    outside = [Member(peer_id=p, outer_step=0, round=1, global_params_digest=state.digest, result_step=1,
+                      result_digest=their_digest,
                       inputs={q: "0" * 16 for q in "cde"}) for p in "cde"]
     offered, asked = [], []
     theta0 = state.digest
@@ -495,8 +496,8 @@ def test_a_union_whose_other_result_cannot_be_had_re_syncs(tmp_path, state):
     from dilocox.catchup import AppliedUpdate
 
     theirs = [torch.full_like(p, -1e-3) for p in state.outer.global_params]
-    outside = [Member(peer_id=p, outer_step=0, round=1, result_step=1, result_digest=params_digest(theirs))
-               for p in "cde"]
+    outside = [Member(peer_id=p, outer_step=0, round=1, global_params_digest=state.digest, result_step=1,
+                      result_digest=params_digest(theirs)) for p in "cde"]
     good = AppliedUpdate(1, state.digest, params_digest(theirs), 3, theirs)
     for bad in (None, replace(good, aggregate=[a * 2 for a in theirs]), replace(good, parent_digest="elsewhere")):
         st = computed_round(tmp_path / f"u{id(bad)}")
@@ -515,9 +516,11 @@ def test_a_group_whose_result_came_too_late_applies_the_union_most_members_propo
     x, y = ([torch.full_like(p, v) for p in state.outer.global_params] for v in (1e-3, -2e-3))
     dx, dy = params_digest(x), params_digest(y)
     union = sorted([dx, dy])
-    outside = [Member(peer_id=p, outer_step=0, round=1, result_step=1, result_digest=dx, union=union,
+    outside = [Member(peer_id=p, outer_step=0, round=1, global_params_digest=state.digest, result_step=1,
+                      result_digest=dx, union=union,
                       inputs={q: "0" * 16 for q in "cde"}) for p in "cde"]
-    outside += [Member(peer_id=p, outer_step=0, round=1, result_step=1, result_digest=dy, union=union,
+    outside += [Member(peer_id=p, outer_step=0, round=1, global_params_digest=state.digest, result_step=1,
+                       result_digest=dy, union=union,
                        inputs={q: "0" * 16 for q in "fg"}) for p in "fg"]
     served = {dx: x, dy: y}
     twin = computed_round(tmp_path / "twin")
@@ -567,6 +570,17 @@ def test_a_fetch_asks_two_holders_at_a_time_and_a_leave_ends_the_settling_at_onc
     assert time.monotonic() - began < 3.0  # an attempt or two after the leave, not a sweep over 20 holders
     assert asked and all(len(peers) <= 2 for peers in asked), asked
     assert state.outer_step == 0
+
+
+def test_results_of_a_round_that_continues_another_theta_are_neither_adopted_nor_waited_for(tmp_path, state):
+    """Four members hold another theta_0 (a lineage that forked earlier) and report a result of round 1: it cannot
+    continue ours, so our group of 3 settles among the replicas of our lineage (it is all of them: it keeps its
+    update) instead of adopting theirs, failing the parent check and re-syncing."""
+    outside = [Member(peer_id=p, outer_step=0, round=1, global_params_digest="other", result_step=1,
+                      result_digest="R" * 16) for p in "cdef"]
+    done = split_rounds(state, outside, lambda peers, step: pytest.fail("nothing of theirs can continue ours")).finish(
+        pending(state, None))
+    assert done.outcome == RoundOutcome.APPLIED and state.outer_step == 1, done
 
 
 def test_early_matchmaking_waits_until_the_previous_rounds_update_is_applied(state):
