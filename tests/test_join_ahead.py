@@ -52,7 +52,7 @@ def test_a_forged_or_unvouched_update_is_not_merged(tmp_path):
     shapes = [tuple(p.shape) for p in donor.outer.global_params]
     theta2 = joiner.digest
     forged = lambda step, payload: encode(dataclasses.replace(  # noqa: E731
-        decode(payload, shapes), parent_digest="elsewhere"))
+        decode(payload, shapes), parent_digest="0" * 16))
     t.updates = UpdateServer(swarm, forged)
     ahead = JoinAhead(joiner, SimProgress(swarm), t.fetch_update)
     assert not ahead.merge(now=0.0) and (joiner.outer_step, joiner.digest) == (2, theta2)
