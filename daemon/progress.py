@@ -112,16 +112,20 @@ class ProgressTracker:
         peer_id -> digest for those that reported (ours included)."""
         self._result, self._inputs, self._union = (result_step, digest), dict(inputs or {}), []
         self.publish()
-        found = {self.peer_id: digest}
+        return self.collect_result_digests(result_step, peers, timeout_s)
+
+    def collect_result_digests(self, result_step: int, peers: set[str], timeout_s: float) -> Dict[str, str]:
+        """Read the result digests of round ``result_step`` that ``peers`` reported, ours included (published by
+        ``exchange_result_digests``), waiting at most ``timeout_s`` for the missing ones; publishes nothing."""
+        found = {self.peer_id: self._result[1]} if self._result[0] == result_step else {}
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while True:
             for m in self.others(max_age_s=0.2):  # the whole group waits for the slowest digest: read afresh
                 if m.peer_id in peers and m.result_step == result_step:
                     found[m.peer_id] = m.result_digest
-            if set(found) >= peers:
-                break
+            if set(found) >= peers or time.monotonic() >= deadline:
+                return found
             time.sleep(0.25)  # a short wait: the whole group waits for the slowest digest
-        return found
 
     def propose_union(self, result_step: int, digests: List[str]) -> None:
         """Publish the group results of round ``result_step`` (our last result's round) whose union we propose

@@ -479,7 +479,7 @@ class OuterRounds:
                                                         self.cfg.request_timeout, result.inputs)
         verdict = judge_result(result_digest, results, members=len(starts))
         if verdict == Verdict.SKIP and set(results) < set(starts):
-            results = self._await_reports(p, result_digest, set(starts), result.inputs)
+            results = self._await_reports(p, set(starts))
             if set(results) < set(starts) and self._dropped(p):  # leaving: nothing consumed, the checkpoint keeps r-1
                 return Checked(RoundOutcome.CANCELLED)
             verdict = judge_result(result_digest, results, members=len(starts))
@@ -521,12 +521,13 @@ class OuterRounds:
         p.compression.decide_rank(*group_limits(result.gathered), group_size)
         return Checked(RoundOutcome.APPLIED, result, group_size)
 
-    def _await_reports(self, p: PendingRound, digest: str, group: set[str], inputs: dict) -> dict[str, str]:
+    def _await_reports(self, p: PendingRound, group: set[str]) -> dict[str, str]:
         """Result reports of round p's group when some were missing at first (missing, not different: a loaded
         member publishes late): wait up to averaging_timeout, then on while a member without a report may still
         apply the round (``consensus.undecided``), up to outer_round_deadline. Skipping while a group-mate
         applies forks theta: seen in CI with two pipeline-stage members, one reporting 27 s after the all-reduce.
-        Read in request_timeout slices, so a leave or a dropped round ends the wait within one (a leave that
+        Our own report is published already (``exchange_result_digests``); this only reads, in request_timeout
+        slices, so a leave or a dropped round ends the wait within one (a leave that
         waited out averaging_timeout missed a 60 s drain at 32 nodes). Returns peer_id -> digest of those that
         reported (ours included)."""
         began = time.monotonic()
@@ -534,7 +535,7 @@ class OuterRounds:
         logged = False
         while True:
             slice_s = max(0.0, min(self.cfg.request_timeout, deadline - time.monotonic()))
-            results = self.progress.exchange_result_digests(p.index, digest, group, slice_s, inputs)
+            results = self.progress.collect_result_digests(p.index, group, slice_s)
             missing, now = group - set(results), time.monotonic()
             if not missing or now >= deadline or self._dropped(p):
                 return results

@@ -33,6 +33,14 @@ class FakeProgress:
         return self._others
 
     def exchange_result_digests(self, result_step, digest, peers, timeout_s, inputs=None):
+        self.published = digest  # our report, as ProgressTracker publishes it
+        return self.reports(digest, peers, timeout_s)
+
+    def collect_result_digests(self, result_step, peers, timeout_s):
+        return self.reports(self.published, peers, timeout_s)
+
+    def reports(self, digest, peers, timeout_s):
+        """What one read of the group's result reports returns (ours included)."""
         return {"me": digest, **(self.results or {})}
 
     def input_conflicts(self, result_step, inputs):
@@ -133,8 +141,8 @@ def test_a_late_report_is_waited_for_instead_of_skipping_the_round(state):
     class LateReports(FakeProgress):
         timeouts: list = []
 
-        def exchange_result_digests(self, result_step, digest, peers, timeout_s, inputs=None):
-            self.timeouts.append(timeout_s)  # the group-mates' digests arrive only on the second, longer read
+        def reports(self, digest, peers, timeout_s):
+            self.timeouts.append(timeout_s)  # the group-mates' digests arrive only on the second read
             return {"me": digest} if len(self.timeouts) == 1 else {"me": digest, **{q: digest for q in peers}}
 
     progress = LateReports()
@@ -153,7 +161,7 @@ class SlowGroupMates(FakeProgress):
         super().__init__([Peer(peer_id=q, state="AVERAGING", outer_step=0, round=2, **peer) for q in "ab"])
         self.reports_on, self.timeouts = reports_on, []
 
-    def exchange_result_digests(self, result_step, digest, peers, timeout_s, inputs=None):
+    def reports(self, digest, peers, timeout_s):
         self.timeouts.append(timeout_s)
         if self.reports_on is not None and len(self.timeouts) >= self.reports_on:
             return {"me": digest, **{q: digest for q in peers}}
@@ -415,7 +423,7 @@ def split_rounds(state, outside, fetch, fetch_result=None, offer_result=None):
     mine = None  # our group's (me, a, b) result: all three hold it
 
     class Progress(FakeProgress):
-        def exchange_result_digests(self, result_step, digest, peers, timeout_s, inputs=None):
+        def reports(self, digest, peers, timeout_s):
             nonlocal mine
             mine = digest
             return {"me": digest, "a": digest, "b": digest}
