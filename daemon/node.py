@@ -45,7 +45,7 @@ from dilocox.peers.swarm import Swarm
 
 from dilocox.catchup import encode
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
-from dilocox.consensus import JoinKind, settings_conflict
+from dilocox.consensus import JoinKind, other_lineage, settings_conflict
 from dilocox.model import ModelSpecError
 from dilocox.pipeline import PipelineBroken
 from dilocox.stages import layer_range
@@ -467,6 +467,12 @@ class Node:
             self.ahead.wait(self.cfg.outer_round_deadline, self.leave_requested.is_set)
         if self.state.outer_step != r - 1:  # we missed theta_{r-1} (joined late, failed round): fetch it
             self._resync(f"round {r} needs the parameters of outer step {r - 1}", keep_round=True)
+            if self.state.outer_step != r - 1:
+                return
+        lineage = None if self.staged else other_lineage(self.progress.others(), r - 1, self.state.digest)
+        if lineage is not None:  # a split round left us in a minority lineage of theta: join the majority's
+            self._resync(f"round {r}: most live replicas hold theta {lineage} at outer step {r - 1}, ours is "
+                         f"{self.state.digest}", keep_round=True)
             if self.state.outer_step != r - 1:
                 return
         self._set_state(State.AVERAGING)

@@ -38,6 +38,7 @@ from dilocox.consensus import (
     current_join,
     join_point,
     late_steps,
+    majority_theta,
     no_donor_join,
     wait_over,
     wait_satisfied,
@@ -407,6 +408,10 @@ class StateTransfer:
             held = ", ".join(f"{m.peer_id[-6:]}: {m.outer_step}/{m.global_params_digest}" for m in records)
             raise ValueError(f"no member's record holds the downloaded state (outer step {meta.outer_step}, digest "
                              f"{meta.digest}; records hold {held or 'nothing'}): not adopted")
+        lineage = majority_theta(records, meta.outer_step)
+        if lineage not in (None, meta.digest):  # a split's minority lineage: a re-sync from it would not heal
+            raise ValueError(f"the downloaded state (outer step {meta.outer_step}, digest {meta.digest}) is a "
+                             f"minority's: most live replicas hold {lineage} there; not adopted")
 
 
 def result_key(index: int) -> str:

@@ -130,12 +130,36 @@ def applied_majority(others: Sequence[PeerProgress], r: int, group: int) -> Opti
     applied r yet); live replicas: ours plus every other active one. A member whose group settled late
     (its records read in a changed swarm) joins what most of the swarm applied instead of weighing
     results again."""
-    live = group + sum(m.state in ACTIVE_STATES for m in others)
-    counts = Counter(m.global_params_digest for m in others if m.state in ACTIVE_STATES and m.outer_step == r)
+    return majority_theta(others, r, ours=group)
+
+
+def majority_theta(others: Sequence[PeerProgress], step: int, ours: int = 0, our_digest: str = "") -> Optional[str]:
+    """The theta digest at outer step ``step`` that a strict majority of the live replicas holds, or None.
+
+    ``others``: the other members' records (only active ones count: TRAINING or AVERAGING); ``ours``: live
+    replicas on our side that hold ``our_digest`` at ``step`` ("": they hold nothing there yet). At most one
+    digest can pass, so every member that reads the same records names the same one, and a member that reads
+    one record less or more can only fail to name it: a wrong read costs a round, never a fork."""
+    live = ours + sum(m.state in ACTIVE_STATES for m in others)
+    counts = Counter(m.global_params_digest for m in others if m.state in ACTIVE_STATES and m.outer_step == step)
+    if our_digest:
+        counts[our_digest] += ours
     for digest, n in sorted(counts.items()):
         if 2 * n > live:
             return digest
     return None
+
+
+def other_lineage(others: Sequence[PeerProgress], step: int, our_digest: str) -> Optional[str]:
+    """The theta digest at outer step ``step`` held by a strict majority of the live replicas, ourselves
+    included, when it is not ours (``our_digest``); else None. A split round whose groups applied
+    different updates leaves two lineages of theta; the start digests of the next round only reconcile
+    members that land in one group, and a group's majority can be the swarm's minority (seen at 32 nodes:
+    lineages of 21 and 3 members, then 10 and 5, went on side by side). A member of a minority lineage
+    re-syncs from the majority before it computes another round (daemon/node.py), so no split outlasts the
+    round after it; where no lineage holds a strict majority, none gives way."""
+    digest = majority_theta(others, step, ours=1, our_digest=our_digest)
+    return digest if digest not in (None, our_digest) else None
 
 
 def chosen_union(proposals: Dict[str, Tuple[str, ...]]) -> Tuple[str, ...]:

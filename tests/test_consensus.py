@@ -353,3 +353,25 @@ def test_applied_majority_is_a_theta_most_live_replicas_hold_at_that_step():
     assert applied_majority(ahead[:14] + [peer(f"b{i}", 1, "C") for i in range(15)], 2, 2) is None  # 14 of 31
     assert applied_majority(ahead, 3, 2) is None  # nobody is at step 3
     assert applied_majority([peer(f"s{i}", 2, "D", "SYNCING") for i in range(20)], 2, 2) is None  # not active
+
+
+def test_a_minority_lineage_names_the_majoritys_theta_and_the_majority_names_none():
+    """After a split round: 21 replicas hold theta A at outer step 8, 3 hold B (seen at 32 nodes). Each member of B
+    finds A held by a strict majority of the live replicas, itself included, and re-syncs; A's members stay."""
+    from dilocox.consensus import majority_theta, other_lineage
+
+    def peer(name, step, digest, state="TRAINING"):
+        return Peer(peer_id=name, state=state, outer_step=step, round=step + 1, global_params_digest=digest)
+
+    a = [peer(f"a{i}", 8, "A") for i in range(21)]
+    b = [peer(f"b{i}", 8, "B") for i in range(3)]
+    assert other_lineage(a + b[1:], 8, "B") == "A"  # a member of B
+    assert other_lineage(a[1:] + b, 8, "A") is None  # a member of A
+    # 12 against 12 (ours included): no strict majority, nobody gives way
+    assert other_lineage(a[:12] + b[:3] + [peer(f"c{i}", 8, "B") for i in range(8)], 8, "B") is None
+    # members a step ahead or re-syncing hold nothing at step 8, but count as live replicas
+    ahead = [peer(f"n{i}", 9, "N") for i in range(10)]
+    assert other_lineage(a[:10] + ahead + b[1:], 8, "B") is None  # 10 of 23
+    assert other_lineage(a[:10] + [peer(f"s{i}", 8, "S", "SYNCING") for i in range(5)] + b[1:], 8, "B") == "A"
+    assert majority_theta(a + b, 8) == "A" and majority_theta(a[:12] + b * 4, 8) is None  # 12 of 24 each
+    assert majority_theta(a, 9) is None

@@ -14,8 +14,8 @@ from tests.test_rounds import FakeProgress, state  # noqa: F401 (pytest fixture)
 class Record:
     """A member's published progress (the MemberRecord fields validate() reads)."""
 
-    def __init__(self, peer_id, outer_step, digest):
-        self.peer_id, self.outer_step, self.global_params_digest = peer_id, outer_step, digest
+    def __init__(self, peer_id, outer_step, digest, state="TRAINING"):
+        self.peer_id, self.outer_step, self.global_params_digest, self.state = peer_id, outer_step, digest, state
 
 
 def transfer_for(state, others=None):  # noqa: F811
@@ -56,6 +56,22 @@ def test_a_state_no_members_record_holds_is_not_adopted(state):  # noqa: F811
         got = t.validate(meta, tensors)  # self-consistent
         with pytest.raises(ValueError, match="no member's record holds"):
             t.vouch(got.meta)
+
+
+def test_a_state_of_a_minority_lineage_is_not_adopted(state):  # noqa: F811
+    """A split round left two thetas at one outer step: a re-sync adopts the one most live replicas hold, so a
+    member of the minority that re-syncs from a lineage-mate (hivemind picks among donors at random) tries again."""
+    meta, tensors = served(state)
+    step, ours, theirs = state.outer_step, state.digest, "f" * 16
+    minority = [Record("m0", step, ours)] + [Record(f"o{i}", step, theirs) for i in range(3)]
+    t = transfer_for(state, minority)
+    with pytest.raises(ValueError, match="minority's: most live replicas hold f"):
+        t.vouch(t.validate(meta, tensors).meta)
+    for others in (minority[:2],  # 1 against 1: no strict majority holds the other theta
+                   minority[:2] + [Record(f"s{i}", step, theirs, "SYNCING") for i in range(3)],  # syncing: no vote
+                   [Record(f"m{i}", step, ours) for i in range(3)] + minority[1:]):  # ours is the majority's
+        t = transfer_for(state, others)
+        t.vouch(t.validate(meta, tensors).meta)
 
 
 @pytest.mark.parametrize("damage, message", [
