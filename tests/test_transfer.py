@@ -14,7 +14,7 @@ from tests.test_rounds import FakeProgress, state  # noqa: F401 (pytest fixture)
 class Record:
     """A member's published progress (the MemberRecord fields validate() reads)."""
 
-    def __init__(self, peer_id, outer_step, digest, state="TRAINING"):
+    def __init__(self, peer_id, outer_step, digest, state="TRAINING"):  # noqa: F811
         self.peer_id, self.outer_step, self.global_params_digest, self.state = peer_id, outer_step, digest, state
 
 
