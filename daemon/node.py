@@ -45,7 +45,7 @@ from dilocox.peers.swarm import Swarm
 
 from dilocox.catchup import encode
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
-from dilocox.consensus import JoinKind, other_lineage, settings_conflict
+from dilocox.consensus import JoinKind, Lineage, lineage_standing, settings_conflict
 from dilocox.model import ModelSpecError
 from dilocox.pipeline import PipelineBroken
 from dilocox.stages import layer_range
@@ -469,7 +469,7 @@ class Node:
             self._resync(f"round {r} needs the parameters of outer step {r - 1}", keep_round=True)
             if self.state.outer_step != r - 1:
                 return
-        lineage = None if self.staged else other_lineage(self.progress.others(), r - 1, self.state.digest)
+        lineage = None if self.staged else self._lineage(r - 1)
         if lineage is not None:  # a split round left us in a minority lineage of theta: join the majority's
             self._resync(f"round {r}: most live replicas hold theta {lineage} at outer step {r - 1}, ours is "
                          f"{self.state.digest}", keep_round=True)
@@ -486,6 +486,17 @@ class Node:
             # adaptive: a short wait (a fraction of the round's compute) buys a synchronous round when it lands
             round_compute_s = compute_s * self.H / max(1, self.H - skip)
             self.rounds.wait_briefly(self.rounds.overlap_budget_s(round_compute_s, self.cfg.overlap_wait))
+
+    def _lineage(self, step: int) -> Optional[str]:
+        """The theta digest a strict majority of the live replicas holds at outer step ``step`` when it is not ours
+        (dilocox.consensus.lineage_standing), waiting up to averaging_timeout while the replicas behind us may
+        still make another theta the majority; None: ours stands."""
+        deadline = time.monotonic() + self.cfg.averaging_timeout
+        while True:
+            standing, digest = lineage_standing(self.progress.others(), step, self.state.digest)
+            if standing != Lineage.WAIT or time.monotonic() >= deadline or self.leave_requested.is_set():
+                return digest
+            time.sleep(0.5)
 
     def _inner_steps(self, skip: int) -> Optional[tuple[list[float], float, int]]:
         """Run inner steps skip..H-1; None if asked to leave mid-round.

@@ -150,16 +150,36 @@ def majority_theta(others: Sequence[PeerProgress], step: int, ours: int = 0, our
     return None
 
 
-def other_lineage(others: Sequence[PeerProgress], step: int, our_digest: str) -> Optional[str]:
-    """The theta digest at outer step ``step`` held by a strict majority of the live replicas, ourselves
-    included, when it is not ours (``our_digest``); else None. A split round whose groups applied
-    different updates leaves two lineages of theta; the start digests of the next round only reconcile
-    members that land in one group, and a group's majority can be the swarm's minority (seen at 32 nodes:
-    lineages of 21 and 3 members, then 10 and 5, went on side by side). A member of a minority lineage
-    re-syncs from the majority before it computes another round (daemon/node.py), so no split outlasts the
-    round after it; where no lineage holds a strict majority, none gives way."""
-    digest = majority_theta(others, step, ours=1, our_digest=our_digest)
-    return digest if digest not in (None, our_digest) else None
+class Lineage(str, Enum):
+    """Where our theta stands among the lineages a split round left (``lineage_standing``)."""
+
+    STAY = "stay"  # no other theta holds, or can still reach, a strict majority of the live replicas
+    JOIN = "join"  # a strict majority holds another theta at our outer step: re-sync from it
+    WAIT = "wait"  # another theta, held by as many as ours, may still reach a majority with the replicas behind
+
+
+def lineage_standing(others: Sequence[PeerProgress], step: int, our_digest: str) -> Tuple[Lineage, Optional[str]]:
+    """Our theta (``our_digest`` at outer step ``step``) against the other replicas' (``others``: their records;
+    active ones count), ourselves included. A split round whose groups applied different updates leaves two
+    lineages of theta; the next round's start digests reconcile only members that meet in one group, and a
+    group's majority can be the swarm's minority (seen at 32 nodes: lineages of 21 and 3 members, then 10 and 5,
+    went on side by side). JOIN (with that digest) when a strict majority holds another theta at ``step``. WAIT
+    while another theta is held at ``step`` by at least as many as ours and could still reach a majority with the
+    replicas not yet at ``step``: a small lineage settles its rounds sooner (a group of 2 is quick), so it would
+    otherwise always look before the majority has applied (seen at 32 nodes: two members went on alone for three
+    rounds, and the majority, finding the round applied, re-synced into their lineage). STAY otherwise, also
+    where no lineage holds a majority (two halves: none gives way). At most one theta can hold a strict majority, so the
+    majority's members never JOIN, and a read that misses a record can only delay a JOIN."""
+    active = [m for m in others if m.state in ACTIVE_STATES]
+    digest = majority_theta(active, step, ours=1, our_digest=our_digest)
+    if digest is not None:
+        return (Lineage.STAY, None) if digest == our_digest else (Lineage.JOIN, digest)
+    held = Counter(m.global_params_digest for m in active if m.outer_step == step)
+    ours = 1 + held.pop(our_digest, 0)
+    behind = sum(m.outer_step < step for m in active)
+    if held and max(held.values()) >= ours and 2 * (max(held.values()) + behind) > 1 + len(active):
+        return Lineage.WAIT, None
+    return Lineage.STAY, None
 
 
 def chosen_union(proposals: Dict[str, Tuple[str, ...]]) -> Tuple[str, ...]:
@@ -214,11 +234,19 @@ def round_start_action(others: Sequence[PeerProgress], r: int, delayed: bool) ->
     """Decide how to average round r. Solo only when nobody else could take part: no replica in this
     round and no whole-model replica syncing or joining (it may start this round). A syncing stage
     node waits for its replica's other stages, so it is not counted on. Deciding from possibly
-    stale records is safe this way round: a wrong guess costs a failed matchmaking, not a split."""
-    if someone_applied(others, r):
+    stale records is safe this way round: a wrong guess costs a failed matchmaking, not a split.
+
+    ALREADY_DONE when a replica applied round r, unless fewer than half of the round's replicas (ours, those
+    that applied it and those still in it) applied it: then we average with the others still in it, and the
+    few that applied (e.g. one whose all-reduce failed and that applied its own) re-sync from our lineage
+    before their next all-reduce (``lineage_standing``). Re-syncing to them instead copied one member's lone
+    update into the swarm: at 32 nodes a member that applied round 1 alone sent 3 late members, then its
+    lineage's joiners, to θ that the other 29 did not hold."""
+    pending = [m for m in in_round(others, r, delayed) if m.outer_step < r]
+    applied = sum(m.state in ACTIVE_STATES and m.outer_step >= r for m in others)
+    if applied and not (pending and 2 * applied < 1 + applied + len(pending)):
         return StartAction.ALREADY_DONE
-    expected = in_round(others, r, delayed) + [m for m in others if m.num_stages == 1
-                                               and m.state in (SYNCING, JOINING)]
+    expected = pending + [m for m in others if m.num_stages == 1 and m.state in (SYNCING, JOINING)]
     return StartAction.ALLREDUCE if expected else StartAction.SOLO
 
 

@@ -103,6 +103,13 @@ def test_solo_only_when_nobody_could_take_part():
 
 def test_round_already_applied_by_others_needs_resync():
     assert round_start_action([Peer(outer_step=5, round=6)], 5, delayed=True) == StartAction.ALREADY_DONE
+    # one member applied round 5 alone while 3 others still compute it: average with them, not re-sync to it
+    late = [Peer(peer_id=f"p{i}", outer_step=4, round=5) for i in range(3)]
+    assert round_start_action([Peer(outer_step=5, round=6)] + late, 5, delayed=False) == StartAction.ALLREDUCE
+    # two of four applied it (half, with us): the round went on without us
+    assert round_start_action([Peer(outer_step=5, round=6)] * 2 + late[:1], 5, delayed=False) == \
+        StartAction.ALREADY_DONE
+    assert round_start_action([Peer(outer_step=5, round=6)] * 2 + late, 5, delayed=False) == StartAction.ALLREDUCE
     assert failure_action([Peer(outer_step=5)], 5) == Verdict.RESYNC
     assert failure_action([Peer(outer_step=4)], 5) == Verdict.APPLY  # applied alone: nobody has round 5
     assert failure_action([Peer(outer_step=9, state="STOPPED")], 5) == Verdict.APPLY
@@ -355,23 +362,30 @@ def test_applied_majority_is_a_theta_most_live_replicas_hold_at_that_step():
     assert applied_majority([peer(f"s{i}", 2, "D", "SYNCING") for i in range(20)], 2, 2) is None  # not active
 
 
-def test_a_minority_lineage_names_the_majoritys_theta_and_the_majority_names_none():
+def test_a_minority_lineage_joins_the_majoritys_theta_and_waits_while_it_may_still_form():
     """After a split round: 21 replicas hold theta A at outer step 8, 3 hold B (seen at 32 nodes). Each member of B
     finds A held by a strict majority of the live replicas, itself included, and re-syncs; A's members stay."""
-    from dilocox.consensus import majority_theta, other_lineage
+    from dilocox.consensus import Lineage, lineage_standing, majority_theta
 
     def peer(name, step, digest, state="TRAINING"):
         return Peer(peer_id=name, state=state, outer_step=step, round=step + 1, global_params_digest=digest)
 
     a = [peer(f"a{i}", 8, "A") for i in range(21)]
     b = [peer(f"b{i}", 8, "B") for i in range(3)]
-    assert other_lineage(a + b[1:], 8, "B") == "A"  # a member of B
-    assert other_lineage(a[1:] + b, 8, "A") is None  # a member of A
-    # 12 against 12 (ours included): no strict majority, nobody gives way
-    assert other_lineage(a[:12] + b[:3] + [peer(f"c{i}", 8, "B") for i in range(8)], 8, "B") is None
-    # members a step ahead or re-syncing hold nothing at step 8, but count as live replicas
-    ahead = [peer(f"n{i}", 9, "N") for i in range(10)]
-    assert other_lineage(a[:10] + ahead + b[1:], 8, "B") is None  # 10 of 23
-    assert other_lineage(a[:10] + [peer(f"s{i}", 8, "S", "SYNCING") for i in range(5)] + b[1:], 8, "B") == "A"
+    assert lineage_standing(a + b[1:], 8, "B") == (Lineage.JOIN, "A")  # a member of B
+    assert lineage_standing(a[1:] + b, 8, "A") == (Lineage.STAY, None)  # a member of A
+    # 12 against 12 (ours included), nobody behind: no strict majority, nobody gives way
+    assert lineage_standing(a[:12] + b + [peer(f"c{i}", 8, "B") for i in range(8)], 8, "B") == (Lineage.STAY, None)
+    # B is quicker (a small group settles sooner): 10 of A are still at step 7 and may yet apply A
+    behind = [peer(f"w{i}", 7, "P") for i in range(10)]
+    assert lineage_standing(a[:10] + behind + b[1:], 8, "B") == (Lineage.WAIT, None)
+    assert lineage_standing(a[:10] + behind + b[1:], 8, "A") == (Lineage.STAY, None)  # ours can only grow
+    assert lineage_standing(a[:3] + behind[:2] + b[1:], 8, "B") == (Lineage.WAIT, None)  # 3 + 2 of 6 could be A
+    assert lineage_standing(a[:2] + behind[:1] + b[1:], 8, "B") == (Lineage.STAY, None)  # 2 + 1 of 6 cannot
+    # no split in sight: members behind us are not waited for
+    assert lineage_standing(behind + b[1:], 8, "B") == (Lineage.STAY, None)
+    # re-syncing members hold no vote and are not live replicas
+    syncing = [peer(f"s{i}", 8, "S", "SYNCING") for i in range(5)]
+    assert lineage_standing(a[:10] + syncing + b[1:], 8, "B") == (Lineage.JOIN, "A")
     assert majority_theta(a + b, 8) == "A" and majority_theta(a[:12] + b * 4, 8) is None  # 12 of 24 each
     assert majority_theta(a, 9) is None
