@@ -114,6 +114,8 @@ class NodeConfig(BaseModel):
                   f"rules=v{RULES_VERSION})"]
         if self.audit_rate:
             parts.append(f"audits={self.audit_rate!r}")
+        if self.outer_algorithm == "scaffold" and self.scaffold_reset_every:
+            parts.append(f"scaffold_reset_every={self.scaffold_reset_every}")
         if self.compression == "sparse":
             parts.append(f"codes=sparse(chunk={self.sparse_chunk},topk={self.sparse_topk},bits={self.sparse_bits},"
                          f"rice={self.sparse_rice})")
@@ -240,6 +242,10 @@ class NodeConfig(BaseModel):
     outer_algorithm: Literal["diloco", "scaffold"] = Field(
         "diloco", description="scaffold: SCAFFOLD control variates correct each inner step for client drift "
                               "(non-IID data); c is derived from the aggregated pseudo-gradients")
+    scaffold_reset_every: int = Field(
+        0, ge=0, description="with --outer-algorithm scaffold: every member restarts c and its c_i at zero after "
+                             "every outer step that is a multiple of this (0: never). A robust rule that clips an "
+                             "update leaves its effect in c for good; a restart takes it out (docs/security.md)")
     overlap: Literal["none", "delayed", "adaptive"] = Field(
         "none", description="none: synchronous DiLoCo (a sparse round forms its group during its last inner steps); "
                             "delayed: DiLoCoX one-step delay, round t's update joins the local parameters at the "

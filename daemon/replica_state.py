@@ -101,7 +101,8 @@ class ReplicaState:
         self.shard = workload.shard(cfg.seed, shard_key)
         self.val_batches = workload.val_batches()
         # SCAFFOLD (dilocox/scaffold.py): c shared by the swarm (digested, served, checkpointed), c_i local
-        self.control = ControlVariates(self.outer.global_params) if cfg.outer_algorithm == "scaffold" else None
+        self.control = ControlVariates(self.outer.global_params, cfg.scaffold_reset_every) \
+            if cfg.outer_algorithm == "scaffold" else None
         self._correction: Optional[list[torch.Tensor]] = None
         self.step_bound, self.decay_factor = exact_mean.inner_step_bound(
             inner_cfg.optimizer, inner_cfg.betas, inner_cfg.momentum, inner_cfg.max_grad_norm)
@@ -226,6 +227,8 @@ class ReplicaState:
                 self.schedule.update_theta(list(averaged), group_size, outer_step=index)
                 if self.control is not None:  # c from the aggregate every member holds: no channel of its own
                     self.control.derive_c_from_aggregate(list(averaged), self.lr_sum(index), 1, 1)
+            if self.control is not None:
+                self.control.outer_step_done(index)  # --scaffold-reset-every
             self.outer_step, self.digest = index, params_digest(self.outer.global_params)
         self.snapshot()
         self.on_applied(AppliedUpdate(index, parent, self.digest, max(1, group_size),
@@ -287,7 +290,7 @@ class ReplicaState:
         outer.load_state(theta, momentum)
         scratch = None
         if self.control is not None:
-            scratch = ControlVariates(theta)
+            scratch = ControlVariates(theta, cfg.scaffold_reset_every)
             scratch.load_state_dict(dict(c=control, c_i=[torch.zeros_like(c) for c in control]))
         return replay(outer, outer_step, updates, scratch, self.lr_sum)
 

@@ -148,8 +148,9 @@ def replay(outer: OuterOptimizer, outer_step: int, updates: Sequence[AppliedUpda
     """Apply ``updates`` in order to ``outer`` (a scratch OuterOptimizer holding the downloaded theta
     and momentum at ``outer_step``; it is changed). ``control``: a scratch ControlVariates holding the
     downloaded c, which is derived from each aggregate as the replicas do (``ReplicaState.apply_outer``,
-    with ``lr_sum(step)``). Raises CatchUpError if an update does not continue the state (wrong step or
-    parent digest) or theta after it does not have the update's digest (a peer served a wrong one)."""
+    with ``lr_sum(step)``, and restarted where its ``reset_every`` says). Raises CatchUpError if an update
+    does not continue the state (wrong step or parent digest) or theta after it does not have the update's
+    digest (a peer served a wrong one)."""
     digest = params_digest(outer.global_params)
     for u in updates:
         if u.outer_step != outer_step + 1 or u.parent_digest != digest:
@@ -159,6 +160,8 @@ def replay(outer: OuterOptimizer, outer_step: int, updates: Sequence[AppliedUpda
             outer.step(u.aggregate, u.outer_step)
             if control is not None:
                 control.derive_c_from_aggregate(u.aggregate, lr_sum(u.outer_step), 1, 1)
+        if control is not None:
+            control.outer_step_done(u.outer_step)
         outer_step, digest = u.outer_step, params_digest(outer.global_params)
         if digest != u.digest:
             raise CatchUpError(f"outer step {outer_step} replayed to digest {digest}, the update says {u.digest}")

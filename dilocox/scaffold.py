@@ -32,6 +32,14 @@ server step of option II. A client that lies about its control variate (BadSFL, 
 steers benign clients through c) then has no channel of its own: c moves only as far as the
 pseudo-gradients that passed aggregation move it.
 
+``reset_every`` R (**ours**, a defense): after every outer step that is a multiple of R, c and c_i restart at
+zero on every member (``outer_step_done``), with no message. Algorithm 1 keeps c = mean_i c_i only while every
+dc enters c as sent. Once a robust rule clips or drops an update whose effect reached c (a boosted attacker's,
+or an honest outlier's), the part of c it moved is never taken back: honest clients' dc carry only changes of
+their own gradients, and the aggregate cannot show c's error (in steady state delta_i = lr_sum (g_i - c_i + c)
+with c_i = g_i, so delta = lr_sum c: every client steps along c, error included, round after round). Zero is
+a state where c = mean_i c_i holds again; the rounds after a restart run as DiLoCo until c is rebuilt.
+
 Per round, in order: ``correction()`` at the start (c and c_i must not change until step 3); the
 inner steps with ``apply_correction`` / ``apply_correction_step``; ``client_update(delta, K,
 lr_sum)`` (updates c_i, returns dc_i); aggregation (peers/); then ``server_update(mean_dc, |S|, N)``
@@ -72,7 +80,12 @@ class ControlVariates:
     order of calls: module docstring.
     """
 
-    def __init__(self, params: list[torch.Tensor]):
+    def __init__(self, params: list[torch.Tensor], reset_every: int = 0):
+        """``reset_every``: restart c and c_i at zero after every outer step that is a multiple of it (0: never;
+        ``outer_step_done``). Raises ValueError if it is negative."""
+        if int(reset_every) < 0:
+            raise ValueError(f"reset_every must be >= 0 (0: never), got {reset_every}")
+        self.reset_every = int(reset_every)
         self.c = [torch.zeros(tuple(p.shape), dtype=torch.float32) for p in params]
         self.c_i = [torch.zeros_like(t) for t in self.c]
 
@@ -117,6 +130,16 @@ class ControlVariates:
         lr_sum = _check_lr_sum(lr_sum)
         weight = _check_participation(participating, total)
         self.c = [c + weight * (d / lr_sum - c) for c, d in zip(self.c, _fp32(mean_delta))]
+
+    def outer_step_done(self, outer_step: int) -> bool:
+        """Outer step ``outer_step`` was applied (or consumed without an update): c <- 0 and c_i <- 0 if it is a
+        multiple of ``reset_every`` (module docstring). Every member calls this at every outer step, so c stays
+        identical swarm-wide. Returns whether it reset."""
+        if not self.reset_every or outer_step <= 0 or outer_step % self.reset_every:
+            return False
+        self.c = [torch.zeros_like(t) for t in self.c]
+        self.c_i = [torch.zeros_like(t) for t in self.c_i]
+        return True
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         """{"c": [...], "c_i": [...]}: copies, CPU fp32. A joiner takes the swarm's c and starts c_i at zero."""

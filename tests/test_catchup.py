@@ -229,6 +229,25 @@ def test_replay_carries_scaffolds_control_variate(tmp_path):
     assert out.digest == donor.digest and params_digest(out.control) == donor.control.digest()
 
 
+def test_replay_restarts_the_control_variate_where_the_swarm_does(tmp_path):
+    """--scaffold-reset-every 2: the donor's c restarts at zero after outer step 2 and is rebuilt at step 3; a
+    joiner replaying steps 1-3 from the donor's state at 0 holds the same c (and would not without the restart)."""
+    cfg = dict(outer_algorithm="scaffold", compression="sparse", scaffold_reset_every=2)
+    donor = make_state(tmp_path, **cfg)
+    swarm = SimSwarm(donor)
+    meta, tensors = donor.served()
+    n = len(donor.outer.global_params)
+    swarm.advance(3 * (H + 1))
+    assert donor.outer_step == 3 and any(float(c.abs().sum()) > 0 for c in donor.control.c)
+    shapes = [tuple(p.shape) for p in donor.outer.global_params]
+    updates = [decode(swarm.updates[s], shapes) for s in (1, 2, 3)]
+    out = make_state(tmp_path, **cfg).replay(tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], 0, updates)
+    assert out.digest == donor.digest and params_digest(out.control) == donor.control.digest()
+    plain = make_state(tmp_path, outer_algorithm="scaffold", compression="sparse").replay(
+        tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], 0, updates)
+    assert params_digest(plain.control) != donor.control.digest()
+
+
 # ----------------------------------------------------------------------------- the join rule
 
 @pytest.mark.parametrize("phase", range(H + 1))

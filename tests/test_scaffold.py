@@ -179,6 +179,20 @@ def test_state_dict_round_trip_and_validation():
     assert restored.digest() == cv.digest()  # a refused state changes nothing
 
 
+def test_reset_every_restarts_c_and_c_i_at_its_multiples_only():
+    params = [torch.zeros(3), torch.zeros(2, 2)]
+    cv = ControlVariates(params, reset_every=5)
+    for step in range(1, 11):
+        cv.client_update([torch.ones(3), torch.ones(2, 2)], 4, 0.4)
+        cv.derive_c_from_aggregate([torch.ones(3), torch.ones(2, 2)], 0.4, 1, 1)
+        assert cv.outer_step_done(step) == (step % 5 == 0)
+        held = sum(float(t.abs().sum()) for t in cv.c + cv.c_i)
+        assert (held == 0) == (step % 5 == 0)
+    assert not ControlVariates(params).outer_step_done(10)  # 0: never
+    with pytest.raises(ValueError, match="reset_every must be >= 0"):
+        ControlVariates(params, reset_every=-1)
+
+
 def test_updates_reject_bad_arguments():
     cv = ControlVariates([torch.zeros(3)])
     good = [torch.ones(3)]

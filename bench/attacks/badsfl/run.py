@@ -51,6 +51,9 @@ SETTINGS = [
     Setting("scaffold+badsfl/c-decay", attack="badsfl", c_decay=0.2),
     Setting("scaffold+badsfl/default", attack="badsfl", **DEFAULT_DEFENSE),
     Setting("scaffold/default", **DEFAULT_DEFENSE),
+    # the default with c and every c_i restarted at zero every 10 rounds (sim.py, c_reset)
+    Setting("scaffold+badsfl/default-reset10", attack="badsfl", c_reset=10, **DEFAULT_DEFENSE),
+    Setting("scaffold/default-reset10", c_reset=10, **DEFAULT_DEFENSE),
     Setting("scaffold/derived", c_mode="derived"),
     Setting("scaffold+badsfl/derived-cclip-nb2", attack="badsfl", **OLD_DEFAULT),
     Setting("scaffold/derived-cclip-nb2", **OLD_DEFAULT),
@@ -95,6 +98,7 @@ def summarize(result: dict, cfg: SimConfig) -> dict:
     after5 = [p["bta"] for p in curve if p["round"] == min(cfg.rounds, cfg.attack_stop + 5)]
     return dict(setting=s["name"], algorithm=s["algorithm"], attack=s["attack"], c_mode=s["c_mode"] if
                 s["algorithm"] == "scaffold" else "-", rule=s["rule"], norm_bound=s["norm_bound"], c_decay=s["c_decay"],
+                c_reset=s.get("c_reset", 0),
                 pta_start=round(curve[0]["pta"], 4), pta_end=round(curve[-1]["pta"], 4),
                 pta_last20=round(sum(p["pta"] for p in curve[-20:]) / len(curve[-20:]), 4),
                 bta_max_injection=round(max(window), 4) if window else None,

@@ -17,7 +17,9 @@ Per round t (1-based) of one setting:
      (c <- c + (|S|/N) mean dc; the paper's and Flower's way; dc is averaged plainly, the robust rule
      applies to pseudo-gradients only, as a server that robustly aggregates models would do);
      ``c_mode="derived"``: ``derive_c_from_aggregate(aggregate, lr_sum, |S|, N)``, the daemon's choice (no dc
-     channel). ``c_decay`` (a defense we add): c <- (1 - c_decay) c after each update.
+     channel). ``c_decay`` (a defense we add): c <- (1 - c_decay) c after each update. ``c_reset`` R (a defense
+     we add, the daemon's --scaffold-reset-every): c and every client's c_i restart at zero after rounds R, 2R, ...
+     (``ControlVariates.outer_step_done``; why: dilocox/scaffold.py).
   6. Measure theta: PTA = accuracy on the clean test images; BTA = the fraction of the test's triggered
      images (bright sneakers, attacks.py) classified as the target class.
 
@@ -136,6 +138,7 @@ class Setting:
     rule: str = "mean"              # dilocox.robust rule on pseudo-gradients
     norm_bound: float = 0.0         # multiple of the lower median norm (0: off)
     c_decay: float = 0.0            # c <- (1 - c_decay) c after each update (0: off)
+    c_reset: int = 0                # c and every c_i restart at zero after rounds R, 2R, ... (0: off)
     defense: str = "none"           # a published baseline instead of ``rule`` (defenses.py: flame, dp-prune, sparsefed)
 
 
@@ -246,8 +249,9 @@ class Federation:
         self.shards = [vision.ImageShard(data.train_x, data.train_y, p, cfg.batch_size, cfg.seed, k)
                        for k, p in enumerate(data.parts)]
         self.scaffold = setting.algorithm == "scaffold"
-        self.server = ControlVariates(self.outer.global_params) if self.scaffold else None
-        self.controls = [ControlVariates(self.outer.global_params) for _ in range(parties)] if self.scaffold else []
+        self.server = ControlVariates(self.outer.global_params, setting.c_reset) if self.scaffold else None
+        self.controls = [ControlVariates(self.outer.global_params, setting.c_reset)
+                         for _ in range(parties)] if self.scaffold else []
         self.attacker = None
         if setting.attack != "none":
             stream = vision.ImageShard(data.train_x, data.poisoned_y, data.attacker_stream, cfg.batch_size, cfg.seed,
@@ -310,6 +314,8 @@ class Federation:
                 self.server.derive_c_from_aggregate(unflatten(agg, like), lr_sum, len(chosen), cfg.clients)
             if s.c_decay:
                 self.server.c = [(1.0 - s.c_decay) * c for c in self.server.c]
+            for control in [self.server, *self.controls]:  # every party at once, as members at one outer step do
+                control.outer_step_done(t)
         akey = f"c{self.data.attacker:02d}"
         norms = {key: float(v.norm()) for key, v in vectors.items()}
         # how far the rule moved the aggregate from the plain mean (1.0, 1.0 for the mean itself)
