@@ -61,6 +61,9 @@ KEY = ["scaffold", "scaffold+blackbox", "scaffold+badsfl", "scaffold+badsfl/defa
 # the published defenses the paper compares against (defenses.py): not in the default runs; when named by
 # --settings they run on every seed (make bench-badsfl-paper-defenses)
 COMPARED = [f"scaffold{a}/{d}" for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "")]
+# the default with SCAFFOLD's c restarted every 10 rounds (--scaffold-reset-every): likewise on every seed when named
+# (make bench-badsfl-paper-reset)
+COMPARED += ["scaffold+badsfl/default-reset10", "scaffold/default-reset10"]
 # one ingredient of the preset changed each (the note's "which ingredient moves persistence")
 ABLATIONS = {
     "adamw": dict(optimizer="adamw", inner_lr=1e-3, momentum=0.0, weight_decay=0.1),
