@@ -126,6 +126,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._pipe_lock = threading.Lock()
         self._allreduce_timeout = averaging_timeout_s
         self.size, self.part_elements = size, max(1, part_size_bytes // 4)
+        lifecycle.before_fork()  # start=True below forks
         super().__init__(
             [torch.zeros(max(size, 1), dtype=torch.float32)],
             dht,

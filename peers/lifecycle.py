@@ -28,6 +28,7 @@ children down in order through hivemind's pipes. So:
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -41,6 +42,20 @@ import psutil
 logger = logging.getLogger(__name__)
 
 WATCHDOG_POLL_S = 0.5
+
+
+def before_fork() -> None:
+    """Call right before hivemind forks a child (the DHT process, an averager). Collects garbage, then moves
+    every object the cyclic garbage collector tracks into its permanent generation (``gc.freeze``, what
+    Python's ``gc`` docs advise before a fork without exec): no later collection, in the parent or in a child,
+    writes to those objects' headers, so the pages of the imported image (torch, hivemind) stay shared
+    copy-on-write. Without it each full collection gave a child private copies of them, about 50 MB at a
+    time: at 12 nodes 629 MB per node (PSS of its process tree, median of the peaks), 476 MB with it
+    (docs/operations.md, "Memory per node"). Frozen objects are never collected: a cycle among them that
+    becomes garbage later stays. They are the imported modules and the node's long-lived state, and this runs
+    a bounded number of times (per DHT start and per averager)."""
+    gc.collect()
+    gc.freeze()
 
 
 def supervise_child(own_process_group: bool = False, poll_s: float = WATCHDOG_POLL_S) -> None:

@@ -116,6 +116,7 @@ def _start_dht(settings: dict, startup_timeout_s: float) -> "SupervisedDHT":
     ``reset_backend``; no other MPFuture exists yet while we join)."""
     dht = SupervisedDHT(start=False, **settings)
     try:
+        lifecycle.before_fork()
         dht.run_in_background(await_ready=True, timeout=startup_timeout_s)
         # the first call through its pipe, bounded: a DHT process that is ready but never answers (seen in CI with
         # 24 DHTs starting at once in one process) is ended here and the join retried, instead of hanging the
