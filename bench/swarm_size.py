@@ -4,7 +4,8 @@ Every node runs ``--workload synthetic:PARAMS:STEP_S`` (dilocox/synthetic.py: tr
 is a sleep), so 32 nodes fit on 2 cores; no quality is claimed from it. Per size N the benchmark starts
 N nodes at once (the first is the bootstrap peer every other ``--join``s), waits for the first outer
 step, then for ``--duration`` seconds makes ``--churn`` leaves (SIGTERM to a random non-bootstrap node)
-and as many joins (a fresh node), evenly spaced, and finally asks every node to leave. From the nodes'
+and as many joins (a fresh node), evenly spaced, then waits for each joiner's first joint round (at most
+``--tail-rounds`` rounds after the last join, no churn meanwhile), and finally asks every node to leave. From the nodes'
 metrics.jsonl and /proc it reports:
 
 - **joint**: the share of node-rounds applied with the swarm's update: outcome ``applied``, ``adopted``
@@ -102,12 +103,27 @@ def run_size(n: int, a, out: Path) -> dict:
                 sampler.nodes.append(fresh)
                 events.append(dict(t=round(time.monotonic() - t0, 1), event="join", node=fresh.name))
         time.sleep(max(0.0, t0 + a.duration - time.monotonic()))
+        tail_s = wait_for_joiners(nodes, nodes[n:], a.tail_rounds)
     finally:
         codes = stop_all([x for x in nodes if x.proc.poll() is None])
         peaks = sampler.stop()
     found = figures(nodes, peaks)
     return dict(nodes=n, started_s=round(started_s, 1), first_round_s=round(first_round_s, 1), exit_codes=codes,
-                events=events, joins=join_latency(nodes[n:], found["round_s"]), **found)
+                events=events, tail_s=round(tail_s, 1), joins=join_latency(nodes[n:], found["round_s"]), **found)
+
+
+def wait_for_joiners(nodes: list[LocalNode], joiners: list[LocalNode], tail_rounds: float) -> float:
+    """After the churn: wait until every live joiner has a round applied with the swarm, at most ``tail_rounds``
+    rounds (the median of ``nodes``' rounds so far) after the last join, so that a joiner started near the end is
+    measured rather than counted as not joined. No leave or join happens meanwhile. Returns the seconds waited."""
+    last_join = max((x.started_at for x in joiners), default=0.0)
+    began = time.monotonic()
+    while any(x.proc.poll() is None and not any(r["outcome"] in JOINT for r in x.metrics()) for x in joiners):
+        done = [r["duration_s"] for x in nodes for r in x.metrics()[-5:] if r["outcome"] in JOINT]
+        if time.time() > last_join + tail_rounds * (statistics.median(done) if done else 60.0):
+            break
+        time.sleep(2.0)
+    return time.monotonic() - began
 
 
 def stop_all(nodes: list[LocalNode], timeout_s: float = 120.0) -> list[int]:
@@ -234,6 +250,9 @@ def main(argv=None) -> int:
     p.add_argument("--inner-steps", type=int, default=40)
     p.add_argument("--duration", type=float, default=240.0, help="seconds of churn after the first round")
     p.add_argument("--churn", type=int, default=5, help="leaves and as many joins during the run")
+    p.add_argument("--tail-rounds", type=float, default=4.0,
+                   help="after the churn, wait up to this many rounds from the last join for every joiner's first "
+                        "joint round (0: stop at --duration, as before)")
     p.add_argument("--out", type=Path, default=Path("runs/bench/swarm-size"))
     p.add_argument("extra", nargs="*", help="more dilocox-node flags (after --)")
     a = p.parse_args(argv)
