@@ -63,7 +63,9 @@ KEY = ["scaffold", "scaffold+blackbox", "scaffold+badsfl", "scaffold+badsfl/defa
 COMPARED = [f"scaffold{a}/{d}" for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "")]
 # the default with SCAFFOLD's c restarted every 10 rounds (--scaffold-reset-every): likewise on every seed when named
 # (make bench-badsfl-paper-reset)
-COMPARED += ["scaffold+badsfl/default-reset10", "scaffold/default-reset10"]
+COMPARED += ["scaffold+badsfl/default-reset10", "scaffold/default-reset10",
+             "scaffold+badsfl/default-unclipped", "scaffold/default-unclipped",
+             "scaffold+badsfl/default-drop", "scaffold/default-drop"]
 # one ingredient of the preset changed each (the note's "which ingredient moves persistence")
 ABLATIONS = {
     "adamw": dict(optimizer="adamw", inner_lr=1e-3, momentum=0.0, weight_decay=0.1),

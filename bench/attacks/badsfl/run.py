@@ -54,6 +54,12 @@ SETTINGS = [
     # the default with c and every c_i restarted at zero every 10 rounds (sim.py, c_reset)
     Setting("scaffold+badsfl/default-reset10", attack="badsfl", c_reset=10, **DEFAULT_DEFENSE),
     Setting("scaffold/default-reset10", c_reset=10, **DEFAULT_DEFENSE),
+    # the default with c derived from the unclipped contributions only (sim.py, c_unclipped)
+    Setting("scaffold+badsfl/default-unclipped", attack="badsfl", c_unclipped=True, **DEFAULT_DEFENSE),
+    Setting("scaffold/default-unclipped", c_unclipped=True, **DEFAULT_DEFENSE),
+    # the default with a contribution over the norm bound dropped, not clipped (sim.py, norm_drop)
+    Setting("scaffold+badsfl/default-drop", attack="badsfl", norm_drop=True, **DEFAULT_DEFENSE),
+    Setting("scaffold/default-drop", norm_drop=True, **DEFAULT_DEFENSE),
     Setting("scaffold/derived", c_mode="derived"),
     Setting("scaffold+badsfl/derived-cclip-nb2", attack="badsfl", **OLD_DEFAULT),
     Setting("scaffold/derived-cclip-nb2", **OLD_DEFAULT),

@@ -19,7 +19,12 @@ Per round t (1-based) of one setting:
      ``c_mode="derived"``: ``derive_c_from_aggregate(aggregate, lr_sum, |S|, N)``, the daemon's choice (no dc
      channel). ``c_decay`` (a defense we add): c <- (1 - c_decay) c after each update. ``c_reset`` R (a defense
      we add, the daemon's --scaffold-reset-every): c and every client's c_i restart at zero after rounds R, 2R, ...
-     (``ControlVariates.outer_step_done``; why: dilocox/scaffold.py).
+     (``ControlVariates.outer_step_done``; why: dilocox/scaffold.py). ``c_unclipped`` (a defense we add): c is
+     derived from the mean of the contributions the rule did not clip (|S'| of them) and a clipped honest
+     client keeps its c_i, so a clipped update enters neither. ``norm_drop`` (a defense we add): a contribution
+     over the norm bound is dropped instead of clipped (the rule runs again over the rest), so it enters neither
+     theta nor c (derived from the aggregate, with |S| the admitted); its client's c_i moves as usual (the
+     daemon's way: a member's c_i is updated before the exchange).
   6. Measure theta: PTA = accuracy on the clean test images; BTA = the fraction of the test's triggered
      images (bright sneakers, attacks.py) classified as the target class.
 
@@ -139,6 +144,8 @@ class Setting:
     norm_bound: float = 0.0         # multiple of the lower median norm (0: off)
     c_decay: float = 0.0            # c <- (1 - c_decay) c after each update (0: off)
     c_reset: int = 0                # c and every c_i restart at zero after rounds R, 2R, ... (0: off)
+    c_unclipped: bool = False       # c learns from unclipped contributions only; a clipped client keeps its c_i
+    norm_drop: bool = False         # a contribution over the norm bound is dropped, not clipped
     defense: str = "none"           # a published baseline instead of ``rule`` (defenses.py: flame, dp-prune, sparsefed)
 
 
@@ -273,7 +280,7 @@ class Federation:
         forced = self.data.attacker if force_attacker and self.injecting(t) else None
         chosen = sample_clients(cfg, t, forced, salt)
         lr_sum = self.lr_sum_per_round[t - 1] if t - 1 < len(self.lr_sum_per_round) else self.lr_sum_per_round[-1]
-        deltas, dcs = {}, {}
+        deltas, dcs, kept_c_i = {}, {}, {}
         for k in chosen:
             if cfg.fresh_optimizer:
                 self.inners[k].inner_optimizer.state.clear()  # SGD's momentum buffers (AdamW's moments) start at 0
@@ -288,6 +295,8 @@ class Federation:
             else:
                 hooks = [scaffold_hook(self.inners[k], control.correction())] if control is not None else []
                 delta = local_round(self.inners[k], self.outer, self.shards[k].next_batch, t, cfg.inner_steps, hooks)
+                if control is not None:
+                    kept_c_i[f"c{k:02d}"] = (control, control.c_i)
                 dc = control.client_update(delta, cfg.inner_steps, lr_sum) if control is not None else None
             deltas[f"c{k:02d}"], dcs[f"c{k:02d}"] = delta, dc
         like = self.outer.global_params
@@ -298,8 +307,11 @@ class Federation:
             agg, admitted = outcome.aggregate, outcome.admitted
             report = dict(clipped=sorted(set(vectors) - set(admitted)))  # FLAME's rejected clients
         else:
-            agg, report = robust.aggregate(vectors, {key: float(cfg.inner_steps) for key in vectors}, s.rule,
-                                           norm_bound=s.norm_bound)
+            weights = {key: float(cfg.inner_steps) for key in vectors}
+            agg, report = robust.aggregate(vectors, weights, s.rule, norm_bound=s.norm_bound)
+            if s.norm_drop and report["clipped"]:  # the rule again over the contributions within the bound
+                admitted = [key for key in admitted if key not in report["clipped"]]
+                agg, _ = robust.aggregate({key: vectors[key] for key in admitted}, weights, s.rule, norm_bound=0.0)
         before = [p.clone() for p in like]
         self.outer.step(unflatten(agg, like))
         self.global_update = [a - b for a, b in zip(like, before)]
@@ -310,8 +322,16 @@ class Federation:
             if s.c_mode == "channel":  # a server that rejects a client's update rejects its dc too
                 mean_dc = [torch.stack([dcs[key][i] for key in admitted]).mean(0) for i in range(len(like))]
                 self.server.server_update(mean_dc, len(chosen), cfg.clients)
+            elif s.c_unclipped:  # c moves only by unclipped contributions; a clipped client keeps c_i
+                whole = [key for key in admitted if key not in report["clipped"]]
+                for key in set(report["clipped"]) & set(kept_c_i):
+                    control, c_i = kept_c_i[key]
+                    control.c_i = c_i
+                if whole:
+                    mean = torch.stack([vectors[key] for key in whole]).mean(0)
+                    self.server.derive_c_from_aggregate(unflatten(mean, like), lr_sum, len(whole), cfg.clients)
             else:
-                self.server.derive_c_from_aggregate(unflatten(agg, like), lr_sum, len(chosen), cfg.clients)
+                self.server.derive_c_from_aggregate(unflatten(agg, like), lr_sum, len(admitted), cfg.clients)
             if s.c_decay:
                 self.server.c = [(1.0 - s.c_decay) * c for c in self.server.c]
             for control in [self.server, *self.controls]:  # every party at once, as members at one outer step do
