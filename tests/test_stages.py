@@ -56,7 +56,10 @@ def test_two_replicas_of_two_stages_train_agree_and_survive_a_dead_stage(tmp_pat
             assert s.num_stages == 2 and len(s.replica_members) == 2 and s.replica_id == s.replica_members[0], s
             assert s.memory.total_bytes > 0 and s.memory.params_bytes > 0
             assert all(r["bits"] == 8 and r["rank"] == 4 for r in _joint(n)), n.metrics()
-        # both stages of a replica report the replica's loss per round, and it fell
+        # both stages of a replica report the replica's loss per round, and it fell. From the seed's loss: a replica
+        # whose stages started later joins by download, and its own initial loss is then a trained model's (CI: 3.18,
+        # where the seed's is about 5)
+        seed_loss = max(n.status().initial_loss for n in nodes)
         by_peer = {n.status().peer_id: n for n in nodes}
         for first in (a0, b0):
             partner = by_peer[first.status().replica_members[1]]
@@ -70,7 +73,7 @@ def test_two_replicas_of_two_stages_train_agree_and_survive_a_dead_stage(tmp_pat
             common = sorted(set(losses[0]) & set(losses[1]))
             assert len(common) >= 3, losses
             assert [losses[0][t] for t in common] == pytest.approx([losses[1][t] for t in common], abs=1e-6), losses
-            assert partner.status().loss < partner.status().initial_loss - 0.5
+            assert partner.status().loss < seed_loss - 0.5, (partner.status().loss, seed_loss)
         for stage in (0, 1):
             stage_nodes = [n for n in nodes if n.status().stage_index == stage]
             upto = min(max(r["outer_step"] for r in n.metrics()) for n in stage_nodes)  # both wrote their rows
