@@ -12,7 +12,9 @@ began, as for a kept round (``keep_round``), one outer step stale, as in DiLoCoX
 
 Only synchronous sparse rounds of whole models (catch-up serves their updates; ``NodeConfig``:
 ``overlap == "none"``, one stage). The update's theta digest must be one a live member's signed record
-holds at that outer step, as for any catch-up (daemon/transfer.py, ``vouch``).
+holds at that outer step, as for any catch-up (daemon/transfer.py, ``vouch``), and a strict majority of the live
+replicas must hold it (``majority_theta``): the round may have been split, and a group's own result is not the
+round's update until most of the swarm holds it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from typing import Callable, Optional
 
 from dilocox.catchup import AppliedUpdate
-from dilocox.consensus import ACTIVE_STATES
+from dilocox.consensus import ACTIVE_STATES, majority_theta
 
 logger = logging.getLogger(__name__)
 POLL_S = 1.0  # between asks for the missed update: each reads the records and may fetch a few MB
@@ -60,19 +62,23 @@ class JoinAhead:
         if step == self._forked_at:
             return False
         records = [m for m in self.progress.others() if m.state in ACTIVE_STATES]
-        held = {m.global_params_digest for m in records if m.outer_step == step}
-        sources = [m.peer_id for m in records if m.outer_step >= step and not m.client_mode]
-        if not held or not sources:
+        # the theta a strict majority of the live replicas holds at the step: in a split round a group may apply
+        # its own result, then give way to the union (seen at 32 nodes: a joiner merged such a result and re-synced
+        # 13 s later), and no other result can be held by a majority
+        held = majority_theta(records, step)
+        sources = [m.peer_id for m in records if not m.client_mode and
+                   (m.outer_step > step or (m.outer_step == step and m.global_params_digest == held))]
+        if held is None or not sources:
             return False
         random.shuffle(sources)
         update = self.fetch(sources[:SOURCES], step)
         if update is None:
             return False
-        if update.parent_digest != st.digest or update.digest not in held:
+        if update.parent_digest != st.digest or update.digest != held:
             logger.warning("the update of outer step %d served to us continues theta %s and leads to %s; ours is "
-                           "%s and the members hold %s: not merged", step, update.parent_digest, update.digest,
-                           st.digest, sorted(held))
-            if update.parent_digest != st.digest and update.digest in held:
+                           "%s and most members hold %s: not merged", step, update.parent_digest, update.digest,
+                           st.digest, held)
+            if update.parent_digest != st.digest and update.digest == held:
                 # the members' theta_{r-1} is not ours (we took a state from a lineage that forked): stop asking;
                 # the round's end re-syncs, keeping the round's progress
                 self._forked_at = step

@@ -69,6 +69,27 @@ def test_a_forged_or_unvouched_update_is_not_merged(tmp_path):
     assert JoinAhead(joiner, SimProgress(swarm), t.fetch_update).merge(now=0.0) and joiner.digest == donor.digest
 
 
+def test_a_result_only_part_of_a_split_round_holds_is_not_merged_until_most_of_the_swarm_holds_it(tmp_path):
+    """Seen at 32 nodes: a group applied its own result of a split round, the joiner merged it, and the swarm then
+    applied the union of the groups' results: the joiner re-synced 13 s later. A result counts once a strict
+    majority of the live replicas holds it (dilocox.consensus.majority_theta)."""
+    donor, swarm, joiner, t = _joined_ahead(tmp_path)
+    swarm.advance(1)  # the donor's group applies its result of round 3
+
+    class Split(SimProgress):  # replicas b and c of round 3 still settle it; ``applied``: those that are done
+        applied: set = set()
+
+        def others(self, max_age_s: float = 1.0):
+            mine = self.swarm.record()
+            settling = dataclasses.replace(mine, state="AVERAGING", outer_step=2, round=3)
+            return [mine, *(dataclasses.replace(mine if p in self.applied else settling, peer_id=p) for p in "bc")]
+
+    ahead = JoinAhead(joiner, Split(swarm), t.fetch_update)
+    assert not ahead.merge(now=0.0) and joiner.outer_step == 2 and not t.updates.fetched  # 1 of 3: not yet
+    Split.applied.add("b")  # b applied the same result: 2 of 3
+    assert ahead.merge(now=2.0) and (joiner.outer_step, joiner.digest) == (3, donor.digest)
+
+
 def test_without_join_ahead_the_joiner_waits_for_the_next_round(tmp_path):
     donor = make_state(tmp_path)
     swarm = SimSwarm(donor)
