@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import random
+import re
 import signal
 import statistics
 import threading
@@ -141,16 +142,45 @@ def launched_at(node: LocalNode) -> float:
     return datetime.strptime(first, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
+def log_time(node: LocalNode, pattern: str) -> float | None:
+    """Wall time of the first line of the node's log that matches the regular expression ``pattern``, or None."""
+    for line in node.err_path.read_text().splitlines():
+        if re.search(pattern, line):
+            try:
+                return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            except ValueError:
+                continue  # a hivemind line: another time format
+    return None
+
+
 def join_latency(joiners: list[LocalNode], round_s: float) -> list[dict]:
     """For each node started during the run: seconds (and rounds of ``round_s``) from its start to its first
-    round applied with the swarm (``applied`` or ``adopted``); None if it had none."""
+    round applied with the swarm (``applied``, ``adopted`` or ``united``); None if it had none. Split in two:
+    ``startup_s``, from its start to its first TRAINING or AVERAGING state (interpreter, DHT, state download:
+    on 2 cores shared by every node, mostly the interpreter), and the rest (the rounds it waited for)."""
     out = []
     for x in joiners:
         joint = [r["time"] for r in x.metrics() if r["outcome"] in JOINT]
         s = min(joint) - launched_at(x) if joint else None
+        up = log_time(x, r"state \w+ -> (TRAINING|AVERAGING)")
         out.append(dict(node=x.name, first_joint_s=None if s is None else round(s, 1),
-                        rounds=None if s is None else round(s / round_s, 2)))
+                        rounds=None if s is None else round(s / round_s, 2),
+                        startup_s=None if up is None else round(up - launched_at(x), 1)))
     return out
+
+
+def joiner_table(results: list[dict]) -> str:
+    """Per joiner: start to first joint round, and how much of it was start-up (``join_latency``)."""
+    lines = ["| N | joiner | start → first joint round | of which start-up (→ TRAINING) | rest | rounds |",
+             "|---|---|---|---|---|---|"]
+    fmt = lambda v: "—" if v is None else f"{v:.0f} s"  # noqa: E731
+    for r in results:
+        for j in r.get("joins", []):
+            rest = None if j["first_joint_s"] is None or j.get("startup_s") is None \
+                else j["first_joint_s"] - j["startup_s"]
+            lines.append(f"| {r['nodes']} | {j['node']} | {fmt(j['first_joint_s'])} | {fmt(j.get('startup_s'))} | "
+                         f"{fmt(rest)} | {'—' if j['rounds'] is None else j['rounds']} |")
+    return "\n".join(lines) + "\n"
 
 
 def figures(nodes: list[LocalNode], peaks: dict[str, int]) -> dict:
@@ -263,9 +293,11 @@ def main(argv=None) -> int:
         print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)
         (a.out / "swarm-size.json").write_text(json.dumps(dict(results=results, slopes=slopes(results),
                                                               args={k: str(v) for k, v in vars(a).items()}), indent=1))
-    (a.out / "table.md").write_text(table(results, a) + f"\noverhead slope: {slopes(results)}\n")
+    (a.out / "table.md").write_text(table(results, a) + f"\noverhead slope: {slopes(results)}\n\n"
+                                    + joiner_table(results))
     plot(results, a.out / "swarm-size.png", a)
     print(table(results, a))
+    print(joiner_table(results))
     print("overhead slope:", slopes(results))
     return 0
 
