@@ -38,8 +38,8 @@ from dilocox.consensus import (
     current_join,
     join_point,
     late_steps,
-    majority_theta,
     no_donor_join,
+    prevailing_theta,
     wait_over,
     wait_satisfied,
 )
@@ -401,17 +401,19 @@ class StateTransfer:
         """Raise ValueError unless a live member's record holds theta at (meta.outer_step, meta.digest).
         Whoever served a state, a member's signed record (certified, in a certified swarm) must hold it
         before it is adopted; a state caught up by replay (``_catch_up``) is vouched for at its final step,
-        so a download older than every record is fine once the updates since bring it to one. ``records``:
-        the members' records to check against (default: a fresh read)."""
+        so a download older than every record is fine once the updates since bring it to one. It must also be
+        the theta the swarm converges on there (dilocox.consensus.prevailing_theta: a strict majority's, or the
+        larger of a split's lineages when every replica is at that step), else a re-sync would not heal a split.
+        ``records``: the members' records to check against (default: a fresh read)."""
         records = self.progress.others(max_age_s=0.2) if records is None else records
         if not any((m.outer_step, m.global_params_digest) == (meta.outer_step, meta.digest) for m in records):
             held = ", ".join(f"{m.peer_id[-6:]}: {m.outer_step}/{m.global_params_digest}" for m in records)
             raise ValueError(f"no member's record holds the downloaded state (outer step {meta.outer_step}, digest "
                              f"{meta.digest}; records hold {held or 'nothing'}): not adopted")
-        lineage = majority_theta(records, meta.outer_step)
+        lineage = prevailing_theta(records, meta.outer_step)
         if lineage not in (None, meta.digest):  # a split's minority lineage: a re-sync from it would not heal
             raise ValueError(f"the downloaded state (outer step {meta.outer_step}, digest {meta.digest}) is a "
-                             f"minority's: most live replicas hold {lineage} there; not adopted")
+                             f"minority's: the live replicas' prevailing theta there is {lineage}; not adopted")
 
 
 def result_key(index: int) -> str:

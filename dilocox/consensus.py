@@ -150,11 +150,33 @@ def majority_theta(others: Sequence[PeerProgress], step: int, ours: int = 0, our
     return None
 
 
+def prevailing_theta(others: Sequence[PeerProgress], step: int, ours: int = 0, our_digest: str = "") -> Optional[str]:
+    """The theta the swarm converges on at outer step ``step``: ``majority_theta``, or, where no theta holds a
+    strict majority and every live replica is at ``step`` (none behind that could still apply another theta,
+    none ahead that has moved on, so the lineages' sizes are final), the one most of them hold, ties to the
+    smallest digest: two equal halves of a split would otherwise each go on alone. Same arguments as
+    ``majority_theta``; None where neither applies or one theta only is held. Every member that reads the same
+    records names the same digest; a member that misses a record may name another while the sizes are equal,
+    which costs a re-sync (the sizes are then unequal, and the rule holds again), not a fork."""
+    digest = majority_theta(others, step, ours, our_digest)
+    if digest is not None:
+        return digest
+    active = [m for m in others if m.state in ACTIVE_STATES]
+    if any(m.outer_step != step for m in active):
+        return None
+    counts = Counter(m.global_params_digest for m in active)
+    if our_digest:
+        counts[our_digest] += ours
+    if len(counts) < 2:
+        return None
+    return min(counts, key=lambda d: (-counts[d], d))
+
+
 class Lineage(str, Enum):
     """Where our theta stands among the lineages a split round left (``lineage_standing``)."""
 
     STAY = "stay"  # no other theta holds, or can still reach, a strict majority of the live replicas
-    JOIN = "join"  # a strict majority holds another theta at our outer step: re-sync from it
+    JOIN = "join"  # a strict majority (or, every replica at our step, a plurality) holds another theta: re-sync
     WAIT = "wait"  # another theta, held by as many as ours, may still reach a majority with the replicas behind
 
 
@@ -167,9 +189,11 @@ def lineage_standing(others: Sequence[PeerProgress], step: int, our_digest: str)
     while another theta is held at ``step`` by at least as many as ours and could still reach a majority with the
     replicas not yet at ``step``: a small lineage settles its rounds sooner (a group of 2 is quick), so it would
     otherwise always look before the majority has applied (seen at 32 nodes: two members went on alone for three
-    rounds, and the majority, finding the round applied, re-synced into their lineage). STAY otherwise, also
-    where no lineage holds a majority (two halves: none gives way). At most one theta can hold a strict majority, so the
-    majority's members never JOIN, and a read that misses a record can only delay a JOIN."""
+    rounds, and the majority, finding the round applied, re-synced into their lineage). Where no lineage holds a
+    majority and every live replica is at ``step`` (two equal halves, or three lineages), JOIN the one
+    ``prevailing_theta`` names: the most holders, ties to the smallest digest. STAY otherwise. At most one theta
+    can hold a strict majority, so the majority's members never JOIN, and a read that misses a record can only
+    delay a JOIN to it; among equal lineages such a read costs a re-sync, never a fork."""
     active = [m for m in others if m.state in ACTIVE_STATES]
     digest = majority_theta(active, step, ours=1, our_digest=our_digest)
     if digest is not None:
@@ -179,6 +203,9 @@ def lineage_standing(others: Sequence[PeerProgress], step: int, our_digest: str)
     behind = sum(m.outer_step < step for m in active)
     if held and max(held.values()) >= ours and 2 * (max(held.values()) + behind) > 1 + len(active):
         return Lineage.WAIT, None
+    prevailing = prevailing_theta(active, step, ours=1, our_digest=our_digest)
+    if prevailing not in (None, our_digest):
+        return Lineage.JOIN, prevailing
     return Lineage.STAY, None
 
 

@@ -374,8 +374,15 @@ def test_a_minority_lineage_joins_the_majoritys_theta_and_waits_while_it_may_sti
     b = [peer(f"b{i}", 8, "B") for i in range(3)]
     assert lineage_standing(a + b[1:], 8, "B") == (Lineage.JOIN, "A")  # a member of B
     assert lineage_standing(a[1:] + b, 8, "A") == (Lineage.STAY, None)  # a member of A
-    # 12 against 12 (ours included), nobody behind: no strict majority, nobody gives way
-    assert lineage_standing(a[:12] + b + [peer(f"c{i}", 8, "B") for i in range(8)], 8, "B") == (Lineage.STAY, None)
+    # 12 against 12 (ours included), every replica at step 8: no strict majority; the smaller digest prevails
+    halves = a[:12] + b + [peer(f"c{i}", 8, "B") for i in range(8)]
+    assert lineage_standing(halves, 8, "B") == (Lineage.JOIN, "A")
+    assert lineage_standing(halves[1:] + [peer("b9", 8, "B")], 8, "A") == (Lineage.STAY, None)
+    # a member of A that misses one of A's records reads 11 against 12, a strict majority of what it reads, and
+    # joins B (as the majority rule alone did before): a re-sync, after which B holds 13 of 24
+    assert lineage_standing(halves[2:] + [peer("b9", 8, "B")], 8, "A") == (Lineage.JOIN, "B")
+    # one replica ahead (it applied step 9 already) or behind: the sizes at step 8 are not final, nobody moves
+    assert lineage_standing(halves + [peer("n", 9, "N")], 8, "B") == (Lineage.STAY, None)
     # B is quicker (a small group settles sooner): 10 of A are still at step 7 and may yet apply A
     behind = [peer(f"w{i}", 7, "P") for i in range(10)]
     assert lineage_standing(a[:10] + behind + b[1:], 8, "B") == (Lineage.WAIT, None)
@@ -389,3 +396,26 @@ def test_a_minority_lineage_joins_the_majoritys_theta_and_waits_while_it_may_sti
     assert lineage_standing(a[:10] + syncing + b[1:], 8, "B") == (Lineage.JOIN, "A")
     assert majority_theta(a + b, 8) == "A" and majority_theta(a[:12] + b * 4, 8) is None  # 12 of 24 each
     assert majority_theta(a, 9) is None
+
+
+def test_the_prevailing_theta_is_the_majoritys_else_with_every_replica_at_the_step_the_largest_lineages():
+    """dilocox.consensus.prevailing_theta: what lineage_standing joins and StateTransfer.vouch adopts."""
+    from dilocox.consensus import Lineage, lineage_standing, prevailing_theta
+
+    def peers(prefix, n, digest, step=8, state="TRAINING"):
+        return [Peer(peer_id=f"{prefix}{i}", state=state, outer_step=step, round=step + 1,
+                     global_params_digest=digest) for i in range(n)]
+
+    assert prevailing_theta(peers("a", 7, "E") + peers("b", 5, "D"), 8) == "E"  # a strict majority, digest aside
+    three = peers("a", 5, "F") + peers("b", 5, "C") + peers("c", 4, "B")  # 14 replicas, none holds 8
+    assert prevailing_theta(three, 8) == "C"  # the most holders, the tie to the smaller digest
+    for digest, standing in (("F", (Lineage.JOIN, "C")), ("C", (Lineage.STAY, None)), ("B", (Lineage.JOIN, "C"))):
+        me = next(i for i, m in enumerate(three) if m.global_params_digest == digest)  # a member of that lineage
+        assert lineage_standing(three[:me] + three[me + 1:], 8, digest) == standing, digest
+    assert prevailing_theta(three, 8, ours=1, our_digest="F") == "F"  # ours breaks the tie: 6 against 5
+    # nothing to converge on: one theta only, nobody at the step, or a replica behind or ahead of it
+    assert prevailing_theta(peers("a", 3, "A"), 8) == "A" and prevailing_theta(peers("a", 3, "A"), 9) is None
+    assert prevailing_theta(three + peers("w", 1, "P", step=7), 8) is None
+    assert prevailing_theta(three + peers("n", 1, "N", step=9), 8) is None
+    # re-syncing members hold no vote and are not live replicas
+    assert prevailing_theta(three + peers("s", 3, "B", state="SYNCING"), 8) == "C"

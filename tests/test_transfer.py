@@ -65,9 +65,13 @@ def test_a_state_of_a_minority_lineage_is_not_adopted(state):  # noqa: F811
     step, ours, theirs = state.outer_step, state.digest, "f" * 16
     minority = [Record("m0", step, ours)] + [Record(f"o{i}", step, theirs) for i in range(3)]
     t = transfer_for(state, minority)
-    with pytest.raises(ValueError, match="minority's: most live replicas hold f"):
+    with pytest.raises(ValueError, match="minority's: the live replicas' prevailing theta there is f"):
         t.vouch(t.validate(meta, tensors).meta)
-    for others in (minority[:2],  # 1 against 1: no strict majority holds the other theta
+    # 1 against 1 with every replica at the step: the smaller digest prevails (dilocox.consensus.prevailing_theta)
+    t = transfer_for(state, [Record("m0", step, ours), Record("o0", step, "0" * 16)])
+    with pytest.raises(ValueError, match="prevailing theta there is 0000"):
+        t.vouch(t.validate(meta, tensors).meta)
+    for others in (minority[:2],  # 1 against 1: ours is the smaller digest ("f" * 16 is the largest)
                    minority[:2] + [Record(f"s{i}", step, theirs, "SYNCING") for i in range(3)],  # syncing: no vote
                    [Record(f"m{i}", step, ours) for i in range(3)] + minority[1:]):  # ours is the majority's
         t = transfer_for(state, others)
