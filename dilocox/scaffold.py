@@ -137,9 +137,23 @@ class ControlVariates:
         identical swarm-wide. Returns whether it reset."""
         if not self.reset_every or outer_step <= 0 or outer_step % self.reset_every:
             return False
+        self.reset()
+        return True
+
+    def scale(self, factor: float) -> None:
+        """c <- factor c and c_i <- factor c_i (0 <= factor <= 1): scales c - mean_i c_i by the same factor when
+        every member does it at one outer step, so an error in c shrinks without the jump of a ``reset``.
+        Raises ValueError for a factor outside [0, 1]."""
+        if not 0.0 <= float(factor) <= 1.0:
+            raise ValueError(f"scale factor must lie in [0, 1], got {factor}")
+        self.c = [float(factor) * t for t in self.c]
+        self.c_i = [float(factor) * t for t in self.c_i]
+
+    def reset(self) -> None:
+        """c <- 0 and c_i <- 0: the state where c = mean_i c_i holds again (module docstring, ``reset_every``).
+        Every member must reset at the same outer step, or c's digest splits."""
         self.c = [torch.zeros_like(t) for t in self.c]
         self.c_i = [torch.zeros_like(t) for t in self.c_i]
-        return True
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         """{"c": [...], "c_i": [...]}: copies, CPU fp32. A joiner takes the swarm's c and starts c_i at zero."""

@@ -77,3 +77,24 @@ def test_dp_prune_zeroes_the_least_active_channels_of_the_deployed_model_only():
         assert deployed[conv][c].abs().sum() == 0 and deployed[conv + 1][c] == 0
     assert params[conv + 1][3] == -5.0  # training goes on from the unpruned theta
     assert Defense("flame").deployed(params) is params
+
+
+def test_the_quiet_restart_follows_the_last_outsized_round_only():
+    """sim.Federation.quiet_reset: a contribution scaled below 1 / OUTSIZED marks its round; c restarts (or shrinks)
+    from Q rounds after the last marked round, for c_quiet_rounds rounds; ordinary clipping never triggers it."""
+    from types import SimpleNamespace
+
+    from bench.attacks.badsfl.sim import OUTSIZED, Federation, Setting
+
+    def rounds(setting, scales_by_round, total=12):
+        fed = SimpleNamespace(setting=setting, last_outsized=None)
+        return [t for t in range(1, total + 1)
+                if Federation.quiet_reset(fed, t, dict(clipped=scales_by_round.get(t, {})))]
+
+    outsized, clipped = {"m": 0.9 / OUTSIZED}, {"h": 1.1 / OUTSIZED}  # a boosted update; an honest outlier
+    attack = {t: outsized for t in (2, 3, 4)} | {6: clipped}
+    assert rounds(Setting("q", c_reset_quiet=3), attack) == [7]
+    assert rounds(Setting("q", c_reset_quiet=3, c_quiet_factor=0.5, c_quiet_rounds=3), attack) == [7, 8, 9]
+    assert rounds(Setting("q", c_reset_quiet=3), {t: clipped for t in range(1, 12)}) == []
+    assert rounds(Setting("q"), attack) == []  # off
+    assert rounds(Setting("q", c_reset_quiet=2), {2: outsized, 5: outsized}) == [4, 7]  # each episode once

@@ -193,6 +193,22 @@ def test_reset_every_restarts_c_and_c_i_at_its_multiples_only():
         ControlVariates(params, reset_every=-1)
 
 
+def test_scale_shrinks_c_and_every_c_i_alike_and_reset_zeroes_them():
+    """c - c_i scales by the factor (so does c - mean c_i across members that scale at one outer step)."""
+    params = [torch.zeros(3), torch.zeros(2, 2)]
+    cv = ControlVariates(params)
+    cv.client_update([torch.ones(3), 2 * torch.ones(2, 2)], 4, 0.4)
+    cv.derive_c_from_aggregate([3 * torch.ones(3), torch.ones(2, 2)], 0.4, 1, 2)
+    before = [t.clone() for t in cv.correction()]
+    cv.scale(0.5)
+    assert all(torch.allclose(a, 0.5 * b) for a, b in zip(cv.correction(), before))
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="scale factor must lie in"):
+            cv.scale(bad)
+    cv.reset()
+    assert sum(float(t.abs().sum()) for t in cv.c + cv.c_i) == 0
+
+
 def test_updates_reject_bad_arguments():
     cv = ControlVariates([torch.zeros(3)])
     good = [torch.ones(3)]

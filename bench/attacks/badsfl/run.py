@@ -60,6 +60,13 @@ SETTINGS = [
     # the default with a contribution over the norm bound dropped, not clipped (sim.py, norm_drop)
     Setting("scaffold+badsfl/default-drop", attack="badsfl", norm_drop=True, **DEFAULT_DEFENSE),
     Setting("scaffold/default-drop", norm_drop=True, **DEFAULT_DEFENSE),
+    # the default with c and every c_i restarted once, 3 rounds after the last outsized contribution (sim.py)
+    Setting("scaffold+badsfl/default-quiet3", attack="badsfl", c_reset_quiet=3, **DEFAULT_DEFENSE),
+    Setting("scaffold/default-quiet3", c_reset_quiet=3, **DEFAULT_DEFENSE),
+    # ... or halved in each of the 5 rounds from then (c - mean c_i shrinks 32-fold, without the restart's jump)
+    Setting("scaffold+badsfl/default-quiet3-half5", attack="badsfl", c_reset_quiet=3, c_quiet_factor=0.5,
+            c_quiet_rounds=5, **DEFAULT_DEFENSE),
+    Setting("scaffold/default-quiet3-half5", c_reset_quiet=3, c_quiet_factor=0.5, c_quiet_rounds=5, **DEFAULT_DEFENSE),
     Setting("scaffold/derived", c_mode="derived"),
     Setting("scaffold+badsfl/derived-cclip-nb2", attack="badsfl", **OLD_DEFAULT),
     Setting("scaffold/derived-cclip-nb2", **OLD_DEFAULT),

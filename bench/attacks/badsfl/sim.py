@@ -146,6 +146,9 @@ class Setting:
     c_reset: int = 0                # c and every c_i restart at zero after rounds R, 2R, ... (0: off)
     c_unclipped: bool = False       # c learns from unclipped contributions only; a clipped client keeps its c_i
     norm_drop: bool = False         # a contribution over the norm bound is dropped, not clipped
+    c_reset_quiet: int = 0          # c and every c_i restart at zero Q rounds after the last outsized round (0: off)
+    c_quiet_factor: float = 0.0     # ... or are scaled by this factor (0: the restart) ...
+    c_quiet_rounds: int = 1         # ... in this many rounds in a row
     defense: str = "none"           # a published baseline instead of ``rule`` (defenses.py: flame, dp-prune, sparsefed)
 
 
@@ -265,6 +268,7 @@ class Federation:
                                        1000 + data.attacker)
             self.attacker = ATTACKERS[setting.attack](stream, cfg.knobs, data.missing, data.num_classes, cfg.seed)
         self.global_update: Optional[list[torch.Tensor]] = None
+        self.last_outsized: Optional[int] = None  # the last round with a contribution over OUTSIZED x the bound
         self.defense = Defense(setting.defense, cfg.seed) if setting.defense != "none" else None
         self.eval_model = vision.build_image_model(cfg.model, data.num_classes, cfg.seed)
         self.lr_sum_per_round = [sum(inner_cfg.lr_at((t - 1) * cfg.inner_steps + i) for i in range(cfg.inner_steps))
@@ -336,6 +340,12 @@ class Federation:
                 self.server.c = [(1.0 - s.c_decay) * c for c in self.server.c]
             for control in [self.server, *self.controls]:  # every party at once, as members at one outer step do
                 control.outer_step_done(t)
+            reset = self.quiet_reset(t, report)
+            if reset:
+                for control in [self.server, *self.controls]:
+                    control.scale(s.c_quiet_factor)
+        else:
+            reset = False
         akey = f"c{self.data.attacker:02d}"
         norms = {key: float(v.norm()) for key, v in vectors.items()}
         # how far the rule moved the aggregate from the plain mean (1.0, 1.0 for the mean itself)
@@ -345,9 +355,23 @@ class Federation:
         honest = [v for key, v in norms.items() if key != akey]
         return dict(clients=chosen, clipped=sorted(report["clipped"]),
                     attacker_norm_ratio=round(norms[akey] / float(np.median(honest)), 3) if akey in norms else None,
-                    c_norm=round(float(flatten(self.server.c).norm()), 4) if self.scaffold else 0.0,
+                    c_norm=round(float(flatten(self.server.c).norm()), 4) if self.scaffold else 0.0, c_reset=reset,
                     agg_vs_mean_cos=round(float(agg64 @ mean) / denom, 4) if denom > 0 else None,
                     agg_vs_mean_norm=round(float(agg64.norm() / mean.norm()), 4) if float(mean.norm()) > 0 else None)
+
+    def quiet_reset(self, t: int, report: dict) -> bool:
+        """``c_reset_quiet`` Q: whether c and every c_i restart (or, with ``c_quiet_factor``, shrink) after round t,
+        the Q-th to the (Q + ``c_quiet_rounds`` - 1)-th after the last outsized round. A round is outsized when the rule
+        scaled a contribution by less than 1 / OUTSIZED (its norm over OUTSIZED x the bound: a boosted update,
+        far beyond an honest outlier); the restart comes Q rounds after the last outsized round, so it follows an
+        attack once the attack has stopped and never happens in a run without one (an honest contribution is at most
+        about twice the lower median here; the attacker's 8-50 times). Every member reads the same
+        scales from the same contributions, so all restart at one outer step."""
+        scales = report["clipped"] if isinstance(report["clipped"], dict) else {}
+        if any(scale < 1.0 / OUTSIZED for scale in scales.values()):
+            self.last_outsized = t
+        q, n = self.setting.c_reset_quiet, self.setting.c_quiet_rounds
+        return bool(q) and self.last_outsized is not None and q <= t - self.last_outsized < q + n
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float, float]:
@@ -364,6 +388,7 @@ class Federation:
         return pta, bta, bta_train
 
 
+OUTSIZED = 2.0  # c_reset_quiet: a contribution over this many times the norm bound marks its round outsized
 PRUNE_SAMPLE = 64  # images per client for dp-prune's channel ranking (the first of its share)
 
 
