@@ -80,21 +80,22 @@ def test_dp_prune_zeroes_the_least_active_channels_of_the_deployed_model_only():
 
 
 def test_the_quiet_restart_follows_the_last_outsized_round_only():
-    """sim.Federation.quiet_reset: a contribution scaled below 1 / OUTSIZED marks its round; c restarts (or shrinks)
+    """sim.Federation.quiet_reset: a contribution scaled below 1 / c_outsized marks its round; c restarts (or shrinks)
     from Q rounds after the last marked round, for c_quiet_rounds rounds; ordinary clipping never triggers it."""
     from types import SimpleNamespace
 
-    from bench.attacks.badsfl.sim import OUTSIZED, Federation, Setting
+    from bench.attacks.badsfl.sim import Federation, Setting
 
     def rounds(setting, scales_by_round, total=12):
         fed = SimpleNamespace(setting=setting, last_outsized=None)
         return [t for t in range(1, total + 1)
                 if Federation.quiet_reset(fed, t, dict(clipped=scales_by_round.get(t, {})))]
 
-    outsized, clipped = {"m": 0.9 / OUTSIZED}, {"h": 1.1 / OUTSIZED}  # a boosted update; an honest outlier
+    outsized, clipped = {"m": 0.9 / 2.0}, {"h": 1.1 / 2.0}  # a boosted update; an honest outlier (c_outsized 2)
     attack = {t: outsized for t in (2, 3, 4)} | {6: clipped}
     assert rounds(Setting("q", c_reset_quiet=3), attack) == [7]
     assert rounds(Setting("q", c_reset_quiet=3, c_quiet_factor=0.5, c_quiet_rounds=3), attack) == [7, 8, 9]
     assert rounds(Setting("q", c_reset_quiet=3), {t: clipped for t in range(1, 12)}) == []
     assert rounds(Setting("q"), attack) == []  # off
     assert rounds(Setting("q", c_reset_quiet=2), {2: outsized, 5: outsized}) == [4, 7]  # each episode once
+    assert rounds(Setting("q", c_reset_quiet=3, c_outsized=4.0), attack) == []  # not outsized at 4 x the bound

@@ -63,10 +63,12 @@ SETTINGS = [
     # the default with c and every c_i restarted once, 3 rounds after the last outsized contribution (sim.py)
     Setting("scaffold+badsfl/default-quiet3", attack="badsfl", c_reset_quiet=3, **DEFAULT_DEFENSE),
     Setting("scaffold/default-quiet3", c_reset_quiet=3, **DEFAULT_DEFENSE),
-    # ... or halved in each of the 5 rounds from then (c - mean c_i shrinks 32-fold, without the restart's jump)
+    # ... or halved in each of the 5 rounds from then (c - mean c_i shrinks 32-fold, without the restart's jump), a
+    # contribution outsized from 4 x the bound (8 x the lower median; quiet3 restarted twice without an attack)
     Setting("scaffold+badsfl/default-quiet3-half5", attack="badsfl", c_reset_quiet=3, c_quiet_factor=0.5,
-            c_quiet_rounds=5, **DEFAULT_DEFENSE),
-    Setting("scaffold/default-quiet3-half5", c_reset_quiet=3, c_quiet_factor=0.5, c_quiet_rounds=5, **DEFAULT_DEFENSE),
+            c_quiet_rounds=5, c_outsized=4.0, **DEFAULT_DEFENSE),
+    Setting("scaffold/default-quiet3-half5", c_reset_quiet=3, c_quiet_factor=0.5, c_quiet_rounds=5, c_outsized=4.0,
+            **DEFAULT_DEFENSE),
     Setting("scaffold/derived", c_mode="derived"),
     Setting("scaffold+badsfl/derived-cclip-nb2", attack="badsfl", **OLD_DEFAULT),
     Setting("scaffold/derived-cclip-nb2", **OLD_DEFAULT),

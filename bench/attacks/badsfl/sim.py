@@ -149,6 +149,7 @@ class Setting:
     c_reset_quiet: int = 0          # c and every c_i restart at zero Q rounds after the last outsized round (0: off)
     c_quiet_factor: float = 0.0     # ... or are scaled by this factor (0: the restart) ...
     c_quiet_rounds: int = 1         # ... in this many rounds in a row
+    c_outsized: float = 2.0         # c_reset_quiet: a contribution over this many times the norm bound is outsized
     defense: str = "none"           # a published baseline instead of ``rule`` (defenses.py: flame, dp-prune, sparsefed)
 
 
@@ -360,15 +361,14 @@ class Federation:
                     agg_vs_mean_norm=round(float(agg64.norm() / mean.norm()), 4) if float(mean.norm()) > 0 else None)
 
     def quiet_reset(self, t: int, report: dict) -> bool:
-        """``c_reset_quiet`` Q: whether c and every c_i restart (or, with ``c_quiet_factor``, shrink) after round t,
-        the Q-th to the (Q + ``c_quiet_rounds`` - 1)-th after the last outsized round. A round is outsized when the rule
-        scaled a contribution by less than 1 / OUTSIZED (its norm over OUTSIZED x the bound: a boosted update,
-        far beyond an honest outlier); the restart comes Q rounds after the last outsized round, so it follows an
-        attack once the attack has stopped and never happens in a run without one (an honest contribution is at most
-        about twice the lower median here; the attacker's 8-50 times). Every member reads the same
-        scales from the same contributions, so all restart at one outer step."""
+        """``c_reset_quiet`` Q: whether c and every c_i restart (or, with ``c_quiet_factor``, shrink) after round
+        t, the Q-th to the (Q + ``c_quiet_rounds`` - 1)-th after the last outsized round. A round is outsized when
+        the rule scaled a contribution by less than 1 / ``c_outsized`` (its norm over that many times the bound: the
+        attacker's boosted update is 8-50 times the lower median here), so the restart follows an attack once it
+        has stopped. An honest outlier can be outsized too: at 2 x the bound seed 1 restarted twice without an
+        attack. Every member reads the same scales from the same contributions, so all restart at one outer step."""
         scales = report["clipped"] if isinstance(report["clipped"], dict) else {}
-        if any(scale < 1.0 / OUTSIZED for scale in scales.values()):
+        if any(scale < 1.0 / self.setting.c_outsized for scale in scales.values()):
             self.last_outsized = t
         q, n = self.setting.c_reset_quiet, self.setting.c_quiet_rounds
         return bool(q) and self.last_outsized is not None and q <= t - self.last_outsized < q + n
@@ -388,7 +388,6 @@ class Federation:
         return pta, bta, bta_train
 
 
-OUTSIZED = 2.0  # c_reset_quiet: a contribution over this many times the norm bound marks its round outsized
 PRUNE_SAMPLE = 64  # images per client for dp-prune's channel ranking (the first of its share)
 
 
