@@ -470,9 +470,9 @@ class Node:
             if self.state.outer_step != r - 1:
                 return
         lineage = None if self.staged else self._lineage(r - 1)
-        if lineage is not None:  # a split round left us in a minority lineage of theta: join the majority's
-            self._resync(f"round {r}: most live replicas hold theta {lineage} at outer step {r - 1}, ours is "
-                         f"{self.state.digest}", keep_round=True)
+        if lineage is not None:  # a split round left us in a minority lineage of theta: join the prevailing one
+            self._resync(f"round {r}: the live replicas' prevailing theta at outer step {r - 1} is {lineage} (a "
+                         f"strict majority's, or the largest lineage's), ours is {self.state.digest}", keep_round=True)
             if self.state.outer_step != r - 1:
                 return
         self._set_state(State.AVERAGING)
@@ -488,9 +488,10 @@ class Node:
             self.rounds.wait_briefly(self.rounds.overlap_budget_s(round_compute_s, self.cfg.overlap_wait))
 
     def _lineage(self, step: int) -> Optional[str]:
-        """The theta digest a strict majority of the live replicas holds at outer step ``step`` when it is not ours
-        (dilocox.consensus.lineage_standing), waiting up to averaging_timeout while the replicas behind us may
-        still make another theta the majority; None: ours stands."""
+        """The theta digest the live replicas converge on at outer step ``step`` (a strict majority's, or with every
+        replica at the step the largest lineage's) when it is not ours (dilocox.consensus.lineage_standing), waiting
+        up to averaging_timeout while the replicas behind us may still make another theta the majority; None: ours
+        stands."""
         deadline = time.monotonic() + self.cfg.averaging_timeout
         while True:
             standing, digest = lineage_standing(self.progress.others(), step, self.state.digest)
