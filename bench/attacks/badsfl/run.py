@@ -69,6 +69,9 @@ SETTINGS = [
             c_quiet_rounds=5, c_outsized=4.0, **DEFAULT_DEFENSE),
     Setting("scaffold/default-quiet3-half5", c_reset_quiet=3, c_quiet_factor=0.5, c_quiet_rounds=5, c_outsized=4.0,
             **DEFAULT_DEFENSE),
+    # ... or by 0.8 in each of 15 rounds (to 3.5%): half5 still dropped PTA to 30-36% a few rounds after it
+    Setting("scaffold+badsfl/default-quiet3-slow15", attack="badsfl", c_reset_quiet=3, c_quiet_factor=0.8,
+            c_quiet_rounds=15, c_outsized=4.0, **DEFAULT_DEFENSE),
     Setting("scaffold/derived", c_mode="derived"),
     Setting("scaffold+badsfl/derived-cclip-nb2", attack="badsfl", **OLD_DEFAULT),
     Setting("scaffold/derived-cclip-nb2", **OLD_DEFAULT),
