@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-code bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -186,6 +186,14 @@ bench-badsfl-paper-defenses: install
 bench-badsfl-paper-reset: install
 	$(PY) -m bench.attacks.badsfl.paper --seeds 0 1 2 --settings scaffold scaffold/default-reset10 \
 		scaffold+badsfl/default scaffold+badsfl/default-reset10 --ablations --report badsfl-paper-reset
+
+# the default defense with c and every c_i restarted or shrunk once an attack has stopped (harness settings
+# default-quiet3, -half5, -slow15; docs/security.md), seeds 0 1 2 (about 60 min on 2 cores)
+bench-badsfl-paper-quiet: install
+	$(PY) -m bench.attacks.badsfl.paper --seeds 0 1 2 --settings scaffold scaffold+badsfl/default \
+		scaffold/default-quiet3 scaffold+badsfl/default-quiet3 scaffold/default-quiet3-half5 \
+		scaffold+badsfl/default-quiet3-half5 scaffold+badsfl/default-quiet3-slow15 --ablations \
+		--report badsfl-paper-quiet
 
 # a lone node's tokens/s with and without its metrics endpoint scraped 10 times a second, 1,000 scrapes (~3 min)
 bench-scrape: install
