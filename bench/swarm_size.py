@@ -138,8 +138,7 @@ def launched_at(node: LocalNode) -> float:
     """Wall time the node's process was started (LocalNode.started_at), else its first log line's."""
     if hasattr(node, "started_at"):
         return node.started_at
-    first = node.err_path.read_text().split("\n", 1)[0][:23]
-    return datetime.strptime(first, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return log_time(node, "")
 
 
 def log_time(node: LocalNode, pattern: str) -> float | None:

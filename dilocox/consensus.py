@@ -195,7 +195,8 @@ def lineage_standing(others: Sequence[PeerProgress], step: int, our_digest: str)
     can hold a strict majority, so the majority's members never JOIN, and a read that misses a record can only
     delay a JOIN to it; among equal lineages such a read costs a re-sync, never a fork."""
     active = [m for m in others if m.state in ACTIVE_STATES]
-    digest = majority_theta(active, step, ours=1, our_digest=our_digest)
+    # the plurality case needs nobody behind, so it never meets the wait below: one call decides both JOINs
+    digest = prevailing_theta(active, step, ours=1, our_digest=our_digest)
     if digest is not None:
         return (Lineage.STAY, None) if digest == our_digest else (Lineage.JOIN, digest)
     held = Counter(m.global_params_digest for m in active if m.outer_step == step)
@@ -203,9 +204,6 @@ def lineage_standing(others: Sequence[PeerProgress], step: int, our_digest: str)
     behind = sum(m.outer_step < step for m in active)
     if held and max(held.values()) >= ours and 2 * (max(held.values()) + behind) > 1 + len(active):
         return Lineage.WAIT, None
-    prevailing = prevailing_theta(active, step, ours=1, our_digest=our_digest)
-    if prevailing not in (None, our_digest):
-        return Lineage.JOIN, prevailing
     return Lineage.STAY, None
 
 

@@ -269,7 +269,7 @@ class Federation:
                                        1000 + data.attacker)
             self.attacker = ATTACKERS[setting.attack](stream, cfg.knobs, data.missing, data.num_classes, cfg.seed)
         self.global_update: Optional[list[torch.Tensor]] = None
-        self.last_outsized: Optional[int] = None  # the last round with a contribution over OUTSIZED x the bound
+        self.last_outsized: Optional[int] = None  # the last round with a contribution over c_outsized x the bound
         self.defense = Defense(setting.defense, cfg.seed) if setting.defense != "none" else None
         self.eval_model = vision.build_image_model(cfg.model, data.num_classes, cfg.seed)
         self.lr_sum_per_round = [sum(inner_cfg.lr_at((t - 1) * cfg.inner_steps + i) for i in range(cfg.inner_steps))
