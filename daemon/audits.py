@@ -138,6 +138,16 @@ class Audits:
                 self._commits.pop(old)
                 self._thetas.pop(old, None)
 
+    def withdraw(self, r: int) -> None:
+        """Round r's commitment no longer describes the round: a re-sync that kept the round's progress moved it
+        onto another theta and zeroed the error feedback, so its contribution is not the one its start state
+        recomputes to. Withdrawn before the round's metadata is gathered, the round goes out unauditable (as a
+        joiner's partial round does) instead of honest work being accused (seen in tests/test_audit_swarm.py: a
+        member that joined the prevailing lineage at round 4 was excluded for that round). No-op for an unknown r."""
+        with self._lock:
+            self._commits.pop(r, None)
+            self._thetas.pop(r, None)
+
     def gather_fields(self, r: int) -> dict:
         """Round r's commitment for the gathered metadata (empty: none made)."""
         with self._lock:

@@ -620,6 +620,8 @@ class Node:
             st.adopt(d.theta, d.momentum, d.meta.compression_rank, d.compression_shared, d.meta.outer_step,
                      d.meta.digest, point.round, point.keep_round, d.control)
             self.rounds.drop_pending()  # its result is part of (or superseded by) the downloaded state
+            if point.keep_round and self.audits is not None:
+                self.audits.withdraw(st.round)  # the round now continues another theta with a reset error feedback
             resyncs = self.board.snapshot().resyncs + (0 if initial else 1)
             self.board.update(outer_step=st.outer_step, global_params_digest=st.digest, resyncs=resyncs)
             logger.info("synced state of outer step %d (digest %s); round %d, skipping %d inner steps",

@@ -112,3 +112,24 @@ def test_a_data_stream_that_does_not_continue_is_a_lie():
         outcome, why = a.audit(3, "p")
         assert outcome == verdict and "data stream jumped" in why
     a.shutdown()
+
+
+def test_a_round_that_a_re_sync_moved_onto_another_theta_withdraws_its_commitment():
+    """A re-sync that keeps the round's progress re-bases it onto the downloaded theta and zeroes the error feedback:
+    the committed start state would recompute to another contribution, so the round goes out with no commitment
+    (unauditable, like a joiner's partial round) rather than get its honest author accused."""
+    offered = {}
+    state = SimpleNamespace(inner=SimpleNamespace(inner_optimizer=torch.optim.SGD([torch.zeros(3, requires_grad=True)],
+                                                                                     lr=0.1)),
+                            compressor=SimpleNamespace(error=[torch.ones(3)]),
+                            shard=SimpleNamespace(position=40, shard_key=7),
+                            outer=SimpleNamespace(global_params=[torch.zeros(3)]))
+    a = Audits(SimpleNamespace(audit_rate=1.0, authority=None, averaging_timeout=1.0), state=state, workload=None,
+               server=SimpleNamespace(offer=offered.__setitem__), me="me")
+    a.commit(4, first_step=0)
+    a.commit(5, first_step=0)
+    assert a.gather_fields(4)["data_position"] == 40 and "state/4" in offered
+    a.withdraw(4)
+    assert a.gather_fields(4) == {} and a.gather_fields(5)["shard_key"] == 7  # only that round's
+    a.withdraw(9)  # nothing committed there: nothing to do
+    a.shutdown()
