@@ -15,6 +15,12 @@ Only synchronous sparse rounds of whole models (catch-up serves their updates; `
 holds at that outer step, as for any catch-up (daemon/transfer.py, ``vouch``), and a strict majority of the live
 replicas must hold it (``majority_theta``): the round may have been split, and a group's own result is not the
 round's update until most of the swarm holds it.
+
+The look-up (a read of the records, a fetch of a few MB, its checks) runs on ``executor`` (the node gives it a
+thread of its own), so the inner steps go on meanwhile; only the apply, one outer step, runs on the training
+thread. Looked up on the training thread, each poll blocked the inner steps for a DHT read: at 32 nodes on 2
+cores a round computed ahead took 32-89 s against the swarm's 20 s, and its replica came late to the round's
+groups again (docs/protocol.md, "Starting a round").
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from concurrent.futures import Executor, Future
 from typing import Callable, Optional
 
 from dilocox.catchup import AppliedUpdate
@@ -36,11 +43,14 @@ class JoinAhead:
     """Merges the one outer update a node computing ahead is missing (``merge``), or waits for it (``wait``)."""
 
     def __init__(self, state, progress, fetch: Callable[[list[str], int], Optional[AppliedUpdate]],
-                 on_merged: Callable[[], None] = lambda: None):
+                 on_merged: Callable[[], None] = lambda: None, executor: Optional[Executor] = None):
         """``state``: the ReplicaState (daemon/replica_state.py); ``progress``: the membership records
         (daemon/progress.py); ``fetch(peer_ids, outer_step)``: the update one of them applied at that step
-        (daemon/transfer.py, ``fetch_update``); ``on_merged()``: publish the new outer step."""
+        (daemon/transfer.py, ``fetch_update``); ``on_merged()``: publish the new outer step; ``executor``: where
+        the look-ups run (None: on the caller's thread, within ``merge``)."""
         self.state, self.progress, self.fetch, self.on_merged = state, progress, fetch, on_merged
+        self.executor = executor
+        self._lookup: Optional[Future] = None  # the look-up in flight: an AppliedUpdate to apply, or None
         self._next_try = 0.0
         self._forked_at = -1  # an outer step whose update does not continue our theta: no source can help
         self.merged = 0  # updates merged mid-round since start
@@ -50,39 +60,26 @@ class JoinAhead:
         return self.state.outer_step == self.state.round - 2
 
     def merge(self, now: Optional[float] = None) -> bool:
-        """Apply the missed update if a live member serves it (asked at most every POLL_S). True when not
-        behind (any more); False while the update is not to be had, or failed its checks (logged)."""
+        """Apply the missed update once a live member serves it (looked up at most every POLL_S, on ``executor``).
+        True when not behind (any more); False while the update is not to be had, still being looked up, or
+        failed its checks (logged)."""
         if not self.behind():
             return True
         now = time.monotonic() if now is None else now
-        if now < self._next_try:
-            return False
-        self._next_try = now + POLL_S
         st, step = self.state, self.state.outer_step + 1
-        if step == self._forked_at:
+        if self._lookup is None and now >= self._next_try and step != self._forked_at:
+            self._next_try = now + POLL_S
+            if self.executor is None:
+                self._lookup = Future()
+                self._lookup.set_result(self._find(step, st.digest))
+            else:
+                self._lookup = self.executor.submit(self._find, step, st.digest)
+        if self._lookup is None or not self._lookup.done():
             return False
-        records = [m for m in self.progress.others() if m.state in ACTIVE_STATES]
-        # the theta a strict majority of the live replicas holds at the step: in a split round a group may apply
-        # its own result, then give way to the union (seen at 32 nodes: a joiner merged such a result and re-synced
-        # 13 s later), and no other result can be held by a majority
-        held = majority_theta(records, step)
-        sources = [m.peer_id for m in records if not m.client_mode and
-                   (m.outer_step > step or (m.outer_step == step and m.global_params_digest == held))]
-        if held is None or not sources:
-            return False
-        random.shuffle(sources)
-        update = self.fetch(sources[:SOURCES], step)
-        if update is None:
-            return False
-        if update.parent_digest != st.digest or update.digest != held:
-            logger.warning("the update of outer step %d served to us continues theta %s and leads to %s; ours is "
-                           "%s and most members hold %s: not merged", step, update.parent_digest, update.digest,
-                           st.digest, held)
-            if update.parent_digest != st.digest and update.digest == held:
-                # the members' theta_{r-1} is not ours (we took a state from a lineage that forked): stop asking;
-                # the round's end re-syncs, keeping the round's progress
-                self._forked_at = step
-            return False
+        lookup, self._lookup = self._lookup, None
+        update = lookup.result() if lookup.exception() is None else None
+        if update is None or update.outer_step != step or update.parent_digest != st.digest:
+            return False  # nothing yet, or our theta moved meanwhile (a re-sync): look again
         with st.changing():
             st.apply_outer(update.aggregate, step, update.group_size)
         if st.digest != update.digest:  # same theta, aggregate and rule give the same bits; if not, re-sync follows
@@ -94,6 +91,34 @@ class JoinAhead:
         self.on_merged()
         return True
 
+    def _find(self, step: int, digest: str) -> Optional[AppliedUpdate]:
+        """The update of outer step ``step`` that continues theta ``digest`` and leads to the theta a strict majority
+        of the live replicas hold there, fetched from SOURCES members that hold it or are past it; None if not to be
+        had (yet). Reads the records and the network only: nothing of the replica changes here."""
+        records = [m for m in self.progress.others() if m.state in ACTIVE_STATES]
+        # the theta a strict majority of the live replicas holds at the step: in a split round a group may apply
+        # its own result, then give way to the union (seen at 32 nodes: a joiner merged such a result and re-synced
+        # 13 s later), and no other result can be held by a majority
+        held = majority_theta(records, step)
+        sources = [m.peer_id for m in records if not m.client_mode and
+                   (m.outer_step > step or (m.outer_step == step and m.global_params_digest == held))]
+        if held is None or not sources:
+            return None
+        random.shuffle(sources)
+        update = self.fetch(sources[:SOURCES], step)
+        if update is None:
+            return None
+        if update.parent_digest != digest or update.digest != held:
+            logger.warning("the update of outer step %d served to us continues theta %s and leads to %s; ours is "
+                           "%s and most members hold %s: not merged", step, update.parent_digest, update.digest,
+                           digest, held)
+            if update.parent_digest != digest and update.digest == held:
+                # the members' theta_{r-1} is not ours (we took a state from a lineage that forked): stop asking;
+                # the round's end re-syncs, keeping the round's progress
+                self._forked_at = step
+            return None
+        return update
+
     def wait(self, timeout_s: float, cancelled: Callable[[], bool]) -> bool:
         """``merge`` until it succeeds, ``timeout_s`` passes or ``cancelled()``; True when no longer behind."""
         deadline = time.monotonic() + timeout_s
@@ -102,3 +127,8 @@ class JoinAhead:
                 return False
             time.sleep(0.1)
         return True
+
+    def shutdown(self) -> None:
+        """Stop the look-ups (a node leaving): one in flight ends by its fetch's own timeout, unwaited for."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)

@@ -19,6 +19,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -255,7 +256,8 @@ class Node:
         # swarm finishes the current one and merges its update mid-round (daemon/join_ahead.py); audits would
         # see a round start other than theta_{r-1}, so not with them
         if self.updates is not None and cfg.overlap == "none" and not self.staged and not cfg.audit_rate:
-            self.ahead = JoinAhead(self.state, self.progress, self.transfer.fetch_update, self._published_step)
+            self.ahead = JoinAhead(self.state, self.progress, self.transfer.fetch_update, self._published_step,
+                                   ThreadPoolExecutor(max_workers=1, thread_name_prefix="join-ahead"))
         self.transfer.attach(self.averagers[sizes[0]], self.updates, self.results, ahead=self.ahead is not None)
         self.state.on_snapshot = self.transfer.published
         self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
@@ -303,8 +305,8 @@ class Node:
             self.progress.stop()
         if self.rounds is not None:
             self.rounds.shutdown()
-        for closer in (self.pipeline, self.audits, self.contributions, self.updates, self.results, self.audit_states,
-                       *self.averagers.values(), self.swarm):
+        for closer in (self.ahead, self.pipeline, self.audits, self.contributions, self.updates, self.results,
+                       self.audit_states, *self.averagers.values(), self.swarm):
             try:
                 if closer is not None:
                     closer.shutdown()

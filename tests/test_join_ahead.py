@@ -5,6 +5,7 @@ simulated swarm of test_catchup."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 from dilocox.daemon.join_ahead import JoinAhead
@@ -123,3 +124,32 @@ def test_a_replica_late_for_its_rounds_groups_computes_the_next_round_from_its_t
     assert ahead.behind() and not ahead.merge(now=0.0)
     swarm.advance(1)  # the members apply round 3
     assert ahead.merge(now=2.0) and (late.outer_step, late.digest, late.round) == (3, donor.digest, 4)
+
+
+def test_the_look_up_runs_on_the_executor_and_only_the_apply_on_the_training_thread(tmp_path):
+    """The node looks the update up on a thread of its own: a slow read of the records or fetch never holds up the
+    inner steps (at 32 nodes a round computed ahead took 32-89 s against the swarm's 20 s when it did)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    donor, swarm, joiner, t = _joined_ahead(tmp_path)
+    swarm.advance(1)  # the donor applies round 3: the update is to be had
+    gate, threads = threading.Event(), []
+
+    class Slow(SimProgress):  # a DHT read that takes as long as the test says
+        def others(self, max_age_s: float = 1.0):
+            threads.append(threading.current_thread().name)
+            assert gate.wait(10)
+            return super().others(max_age_s)
+
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="join-ahead")
+    ahead = JoinAhead(joiner, Slow(swarm), t.fetch_update, executor=executor)
+    assert not ahead.merge(now=0.0) and joiner.outer_step == 2  # returns at once: the look-up waits on the read
+    assert not ahead.merge(now=5.0)  # one look-up at a time
+    gate.set()
+    deadline = time.monotonic() + 10
+    while not ahead.merge() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (joiner.outer_step, joiner.digest) == (3, donor.digest)
+    assert threads and all(n.startswith("join-ahead") for n in threads), threads
+    ahead.shutdown()
