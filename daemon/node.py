@@ -558,9 +558,7 @@ class Node:
         """Act on a round's outcome: record it, or re-sync (and record a re-sync that fetched it)."""
         if finished is None:
             return
-        if finished.outcome == RoundOutcome.LATE:
-            self._skip_ahead(finished.reason)
-        elif finished.outcome == RoundOutcome.RESYNC:
+        if finished.outcome == RoundOutcome.RESYNC:
             self._resync(finished.reason)
             if finished.info is not None and self.state.outer_step == finished.index:
                 self._record(finished.info, finished.losses)
@@ -588,18 +586,6 @@ class Node:
         previous = self.rounds.take_pending()
         if previous is not None:
             self._settle(self.rounds.finish(previous))
-
-    def _skip_ahead(self, reason: str) -> None:
-        """We came late to round r's groups (the others apply it without us): compute round r + 1 from our
-        theta_{r-1} at once and merge update r mid-round (daemon/join_ahead.py), as a joiner that joins ahead does,
-        without downloading the theta we hold. Where we cannot merge (no join ahead here, SCAFFOLD), re-sync."""
-        if self.ahead is None or self.state.control is not None:
-            self._resync(reason)
-            return
-        self.rounds.cancel_early()
-        self.state.skip_round()
-        logger.warning("%s; computing round %d ahead from theta %s (outer step %d) while the others finish it",
-                       reason, self.state.round, self.state.digest, self.state.outer_step)
 
     # ---------------------------------------------------------------- state transfer
     def _resync(self, reason: str, keep_round: bool = False) -> None:

@@ -202,16 +202,6 @@ class ReplicaState:
         """Abandon the current round's local progress (re-base onto theta); nothing of it is sent."""
         self.schedule.rebase(self.inner.params)
 
-    def skip_round(self) -> None:
-        """Give up the current round, whose contribution never went out (nothing of it was committed: the error
-        feedback is as before it), and begin the next one from theta at once: x <- theta_{r-1}, round r + 1, one
-        outer step behind the swarm until daemon/join_ahead.py merges update r. For a replica that came late to
-        round r's groups (daemon/rounds.py, RoundOutcome.LATE); not for SCAFFOLD (its c_i already took the round)."""
-        with self._theta_lock:
-            self.inner.load_params(self.outer.global_params)
-            self.schedule.begin_round(self.inner.params)
-            self.round += 1
-
     def start_from_proxy(self, own: Sequence[torch.Tensor]) -> bool:
         """Overlapped rounds, with the round's update in flight: start the next round from theta advanced by
         ``own`` (our share of it; ``OuterSchedule.start_from_proxy``), before ``begin_round``. False: no proxy."""

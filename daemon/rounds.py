@@ -86,8 +86,6 @@ class RoundOutcome(str, Enum):
     SKIPPED = "skipped"              # no result had a majority: the whole group consumed it without update
     RESYNC = "resync"                # nothing applied; the caller must re-sync (``reason``)
     RESYNCED = "resynced"            # recorded by the caller when its re-sync fetched this round's result
-    LATE = "late"                    # every other replica's group formed without us: nothing applied or committed;
-    #                                  the caller computes the next round ahead (or re-syncs): never applies alone
     CANCELLED = "cancelled"          # asked to leave while in flight: nothing applied
     DEFERRED = "deferred"            # finish_early only: left to the round's end
 
@@ -110,8 +108,7 @@ class Finished:
 @dataclass
 class Checked:
     """What checking a round's finished exchange found (``OuterRounds._check``): APPLIED, ADOPTED, UNITED, SKIPPED,
-    APPLIED_ALONE, LATE, RESYNC (``reason``; ``fetches_result``: the re-sync may bring this round's result) or
-    CANCELLED."""
+    APPLIED_ALONE, RESYNC (``reason``; ``fetches_result``: the re-sync may bring this round's result) or CANCELLED."""
 
     outcome: RoundOutcome
     result: Optional[RoundResult] = None
@@ -210,7 +207,7 @@ class OuterRounds:
     def _watch(self, r: int) -> RoundWatch:
         """Round r's matchmaking hooks (peers/averaging.py): publish when our group forms, give up when nobody is
         left in the round or, for a whole-model synchronous round, when every other replica's group formed
-        without us (``groups_formed_without_us``: RoundLate, the outcome LATE; never applied alone)."""
+        without us (``groups_formed_without_us``: RoundLate, which re-syncs instead of applying alone)."""
 
         def abandon(in_group: bool) -> Optional[Abandon]:
             others = self.progress.others()
@@ -456,9 +453,7 @@ class OuterRounds:
         if checked.outcome == RoundOutcome.CANCELLED:
             return Finished(p.index, RoundOutcome.CANCELLED)
         outcome, result, group_size = checked.outcome, checked.result, checked.group_size
-        if outcome == RoundOutcome.LATE and not early:  # nothing of the round changed here: the caller moves on
-            return Finished(p.index, RoundOutcome.LATE, losses=p.losses, reason=checked.reason)
-        if outcome in (RoundOutcome.RESYNC, RoundOutcome.LATE):
+        if outcome == RoundOutcome.RESYNC:
             finished = self._resync(p, early, checked.reason)
             if checked.fetches_result:  # the re-sync may bring this very round's result: record it then
                 finished.info = self._info(p, group_size, RoundOutcome.RESYNCED, result, waited_from)
@@ -498,10 +493,9 @@ class OuterRounds:
             result = self._await_exchange(p)
         except (RoundCancelled, CancelledError):
             return Checked(RoundOutcome.CANCELLED)
-        except RoundLate as e:  # the others' groups formed without us and will apply the round
-            return Checked(RoundOutcome.LATE, reason=f"round {p.index} went on without us ({e})")
         except RoundFailed as e:
-            if failure_action(self.progress.others(FRESH_S), p.index) == Verdict.RESYNC:
+            # late: the others' groups formed without us and will apply the round; applying alone would fork
+            if isinstance(e, RoundLate) or failure_action(self.progress.others(FRESH_S), p.index) == Verdict.RESYNC:
                 return Checked(RoundOutcome.RESYNC, reason=f"round {p.index} went on without us ({e})")
             logger.warning("round %d: %s; applying our own pseudo-gradient", p.index, e)
             return Checked(RoundOutcome.APPLIED_ALONE)

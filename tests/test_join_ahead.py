@@ -101,31 +101,6 @@ def test_without_join_ahead_the_joiner_waits_for_the_next_round(tmp_path):
     assert swarm.donor.round == 4
 
 
-def test_a_replica_late_for_its_rounds_groups_computes_the_next_round_from_its_theta_and_merges_the_update(tmp_path):
-    """RoundOutcome.LATE (daemon/node.py, ``_skip_ahead``): the replica holds theta_2 and computed round 3, whose
-    groups formed without it. ``skip_round`` drops that progress and begins round 4 from theta_2, without a download;
-    update 3 merges mid-round once the members hold it, bit for bit as theirs."""
-    donor = make_state(tmp_path)
-    swarm = SimSwarm(donor)
-    swarm.advance(2 * (H + 1) + H)  # round 3, averaging
-    late, t = joiner_for(tmp_path, donor, swarm, download_ticks=0)
-    assert (donor.outer_step, donor.round) == (2, 3)
-    theta2 = [p.clone() for p in donor.outer.global_params]  # a member of round 3 that came late to its matchmaking
-    late.adopt(theta2, donor.outer.momentum_buffers(), donor.compressor.rank, donor.compressor.shared_tensors(), 2,
-               donor.digest, 3, False)
-    for p in late.params:  # round 3's inner steps, which no group will take
-        p.data.add_(0.01)
-    late.skip_round()
-    assert (late.round, late.outer_step, late.digest) == (4, 2, params_digest(theta2))
-    assert all(torch.equal(p, q) for p, q in zip(late.params, theta2))
-    assert late.start_digest().split("/")[0] == params_digest(theta2)  # the round's exchange names theta_2 until merged
-    assert all(g.abs().max() == 0 for g in late.pseudo_gradient())  # round 4 starts afresh from theta_2
-    ahead = JoinAhead(late, SimProgress(swarm), t.fetch_update)
-    assert ahead.behind() and not ahead.merge(now=0.0)
-    swarm.advance(1)  # the members apply round 3
-    assert ahead.merge(now=2.0) and (late.outer_step, late.digest, late.round) == (3, donor.digest, 4)
-
-
 def test_the_look_up_runs_on_the_executor_and_only_the_apply_on_the_training_thread(tmp_path):
     """The node looks the update up on a thread of its own: a slow read of the records or fetch never holds up the
     inner steps (at 32 nodes a round computed ahead took 32-89 s against the swarm's 20 s when it did)."""
