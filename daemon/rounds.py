@@ -39,14 +39,11 @@ from dilocox.daemon.replica_state import ReplicaState
 from dilocox.daemon.status import RoundInfo
 from dilocox.peers.allgather import ContributionServer, exchange_sparse
 from dilocox.peers.averaging import (
-    Abandon,
     PseudoGradientAverager,
     RoundCancelled,
     RoundFailed,
     RoundGather,
-    RoundLate,
     RoundResult,
-    RoundWatch,
     exchange,
     group_limits,
 )
@@ -60,7 +57,6 @@ from dilocox.consensus import (
     Verdict,
     canonical_digest,
     failure_action,
-    groups_formed_without_us,
     in_round,
     judge_result,
     round_start_action,
@@ -181,9 +177,6 @@ class OuterRounds:
         self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")  # adaptive: _check
         self.pending: Optional[PendingRound] = None  # delayed overlap: the all-reduce in flight
         self.early: Optional[EarlyRound] = None  # synchronous sparse round matched before its end
-        self._grouped_round = -1  # the round whose all-reduce group has formed (set from the comm thread)
-        # a whole-model synchronous round gives up at once when every other replica's group formed without it
-        self.late_check = not self.delayed and cfg.num_stages == 1
         self.excluded: dict[str, int] = {}  # peer_id -> last round its contributions are dropped (equivocation)
         self.measured_bps = 0.0
         self.times: dict[int, RoundTimes] = {}  # round index -> the deadlines its exchange was given
@@ -198,33 +191,6 @@ class OuterRounds:
         """Our link rate for the rank cap (bit/s): configured, else the best all-reduce throughput seen
         (bytes sent / time in the all-reduce: a lower bound, as latency counts against it); 0: unknown."""
         return self.cfg.bandwidth_mbps * 1e6 if self.cfg.bandwidth_mbps else self.measured_bps
-
-    def grouped(self) -> bool:
-        """Has the all-reduce group of the round we compute (``state.round``) formed? (our membership record's
-        ``grouped``: a replica still looking for a group learns from it that it is late)"""
-        return self._grouped_round == self.state.round
-
-    def _watch(self, r: int) -> RoundWatch:
-        """Round r's matchmaking hooks (peers/averaging.py): publish when our group forms, give up when nobody is
-        left in the round or, for a whole-model synchronous round, when every other replica's group formed
-        without us (``groups_formed_without_us``: RoundLate, which re-syncs instead of applying alone)."""
-
-        def abandon(in_group: bool) -> Optional[Abandon]:
-            others = self.progress.others()
-            if not in_round(others, r, self.delayed):
-                return Abandon.NO_REPLICA_LEFT
-            if self.late_check and not in_group and groups_formed_without_us(others, r):
-                return Abandon.GROUPS_FORMED
-            return None
-
-        def grouped(in_group: bool) -> None:
-            if in_group:
-                self._grouped_round = r
-            elif self._grouped_round == r:
-                self._grouped_round = -1
-            self.progress.poke()
-
-        return RoundWatch(abandon, grouped)
 
     def _gather(self, weight: int, compute_s: float) -> RoundGather:
         """Our metadata for round ``state.round`` (peers/averaging.py: RoundGather)."""
@@ -271,11 +237,12 @@ class OuterRounds:
         p = PendingRound(r, honest, compression, None, compute_s, losses, started, **encoded)
         self.times[r] = self.deadlines.current()
         deadline_s = self.times[r].group_wait_s
+        abandon = lambda: not in_round(self.progress.others(), r, self.delayed)  # noqa: E731
         if isinstance(compression, SparseRound):
             p.future = self._submit_sparse(compression, r, gather, p.cancel)
         else:
-            p.future = self.comm.submit(exchange, averager, compression, r, gather, deadline_s, p.cancel,
-                                        self._watch(r), tamper_gather=self.attack.gather if self.attack else None)
+            p.future = self.comm.submit(exchange, averager, compression, r, gather, deadline_s, p.cancel, abandon,
+                                        tamper_gather=self.attack.gather if self.attack else None)
         return p
 
     def _submit_sparse(self, compression, r: int, gather: RoundGather, cancel: threading.Event,
@@ -288,7 +255,7 @@ class OuterRounds:
         return self.comm.submit(
             exchange_sparse, self.averagers[self.state.averager_sizes()[0]], self.contributions, self.progress.peer_id,
             compression, r, gather, float(cfg.inner_steps), group_wait_s,
-            cfg.averaging_timeout, cancel, self._watch(r),
+            cfg.averaging_timeout, cancel, lambda: not in_round(self.progress.others(), r, self.delayed),
             tamper_gather=attack.gather if attack else None,
             tamper_contribution=attack.contribution if attack else None, scheduled_in_s=scheduled_in_s,
             rule=cfg.aggregation, norm_bound=cfg.norm_bound, admitted=self.admitted,
@@ -494,8 +461,7 @@ class OuterRounds:
         except (RoundCancelled, CancelledError):
             return Checked(RoundOutcome.CANCELLED)
         except RoundFailed as e:
-            # late: the others' groups formed without us and will apply the round; applying alone would fork
-            if isinstance(e, RoundLate) or failure_action(self.progress.others(FRESH_S), p.index) == Verdict.RESYNC:
+            if failure_action(self.progress.others(FRESH_S), p.index) == Verdict.RESYNC:
                 return Checked(RoundOutcome.RESYNC, reason=f"round {p.index} went on without us ({e})")
             logger.warning("round %d: %s; applying our own pseudo-gradient", p.index, e)
             return Checked(RoundOutcome.APPLIED_ALONE)

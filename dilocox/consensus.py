@@ -30,7 +30,6 @@ class PeerProgress(Protocol):
     global_params_digest: str
     num_stages: int
     result_step: int  # round of the last all-reduce result it reported
-    grouped: bool     # its all-reduce group for ``round`` has formed (peers/averaging.py, RoundWatch)
 
 
 class Verdict(str, Enum):
@@ -241,19 +240,6 @@ def in_round(others: Sequence[PeerProgress], r: int, delayed: bool) -> List[Peer
     is in flight already computes round r + 1."""
     window = (r - 1, r, r + 1) if delayed else (r - 1, r)
     return [m for m in others if m.state in ACTIVE_STATES and m.round in window]
-
-
-def groups_formed_without_us(others: Sequence[PeerProgress], r: int) -> bool:
-    """Have all the other replicas of round r formed their all-reduce groups while we still look for one?
-
-    ``others``: the other members' records; only the replicas ``in_round`` (r - 1 or r, not delayed) count, and
-    each must be at round r with ``grouped`` set: a replica at r - 1 or still looking may yet take us. hivemind
-    closes a group once it is assembled, so then nobody can take our contribution; waiting for the round to end
-    (about a whole exchange at 32 nodes: 95 s in docs/protocol.md, run J) only to re-sync loses the next round
-    too. The caller re-syncs at once and computes round r + 1 ahead (daemon/join_ahead.py). False when nobody
-    else is in the round (``in_round`` answers that case)."""
-    live = in_round(others, r, delayed=False)
-    return bool(live) and all(m.round == r and m.grouped for m in live)
 
 
 def someone_applied(others: Sequence[PeerProgress], r: int) -> bool:

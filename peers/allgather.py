@@ -36,14 +36,7 @@ from typing import AsyncIterator, Callable, Dict, Optional, Tuple, Union
 
 import pydantic.v1 as pydantic
 import torch
-from dilocox.peers.averaging import (
-    PseudoGradientAverager,
-    RoundFailed,
-    RoundGather,
-    RoundResult,
-    RoundWatch,
-    group_bits,
-)
+from dilocox.peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
 from dilocox.peers.deadlines import LinkEstimate, LinkSnapshot, group_download_deadline
 from dilocox.peers.reachability import DialLog
 from dilocox.proto.dilocox.v1.swarm_pb2 import ContributionChunk, ContributionRequest
@@ -413,7 +406,7 @@ def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: f
 def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer, me: str,
                     rnd: Union[SparseRound, Future], round_index: int, meta: RoundGather, max_weight: float,
                     deadline_s: float, fetch_timeout_s: float, cancel: threading.Event,
-                    watch: Optional[RoundWatch] = None,
+                    abandon: Optional[Callable[[], bool]] = None,
                     tamper_gather: Optional[Callable[[dict, int], dict]] = None,
                     tamper_contribution: Optional[Callable[[bytes, int], bytes]] = None,
                     scheduled_in_s: Optional[float] = None, rule: str = "mean", norm_bound: float = 0.0,
@@ -462,7 +455,7 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     if tamper_gather is not None:
         gather = tamper_gather(gather, round_index)
     called = time.monotonic()
-    res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, watch, ready=ready,
+    res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, abandon, ready=ready,
                              scheduled_in_s=scheduled_in_s)
     started = time.monotonic()
     rnd = rnd.result() if isinstance(rnd, Future) else rnd

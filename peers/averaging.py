@@ -21,7 +21,6 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pydantic.v1 as pydantic
@@ -30,7 +29,6 @@ from dilocox.peers import lifecycle
 from dilocox.peers.codec import NarrowingCompression, narrowest_dtype
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from hivemind.utils import get_dht_time
 
@@ -45,42 +43,8 @@ class RoundFailed(RuntimeError):
     """No group was found, or the all-reduce failed, before the round deadline."""
 
 
-class RoundLate(RoundFailed):
-    """Every other replica of the round joined a group while we looked for one. hivemind closes a group once
-    it is assembled (``Matchmaking.look_for_group`` returns it), so none will take our contribution: the round
-    goes on without us, and the caller must not apply it alone (it re-syncs)."""
-
-
 class RoundCancelled(RuntimeError):
     """The node asked to leave while this round was in flight; nothing was applied."""
-
-
-class Abandon(str, Enum):
-    """Why a round's matchmaking gives up before its all-reduce begins (``RoundWatch.abandon``)."""
-
-    NO_REPLICA_LEFT = "no replica left in this round"
-    GROUPS_FORMED = "every other replica of the round is in a group already"
-
-
-def _go_on(in_group: bool) -> Optional[Abandon]:
-    return None
-
-
-def _ignore(in_group: bool) -> None:
-    return None
-
-
-@dataclass
-class RoundWatch:
-    """What the caller learns and decides while a round matches (``run_phase``).
-
-    ``abandon(in_group)``: polled every ``check_every_s`` until the all-reduce begins; None to go on, or why to
-    give up (GROUPS_FORMED raises RoundLate, anything else RoundFailed). ``grouped(in_group)``: called whenever
-    our group forms or dissolves (hivemind's ``StepControl.stage`` past LOOKING_FOR_GROUP; a failed group may
-    look again), so the node can tell the swarm (its membership record's ``grouped``)."""
-
-    abandon: Callable[[bool], Optional[Abandon]] = _go_on
-    grouped: Callable[[bool], None] = _ignore
 
 
 class RoundGather(pydantic.BaseModel):
@@ -202,7 +166,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         return metadata, tensors, None
 
     def run_phase(self, bits: str, codes: torch.Tensor, gather: dict, weight: float, deadline_s: float,
-                  cancel: threading.Event, watch: Optional[RoundWatch] = None,
+                  cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None,
                   check_every_s: float = 1.0, ready: Optional[Future] = None,
                   scheduled_in_s: Optional[float] = None) -> PhaseResult:
         """All-reduce ``codes`` (fp32, at most ``size`` values; the rest of the buffer is zeros) with the
@@ -212,8 +176,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         can form its group while its last inner steps compute; ``scheduled_in_s`` tells matchmaking
         when the all-reduce should begin (seconds from now; hivemind's ``scheduled_time``).
         Raises RoundCancelled when ``cancel`` is set or ``ready`` fails, RoundFailed on no group /
-        failure / deadline, or when ``watch.abandon`` (polled every ``check_every_s`` before the all-reduce
-        begins) gives a reason: RoundLate for GROUPS_FORMED.
+        failure / deadline, or when ``abandon()`` (polled every ``check_every_s`` before the all-reduce
+        begins) returns True.
         """
         if codes.numel() > self.size:
             raise ValueError(f"{codes.numel()} codes do not fit the {self.size}-value buffer")
@@ -233,7 +197,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         started = time.monotonic()
         next_check = started + self.matchmaking_kwargs["min_matchmaking_time"]
         give_up = started + deadline_s + self._allreduce_timeout + 5.0  # hivemind's own deadline, plus slack
-        began, in_group = None, False
+        began = None
         while not control.done():
             if cancel.is_set():
                 control.cancel()
@@ -248,19 +212,12 @@ class PseudoGradientAverager(DecentralizedAverager):
                 control.allow_allreduce()
             if began is None and control.began_allreduce:
                 began = time.monotonic()
-            stage = control.stage  # FINISHED may show a moment before the result: the group stood until then
-            grouped = in_group if stage == AveragingStage.FINISHED else stage in (AveragingStage.AWAITING_TRIGGER,
-                                                                                  AveragingStage.RUNNING_ALLREDUCE)
-            if watch is not None and grouped != in_group:
-                watch.grouped(grouped)
-            in_group = grouped
-            if watch is not None and began is None and time.monotonic() >= next_check:
+            if abandon is not None and began is None and time.monotonic() >= next_check:
                 next_check = time.monotonic() + check_every_s
-                why = watch.abandon(in_group)
-                if why is not None:
+                if abandon():
                     control.cancel()
-                    error = RoundLate if why == Abandon.GROUPS_FORMED else RoundFailed
-                    raise error(f"abandoned after {time.monotonic() - started:.1f}s: {why.value}")
+                    raise RoundFailed(f"abandoned after {time.monotonic() - started:.1f}s: "
+                                      f"no replica left in this round")
             time.sleep(0.01)
         try:
             gathered_raw = control.result()
@@ -322,7 +279,7 @@ def _stats(data: Any) -> dict:
 
 
 def exchange(averager: PseudoGradientAverager, rnd: CompressionRound, round_index: int, meta: RoundGather,
-             deadline_s: float, cancel: threading.Event, watch: Optional[RoundWatch] = None,
+             deadline_s: float, cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None,
              tamper_gather: Optional[Callable[[dict, int], dict]] = None) -> RoundResult:
     """Average one round's compressed pseudo-gradient, phase by phase (PowerSGD: P, then Q).
 
@@ -341,7 +298,7 @@ def exchange(averager: PseudoGradientAverager, rnd: CompressionRound, round_inde
         if phase == 0 and tamper_gather is not None:
             gather = tamper_gather(gather, round_index)
         res = averager.run_phase(group_bits(round_index) + str(phase) + extra, codes, gather, meta.weight,
-                                 deadline_s, cancel, watch if phase == 0 else None)
+                                 deadline_s, cancel, abandon if phase == 0 else None)
         if phase == 0:
             for peer, data in res.gathered.items():
                 try:

@@ -44,7 +44,6 @@ class MemberRecord(pydantic.BaseModel):
     state: pydantic.StrictStr
     outer_step: pydantic.conint(ge=0)  # outer updates applied (version of theta)
     round: pydantic.conint(ge=0) = 0  # round being computed (its all-reduce has this group key)
-    grouped: pydantic.StrictBool = False  # our all-reduce group for `round` has formed (nobody else can join it)
     inner_step: pydantic.conint(ge=0)
     inner_steps: pydantic.conint(ge=1)
     tokens_per_second: pydantic.confloat(ge=0)

@@ -20,7 +20,6 @@ from dilocox.consensus import (
     donor_progress,
     failure_action,
     group_standing,
-    groups_formed_without_us,
     in_round,
     join_point,
     judge_result,
@@ -46,7 +45,6 @@ class Peer:
     global_params_digest: str = "d4"
     num_stages: int = 1
     result_step: int = 0
-    grouped: bool = False
 
 
 # ---------------------------------------------------------------- verdicts
@@ -136,19 +134,6 @@ def test_in_round_window():
     # e still finishes round 4 (or its record is a moment old): it starts round 5 next
     assert [p.peer_id for p in in_round(peers, 5, delayed=False)] == ["a", "e"]
     assert [p.peer_id for p in in_round(peers, 5, delayed=True)] == ["a", "b", "e"]
-
-
-def test_a_replica_is_late_only_when_every_other_replica_of_its_round_is_in_a_group():
-    grouped = [Peer("a", state="AVERAGING", grouped=True), Peer("b", state="TRAINING", grouped=True)]  # b matched early
-    assert groups_formed_without_us(grouped, 5)
-    # moved on (round 6), syncing or gone: not in the round, so they do not keep us waiting
-    assert groups_formed_without_us(grouped + [Peer("c", round=6), Peer("d", state="SYNCING"),
-                                               Peer("e", state="STOPPED")], 5)
-    assert not groups_formed_without_us(grouped + [Peer("c", state="AVERAGING")], 5)  # c still looks: it may take us
-    assert not groups_formed_without_us(grouped + [Peer("c", round=4, outer_step=3)], 5)  # c starts round 5 next
-    assert not groups_formed_without_us(grouped + [Peer("c", round=4, outer_step=3, grouped=True)], 5)  # round 4's
-    assert not groups_formed_without_us([Peer("c", round=6, grouped=True)], 5)  # nobody in the round: in_round's case
-    assert not groups_formed_without_us([], 5)
 
 
 # ---------------------------------------------------------------- joining

@@ -13,7 +13,7 @@ import torch
 from dilocox.daemon.config import NodeConfig
 from dilocox.daemon.replica_state import ReplicaState
 from dilocox.daemon.rounds import OuterRounds, PendingRound, RoundOutcome
-from dilocox.peers.averaging import RoundCancelled, RoundFailed, RoundGather, RoundLate, RoundResult
+from dilocox.peers.averaging import RoundCancelled, RoundFailed, RoundGather, RoundResult
 from dilocox.peers.deadlines import RoundDeadlines
 
 from dilocox.diloco import params_digest
@@ -254,14 +254,6 @@ def test_failed_allreduce_applied_alone_unless_someone_applied(state):
         pending(state, RoundFailed("no group")))
     assert alone.outcome == RoundOutcome.APPLIED_ALONE and alone.info.group_size == 1
     assert state.outer_step == 1 and state.digest != theta0
-
-
-def test_a_round_whose_groups_formed_without_us_resyncs_though_nobody_applied_it_yet(state):
-    theta0 = state.digest
-    others = FakeProgress([Peer(outer_step=0, round=1, state="AVERAGING", grouped=True)])
-    late = rounds_for(state, others).finish(pending(state, RoundLate("abandoned after 3.0s: every other replica ...")))
-    assert late.outcome == RoundOutcome.RESYNC and "went on without us" in late.reason
-    assert (state.outer_step, state.digest) == (0, theta0)  # applying alone would fork from the group's update
 
 
 def test_cancelled_round_changes_nothing(state):
