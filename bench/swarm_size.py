@@ -12,9 +12,9 @@ metrics.jsonl and /proc it reports:
   (a split round's minority group took the majority's update, daemon/majority.py) or ``united`` (a
   split round without a majority applied the union of its groups' results), and the digest most
   nodes recorded for that outer step;
-- **lost**: node-rounds a node computed that left no metrics row: the round went on without it (it came
-  **late** to the round's groups, or others applied it first) and it neither applied nor fetched it, counted from
-  the logs; **joint of all** is the joint rounds' share of the node-rounds and the lost ones together;
+- **lost**: node-rounds a node computed that left no metrics row: the round went on without it (it came late
+  to the round's groups, or others applied it first) and it neither applied nor fetched it, counted from the
+  logs; **joint of all** is the joint rounds' share of the node-rounds and the lost ones together;
 - **splits**: outer steps at which those rounds left two or more digests, and how many of them
   lasted beyond one round (the next step was split too);
 - **round time** and **overhead** (round time minus compute, the median over node-rounds), and the
@@ -186,19 +186,14 @@ def joiner_table(results: list[dict]) -> str:
 
 
 LOST = re.compile(r"round (\d+) (went on without us|was already completed by others)")
-LATE = "every other replica of the round is in a group already"  # peers/averaging.py, Abandon.GROUPS_FORMED
 
 
-def lost_rounds(node: LocalNode) -> tuple[int, int]:
-    """(rounds, of which late) that went on without ``node`` and left no metrics row there (``LOST`` in its log,
-    no row of that outer step): computed, never applied with the swarm."""
+def lost_rounds(node: LocalNode) -> int:
+    """Rounds that went on without ``node`` and left no metrics row there (``LOST`` in its log, no row of that
+    outer step): computed, never applied with the swarm."""
     recorded = {r["outer_step"] for r in node.metrics()}
-    lost: dict[int, bool] = {}
-    for line in node.err_path.read_text().splitlines():
-        m = LOST.search(line)
-        if m and int(m.group(1)) not in recorded:
-            lost[int(m.group(1))] = lost.get(int(m.group(1)), False) or LATE in line
-    return len(lost), sum(lost.values())
+    return len({int(m.group(1)) for m in map(LOST.search, node.err_path.read_text().splitlines())
+                if m and int(m.group(1)) not in recorded})
 
 
 def figures(nodes: list[LocalNode], peaks: dict[str, int]) -> dict:
@@ -220,8 +215,7 @@ def figures(nodes: list[LocalNode], peaks: dict[str, int]) -> dict:
     applied = [r for r in rows if r["outcome"] in JOINT]
     return dict(
         node_rounds=len(rows), joint_share=len(joint) / max(1, len(rows)), outcomes=dict(outcomes),
-        lost_rounds=sum(n for n, _ in lost), late_rounds=sum(k for _, k in lost),
-        joint_share_all=len(joint) / max(1, len(rows) + sum(n for n, _ in lost)),
+        lost_rounds=sum(lost), joint_share_all=len(joint) / max(1, len(rows) + sum(lost)),
         steps=max(by_step, default=0), split_steps=split, lasting_splits=len(lasting),
         group_sizes=dict(Counter(r["group_size"] for r in applied)),
         round_s=med([r["duration_s"] for r in applied]),
@@ -253,13 +247,13 @@ def slopes(results: list[dict]) -> dict:
 def table(results: list[dict], a) -> str:
     lines = [f"EMULATED workload ({a.workload}, H = {a.inner_steps}, compute is a sleep); loopback, 2 cores; "
              f"{a.churn} leaves and {a.churn} joins in {a.duration:.0f} s per size.", "",
-             "| N | node-rounds | joint | lost (late) | joint of all | splits (lasting) | round s | overhead s "
+             "| N | node-rounds | joint | lost | joint of all | splits (lasting) | round s | overhead s "
              "| sent / round | received / round | sent / payload | PSS / node | groups |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ratio = r["sent_bytes"] / r["payload_bytes"] if r["payload_bytes"] else math.nan
         groups = ", ".join(f"{k}:{v}" for k, v in sorted(r["group_sizes"].items(), key=lambda kv: -kv[1])[:4])
-        lost = f"{r['lost_rounds']} ({r['late_rounds']})" if "lost_rounds" in r else "—"
+        lost = r.get("lost_rounds", "—")
         share_all = f"{100 * r['joint_share_all']:.1f}%" if "joint_share_all" in r else "—"
         lines.append(f"| {r['nodes']} | {r['node_rounds']} | {100 * r['joint_share']:.1f}% | {lost} | {share_all} | "
                      f"{len(r['split_steps'])} "
