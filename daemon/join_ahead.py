@@ -19,8 +19,7 @@ round's update until most of the swarm holds it.
 The look-up (a read of the records, a fetch of a few MB, its checks) runs on ``executor`` (the node gives it a
 thread of its own), so the inner steps go on meanwhile; only the apply, one outer step, runs on the training
 thread. Looked up on the training thread, each poll blocked the inner steps for a DHT read: at 32 nodes on 2
-cores a round computed ahead took 32-89 s against the swarm's 20 s, and its replica came late to the round's
-groups again (docs/protocol.md, "Starting a round").
+cores a round computed ahead took 32-89 s against the swarm's 20 s (docs/protocol.md, "Swarm size", run L).
 """
 
 from __future__ import annotations
@@ -77,6 +76,8 @@ class JoinAhead:
         if self._lookup is None or not self._lookup.done():
             return False
         lookup, self._lookup = self._lookup, None
+        if lookup.exception() is not None:  # a fetch that broke: logged, asked again after POLL_S
+            logger.warning("looking up the update of outer step %d failed: %r", step, lookup.exception())
         update = lookup.result() if lookup.exception() is None else None
         if update is None or update.outer_step != step or update.parent_digest != st.digest:
             return False  # nothing yet, or our theta moved meanwhile (a re-sync): look again
