@@ -116,6 +116,9 @@ class NodeConfig(BaseModel):
             parts.append(f"audits={self.audit_rate!r}")
         if self.outer_algorithm == "scaffold" and self.scaffold_reset_every:
             parts.append(f"scaffold_reset_every={self.scaffold_reset_every}")
+        if self.outer_algorithm == "scaffold" and self.scaffold_reset_quiet:
+            parts.append(f"scaffold_reset_quiet={self.scaffold_reset_quiet}(factor={self.scaffold_quiet_factor!r},"
+                         f"rounds={self.scaffold_quiet_rounds},outsized={self.scaffold_outsized!r})")
         if self.compression == "sparse":
             parts.append(f"codes=sparse(chunk={self.sparse_chunk},topk={self.sparse_topk},bits={self.sparse_bits},"
                          f"rice={self.sparse_rice})")
@@ -246,6 +249,17 @@ class NodeConfig(BaseModel):
         0, ge=0, description="with --outer-algorithm scaffold: every member restarts c and its c_i at zero after "
                              "every outer step that is a multiple of this (0: never). A robust rule that clips an "
                              "update leaves its effect in c for good; a restart takes it out (docs/security.md)")
+    scaffold_reset_quiet: int = Field(
+        0, ge=0, description="with --outer-algorithm scaffold: every member restarts c and its c_i (or shrinks them by "
+                             "--scaffold-quiet-factor) this many outer steps after the last round with an outsized "
+                             "contribution, i.e. once an attack has stopped (0: never; docs/security.md)")
+    scaffold_quiet_factor: float = Field(
+        0.0, ge=0, lt=1, description="--scaffold-reset-quiet: multiply c and c_i by this (0: restart at zero)")
+    scaffold_quiet_rounds: int = Field(
+        1, ge=1, description="--scaffold-reset-quiet: in this many outer steps in a row")
+    scaffold_outsized: float = Field(
+        2.0, gt=1, description="--scaffold-reset-quiet: a contribution the norm bound scaled by less than 1 / this "
+                               "(its norm over this many times the bound) makes its round outsized")
     overlap: Literal["none", "delayed", "adaptive"] = Field(
         "none", description="none: synchronous DiLoCo (a sparse round forms its group during its last inner steps); "
                             "delayed: DiLoCoX one-step delay, round t's update joins the local parameters at the "
@@ -376,6 +390,9 @@ class NodeConfig(BaseModel):
         if (self.aggregation != "mean" or self.norm_bound) and self.compression != "sparse":
             raise ValueError(f"aggregation={self.aggregation} / norm_bound={self.norm_bound} need compression=sparse: "
                              f"a butterfly all-reduce sums parts on reducers, which a robust rule cannot trust")
+        if self.scaffold_reset_quiet and (self.outer_algorithm != "scaffold" or not self.norm_bound):
+            raise ValueError("scaffold_reset_quiet needs outer_algorithm=scaffold and a norm bound (compression="
+                             "sparse, norm_bound > 0): a round is outsized when the bound scales a contribution")
         if self.sparse_bits not in (1, 2, 4, 8):
             raise ValueError(f"sparse_bits must be 1, 2, 4 or 8; got {self.sparse_bits}")
         if self.compression == "sparse" and self.sparse_topk > self.sparse_chunk:

@@ -82,7 +82,7 @@ class JoinAhead:
         if update is None or update.outer_step != step or update.parent_digest != st.digest:
             return False  # nothing yet, or our theta moved meanwhile (a re-sync): look again
         with st.changing():
-            st.apply_outer(update.aggregate, step, update.group_size)
+            st.apply_outer(update.aggregate, step, update.group_size, update.outsized)
         if st.digest != update.digest:  # same theta, aggregate and rule give the same bits; if not, re-sync follows
             logger.error("merging the update of outer step %d gave theta %s, its members hold %s", step, st.digest,
                          update.digest)

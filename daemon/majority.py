@@ -82,14 +82,16 @@ class MajorityUpdate:
         self._roster: dict[str, tuple[object, float]] = {}
 
     def resolve(self, index: int, group: set[str], holders: int, parent_digest: str,
-                result: Optional[Sequence[torch.Tensor]] = None, weight: int = 0) -> Resolution:
+                result: Optional[Sequence[torch.Tensor]] = None, weight: int = 0, outsized: bool = False) -> Resolution:
         """Round ``index``: ``group`` is our group's peer_ids (ours included), ``holders`` how many of them
         hold our result ``result`` (the group's aggregate; None: this member cannot unite), ``parent_digest``
         our theta's digest at outer step index - 1; ``weight``: the contributions in our result (the inputs
-        our record lists; 0: ``holders``), our group's weight in a union."""
+        our record lists; 0: ``holders``), our group's weight in a union; ``outsized``: our group's round had an
+        outsized contribution (served with our result; a union is outsized if one of its groups was)."""
         uniting = result is not None and self.fetch_result is not None and self.offer_result is not None
         if uniting:  # before anyone can ask: the other groups fetch it if the round has no majority
-            self.offer_result(index, AppliedUpdate(index, parent_digest, params_digest(result), holders, list(result)))
+            self.offer_result(index, AppliedUpdate(index, parent_digest, params_digest(result), holders, list(result),
+                                                   outsized))
         deadline = time.monotonic() + self.wait_s
         reason = ""
         seen, seen_since = None, 0.0  # the union's groups at the last poll, and since when unchanged
@@ -126,7 +128,7 @@ class MajorityUpdate:
                 if late or time.monotonic() - seen_since >= STABLE_S:
                     # fetches get time of their own when the union was only decided at the deadline
                     return self._unite(index, groups, weight or holders, list(result), parent_digest, group,
-                                       max(deadline, time.monotonic() + FETCH_SHARE * self.wait_s))
+                                       max(deadline, time.monotonic() + FETCH_SHARE * self.wait_s), outsized)
             if standing == Standing.ADOPT:
                 update, reason = self._fetch(index, digest, parent_digest, others)
                 if update is not None:
@@ -158,12 +160,12 @@ class MajorityUpdate:
                 if m.outer_step != index - 1 or m.global_params_digest in ("", parent_digest)]
 
     def _unite(self, index: int, groups: dict[str, int], weight: int, ours: list[torch.Tensor],
-               parent_digest: str, group: set[str], deadline: float) -> Resolution:
+               parent_digest: str, group: set[str], deadline: float, outsized: bool = False) -> Resolution:
         """Propose the union of ``groups`` (digest -> weight) and ours (``weight``), settle on the proposal
         most members of the round made (``chosen_union``), fetch its results and unite them. Proposals
         are awaited, and fetches retried, until ``deadline``. Re-sync when a chosen result cannot be had.
         A fetched result's ``digest`` field is the result digest its server claims: only the content check
-        (params_digest of the aggregate) is trusted."""
+        (params_digest of the aggregate) is trusted. The union is outsized (``outsized``: ours) if a group was."""
         mine = params_digest(ours)
         if not set(groups) - {mine}:
             return Resolution(Standing.ALONE)
@@ -207,8 +209,9 @@ class MajorityUpdate:
             return Resolution(Standing.UNION, None, reason=f"round {index}: group results cannot be united: {e}")
         logger.info("round %d: no group holds a majority; uniting %d groups' results (weights %s%s)", index,
                     len(chosen), [weights[d] for d in chosen], "" if mine in chosen else "; ours came too late")
+        outsized = any(got[d].outsized for d in chosen if d in got) or (outsized and mine in chosen)
         return Resolution(Standing.UNION, AppliedUpdate(index, parent_digest, "", sum(weights[d] for d in chosen),
-                                                        united), groups=len(chosen))
+                                                        united, outsized), groups=len(chosen))
 
     def _settle_union(self, index: int, proposal: tuple, parent_digest: str, deadline: float) -> tuple[tuple, list]:
         """Wait until every member (group-mates too) holding a result of round ``index`` that a union may

@@ -619,7 +619,7 @@ class Node:
                                self.resumed_from, point.outer_step)
             d = downloaded
             st.adopt(d.theta, d.momentum, d.meta.compression_rank, d.compression_shared, d.meta.outer_step,
-                     d.meta.digest, point.round, point.keep_round, d.control)
+                     d.meta.digest, point.round, point.keep_round, d.control, d.meta.control_last_outsized)
             self.rounds.drop_pending()  # its result is part of (or superseded by) the downloaded state
             if point.keep_round and self.audits is not None:
                 self.audits.withdraw(st.round)  # the round now continues another theta with a reset error feedback

@@ -13,7 +13,7 @@ import logging
 import math
 import random
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from dilocox.compression import CompressionConfig, Compressor
 from dilocox.diloco import InnerConfig, OuterOptimizer, params_digest, training_device
 from dilocox.overlap import OuterSchedule
 from dilocox.pipeline import PipelinedInnerLoop
-from dilocox.scaffold import ControlVariates, apply_correction_step
+from dilocox.scaffold import ControlVariates, QuietRestart, Restart, apply_correction_step
 from dilocox.sparse import SparseCompressor
 from dilocox.stages import tensor_bytes
 from dilocox.synthetic import SyntheticInnerLoop
@@ -101,7 +101,7 @@ class ReplicaState:
         self.shard = workload.shard(cfg.seed, shard_key)
         self.val_batches = workload.val_batches()
         # SCAFFOLD (dilocox/scaffold.py): c shared by the swarm (digested, served, checkpointed), c_i local
-        self.control = ControlVariates(self.outer.global_params, cfg.scaffold_reset_every) \
+        self.control = ControlVariates(self.outer.global_params, cfg.scaffold_reset_every, self._quiet()) \
             if cfg.outer_algorithm == "scaffold" else None
         self._correction: Optional[list[torch.Tensor]] = None
         self.step_bound, self.decay_factor = exact_mean.inner_step_bound(
@@ -115,7 +115,17 @@ class ReplicaState:
         self.on_snapshot: Callable[[], None] = lambda: None  # e.g. raise our donor priority
         self.on_applied: Callable[[AppliedUpdate], None] = lambda update: None  # e.g. serve it for catch-up
 
+    def _quiet(self) -> QuietRestart:
+        cfg = self.cfg
+        return QuietRestart(cfg.scaffold_reset_quiet, cfg.scaffold_quiet_factor, cfg.scaffold_quiet_rounds,
+                            cfg.scaffold_outsized)
+
     # ------------------------------------------------------------------ reading
+    def outsized(self, scales: Mapping[str, float]) -> bool:
+        """Whether a round whose rule scaled contributions by ``scales`` (peer_id -> scale < 1) had an outsized
+        one, for SCAFFOLD's quiet restart (``--scaffold-reset-quiet``); False without it."""
+        return self.control is not None and self.control.quiet.is_outsized(scales)
+
     @property
     def params(self) -> list[torch.Tensor]:
         """The local (inner) parameters, on the training device."""
@@ -217,22 +227,29 @@ class ReplicaState:
         self.schedule.rebase(self.inner.params)
         self.schedule.begin_round(self.inner.params)
 
-    def apply_outer(self, averaged: Optional[Sequence[torch.Tensor]], index: int, group_size: int = 1) -> None:
+    def apply_outer(self, averaged: Optional[Sequence[torch.Tensor]], index: int, group_size: int = 1,
+                    outsized: bool = False) -> None:
         """theta_index = outer_optimizer(theta_{index-1}, averaged); None: the round is consumed
         without an update (skipped), theta_index = theta_{index-1}. Local parameters are untouched.
-        ``on_applied`` gets the update, for joiners that missed it (dilocox/catchup.py)."""
+        ``outsized``: the round had an outsized contribution (``outsized``; SCAFFOLD's quiet restart counts
+        from it). ``on_applied`` gets the update, for joiners that missed it (dilocox/catchup.py)."""
         parent = self.digest
         with self._theta_lock:
             if averaged is not None:
                 self.schedule.update_theta(list(averaged), group_size, outer_step=index)
                 if self.control is not None:  # c from the aggregate every member holds: no channel of its own
                     self.control.derive_c_from_aggregate(list(averaged), self.lr_sum(index), 1, 1)
-            if self.control is not None:
-                self.control.outer_step_done(index)  # --scaffold-reset-every
+            if self.control is not None:  # --scaffold-reset-every, --scaffold-reset-quiet
+                restart = self.control.outer_step_done(index, outsized)
+                if restart != Restart.NONE:
+                    logger.info("outer step %d: SCAFFOLD's c and c_i %s (%s restart)", index,
+                                "restarted at zero" if restart == Restart.PERIODIC or not self.control.quiet.factor
+                                else f"scaled by {self.control.quiet.factor:g}", restart.value)
             self.outer_step, self.digest = index, params_digest(self.outer.global_params)
         self.snapshot()
         self.on_applied(AppliedUpdate(index, parent, self.digest, max(1, group_size),
-                                      None if averaged is None else [a.to("cpu", torch.float32) for a in averaged]))
+                                      None if averaged is None else [a.to("cpu", torch.float32) for a in averaged],
+                                      outsized))
 
     # ------------------------------------------------------------------ state transfer
     def snapshot(self) -> None:
@@ -256,19 +273,23 @@ class ReplicaState:
             meta = dict(run_id=self.cfg.run_id, outer_step=self.outer_step, digest=self.digest,
                         num_params=len(self.outer.global_params), compression_rank=self.compressor.rank,
                         compression_digest=self.compressor.digest(),
-                        control_digest=self.control.digest() if self.control is not None else "")
+                        control_digest=self.control.digest() if self.control is not None else "",
+                        control_last_outsized=self.control.last_outsized if self.control is not None else None)
         return meta, tensors
 
     def adopt(self, theta: list[torch.Tensor], momentum: list[torch.Tensor], compression_rank: int,
               compression_shared: list[torch.Tensor], outer_step: int, digest: str, round_: int,
-              keep_round: bool, control: Optional[list[torch.Tensor]] = None) -> None:
+              keep_round: bool, control: Optional[list[torch.Tensor]] = None,
+              control_last_outsized: Optional[int] = None) -> None:
         """Take a downloaded (already validated) state. keep_round: x <- theta + this round's local
         progress, whose pseudo-gradient is still ours to send; else x <- theta and round ``round_`` begins.
-        ``control``: the swarm's SCAFFOLD c (our c_i starts again from zero: it belonged to another trajectory)."""
+        ``control``: the swarm's SCAFFOLD c (our c_i starts again from zero: it belonged to another trajectory),
+        ``control_last_outsized`` its pending quiet restart."""
         with self._theta_lock:
             self.outer.load_state(theta, momentum)
             if self.control is not None:
-                self.control.load_state_dict(dict(c=control, c_i=[torch.zeros_like(c) for c in control]))
+                self.control.load_state_dict(dict(c=control, c_i=[torch.zeros_like(c) for c in control],
+                                                  last_outsized=control_last_outsized))
             self.compressor.load_shared(compression_rank, compression_shared)
             if keep_round:
                 self.schedule.rebase(self.inner.params)
@@ -280,8 +301,9 @@ class ReplicaState:
         self.snapshot()
 
     def replay(self, theta: list[torch.Tensor], momentum: list[torch.Tensor], control: Optional[list[torch.Tensor]],
-               outer_step: int, updates: Sequence[AppliedUpdate]) -> Replayed:
-        """A downloaded state (theta, momentum, SCAFFOLD's c at ``outer_step``) with ``updates`` applied by
+               outer_step: int, updates: Sequence[AppliedUpdate], last_outsized: Optional[int] = None) -> Replayed:
+        """A downloaded state (theta, momentum, SCAFFOLD's c and its pending quiet restart ``last_outsized`` at
+        ``outer_step``) with ``updates`` applied by
         our outer optimizer's rule on scratch copies; nothing of ours changes. Raises CatchUpError
         (dilocox/catchup.py) if an update does not continue the state or replays to another digest."""
         cfg = self.cfg
@@ -290,8 +312,9 @@ class ReplicaState:
         outer.load_state(theta, momentum)
         scratch = None
         if self.control is not None:
-            scratch = ControlVariates(theta, cfg.scaffold_reset_every)
-            scratch.load_state_dict(dict(c=control, c_i=[torch.zeros_like(c) for c in control]))
+            scratch = ControlVariates(theta, cfg.scaffold_reset_every, self._quiet())
+            scratch.load_state_dict(dict(c=control, c_i=[torch.zeros_like(c) for c in control],
+                                         last_outsized=last_outsized))
         return replay(outer, outer_step, updates, scratch, self.lr_sum)
 
     def claim_outer_step(self, outer_step: int) -> None:

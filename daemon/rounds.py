@@ -436,14 +436,17 @@ class OuterRounds:
         with self.state.changing():
             if outcome in (RoundOutcome.APPLIED, RoundOutcome.ADOPTED, RoundOutcome.UNITED):  # ours went out
                 self.state.compressor.commit(p.compression)
-            self.state.apply_outer(averaged, p.index, group_size)
+            # SCAFFOLD's quiet restart counts from a round with an outsized contribution: the group's, or the update's
+            outsized = checked.adopted.outsized if checked.adopted is not None else \
+                outcome == RoundOutcome.APPLIED and result is not None and self.state.outsized(result.scales)
+            self.state.apply_outer(averaged, p.index, group_size, outsized)
         if outcome == RoundOutcome.ADOPTED and self.state.digest != checked.adopted.digest:
             # same theta, aggregate and outer rule (shared settings) give the same bits; if not, the next round's
             # start digests send us to re-sync
             logger.error("round %d: the adopted update gave theta %s, its group's is %s", p.index, self.state.digest,
                          checked.adopted.digest)
         info = self._info(p, group_size, outcome, result, waited_from)
-        info.apply_s = time.monotonic() - apply_began
+        info.apply_s, info.outsized = time.monotonic() - apply_began, outsized
         if early:
             p.early = info
             return Finished(p.index, RoundOutcome.DEFERRED, info)
@@ -507,7 +510,7 @@ class OuterRounds:
         if self.majority is not None:  # one update per round, even where matchmaking split it
             _, holders = canonical_digest(results)
             settled = self.majority.resolve(p.index, set(starts), len(holders), self.state.digest, result.tensors,
-                                            len(result.inputs))
+                                            len(result.inputs), self.state.outsized(result.scales))
             if settled.standing in (Standing.ADOPT, Standing.UNION) and settled.update is None:
                 if self.leave_requested.is_set():  # leaving: nothing to re-sync for; the checkpoint keeps r - 1
                     return Checked(RoundOutcome.CANCELLED)

@@ -55,6 +55,7 @@ class RoundInfo:
     gather_s: float = 0.0  # sparse rounds: downloading the group's contributions
     aggregate_s: float = 0.0  # sparse rounds: decoding, validating and aggregating them
     apply_s: float = 0.0  # the outer step and theta's digest and snapshot
+    outsized: bool = False  # SCAFFOLD's quiet restart counts from this round (dilocox/scaffold.py QuietRestart)
 
 
 @dataclass

@@ -44,6 +44,7 @@ from dilocox.consensus import (
     wait_satisfied,
 )
 from dilocox.diloco import check_shapes, params_digest
+from dilocox.scaffold import control_digest
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class StateMeta(pydantic.BaseModel):
     compression_digest: pydantic.StrictStr = ""
     donor_peer_id: pydantic.StrictStr = ""
     control_digest: pydantic.StrictStr = ""  # SCAFFOLD's c (empty for DiLoCo)
+    control_last_outsized: Optional[pydantic.conint(ge=0, strict=True)] = None  # its pending quiet restart
 
 
 @dataclass
@@ -297,10 +299,12 @@ class StateTransfer:
             if why:
                 return held, why
             try:
-                replayed = self.state.replay(held.theta, held.momentum, held.control, meta.outer_step, updates)
+                replayed = self.state.replay(held.theta, held.momentum, held.control, meta.outer_step, updates,
+                                             meta.control_last_outsized)
             except (CatchUpError, ValueError) as e:
                 return held, f"catch-up from outer step {meta.outer_step} failed: {e}"
-            caught = DownloadedState(meta.copy(update=dict(outer_step=replayed.outer_step, digest=replayed.digest)),
+            caught = DownloadedState(meta.copy(update=dict(outer_step=replayed.outer_step, digest=replayed.digest,
+                                                           control_last_outsized=replayed.last_outsized)),
                                      replayed.theta, replayed.momentum, held.compression_shared, replayed.control)
         else:
             caught, updates, nbytes = held, [], 0
@@ -389,7 +393,7 @@ class StateTransfer:
         check_shapes(self.state.outer.global_params, momentum, "downloaded momentum")
         if self.state.control is not None:
             check_shapes(self.state.outer.global_params, control, "downloaded control variate c")
-            if params_digest(control) != meta.control_digest:
+            if control_digest(control, meta.control_last_outsized) != meta.control_digest:
                 raise ValueError("downloaded control variate does not match the donor's digest")
         if params_digest(theta) != meta.digest:
             raise ValueError("downloaded parameters do not match the donor's digest")

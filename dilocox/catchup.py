@@ -44,13 +44,17 @@ class AppliedUpdate:
     """What the replicas applied at outer step ``outer_step``: theta_{outer_step} from
     theta_{outer_step - 1} (digest ``parent_digest``) and ``aggregate`` (the averaged
     pseudo-gradient, our parameters' shapes, CPU fp32; None: the round was skipped and theta kept).
-    ``group_size``: replicas in the aggregate; ``digest``: of theta after the step."""
+    ``group_size``: replicas in the aggregate; ``digest``: of theta after the step. ``outsized``: the round had
+    an outsized contribution (SCAFFOLD's quiet restart counts from it, dilocox/scaffold.py). Only theta is
+    digested: a peer that lies about ``outsized`` moves the replayer's c off the swarm's, whose start digest
+    then sends it to download the state again."""
 
     outer_step: int
     parent_digest: str
     digest: str
     group_size: int
     aggregate: Optional[list[torch.Tensor]]
+    outsized: bool = False
 
 
 def max_encoded_bytes(shapes: Sequence[Sequence[int]]) -> int:
@@ -73,7 +77,8 @@ def encode(update: AppliedUpdate) -> bytes:
                 parts.append(dict(dense=flat.clone()))
     buf = io.BytesIO()
     torch.save(dict(format=FORMAT, outer_step=update.outer_step, parent_digest=update.parent_digest,
-                    digest=update.digest, group_size=update.group_size, parts=parts), buf)
+                    digest=update.digest, group_size=update.group_size, outsized=bool(update.outsized),
+                    parts=parts), buf)
     return buf.getvalue()
 
 
@@ -93,14 +98,17 @@ def decode(payload: bytes, shapes: Sequence[Sequence[int]]) -> AppliedUpdate:
         raise CatchUpError(f"bad outer_step {step!r} or group_size {size!r}")
     if not (isinstance(parent, str) and isinstance(digest, str) and len(parent) == len(digest) == 16):
         raise CatchUpError("bad digests")
+    outsized = raw.get("outsized", False)  # absent from updates served before the quiet restart
+    if not isinstance(outsized, bool):
+        raise CatchUpError(f"bad outsized flag {outsized!r}")
     parts = raw.get("parts")
     if parts is None:
-        return AppliedUpdate(step, parent, digest, size, None)
+        return AppliedUpdate(step, parent, digest, size, None, outsized)
     if not isinstance(parts, list) or len(parts) != len(shapes):
         raise CatchUpError(f"aggregate of {len(parts) if isinstance(parts, list) else '?'} tensors, "
                            f"ours has {len(shapes)}")
     return AppliedUpdate(step, parent, digest, size, [_part(p, tuple(s), i) for i, (p, s) in
-                                                      enumerate(zip(parts, shapes))])
+                                                      enumerate(zip(parts, shapes))], outsized)
 
 
 def _part(part, shape: tuple, i: int) -> torch.Tensor:
@@ -132,13 +140,14 @@ def _part(part, shape: tuple, i: int) -> torch.Tensor:
 @dataclass
 class Replayed:
     """A state after ``replay``: theta and momentum (CPU fp32), SCAFFOLD's c (or None), the outer step
-    and digest theta now has."""
+    and digest theta now has, and SCAFFOLD's pending quiet restart (``ControlVariates.last_outsized``)."""
 
     theta: list[torch.Tensor]
     momentum: list[torch.Tensor]
     control: Optional[list[torch.Tensor]]
     outer_step: int
     digest: str
+    last_outsized: Optional[int] = None
 
 
 @torch.no_grad()
@@ -148,7 +157,8 @@ def replay(outer: OuterOptimizer, outer_step: int, updates: Sequence[AppliedUpda
     """Apply ``updates`` in order to ``outer`` (a scratch OuterOptimizer holding the downloaded theta
     and momentum at ``outer_step``; it is changed). ``control``: a scratch ControlVariates holding the
     downloaded c, which is derived from each aggregate as the replicas do (``ReplicaState.apply_outer``,
-    with ``lr_sum(step)``, and restarted where its ``reset_every`` says). Raises CatchUpError if an update
+    with ``lr_sum(step)``, and restarted where its ``reset_every`` and quiet restart say, the latter from each
+    update's ``outsized`` flag). Raises CatchUpError if an update
     does not continue the state (wrong step or parent digest) or theta after it does not have the update's
     digest (a peer served a wrong one)."""
     digest = params_digest(outer.global_params)
@@ -161,10 +171,11 @@ def replay(outer: OuterOptimizer, outer_step: int, updates: Sequence[AppliedUpda
             if control is not None:
                 control.derive_c_from_aggregate(u.aggregate, lr_sum(u.outer_step), 1, 1)
         if control is not None:
-            control.outer_step_done(u.outer_step)
+            control.outer_step_done(u.outer_step, u.outsized)
         outer_step, digest = u.outer_step, params_digest(outer.global_params)
         if digest != u.digest:
             raise CatchUpError(f"outer step {outer_step} replayed to digest {digest}, the update says {u.digest}")
     return Replayed([p.clone() for p in outer.global_params], outer.momentum_buffers(),
-                    control.state_dict()["c"] if control is not None else None, outer_step, digest)
+                    control.state_dict()["c"] if control is not None else None, outer_step, digest,
+                    control.last_outsized if control is not None else None)
 

@@ -40,6 +40,14 @@ their own gradients, and the aggregate cannot show c's error (in steady state de
 with c_i = g_i, so delta = lr_sum c: every client steps along c, error included, round after round). Zero is
 a state where c = mean_i c_i holds again; the rounds after a restart run as DiLoCo until c is rebuilt.
 
+``QuietRestart`` (**ours**, a defense): restart (or shrink) c and c_i only after an attack, not on a clock. A round
+is *outsized* when the robust rule scaled one of its contributions by less than 1 / ``outsized`` (its norm over
+that many times the norm bound: BadSFL's boosted update is 8-50 times the lower median). ``after`` Q rounds after
+the last outsized round, and in each of the ``rounds`` - 1 rounds that follow, c and c_i are multiplied by
+``factor`` (0: the restart). Every member reads the same scales from the same contributions (and a joiner the
+round's ``outsized`` flag from the update it replays), so all act at one outer step. Measured in the BadSFL
+harness (docs/security.md, ``make bench-badsfl-paper-quiet``).
+
 Per round, in order: ``correction()`` at the start (c and c_i must not change until step 3); the
 inner steps with ``apply_correction`` / ``apply_correction_step``; ``client_update(delta, K,
 lr_sum)`` (updates c_i, returns dc_i); aggregation (peers/); then ``server_update(mean_dc, |S|, N)``
@@ -49,7 +57,11 @@ holds the same c (``digest``). All tensors are lists (one per parameter), CPU fp
 
 from __future__ import annotations
 
+import hashlib
 import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable, Mapping, Optional, Union
 
 import torch
 
@@ -73,19 +85,61 @@ def _fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().to("cpu", torch.float32) for t in tensors]
 
 
+@dataclass(frozen=True)
+class QuietRestart:
+    """When c and c_i restart (or shrink) after an attack (module docstring). ``after`` Q >= 0 rounds after the
+    last outsized round (0: off); ``factor`` in [0, 1) multiplies c and c_i (0: the restart) in each of ``rounds``
+    >= 1 rounds in a row; ``outsized`` > 1: a contribution the rule scaled by less than 1 / this is outsized.
+    Raises ValueError naming the field that is out of range."""
+
+    after: int = 0
+    factor: float = 0.0
+    rounds: int = 1
+    outsized: float = 2.0
+
+    def __post_init__(self):
+        if int(self.after) < 0:
+            raise ValueError(f"quiet restart: after must be >= 0 (0: off), got {self.after}")
+        if not 0.0 <= float(self.factor) < 1.0:
+            raise ValueError(f"quiet restart: factor must lie in [0, 1) (0: restart at zero), got {self.factor}")
+        if int(self.rounds) < 1:
+            raise ValueError(f"quiet restart: rounds must be >= 1, got {self.rounds}")
+        if not (math.isfinite(float(self.outsized)) and float(self.outsized) > 1.0):
+            raise ValueError(f"quiet restart: outsized must be a finite multiple > 1 of the norm bound, "
+                             f"got {self.outsized}")
+
+    def is_outsized(self, scales: Union[Mapping[str, float], Iterable[float]]) -> bool:
+        """Whether a round whose rule scaled its contributions by ``scales`` (peer_id -> scale, or the scales;
+        those below 1 suffice: dilocox.robust's report) had an outsized one. Always False when off."""
+        values = scales.values() if isinstance(scales, Mapping) else scales
+        return bool(self.after) and any(float(v) < 1.0 / self.outsized for v in values)
+
+
+class Restart(str, Enum):
+    """What ``ControlVariates.outer_step_done`` did to c and c_i."""
+
+    NONE = "none"
+    PERIODIC = "periodic"    # reset_every
+    QUIET = "quiet"          # QuietRestart: restarted at zero, or shrunk by its factor
+
+
 class ControlVariates:
     """The swarm's control variate c (shared: every member holds the same) and this client's c_i.
 
     Both start at zero, shaped like ``params`` (one CPU fp32 tensor per parameter). Formulas and the
-    order of calls: module docstring.
+    order of calls: module docstring. ``last_outsized``: the last outsized round whose quiet restart is
+    still to come or under way (None: none); shared like c (``digest``).
     """
 
-    def __init__(self, params: list[torch.Tensor], reset_every: int = 0):
+    def __init__(self, params: list[torch.Tensor], reset_every: int = 0, quiet: Optional[QuietRestart] = None):
         """``reset_every``: restart c and c_i at zero after every outer step that is a multiple of it (0: never;
-        ``outer_step_done``). Raises ValueError if it is negative."""
+        ``outer_step_done``). ``quiet``: restart or shrink them after an outsized round (None: never). Raises
+        ValueError if reset_every is negative."""
         if int(reset_every) < 0:
             raise ValueError(f"reset_every must be >= 0 (0: never), got {reset_every}")
         self.reset_every = int(reset_every)
+        self.quiet = quiet or QuietRestart()
+        self.last_outsized: Optional[int] = None
         self.c = [torch.zeros(tuple(p.shape), dtype=torch.float32) for p in params]
         self.c_i = [torch.zeros_like(t) for t in self.c]
 
@@ -131,14 +185,27 @@ class ControlVariates:
         weight = _check_participation(participating, total)
         self.c = [c + weight * (d / lr_sum - c) for c, d in zip(self.c, _fp32(mean_delta))]
 
-    def outer_step_done(self, outer_step: int) -> bool:
-        """Outer step ``outer_step`` was applied (or consumed without an update): c <- 0 and c_i <- 0 if it is a
-        multiple of ``reset_every`` (module docstring). Every member calls this at every outer step, so c stays
-        identical swarm-wide. Returns whether it reset."""
-        if not self.reset_every or outer_step <= 0 or outer_step % self.reset_every:
-            return False
-        self.reset()
-        return True
+    def outer_step_done(self, outer_step: int, outsized: bool = False) -> Restart:
+        """Outer step ``outer_step`` was applied (or consumed without an update); ``outsized``: its round had an
+        outsized contribution (``QuietRestart.is_outsized`` of the rule's scales, or the replayed update's flag).
+        c <- 0 and c_i <- 0 if the step is a multiple of ``reset_every``; then c and c_i are scaled by the quiet
+        restart's factor if the step is its ``after``-th to (``after`` + ``rounds`` - 1)-th after the last
+        outsized round (module docstring). Every member calls this at every outer step with the same flag, so c
+        stays identical swarm-wide. Returns what it did (QUIET when both acted)."""
+        done = Restart.NONE
+        if outsized and self.quiet.after:
+            self.last_outsized = int(outer_step)
+        if self.reset_every and outer_step > 0 and not outer_step % self.reset_every:
+            self.reset()
+            done = Restart.PERIODIC
+        if self.last_outsized is not None:
+            since = outer_step - self.last_outsized
+            if self.quiet.after <= since < self.quiet.after + self.quiet.rounds:
+                self.scale(self.quiet.factor)
+                done = Restart.QUIET
+            if since >= self.quiet.after + self.quiet.rounds - 1:  # the restart is over: nothing left to share
+                self.last_outsized = None
+        return done
 
     def scale(self, factor: float) -> None:
         """c <- factor c and c_i <- factor c_i (0 <= factor <= 1): scales c - mean_i c_i by the same factor when
@@ -155,9 +222,11 @@ class ControlVariates:
         self.c = [torch.zeros_like(t) for t in self.c]
         self.c_i = [torch.zeros_like(t) for t in self.c_i]
 
-    def state_dict(self) -> dict[str, list[torch.Tensor]]:
-        """{"c": [...], "c_i": [...]}: copies, CPU fp32. A joiner takes the swarm's c and starts c_i at zero."""
-        return {"c": [t.clone() for t in self.c], "c_i": [t.clone() for t in self.c_i]}
+    def state_dict(self) -> dict:
+        """{"c": [...], "c_i": [...], "last_outsized": int or None}: copies, CPU fp32. A joiner takes the swarm's
+        c and last_outsized and starts c_i at zero."""
+        return {"c": [t.clone() for t in self.c], "c_i": [t.clone() for t in self.c_i],
+                "last_outsized": self.last_outsized}
 
     def load_state_dict(self, state: dict) -> None:
         """Replace c and c_i; raises ValueError naming the key when one is missing, misshapen or not finite."""
@@ -169,12 +238,26 @@ class ControlVariates:
             if not isinstance(state[key], (list, tuple)):
                 raise ValueError(f"control-variate state {key!r} must be a list of tensors")
             check_shapes(self.c, list(state[key]), f"control variate {key}")
+        last = state.get("last_outsized")  # absent in checkpoints and states from before the quiet restart
+        if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
+            raise ValueError(f"control-variate state 'last_outsized' must be an outer step >= 0 or None, got {last!r}")
         self.c = [t.clone() for t in _fp32(state["c"])]
         self.c_i = [t.clone() for t in _fp32(state["c_i"])]
+        self.last_outsized = last
 
     def digest(self) -> str:
-        """Hex SHA-256 (first 16 hex digits) of c's fp32 bytes: equal on two members iff their c is bit-identical."""
-        return params_digest(self.c)
+        """``control_digest(c, last_outsized)``: equal on two members iff their c is bit-identical and their quiet
+        restart (if one is pending) comes at the same outer step."""
+        return control_digest(self.c, self.last_outsized)
+
+
+def control_digest(c: list[torch.Tensor], last_outsized: Optional[int] = None) -> str:
+    """Hex SHA-256 (first 16 hex digits) of c's fp32 bytes (``params_digest``), and of ``last_outsized`` when a
+    quiet restart is pending (None: c's digest alone, as before the quiet restart existed)."""
+    digest = params_digest(c)
+    if last_outsized is None:
+        return digest
+    return hashlib.sha256(f"{digest}/outsized@{int(last_outsized)}".encode()).hexdigest()[:16]
 
 
 def _check_pairs(params: list[torch.Tensor], correction: list[torch.Tensor]) -> None:

@@ -508,7 +508,16 @@ def _union(idxs: Sequence[np.ndarray], lay: Layout, cfg: SparseConfig) -> tuple[
 def aggregate(contributions: Mapping[str, bytes], weights: Mapping[str, float],
               shapes: Sequence[Sequence[int]], cfg: SparseConfig, rule: str = "mean", norm_bound: float = 0.0,
               **robust_kwargs) -> tuple[list[torch.Tensor], dict[str, str]]:
-    """The group's aggregate of the decoded contributions: (fp32 tensors, rejected peer -> reason).
+    """``aggregate_scaled`` without the scales: (fp32 tensors, rejected peer -> reason)."""
+    out, rejected, _ = aggregate_scaled(contributions, weights, shapes, cfg, rule, norm_bound, **robust_kwargs)
+    return out, rejected
+
+
+def aggregate_scaled(contributions: Mapping[str, bytes], weights: Mapping[str, float],
+                     shapes: Sequence[Sequence[int]], cfg: SparseConfig, rule: str = "mean", norm_bound: float = 0.0,
+                     **robust_kwargs) -> tuple[list[torch.Tensor], dict[str, str], dict[str, float]]:
+    """The group's aggregate of the decoded contributions: (fp32 tensors, rejected peer -> reason, scaled peer ->
+    the norm bound's scale < 1 of its contribution).
 
     A contribution is dropped if its weight is missing, not finite or <= 0, or its payload fails
     ``decode``'s validation. The accepted ones go through ``dilocox.robust`` (``rule``, ``norm_bound`` and
@@ -563,10 +572,10 @@ def aggregate(contributions: Mapping[str, bytes], weights: Mapping[str, float],
     del rows
     out = np.zeros(n, dtype=np.float32)  # fresh zero pages: only the union of the sent positions is written
     _scatter(out, support, compact.numpy().astype(np.float32))  # rounded to nearest
-    for peer, scale in zip(peers, scales):  # the caller reports drops; clipping is the rule's business
-        if scale < 1.0:
-            logger.info("contribution of %s scaled by %.3g to the group's norm bound", peer, scale)
-    return _split(torch.from_numpy(out), shapes), rejected
+    scaled = {peer: float(scale) for peer, scale in zip(peers, scales) if scale < 1.0}
+    for peer, scale in scaled.items():  # the caller reports drops; clipping is the rule's business
+        logger.info("contribution of %s scaled by %.3g to the group's norm bound", peer, scale)
+    return _split(torch.from_numpy(out), shapes), rejected, scaled
 
 
 SELECT_VALUES = 1 << 18  # values per block of chunks in _select (speed only: a block stays in a core's cache)

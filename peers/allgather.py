@@ -43,7 +43,7 @@ from dilocox.proto.dilocox.v1.swarm_pb2 import ContributionChunk, ContributionRe
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
 from dilocox.consensus import canonical_digest
-from dilocox.sparse import ContributionError, SparseRound, aggregate
+from dilocox.sparse import ContributionError, SparseRound, aggregate_scaled
 
 logger = logging.getLogger(__name__)
 
@@ -479,7 +479,8 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     weights = {p: metas[p].weight for p in got}
     shapes = rnd.codec.shapes
     try:
-        mean, rejected = aggregate(got, weights, shapes, rnd.codec.cfg, rule=rule, norm_bound=norm_bound)
+        mean, rejected, scaled = aggregate_scaled(got, weights, shapes, rnd.codec.cfg, rule=rule,
+                                                  norm_bound=norm_bound)
     except ValueError as e:
         raise RoundFailed(f"no usable contribution: {e}") from e
     dropped.update(rejected)
@@ -493,6 +494,6 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     return RoundResult(mean, metas, len(payload), sent, received, res.allreduce_s + time.monotonic() - started,
                        int(2 * (n - 1) / n * 4 * numel), dropped=dropped, inputs=inputs,
                        contributions={p: b for p, b in got.items() if p not in dropped}, download_deadline_s=fetch_s,
-                       link_bps=server.link.snapshot().bps,
+                       link_bps=server.link.snapshot().bps, scales=scaled,
                        phases=dict(matchmaking=started - called, gather=fetched - started,
                                    aggregate=time.monotonic() - fetched))

@@ -100,6 +100,7 @@ class RoundResult:
     contributions: Dict[str, bytes] = field(default_factory=dict)  # sparse: peer_id -> the payload used (audits)
     download_deadline_s: float = 0.0  # sparse: the deadline the downloads had (peers/deadlines.py; 0: none)
     link_bps: float = 0.0  # sparse: our measured download rate after this round (bit/s; 0: not measured)
+    scales: Dict[str, float] = field(default_factory=dict)  # sparse: peer_id -> scale < 1 the norm bound gave it
     phases: Dict[str, float] = field(default_factory=dict)  # seconds per phase: matchmaking, gather, aggregate
     finished_at: float = field(default_factory=time.monotonic)  # time.monotonic() when the result was complete
 

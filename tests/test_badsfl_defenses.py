@@ -79,23 +79,19 @@ def test_dp_prune_zeroes_the_least_active_channels_of_the_deployed_model_only():
     assert Defense("flame").deployed(params) is params
 
 
-def test_the_quiet_restart_follows_the_last_outsized_round_only():
-    """sim.Federation.quiet_reset: a contribution scaled below 1 / c_outsized marks its round; c restarts (or shrinks)
-    from Q rounds after the last marked round, for c_quiet_rounds rounds; ordinary clipping never triggers it."""
-    from types import SimpleNamespace
+def test_every_quiet_restart_setting_of_the_harness_is_one_the_daemon_accepts():
+    """The harness's quiet restart is dilocox.scaffold.QuietRestart, the daemon's (tests/test_scaffold.py tests the
+    rule); each setting's knobs must be valid for it, and match the daemon flags of the same name."""
+    from dilocox.daemon.config import NodeConfig
 
-    from bench.attacks.badsfl.sim import Federation, Setting
+    from bench.attacks.badsfl.run import SETTINGS
+    from dilocox.scaffold import QuietRestart
 
-    def rounds(setting, scales_by_round, total=12):
-        fed = SimpleNamespace(setting=setting, last_outsized=None)
-        return [t for t in range(1, total + 1)
-                if Federation.quiet_reset(fed, t, dict(clipped=scales_by_round.get(t, {})))]
-
-    outsized, clipped = {"m": 0.9 / 2.0}, {"h": 1.1 / 2.0}  # a boosted update; an honest outlier (c_outsized 2)
-    attack = {t: outsized for t in (2, 3, 4)} | {6: clipped}
-    assert rounds(Setting("q", c_reset_quiet=3), attack) == [7]
-    assert rounds(Setting("q", c_reset_quiet=3, c_quiet_factor=0.5, c_quiet_rounds=3), attack) == [7, 8, 9]
-    assert rounds(Setting("q", c_reset_quiet=3), {t: clipped for t in range(1, 12)}) == []
-    assert rounds(Setting("q"), attack) == []  # off
-    assert rounds(Setting("q", c_reset_quiet=2), {2: outsized, 5: outsized}) == [4, 7]  # each episode once
-    assert rounds(Setting("q", c_reset_quiet=3, c_outsized=4.0), attack) == []  # not outsized at 4 x the bound
+    quiet = [s for s in SETTINGS if s.c_reset_quiet]
+    assert len(quiet) >= 4
+    for s in quiet:
+        QuietRestart(s.c_reset_quiet, s.c_quiet_factor, s.c_quiet_rounds, s.c_outsized)
+        cfg = NodeConfig(model="tiny", data="x", outer_algorithm="scaffold", scaffold_reset_quiet=s.c_reset_quiet,
+                         scaffold_quiet_factor=s.c_quiet_factor, scaffold_quiet_rounds=s.c_quiet_rounds,
+                         scaffold_outsized=s.c_outsized)
+        assert cfg.norm_bound == s.norm_bound == 2.0 and cfg.aggregation == s.rule == "mean"

@@ -55,8 +55,9 @@ class SimSwarm:
     """A donor replica going through rounds: H ticks TRAINING (inner steps 0..H-1), one tick AVERAGING, then
     round r's update is applied (outer step r) and round r + 1 begins. Keeps the encoded updates it applied."""
 
-    def __init__(self, donor: ReplicaState):
-        self.donor, self.tick, self.updates = donor, 0, {}
+    def __init__(self, donor: ReplicaState, outsized: frozenset = frozenset()):
+        """``outsized``: the outer steps whose rounds had an outsized contribution (SCAFFOLD's quiet restart)."""
+        self.donor, self.tick, self.updates, self.outsized = donor, 0, {}, outsized
         donor.on_applied = lambda u: self.updates.__setitem__(u.outer_step, encode(u))
 
     def record(self) -> Record:
@@ -69,7 +70,7 @@ class SimSwarm:
             self.tick += 1
             if self.tick > H:
                 r = self.donor.round
-                self.donor.apply_outer(aggregate(self.donor, r), r, group_size=2)
+                self.donor.apply_outer(aggregate(self.donor, r), r, group_size=2, outsized=r in self.outsized)
                 self.donor.round, self.tick = r + 1, 0
 
 
@@ -153,7 +154,10 @@ def test_an_update_round_trips_bit_for_bit_and_a_sparse_one_is_smaller(tmp_path)
     theta_bytes = sum(4 * p.numel() for p in st.outer.global_params)
     assert len(encode(u)) < 0.15 * theta_bytes < len(encode(dense)) <= max_encoded_bytes(shapes)
     skipped = decode(encode(AppliedUpdate(4, "b" * 16, "b" * 16, 1, None)), shapes)
-    assert skipped.aggregate is None and skipped.outer_step == 4
+    assert skipped.aggregate is None and skipped.outer_step == 4 and not skipped.outsized
+    assert decode(encode(dataclasses.replace(u, outsized=True)), shapes).outsized
+    assert decode(encode(AppliedUpdate(4, "b" * 16, "b" * 16, 1, None, True)), shapes).outsized
+    assert not decode(_strip(u, "outsized"), shapes).outsized  # an older peer's
 
 
 def _reencode(u: AppliedUpdate, **fields) -> bytes:
@@ -166,7 +170,18 @@ def _reencode(u: AppliedUpdate, **fields) -> bytes:
     return buf.getvalue()
 
 
+def _strip(u: AppliedUpdate, field: str) -> bytes:
+    import io
+
+    raw = torch.load(io.BytesIO(encode(u)), weights_only=True)
+    del raw[field]
+    buf = io.BytesIO()
+    torch.save(raw, buf)
+    return buf.getvalue()
+
+
 @pytest.mark.parametrize("damage, message", [
+    (lambda u, shapes: _reencode(u, outsized=1), "bad outsized flag"),
     (lambda u, shapes: b"\x00" * 100, "unreadable update"),
     (lambda u, shapes: b"\x00" * (max_encoded_bytes(shapes) + 1), "oversized update"),
     (lambda u, shapes: _reencode(u, format=99), "not an update of this format"),
@@ -246,6 +261,73 @@ def test_replay_restarts_the_control_variate_where_the_swarm_does(tmp_path):
     plain = make_state(tmp_path, outer_algorithm="scaffold", compression="sparse").replay(
         tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], 0, updates)
     assert params_digest(plain.control) != donor.control.digest()
+
+
+QUIET = dict(outer_algorithm="scaffold", compression="sparse", scaffold_reset_quiet=2)
+
+
+def test_replay_restarts_the_control_variate_after_an_outsized_round_as_the_swarm_does(tmp_path):
+    """--scaffold-reset-quiet 2: round 1 had an outsized contribution, so the donor restarts c after outer step 3.
+    A joiner replaying steps 1-4 from the state at 0 reads the flag in update 1; one replaying 3-4 from the state
+    at 2 reads the pending restart from the state. Both hold the donor's c; without either they would not."""
+    donor = make_state(tmp_path, **QUIET)
+    swarm = SimSwarm(donor, outsized=frozenset({1}))
+    n = len(donor.outer.global_params)
+    shapes = [tuple(p.shape) for p in donor.outer.global_params]
+    served = {}
+    for step in range(5):
+        served[step] = donor.served()
+        swarm.advance(H + 1 if step < 4 else 0)
+    assert served[2][0]["control_last_outsized"] == 1 and served[0][0]["control_last_outsized"] is None
+    assert donor.outer_step == 4 and donor.control.last_outsized is None
+    updates = {s: decode(swarm.updates[s], shapes) for s in range(1, 5)}
+    assert [updates[s].outsized for s in range(1, 5)] == [True, False, False, False]
+    replayer = make_state(tmp_path, **QUIET)
+    for start, last_outsized in ((0, None), (2, 1)):
+        _, tensors = served[start]
+        out = replayer.replay(tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], start,
+                              [updates[s] for s in range(start + 1, 5)], last_outsized)
+        assert out.digest == donor.digest and params_digest(out.control) == donor.control.digest(), start
+        assert out.last_outsized is None
+    _, tensors = served[2]
+    forgot = replayer.replay(tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], 2, [updates[3], updates[4]])
+    assert params_digest(forgot.control) != donor.control.digest()
+    _, tensors = served[0]
+    unflagged = [dataclasses.replace(updates[s], outsized=False) for s in range(1, 5)]
+    assert params_digest(replayer.replay(tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], 0,
+                                         unflagged).control) != donor.control.digest()
+
+
+def test_a_joiner_downloads_a_pending_quiet_restart_and_catches_up_across_it(tmp_path):
+    """The whole join: the download begins while the donor's quiet restart is pending (its digest of c says so),
+    lands two rounds later, catch-up replays across the restart, and the joiner holds the donor's c."""
+    donor = make_state(tmp_path, **QUIET)
+    swarm = SimSwarm(donor, outsized=frozenset({2}))
+    swarm.advance(3 * (H + 1) + 1)  # outer step 3: the restart comes after step 4
+    assert donor.control.last_outsized == 2
+    joiner, t = joiner_for(tmp_path, donor, swarm, 2 * (H + 1), **QUIET)
+    point, got = t.sync(initial=True)
+    assert point.kind == JoinKind.DOWNLOAD and got.meta.outer_step == donor.outer_step >= 5
+    assert t.caught_up >= 2 and donor.control.last_outsized is None
+    assert params_digest(got.control) == donor.control.digest() and got.meta.control_last_outsized is None
+    joiner.adopt(got.theta, got.momentum, got.meta.compression_rank, got.compression_shared, got.meta.outer_step,
+                 got.meta.digest, point.round, point.keep_round, got.control, got.meta.control_last_outsized)
+    assert joiner.start_digest() == donor.start_digest()
+
+
+def test_a_state_whose_pending_restart_does_not_match_its_digest_is_refused(tmp_path):
+    donor = make_state(tmp_path, **QUIET)
+    swarm = SimSwarm(donor, outsized=frozenset({1}))
+    swarm.advance(H + 2)
+    meta, tensors = donor.served()
+    assert meta["control_last_outsized"] == 1
+    joiner, t = joiner_for(tmp_path, donor, swarm, 1, **QUIET)
+    meta = dict(meta, donor_state="TRAINING", donor_inner_step=1, donor_round=2)
+    assert t.validate(meta, tensors).meta.control_last_outsized == 1
+    with pytest.raises(ValueError, match="control variate does not match"):
+        t.validate(dict(meta, control_last_outsized=None), tensors)
+    with pytest.raises(ValueError, match="control_last_outsized"):
+        t.validate(dict(meta, control_last_outsized="1"), tensors)
 
 
 # ----------------------------------------------------------------------------- the join rule

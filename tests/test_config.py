@@ -109,6 +109,25 @@ def test_swarm_settings_cover_what_replicas_must_share_and_nothing_per_node():
     assert load_config(parse(["--inner-steps", "30"]), {}).schedule_steps == 10_000
 
 
+def test_scaffold_quiet_restart_flags_are_swarm_settings_and_need_a_norm_bound():
+    base = ["--outer-algorithm", "scaffold"]
+    quiet = load_config(parse([*base, "--scaffold-reset-quiet", "3", "--scaffold-quiet-factor", "0.5",
+                               "--scaffold-quiet-rounds", "5", "--scaffold-outsized", "4"]), {})
+    assert "scaffold_reset_quiet=3(factor=0.5,rounds=5,outsized=4.0)" in quiet.swarm_settings()
+    digests = {load_config(parse([*base, *flags]), {}).settings_digest() for flags in (
+        [], ["--scaffold-reset-quiet", "3"], ["--scaffold-reset-quiet", "3", "--scaffold-quiet-factor", "0.5"],
+        ["--scaffold-reset-quiet", "3", "--scaffold-quiet-rounds", "2"],
+        ["--scaffold-reset-quiet", "3", "--scaffold-outsized", "3"])}
+    assert len(digests) == 5  # each changes when c restarts: replicas must agree on it
+    for flags, message in ((["--scaffold-reset-quiet", "3"], "needs outer_algorithm=scaffold"),
+                           ([*base, "--scaffold-reset-quiet", "3", "--norm-bound", "0"], "and a norm bound"),
+                           ([*base, "--scaffold-reset-quiet", "3", "--compression", "int8"], "and a norm bound"),
+                           ([*base, "--scaffold-quiet-factor", "1"], "--scaffold-quiet-factor"),
+                           ([*base, "--scaffold-outsized", "1"], "--scaffold-outsized")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(parse(flags), {})
+
+
 def test_inner_optimizer_flags():
     sgd = load_config(parse(["--inner-optimizer", "sgd", "--inner-momentum", "0.5", "--beta1", "0.99",
                              "--beta2", "0.9"]), {})  # betas are adamw's: not checked for sgd

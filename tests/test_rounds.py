@@ -600,3 +600,21 @@ def test_early_matchmaking_waits_until_the_previous_rounds_update_is_applied(sta
     assert state.outer_step == state.round - 1 and rounds.early_wanted()
     state.round += 1  # round 2 computes while round 1's update is not merged yet
     assert not rounds.early_wanted()
+
+
+@pytest.mark.parametrize("scale, restarts", [(0.4, True), (0.6, False)])
+def test_an_outsized_contribution_restarts_scaffolds_c_the_quiet_rounds_later(tmp_path, scale, restarts):
+    """--scaffold-reset-quiet 1 (outsized: under 1/2 of the norm bound's scale): round 1's group scaled a's
+    contribution by ``scale``; the update joiners replay carries the flag, and c restarts after outer step 2."""
+    state = computed_round(tmp_path, outer_algorithm="scaffold", compression="sparse", scaffold_reset_quiet=1)
+    applied = []
+    state.on_applied = applied.append
+    averaged = [torch.full_like(p, 1e-3) for p in state.outer.global_params]
+    p = pending(state, None, averaged=averaged)
+    p.future.result().scales = {"a": scale}
+    done = rounds_for(state, FakeProgress(results={"a": params_digest(averaged), "b": "other"})).finish(p)
+    assert done.outcome == RoundOutcome.APPLIED and applied[-1].outsized == restarts
+    assert state.control.last_outsized == (1 if restarts else None)
+    assert any(float(c.abs().sum()) > 0 for c in state.control.c)
+    state.apply_outer(averaged, 2)
+    assert any(float(c.abs().sum()) > 0 for c in state.control.c) != restarts

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dilocox.diloco import InnerConfig, InnerLoop
-from dilocox.scaffold import ControlVariates, apply_correction, apply_correction_step
+from dilocox.diloco import InnerConfig, InnerLoop, params_digest
+from dilocox.scaffold import ControlVariates, QuietRestart, Restart, apply_correction, apply_correction_step
 
 M, D, K = 4, 5, 10  # clients, dimensions, local steps
 
@@ -185,12 +185,81 @@ def test_reset_every_restarts_c_and_c_i_at_its_multiples_only():
     for step in range(1, 11):
         cv.client_update([torch.ones(3), torch.ones(2, 2)], 4, 0.4)
         cv.derive_c_from_aggregate([torch.ones(3), torch.ones(2, 2)], 0.4, 1, 1)
-        assert cv.outer_step_done(step) == (step % 5 == 0)
+        assert (cv.outer_step_done(step) == Restart.PERIODIC) == (step % 5 == 0)
         held = sum(float(t.abs().sum()) for t in cv.c + cv.c_i)
         assert (held == 0) == (step % 5 == 0)
-    assert not ControlVariates(params).outer_step_done(10)  # 0: never
+    assert ControlVariates(params).outer_step_done(10) == Restart.NONE  # 0: never
     with pytest.raises(ValueError, match="reset_every must be >= 0"):
         ControlVariates(params, reset_every=-1)
+
+
+def _held(cv: ControlVariates) -> float:
+    return sum(float(t.abs().sum()) for t in cv.c + cv.c_i)
+
+
+def test_the_quiet_restart_follows_the_last_outsized_round_only():
+    """QuietRestart: a contribution scaled below 1 / outsized marks its round; c and c_i restart (or shrink) from Q
+    rounds after the last marked round, for ``rounds`` rounds; ordinary clipping never triggers it."""
+    params = [torch.zeros(3), torch.zeros(2, 2)]
+
+    def rounds(quiet, scales_by_round, total=12, reset_every=0):
+        cv, acted = ControlVariates(params, reset_every, quiet), []
+        for t in range(1, total + 1):
+            cv.client_update([torch.ones(3), torch.ones(2, 2)], 4, 0.4)
+            cv.derive_c_from_aggregate([torch.ones(3), torch.ones(2, 2)], 0.4, 1, 1)
+            before = _held(cv)
+            done = cv.outer_step_done(t, cv.quiet.is_outsized(scales_by_round.get(t, {})))
+            if done == Restart.QUIET:
+                assert _held(cv) == pytest.approx(quiet.factor * before)  # c and c_i together: 0 or shrunk
+                acted.append(t)
+            else:
+                assert _held(cv) == (0.0 if done == Restart.PERIODIC else before)
+        return acted
+
+    outsized, clipped = {"m": 0.9 / 2.0}, {"h": 1.1 / 2.0}  # a boosted update; an honest outlier (outsized 2)
+    attack = {t: outsized for t in (2, 3, 4)} | {6: clipped}
+    assert rounds(QuietRestart(3), attack) == [7]
+    assert rounds(QuietRestart(3, 0.5, 3), attack) == [7, 8, 9]
+    assert rounds(QuietRestart(3), {t: clipped for t in range(1, 12)}) == []
+    assert rounds(QuietRestart(), attack) == []  # off
+    assert rounds(QuietRestart(2), {2: outsized, 5: outsized}) == [4, 7]  # each episode once
+    assert rounds(QuietRestart(3, outsized=4.0), attack) == []  # not outsized at 4 x the bound
+    assert rounds(QuietRestart(3), attack, reset_every=7) == [7]  # both at 7: the quiet one reported
+    assert not QuietRestart().is_outsized([0.01]) and QuietRestart(1).is_outsized([0.01])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(after=-1), "after must be >= 0"), (dict(after=1, factor=1.0), "factor must lie in"),
+    (dict(after=1, factor=-0.1), "factor must lie in"), (dict(after=1, rounds=0), "rounds must be >= 1"),
+    (dict(after=1, outsized=1.0), "outsized must be"), (dict(after=1, outsized=float("inf")), "outsized must be"),
+])
+def test_a_bad_quiet_restart_is_refused_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        QuietRestart(**kwargs)
+
+
+def test_a_pending_quiet_restart_is_shared_state_digested_checkpointed_and_validated():
+    """Two members with the same c but different pending restarts would part at the restart: the digest tells
+    them apart now. With none pending the digest is c's alone, as before the quiet restart existed."""
+    params = [torch.zeros(3), torch.zeros(2, 2)]
+    cv = ControlVariates(params, quiet=QuietRestart(3))
+    cv.derive_c_from_aggregate([torch.ones(3), torch.ones(2, 2)], 0.4, 1, 1)
+    plain = cv.digest()
+    assert plain == params_digest(cv.c)
+    cv.outer_step_done(5, outsized=True)
+    assert cv.last_outsized == 5 and cv.digest() != plain
+    restored = ControlVariates(params, quiet=QuietRestart(3))
+    restored.load_state_dict(cv.state_dict())
+    assert restored.last_outsized == 5 and restored.digest() == cv.digest()
+    restored.load_state_dict({"c": cv.c, "c_i": cv.c_i})  # a checkpoint from before: none pending
+    assert restored.last_outsized is None and restored.digest() == plain
+    for bad in (-1, "5", True, 2.5):
+        with pytest.raises(ValueError, match="last_outsized"):
+            restored.load_state_dict(dict(cv.state_dict(), last_outsized=bad))
+    assert ControlVariates(params).outer_step_done(5, outsized=True) == Restart.NONE  # off: nothing pending
+    for t in (6, 7, 8):
+        cv.outer_step_done(t)
+    assert cv.last_outsized is None and _held(cv) == 0.0  # restarted after step 8, then nothing left to share
 
 
 def test_scale_shrinks_c_and_every_c_i_alike_and_reset_zeroes_them():

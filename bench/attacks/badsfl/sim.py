@@ -19,7 +19,11 @@ Per round t (1-based) of one setting:
      ``c_mode="derived"``: ``derive_c_from_aggregate(aggregate, lr_sum, |S|, N)``, the daemon's choice (no dc
      channel). ``c_decay`` (a defense we add): c <- (1 - c_decay) c after each update. ``c_reset`` R (a defense
      we add, the daemon's --scaffold-reset-every): c and every client's c_i restart at zero after rounds R, 2R, ...
-     (``ControlVariates.outer_step_done``; why: dilocox/scaffold.py). ``c_unclipped`` (a defense we add): c is
+     (``ControlVariates.outer_step_done``; why: dilocox/scaffold.py). ``c_reset_quiet`` Q with ``c_quiet_factor``,
+     ``c_quiet_rounds`` and ``c_outsized`` (the daemon's --scaffold-reset-quiet and its companions): c and every
+     c_i restart, or shrink, Q rounds after the last round with an outsized contribution (the same
+     ``dilocox.scaffold.QuietRestart``; the rule's scales decide; FLAME and the other baselines report none).
+     ``c_unclipped`` (a defense we add): c is
      derived from the mean of the contributions the rule did not clip (|S'| of them) and a clipped honest
      client keeps its c_i, so a clipped update enters neither. ``norm_drop`` (a defense we add): a contribution
      over the norm bound is dropped instead of clipped (the rule runs again over the rest), so it enters neither
@@ -71,7 +75,7 @@ from bench.attacks.badsfl.defenses import Defense
 from dilocox import robust, vision
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
 from dilocox.partition import partition
-from dilocox.scaffold import ControlVariates
+from dilocox.scaffold import ControlVariates, QuietRestart, Restart
 from dilocox.workload import ImageWorkload
 
 OUTERS = {"sgd1": dict(outer_lr=1.0, outer_momentum=0.0, nesterov=False),   # FedAvg / SCAFFOLD with eta_g = 1
@@ -260,8 +264,9 @@ class Federation:
         self.shards = [vision.ImageShard(data.train_x, data.train_y, p, cfg.batch_size, cfg.seed, k)
                        for k, p in enumerate(data.parts)]
         self.scaffold = setting.algorithm == "scaffold"
-        self.server = ControlVariates(self.outer.global_params, setting.c_reset) if self.scaffold else None
-        self.controls = [ControlVariates(self.outer.global_params, setting.c_reset)
+        quiet = QuietRestart(setting.c_reset_quiet, setting.c_quiet_factor, setting.c_quiet_rounds, setting.c_outsized)
+        self.server = ControlVariates(self.outer.global_params, setting.c_reset, quiet) if self.scaffold else None
+        self.controls = [ControlVariates(self.outer.global_params, setting.c_reset, quiet)
                          for _ in range(parties)] if self.scaffold else []
         self.attacker = None
         if setting.attack != "none":
@@ -269,7 +274,6 @@ class Federation:
                                        1000 + data.attacker)
             self.attacker = ATTACKERS[setting.attack](stream, cfg.knobs, data.missing, data.num_classes, cfg.seed)
         self.global_update: Optional[list[torch.Tensor]] = None
-        self.last_outsized: Optional[int] = None  # the last round with a contribution over c_outsized x the bound
         self.defense = Defense(setting.defense, cfg.seed) if setting.defense != "none" else None
         self.eval_model = vision.build_image_model(cfg.model, data.num_classes, cfg.seed)
         self.lr_sum_per_round = [sum(inner_cfg.lr_at((t - 1) * cfg.inner_steps + i) for i in range(cfg.inner_steps))
@@ -339,12 +343,11 @@ class Federation:
                 self.server.derive_c_from_aggregate(unflatten(agg, like), lr_sum, len(admitted), cfg.clients)
             if s.c_decay:
                 self.server.c = [(1.0 - s.c_decay) * c for c in self.server.c]
-            for control in [self.server, *self.controls]:  # every party at once, as members at one outer step do
-                control.outer_step_done(t)
-            reset = self.quiet_reset(t, report)
-            if reset:
-                for control in [self.server, *self.controls]:
-                    control.scale(s.c_quiet_factor)
+            # every party at once, as members at one outer step do; the scales are the rule's (FLAME's: none)
+            scales = report["clipped"] if isinstance(report["clipped"], dict) else {}
+            outsized = self.server.quiet.is_outsized(scales)
+            done = [control.outer_step_done(t, outsized) for control in [self.server, *self.controls]]
+            reset = done[0] == Restart.QUIET
         else:
             reset = False
         akey = f"c{self.data.attacker:02d}"
@@ -359,19 +362,6 @@ class Federation:
                     c_norm=round(float(flatten(self.server.c).norm()), 4) if self.scaffold else 0.0, c_reset=reset,
                     agg_vs_mean_cos=round(float(agg64 @ mean) / denom, 4) if denom > 0 else None,
                     agg_vs_mean_norm=round(float(agg64.norm() / mean.norm()), 4) if float(mean.norm()) > 0 else None)
-
-    def quiet_reset(self, t: int, report: dict) -> bool:
-        """``c_reset_quiet`` Q: whether c and every c_i restart (or, with ``c_quiet_factor``, shrink) after round
-        t, the Q-th to the (Q + ``c_quiet_rounds`` - 1)-th after the last outsized round. A round is outsized when
-        the rule scaled a contribution by less than 1 / ``c_outsized`` (its norm over that many times the bound: the
-        attacker's boosted update is 8-50 times the lower median here), so the restart follows an attack once it
-        has stopped. An honest outlier can be outsized too: at 2 x the bound seed 1 restarted twice without an
-        attack. Every member reads the same scales from the same contributions, so all restart at one outer step."""
-        scales = report["clipped"] if isinstance(report["clipped"], dict) else {}
-        if any(scale < 1.0 / self.setting.c_outsized for scale in scales.values()):
-            self.last_outsized = t
-        q, n = self.setting.c_reset_quiet, self.setting.c_quiet_rounds
-        return bool(q) and self.last_outsized is not None and q <= t - self.last_outsized < q + n
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float, float]:

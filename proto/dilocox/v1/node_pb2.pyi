@@ -35,7 +35,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("outer_step", "group_size", "payload_bytes", "duration_s", "compression_ratio", "rank", "compute_s", "outcome", "bytes_sent", "bytes_received", "wait_s", "bits", "compression_error", "allreduce_s", "dropped", "download_deadline_s", "link_mbps", "matchmaking_s", "group_wait_s", "overlap_steps", "exchange_s", "encode_s", "group_s", "gather_s", "aggregate_s", "apply_s")
+    __slots__ = ("outer_step", "group_size", "payload_bytes", "duration_s", "compression_ratio", "rank", "compute_s", "outcome", "bytes_sent", "bytes_received", "wait_s", "bits", "compression_error", "allreduce_s", "dropped", "download_deadline_s", "link_mbps", "matchmaking_s", "group_wait_s", "overlap_steps", "exchange_s", "encode_s", "group_s", "gather_s", "aggregate_s", "apply_s", "outsized")
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class RoundInfo(_message.Message):
     GATHER_S_FIELD_NUMBER: _ClassVar[int]
     AGGREGATE_S_FIELD_NUMBER: _ClassVar[int]
     APPLY_S_FIELD_NUMBER: _ClassVar[int]
+    OUTSIZED_FIELD_NUMBER: _ClassVar[int]
     outer_step: int
     group_size: int
     payload_bytes: int
@@ -88,7 +89,8 @@ class RoundInfo(_message.Message):
     gather_s: float
     aggregate_s: float
     apply_s: float
-    def __init__(self, outer_step: _Optional[int] = ..., group_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., compression_ratio: _Optional[float] = ..., rank: _Optional[int] = ..., compute_s: _Optional[float] = ..., outcome: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., wait_s: _Optional[float] = ..., bits: _Optional[int] = ..., compression_error: _Optional[float] = ..., allreduce_s: _Optional[float] = ..., dropped: _Optional[_Iterable[str]] = ..., download_deadline_s: _Optional[float] = ..., link_mbps: _Optional[float] = ..., matchmaking_s: _Optional[float] = ..., group_wait_s: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., exchange_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., group_s: _Optional[float] = ..., gather_s: _Optional[float] = ..., aggregate_s: _Optional[float] = ..., apply_s: _Optional[float] = ...) -> None: ...
+    outsized: bool
+    def __init__(self, outer_step: _Optional[int] = ..., group_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., compression_ratio: _Optional[float] = ..., rank: _Optional[int] = ..., compute_s: _Optional[float] = ..., outcome: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., wait_s: _Optional[float] = ..., bits: _Optional[int] = ..., compression_error: _Optional[float] = ..., allreduce_s: _Optional[float] = ..., dropped: _Optional[_Iterable[str]] = ..., download_deadline_s: _Optional[float] = ..., link_mbps: _Optional[float] = ..., matchmaking_s: _Optional[float] = ..., group_wait_s: _Optional[float] = ..., overlap_steps: _Optional[int] = ..., exchange_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., group_s: _Optional[float] = ..., gather_s: _Optional[float] = ..., aggregate_s: _Optional[float] = ..., apply_s: _Optional[float] = ..., outsized: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("peer_id", "run_id", "version", "state", "listen_maddrs", "stage_index", "num_stages", "outer_step", "inner_step", "inner_steps", "loss", "tokens_per_second", "tokens_total", "bytes_sent", "bytes_received", "last_round", "global_params_digest", "swarm_size", "uptime_s", "val_loss", "resyncs", "last_error", "initial_loss", "compute_utilization", "overlap", "compression", "replica_id", "replica_members", "memory", "contributions_dropped", "attack", "admission", "val_accuracy", "outer_algorithm", "sync_reason", "sync_attempts", "client_mode", "reachability", "deadlines", "swarm_settings")

@@ -1,0 +1,63 @@
+"""SCAFFOLD's quiet restart on real peers (--scaffold-reset-quiet, dilocox/scaffold.py QuietRestart): a member
+boosts its pseudo-gradient 100x in rounds 2 and 3, then trains honestly. The norm bound scales it down (outsized),
+and Q rounds after the last outsized round every member restarts c at the same outer step, with no message."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.helpers import FAST, start
+
+pytestmark = [pytest.mark.integration, pytest.mark.swarm]
+
+RESTART = re.compile(r"outer step (\d+): SCAFFOLD's c and c_i restarted at zero \(quiet restart\)")
+
+
+def test_every_member_restarts_c_at_one_outer_step_after_a_boosting_attacker_stops(tmp_path):
+    args = FAST + ["--run-id", "quiet", "--min-replicas", "3", "--outer-algorithm", "scaffold",
+                   "--scaffold-reset-quiet", "2", "--max-outer-steps", "20"]
+    a = start(tmp_path, "a", args)
+    b = start(tmp_path, "b", args + ["--join", a.join_maddr])
+    attacker = start(tmp_path, "s", args + ["--join", a.join_maddr, "--attack", "bench.attacks.gradient:ScaleThenStop"])
+    nodes = [a, b, attacker]
+    try:
+        # the attacker's error feedback carries its boost on for some rounds after round 3: its contribution stays
+        # outsized until that decays, so the restart comes Q = 2 outer steps after the last outsized round
+        a.wait_for(lambda p: any(r["outsized"] for r in p.metrics()), 120, "an outsized round")
+        a.wait_for(lambda p: sum(not r["outsized"] for r in p.metrics() if r["outer_step"] > 3) >= 3, 180,
+                   "three rounds after the attack's boost has decayed")
+        last = max(r["outer_step"] for r in a.metrics() if r["outsized"])
+        for n in nodes:
+            n.wait_for(lambda p: any(r["outer_step"] >= last + 2 for r in p.metrics()), 120, "the restart")
+        assert 2 <= last < 18
+        logs = {n.name: n.err_path.read_text() for n in nodes}
+        restarts = {name: [int(s) for s in RESTART.findall(log)] for name, log in logs.items()}
+        assert all(steps[-1:] == [last + 2] for steps in restarts.values()), (last, restarts)
+        rows = {}
+        for n in nodes:
+            for r in n.metrics():
+                if r["outcome"] in ("applied", "resynced"):
+                    rows.setdefault(r["outer_step"], set()).add((r["digest"], r["control_digest"], r["outsized"]))
+        assert all(len(d) == 1 for d in rows.values()), rows  # one theta, one c and one verdict per outer step
+        assert rows[2] == {next(iter(rows[2]))[:2] + (True,)}  # the boosted round 2 was outsized everywhere
+    finally:
+        for n in nodes:
+            n.terminate()
+
+
+@pytest.mark.parametrize("rice", [True, False])
+def test_the_window_attack_boosts_its_payload_100x_in_rounds_2_and_3_only(rice):
+    import torch
+
+    from bench.attacks.gradient import ScaleThenStop
+    from dilocox.sparse import SparseCodec, SparseConfig, decode
+
+    shapes, cfg = [(30, 20), (77,)], SparseConfig(chunk=195, topk=12, bits=2, rice=rice)
+    payload = SparseCodec(shapes, cfg).encode([torch.randn(s) for s in shapes])
+    attack = ScaleThenStop(None)
+    honest = torch.cat([t.reshape(-1) for t in decode(payload, shapes, cfg)])
+    for r in (1, 2, 3, 4):
+        sent = torch.cat([t.reshape(-1) for t in decode(attack.contribution(payload, r), shapes, cfg)])
+        assert torch.allclose(sent, honest * (100.0 if r in (2, 3) else 1.0), rtol=1e-6), r
