@@ -58,6 +58,12 @@ OUTER_DEFAULTS = {
 SCAFFOLD_DEFAULTS = dict(aggregation="mean")
 # sparse SCAFFOLD keeps the constant outer lr it was measured with; dense SCAFFOLD keeps DiLoCo's 0.7 (Nesterov 0.9)
 SCAFFOLD_SPARSE_OUTER = dict(outer_lr=3.5, outer_lr_final=3.5)
+# SCAFFOLD with a norm bound shrinks c after an attack (dilocox.scaffold.QuietRestart's defaults: halved in 5 rounds,
+# 3 after the last contribution over 4 x the bound): under BadSFL it lost 5.6 / 0.3 / 4.7 points on 3 seeds against
+# 17.6 / 4.7 / 15.6 without it, and it never fired without an attack (make bench-badsfl-paper-quiet; security.md)
+# (written here, not imported, so that --help imports no torch; tests/test_config.py checks they match)
+SCAFFOLD_QUIET_AFTER = 3
+SCAFFOLD_QUIET = dict(factor=0.5, rounds=5, outsized=4.0)
 
 
 class NodeConfig(BaseModel):
@@ -249,17 +255,20 @@ class NodeConfig(BaseModel):
         0, ge=0, description="with --outer-algorithm scaffold: every member restarts c and its c_i at zero after "
                              "every outer step that is a multiple of this (0: never). A robust rule that clips an "
                              "update leaves its effect in c for good; a restart takes it out (docs/security.md)")
-    scaffold_reset_quiet: int = Field(
-        0, ge=0, description="with --outer-algorithm scaffold: every member restarts c and its c_i (or shrinks them by "
-                             "--scaffold-quiet-factor) this many outer steps after the last round with an outsized "
-                             "contribution, i.e. once an attack has stopped (0: never; docs/security.md)")
+    scaffold_reset_quiet: Optional[int] = Field(
+        None, ge=0, description="with --outer-algorithm scaffold: every member shrinks c and its c_i by "
+                                "--scaffold-quiet-factor (0: restarts them at zero) this many outer steps after the "
+                                "last round with an outsized contribution, i.e. once an attack has stopped (0: never; "
+                                f"default: {SCAFFOLD_QUIET_AFTER} with a norm bound, else 0; docs/security.md)")
     scaffold_quiet_factor: float = Field(
-        0.0, ge=0, lt=1, description="--scaffold-reset-quiet: multiply c and c_i by this (0: restart at zero)")
+        SCAFFOLD_QUIET["factor"], ge=0, lt=1,
+        description="--scaffold-reset-quiet: multiply c and c_i by this (0: restart at zero)")
     scaffold_quiet_rounds: int = Field(
-        1, ge=1, description="--scaffold-reset-quiet: in this many outer steps in a row")
+        SCAFFOLD_QUIET["rounds"], ge=1, description="--scaffold-reset-quiet: in this many outer steps in a row")
     scaffold_outsized: float = Field(
-        2.0, gt=1, description="--scaffold-reset-quiet: a contribution the norm bound scaled by less than 1 / this "
-                               "(its norm over this many times the bound) makes its round outsized")
+        SCAFFOLD_QUIET["outsized"], gt=1,
+        description="--scaffold-reset-quiet: a contribution the norm bound scaled by less than 1 / this (its norm "
+                    "over this many times the bound) makes its round outsized")
     overlap: Literal["none", "delayed", "adaptive"] = Field(
         "none", description="none: synchronous DiLoCo (a sparse round forms its group during its last inner steps); "
                             "delayed: DiLoCoX one-step delay, round t's update joins the local parameters at the "
@@ -360,6 +369,9 @@ class NodeConfig(BaseModel):
             for name, value in defaults.items():
                 if data.get(name) is None:
                     data = {**data, name: value}
+            if data.get("scaffold_reset_quiet") is None:  # on where it can act: SCAFFOLD with a norm bound
+                quiet = data.get("outer_algorithm") == "scaffold" and _nonzero(data.get("norm_bound"))
+                data = {**data, "scaffold_reset_quiet": SCAFFOLD_QUIET_AFTER if quiet else 0}
         return data
 
     @model_validator(mode="after")
@@ -409,6 +421,15 @@ class NodeConfig(BaseModel):
             raise ValueError(f"beta1^2 must be < beta2 (bounded AdamW update); "
                              f"got beta1={self.beta1}, beta2={self.beta2}")
         return self
+
+
+def _nonzero(value) -> bool:
+    """A norm bound given as a number or a flag's string is set (> 0); anything unreadable counts as unset (its
+    field's validation names it)."""
+    try:
+        return float(value) > 0
+    except (TypeError, ValueError):
+        return False
 
 
 def _is_list(name: str) -> bool:

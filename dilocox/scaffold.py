@@ -90,12 +90,14 @@ class QuietRestart:
     """When c and c_i restart (or shrink) after an attack (module docstring). ``after`` Q >= 0 rounds after the
     last outsized round (0: off); ``factor`` in [0, 1) multiplies c and c_i (0: the restart) in each of ``rounds``
     >= 1 rounds in a row; ``outsized`` > 1: a contribution the rule scaled by less than 1 / this is outsized.
+    The defaults are the BadSFL harness's ``default-quiet3-half5`` (docs/security.md): halving in 5 rounds dips
+    less than one restart, and at 4 x the bound no honest outlier set it off on 3 seeds (at 2 x, one did twice).
     Raises ValueError naming the field that is out of range."""
 
     after: int = 0
-    factor: float = 0.0
-    rounds: int = 1
-    outsized: float = 2.0
+    factor: float = 0.5
+    rounds: int = 5
+    outsized: float = 4.0
 
     def __post_init__(self):
         if int(self.after) < 0:

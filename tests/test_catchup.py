@@ -263,7 +263,8 @@ def test_replay_restarts_the_control_variate_where_the_swarm_does(tmp_path):
     assert params_digest(plain.control) != donor.control.digest()
 
 
-QUIET = dict(outer_algorithm="scaffold", compression="sparse", scaffold_reset_quiet=2)
+QUIET = dict(outer_algorithm="scaffold", compression="sparse", scaffold_reset_quiet=2, scaffold_quiet_factor=0.0,
+             scaffold_quiet_rounds=1)  # a restart at zero, 2 outer steps after the outsized round
 
 
 def test_replay_restarts_the_control_variate_after_an_outsized_round_as_the_swarm_does(tmp_path):
@@ -441,3 +442,22 @@ def test_a_joiner_that_saw_the_swarm_train_never_starts_from_the_seed(tmp_path, 
     t = StateTransfer(joiner.cfg, joiner, never, lambda: ("SYNCING", 0), lambda: False)
     point, got = t.sync(initial=True)
     assert point.kind == JoinKind.SEED and got is None
+
+
+def test_a_pending_quiet_restart_survives_a_checkpoint_file(tmp_path):
+    """A node that stops between an outsized round and its restart resumes with the restart still pending (else its
+    c would part from the swarm's at the restart)."""
+    from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
+
+    st = make_state(tmp_path, **QUIET)
+    st.apply_outer(aggregate(st, 1), 1, group_size=2, outsized=True)
+    assert st.control.last_outsized == 1
+    save_checkpoint(tmp_path / "ckpt", 1, st.checkpoint_state())
+    _, state = load_latest_checkpoint(tmp_path / "ckpt")
+    fresh = make_state(tmp_path, **QUIET)
+    fresh.restore(state)
+    assert fresh.control.last_outsized == 1 and fresh.start_digest() == st.start_digest()
+    for s in (fresh, st):
+        s.apply_outer(aggregate(st, 2), 2, group_size=2)
+        s.apply_outer(aggregate(st, 3), 3, group_size=2)
+    assert fresh.start_digest() == st.start_digest() and all(float(c.abs().sum()) == 0 for c in st.control.c)

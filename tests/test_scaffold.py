@@ -218,13 +218,15 @@ def test_the_quiet_restart_follows_the_last_outsized_round_only():
 
     outsized, clipped = {"m": 0.9 / 2.0}, {"h": 1.1 / 2.0}  # a boosted update; an honest outlier (outsized 2)
     attack = {t: outsized for t in (2, 3, 4)} | {6: clipped}
-    assert rounds(QuietRestart(3), attack) == [7]
-    assert rounds(QuietRestart(3, 0.5, 3), attack) == [7, 8, 9]
-    assert rounds(QuietRestart(3), {t: clipped for t in range(1, 12)}) == []
-    assert rounds(QuietRestart(), attack) == []  # off
-    assert rounds(QuietRestart(2), {2: outsized, 5: outsized}) == [4, 7]  # each episode once
-    assert rounds(QuietRestart(3, outsized=4.0), attack) == []  # not outsized at 4 x the bound
-    assert rounds(QuietRestart(3), attack, reset_every=7) == [7]  # both at 7: the quiet one reported
+    restart = dict(factor=0.0, rounds=1, outsized=2.0)  # once, at zero
+    assert rounds(QuietRestart(3, **restart), attack) == [7]
+    assert rounds(QuietRestart(3, 0.5, 3, 2.0), attack) == [7, 8, 9]
+    assert rounds(QuietRestart(3, **restart), {t: clipped for t in range(1, 12)}) == []
+    assert rounds(QuietRestart(0, **restart), attack) == []  # off
+    assert rounds(QuietRestart(2, **restart), {2: outsized, 5: outsized}) == [4, 7]  # each episode once
+    assert rounds(QuietRestart(3), attack) == []  # the defaults: not outsized under 4 x the bound ...
+    assert rounds(QuietRestart(3), {2: {"m": 0.9 / 4.0}}) == [5, 6, 7, 8, 9]  # ... halved in 5 rounds over it
+    assert rounds(QuietRestart(3, **restart), attack, reset_every=7) == [7]  # both at 7: the quiet one reported
     assert not QuietRestart().is_outsized([0.01]) and QuietRestart(1).is_outsized([0.01])
 
 
@@ -242,13 +244,14 @@ def test_a_pending_quiet_restart_is_shared_state_digested_checkpointed_and_valid
     """Two members with the same c but different pending restarts would part at the restart: the digest tells
     them apart now. With none pending the digest is c's alone, as before the quiet restart existed."""
     params = [torch.zeros(3), torch.zeros(2, 2)]
-    cv = ControlVariates(params, quiet=QuietRestart(3))
+    quiet = QuietRestart(3, factor=0.0, rounds=1)
+    cv = ControlVariates(params, quiet=quiet)
     cv.derive_c_from_aggregate([torch.ones(3), torch.ones(2, 2)], 0.4, 1, 1)
     plain = cv.digest()
     assert plain == params_digest(cv.c)
     cv.outer_step_done(5, outsized=True)
     assert cv.last_outsized == 5 and cv.digest() != plain
-    restored = ControlVariates(params, quiet=QuietRestart(3))
+    restored = ControlVariates(params, quiet=quiet)
     restored.load_state_dict(cv.state_dict())
     assert restored.last_outsized == 5 and restored.digest() == cv.digest()
     restored.load_state_dict({"c": cv.c, "c_i": cv.c_i})  # a checkpoint from before: none pending
