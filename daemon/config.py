@@ -63,7 +63,7 @@ SCAFFOLD_SPARSE_OUTER = dict(outer_lr=3.5, outer_lr_final=3.5)
 # 17.6 / 4.7 / 15.6 without it, and it never fired without an attack (make bench-badsfl-paper-quiet; security.md)
 # (written here, not imported, so that --help imports no torch; tests/test_config.py checks they match)
 SCAFFOLD_QUIET_AFTER = 3
-SCAFFOLD_QUIET = dict(factor=0.5, rounds=5, outsized=4.0)
+SCAFFOLD_QUIET = dict(factor=0.5, rounds=5, outsized=4.0, every=10)
 
 
 class NodeConfig(BaseModel):
@@ -124,7 +124,8 @@ class NodeConfig(BaseModel):
             parts.append(f"scaffold_reset_every={self.scaffold_reset_every}")
         if self.outer_algorithm == "scaffold" and self.scaffold_reset_quiet:
             parts.append(f"scaffold_reset_quiet={self.scaffold_reset_quiet}(factor={self.scaffold_quiet_factor!r},"
-                         f"rounds={self.scaffold_quiet_rounds},outsized={self.scaffold_outsized!r})")
+                         f"rounds={self.scaffold_quiet_rounds},outsized={self.scaffold_outsized!r},"
+                         f"every={self.scaffold_quiet_every})")
         if self.compression == "sparse":
             parts.append(f"codes=sparse(chunk={self.sparse_chunk},topk={self.sparse_topk},bits={self.sparse_bits},"
                          f"rice={self.sparse_rice})")
@@ -269,6 +270,11 @@ class NodeConfig(BaseModel):
         SCAFFOLD_QUIET["outsized"], gt=1,
         description="--scaffold-reset-quiet: a contribution the norm bound scaled by less than 1 / this (its norm "
                     "over this many times the bound) makes its round outsized")
+    scaffold_quiet_every: int = Field(
+        SCAFFOLD_QUIET["every"], ge=0,
+        description="--scaffold-reset-quiet: while outsized rounds keep coming, also restart c and c_i at zero after "
+                    "every outer step that is a multiple of this with an outsized round among its last this many "
+                    "(0: off)")
     overlap: Literal["none", "delayed", "adaptive"] = Field(
         "none", description="none: synchronous DiLoCo (a sparse round forms its group during its last inner steps); "
                             "delayed: DiLoCoX one-step delay, round t's update joins the local parameters at the "

@@ -118,7 +118,7 @@ class ReplicaState:
     def _quiet(self) -> QuietRestart:
         cfg = self.cfg
         return QuietRestart(cfg.scaffold_reset_quiet, cfg.scaffold_quiet_factor, cfg.scaffold_quiet_rounds,
-                            cfg.scaffold_outsized)
+                            cfg.scaffold_outsized, cfg.scaffold_quiet_every)
 
     # ------------------------------------------------------------------ reading
     def outsized(self, scales: Mapping[str, float]) -> bool:
@@ -242,9 +242,10 @@ class ReplicaState:
             if self.control is not None:  # --scaffold-reset-every, --scaffold-reset-quiet
                 restart = self.control.outer_step_done(index, outsized)
                 if restart != Restart.NONE:
+                    shrunk = restart == Restart.QUIET and self.control.quiet.factor
                     logger.info("outer step %d: SCAFFOLD's c and c_i %s (%s restart)", index,
-                                "restarted at zero" if restart == Restart.PERIODIC or not self.control.quiet.factor
-                                else f"scaled by {self.control.quiet.factor:g}", restart.value)
+                                f"scaled by {self.control.quiet.factor:g}" if shrunk else "restarted at zero",
+                                restart.value)
             self.outer_step, self.digest = index, params_digest(self.outer.global_params)
         self.snapshot()
         self.on_applied(AppliedUpdate(index, parent, self.digest, max(1, group_size),

@@ -264,7 +264,7 @@ def test_replay_restarts_the_control_variate_where_the_swarm_does(tmp_path):
 
 
 QUIET = dict(outer_algorithm="scaffold", compression="sparse", scaffold_reset_quiet=2, scaffold_quiet_factor=0.0,
-             scaffold_quiet_rounds=1)  # a restart at zero, 2 outer steps after the outsized round
+             scaffold_quiet_rounds=1, scaffold_quiet_every=0)  # one restart at zero, 2 steps after the outsized round
 
 
 def test_replay_restarts_the_control_variate_after_an_outsized_round_as_the_swarm_does(tmp_path):

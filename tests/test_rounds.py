@@ -607,7 +607,8 @@ def test_an_outsized_contribution_restarts_scaffolds_c_the_quiet_rounds_later(tm
     """--scaffold-reset-quiet 1 (outsized: under 1/2 of the norm bound's scale): round 1's group scaled a's
     contribution by ``scale``; the update joiners replay carries the flag, and c restarts after outer step 2."""
     state = computed_round(tmp_path, outer_algorithm="scaffold", compression="sparse", scaffold_reset_quiet=1,
-                           scaffold_quiet_factor=0.0, scaffold_quiet_rounds=1, scaffold_outsized=2.0)
+                           scaffold_quiet_factor=0.0, scaffold_quiet_rounds=1, scaffold_outsized=2.0,
+                           scaffold_quiet_every=0)
     applied = []
     state.on_applied = applied.append
     averaged = [torch.full_like(p, 1e-3) for p in state.outer.global_params]

@@ -212,28 +212,39 @@ def test_the_quiet_restart_follows_the_last_outsized_round_only():
             if done == Restart.QUIET:
                 assert _held(cv) == pytest.approx(quiet.factor * before)  # c and c_i together: 0 or shrunk
                 acted.append(t)
+            elif done == Restart.DURING_ATTACK:
+                assert _held(cv) == 0.0
+                acted.append(-t)
             else:
                 assert _held(cv) == (0.0 if done == Restart.PERIODIC else before)
         return acted
 
     outsized, clipped = {"m": 0.9 / 2.0}, {"h": 1.1 / 2.0}  # a boosted update; an honest outlier (outsized 2)
     attack = {t: outsized for t in (2, 3, 4)} | {6: clipped}
-    restart = dict(factor=0.0, rounds=1, outsized=2.0)  # once, at zero
+    restart = dict(factor=0.0, rounds=1, outsized=2.0, every=0)  # once, at zero
     assert rounds(QuietRestart(3, **restart), attack) == [7]
-    assert rounds(QuietRestart(3, 0.5, 3, 2.0), attack) == [7, 8, 9]
+    assert rounds(QuietRestart(3, 0.5, 3, 2.0, every=0), attack) == [7, 8, 9]
     assert rounds(QuietRestart(3, **restart), {t: clipped for t in range(1, 12)}) == []
     assert rounds(QuietRestart(0, **restart), attack) == []  # off
     assert rounds(QuietRestart(2, **restart), {2: outsized, 5: outsized}) == [4, 7]  # each episode once
     assert rounds(QuietRestart(3), attack) == []  # the defaults: not outsized under 4 x the bound ...
-    assert rounds(QuietRestart(3), {2: {"m": 0.9 / 4.0}}) == [5, 6, 7, 8, 9]  # ... halved in 5 rounds over it
-    assert rounds(QuietRestart(3, **restart), attack, reset_every=7) == [7]  # both at 7: the quiet one reported
+    assert rounds(QuietRestart(3), {2: {"m": 0.9 / 4.0}}) == [5, 6, 7, 8, 9, -10]  # ... halved in 5 rounds over it
+    assert rounds(QuietRestart(3, **restart), attack, reset_every=7) == []  # both at 7: the periodic one reported
     assert not QuietRestart().is_outsized([0.01]) and QuietRestart(1).is_outsized([0.01])
+    # every 10 (negative: a restart at zero while outsized rounds come, after each multiple of 10 with one among its
+    # last 10), then the halvings once they stop
+    long_attack = {t: outsized for t in range(8, 34, 2)}  # rounds 8, 10, ..., 32
+    assert rounds(QuietRestart(3, 0.5, 5, 2.0, every=10), long_attack, total=45) == [-10, -20, -30, 35, 36, 37, 38,
+                                                                                     39, -40]
+    assert rounds(QuietRestart(3, 0.5, 5, 2.0, every=10), {}, total=45) == []  # no attack: never
+    assert rounds(QuietRestart(3, 0.5, 5, 2.0, every=10), {12: outsized}, total=45) == [15, 16, 17, 18, 19, -20]
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(after=-1), "after must be >= 0"), (dict(after=1, factor=1.0), "factor must lie in"),
     (dict(after=1, factor=-0.1), "factor must lie in"), (dict(after=1, rounds=0), "rounds must be >= 1"),
     (dict(after=1, outsized=1.0), "outsized must be"), (dict(after=1, outsized=float("inf")), "outsized must be"),
+    (dict(after=1, every=-1), "every must be >= 0"),
 ])
 def test_a_bad_quiet_restart_is_refused_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -244,7 +255,7 @@ def test_a_pending_quiet_restart_is_shared_state_digested_checkpointed_and_valid
     """Two members with the same c but different pending restarts would part at the restart: the digest tells
     them apart now. With none pending the digest is c's alone, as before the quiet restart existed."""
     params = [torch.zeros(3), torch.zeros(2, 2)]
-    quiet = QuietRestart(3, factor=0.0, rounds=1)
+    quiet = QuietRestart(3, factor=0.0, rounds=1, every=0)
     cv = ControlVariates(params, quiet=quiet)
     cv.derive_c_from_aggregate([torch.ones(3), torch.ones(2, 2)], 0.4, 1, 1)
     plain = cv.digest()

@@ -1,7 +1,8 @@
 """SCAFFOLD's quiet restart on real peers, as the defaults set it (--scaffold-reset-quiet 3, halving c and c_i in 5
-rounds; dilocox/scaffold.py QuietRestart): a member sends a 100x contribution in rounds 2 and 3, then trains honestly.
-The norm bound scales it down (outsized), and from 3 rounds after the last outsized round every member halves c at
-the same 5 outer steps, with no message between them."""
+rounds, restarting them at multiples of 10 while outsized rounds come; dilocox/scaffold.py QuietRestart): a member
+sends a 100x contribution in rounds 2 and 3, then trains honestly. The norm bound scales it down (outsized); from 3
+rounds after the last outsized round every member halves c at the same outer steps, and restarts it at outer step
+10 (an outsized round among its last 10), with no message between them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from tests.helpers import FAST, start
 
 pytestmark = [pytest.mark.integration, pytest.mark.swarm]
 
-RESTART = re.compile(r"outer step (\d+): SCAFFOLD's c and c_i scaled by 0.5 \(quiet restart\)")
+SHRINK = re.compile(r"outer step (\d+): SCAFFOLD's c and c_i scaled by 0.5 \(quiet restart\)")
+RESTART = re.compile(r"outer step (\d+): SCAFFOLD's c and c_i restarted at zero \(during-attack restart\)")
 
 
 def test_every_member_shrinks_c_at_the_same_outer_steps_after_a_boosting_attacker_stops(tmp_path):
@@ -30,8 +32,9 @@ def test_every_member_shrinks_c_at_the_same_outer_steps_after_a_boosting_attacke
         assert "scaled by" in logs["a"] and "to the group's norm bound" in logs["a"]
         last = max(r["outer_step"] for r in a.metrics() if r["outsized"])
         assert last == 3, [(r["outer_step"], r["outsized"]) for r in a.metrics()]  # the window's last round
-        restarts = {name: [int(s) for s in RESTART.findall(log)] for name, log in logs.items()}
-        assert all(steps == [6, 7, 8, 9, 10] for steps in restarts.values()), restarts
+        acted = {name: ([int(s) for s in SHRINK.findall(log)], [int(s) for s in RESTART.findall(log)])
+                 for name, log in logs.items()}
+        assert all(steps == ([6, 7, 8, 9], [10]) for steps in acted.values()), acted
         rows = {}
         for n in nodes:
             for r in n.metrics():

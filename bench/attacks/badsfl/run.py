@@ -69,6 +69,15 @@ SETTINGS = [
             c_quiet_rounds=5, c_outsized=4.0, **DEFAULT_DEFENSE),
     Setting("scaffold/default-quiet3-half5", c_reset_quiet=3, c_quiet_factor=0.5, c_quiet_rounds=5, c_outsized=4.0,
             **DEFAULT_DEFENSE),
+    # half5 (the daemon's default) that also restarts c at zero every 10 rounds while outsized rounds come, so a
+    # long attack cannot build c up for 30 rounds (reset10 lost 1.1-3.9 points under attack, half5 0.3-5.6)
+    Setting("scaffold+badsfl/default-quiet3-half5-every10", attack="badsfl", c_reset_quiet=3, c_quiet_factor=0.5,
+            c_quiet_rounds=5, c_outsized=4.0, c_quiet_every=10, **DEFAULT_DEFENSE),
+    Setting("scaffold/default-quiet3-half5-every10", c_reset_quiet=3, c_quiet_factor=0.5, c_quiet_rounds=5,
+            c_outsized=4.0, c_quiet_every=10, **DEFAULT_DEFENSE),
+    # ... every 20: fewer rounds during the attack without a c to offset the boosted update, a longer build-up
+    Setting("scaffold+badsfl/default-quiet3-half5-every20", attack="badsfl", c_reset_quiet=3, c_quiet_factor=0.5,
+            c_quiet_rounds=5, c_outsized=4.0, c_quiet_every=20, **DEFAULT_DEFENSE),
     # ... or by 0.8 in each of 15 rounds (to 3.5%): half5 still dropped PTA to 30-36% a few rounds after it
     Setting("scaffold+badsfl/default-quiet3-slow15", attack="badsfl", c_reset_quiet=3, c_quiet_factor=0.8,
             c_quiet_rounds=15, c_outsized=4.0, **DEFAULT_DEFENSE),

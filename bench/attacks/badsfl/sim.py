@@ -154,6 +154,7 @@ class Setting:
     c_quiet_factor: float = 0.0     # ... or are scaled by this factor (0: the restart) ...
     c_quiet_rounds: int = 1         # ... in this many rounds in a row
     c_outsized: float = 2.0         # c_reset_quiet: a contribution over this many times the norm bound is outsized
+    c_quiet_every: int = 0          # c_reset_quiet: also restart at multiples of this while outsized rounds come
     defense: str = "none"           # a published baseline instead of ``rule`` (defenses.py: flame, dp-prune, sparsefed)
 
 
@@ -264,7 +265,8 @@ class Federation:
         self.shards = [vision.ImageShard(data.train_x, data.train_y, p, cfg.batch_size, cfg.seed, k)
                        for k, p in enumerate(data.parts)]
         self.scaffold = setting.algorithm == "scaffold"
-        quiet = QuietRestart(setting.c_reset_quiet, setting.c_quiet_factor, setting.c_quiet_rounds, setting.c_outsized)
+        quiet = QuietRestart(setting.c_reset_quiet, setting.c_quiet_factor, setting.c_quiet_rounds, setting.c_outsized,
+                             setting.c_quiet_every)
         self.server = ControlVariates(self.outer.global_params, setting.c_reset, quiet) if self.scaffold else None
         self.controls = [ControlVariates(self.outer.global_params, setting.c_reset, quiet)
                          for _ in range(parties)] if self.scaffold else []
@@ -347,7 +349,7 @@ class Federation:
             scales = report["clipped"] if isinstance(report["clipped"], dict) else {}
             outsized = self.server.quiet.is_outsized(scales)
             done = [control.outer_step_done(t, outsized) for control in [self.server, *self.controls]]
-            reset = done[0] == Restart.QUIET
+            reset = done[0] in (Restart.QUIET, Restart.DURING_ATTACK)
         else:
             reset = False
         akey = f"c{self.data.attacker:02d}"
