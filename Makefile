@@ -188,12 +188,14 @@ bench-badsfl-paper-reset: install
 		scaffold+badsfl/default scaffold+badsfl/default-reset10 --ablations --report badsfl-paper-reset
 
 # the default defense with c and every c_i restarted or shrunk once an attack has stopped (harness settings
-# default-quiet3, -half5, -slow15, -half5-every10; docs/security.md), seeds 0 1 2 (about 75 min on 2 cores)
+# default-quiet3, -half5, -slow15, -half5-every10, -half5-every20; docs/security.md), seeds 0 1 2 (about 90 min
+# on 2 cores)
 bench-badsfl-paper-quiet: install
 	$(PY) -m bench.attacks.badsfl.paper --seeds 0 1 2 --settings scaffold scaffold+badsfl/default \
 		scaffold/default-quiet3 scaffold+badsfl/default-quiet3 scaffold/default-quiet3-half5 \
 		scaffold+badsfl/default-quiet3-half5 scaffold+badsfl/default-quiet3-slow15 \
-		scaffold+badsfl/default-quiet3-half5-every10 --ablations --report badsfl-paper-quiet
+		scaffold+badsfl/default-quiet3-half5-every10 scaffold+badsfl/default-quiet3-half5-every20 --ablations \
+		--report badsfl-paper-quiet
 
 # a lone node's tokens/s with and without its metrics endpoint scraped 10 times a second, 1,000 scrapes (~3 min)
 bench-scrape: install

@@ -58,12 +58,13 @@ OUTER_DEFAULTS = {
 SCAFFOLD_DEFAULTS = dict(aggregation="mean")
 # sparse SCAFFOLD keeps the constant outer lr it was measured with; dense SCAFFOLD keeps DiLoCo's 0.7 (Nesterov 0.9)
 SCAFFOLD_SPARSE_OUTER = dict(outer_lr=3.5, outer_lr_final=3.5)
-# SCAFFOLD with a norm bound shrinks c after an attack (dilocox.scaffold.QuietRestart's defaults: halved in 5 rounds,
-# 3 after the last contribution over 4 x the bound): under BadSFL it lost 5.6 / 0.3 / 4.7 points on 3 seeds against
-# 17.6 / 4.7 / 15.6 without it, and it never fired without an attack (make bench-badsfl-paper-quiet; security.md)
+# SCAFFOLD with a norm bound restarts c during an attack and shrinks it after (dilocox.scaffold.QuietRestart's
+# defaults: restarted every 20 rounds while contributions over 4 x the bound come, halved in 5 rounds from 3 after
+# the last one): under BadSFL, clean accuracy 0.0 / +2.4 / +1.3 points from SCAFFOLD without an attack on 3 seeds,
+# against -17.6 / -4.7 / -15.6 without it; without an attack it never fired (make bench-badsfl-paper-quiet)
 # (written here, not imported, so that --help imports no torch; tests/test_config.py checks they match)
 SCAFFOLD_QUIET_AFTER = 3
-SCAFFOLD_QUIET = dict(factor=0.5, rounds=5, outsized=4.0, every=10)
+SCAFFOLD_QUIET = dict(factor=0.5, rounds=5, outsized=4.0, every=20)
 
 
 class NodeConfig(BaseModel):

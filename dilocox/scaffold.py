@@ -92,16 +92,17 @@ class QuietRestart:
     >= 1 rounds in a row; ``outsized`` > 1: a contribution the rule scaled by less than 1 / this is outsized.
     ``every`` E >= 0: while outsized rounds keep coming, c and c_i also restart at zero after each outer step that
     is a multiple of E with an outsized round among its last E (0: off), so an attack that lasts cannot build c up
-    for long. The defaults are the BadSFL harness's ``default-quiet3-half5-every10`` (docs/security.md): halving
+    for long. The defaults are the BadSFL harness's ``default-quiet3-half5-every20`` (docs/security.md): halving
     in 5 rounds dips less than one restart, at 4 x the bound no honest outlier set it off on 3 seeds (at 2 x, one
-    did twice), and the restarts during the attack keep its clean accuracy within 1 point of SCAFFOLD without one.
+    did twice), and restarts during the attack keep its clean accuracy within 1 point of SCAFFOLD without one
+    (every 10 did too, but let the backdoor work in more rounds of the attack).
     Raises ValueError naming the field that is out of range."""
 
     after: int = 0
     factor: float = 0.5
     rounds: int = 5
     outsized: float = 4.0
-    every: int = 10
+    every: int = 20
 
     def __post_init__(self):
         if int(self.after) < 0:

@@ -113,7 +113,7 @@ def test_scaffold_quiet_restart_flags_are_swarm_settings_and_need_a_norm_bound()
     base = ["--outer-algorithm", "scaffold"]
     quiet = load_config(parse([*base, "--scaffold-reset-quiet", "3", "--scaffold-quiet-factor", "0.5",
                                "--scaffold-quiet-rounds", "5", "--scaffold-outsized", "4"]), {})
-    assert "scaffold_reset_quiet=3(factor=0.5,rounds=5,outsized=4.0,every=10)" in quiet.swarm_settings()
+    assert "scaffold_reset_quiet=3(factor=0.5,rounds=5,outsized=4.0,every=20)" in quiet.swarm_settings()
     assert quiet.swarm_settings() == load_config(parse(base), {}).swarm_settings()  # those are the defaults
     digests = {load_config(parse([*base, *flags]), {}).settings_digest() for flags in (
         [], ["--scaffold-reset-quiet", "0"], ["--scaffold-reset-quiet", "2"], ["--scaffold-quiet-factor", "0"],

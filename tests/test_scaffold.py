@@ -228,7 +228,7 @@ def test_the_quiet_restart_follows_the_last_outsized_round_only():
     assert rounds(QuietRestart(0, **restart), attack) == []  # off
     assert rounds(QuietRestart(2, **restart), {2: outsized, 5: outsized}) == [4, 7]  # each episode once
     assert rounds(QuietRestart(3), attack) == []  # the defaults: not outsized under 4 x the bound ...
-    assert rounds(QuietRestart(3), {2: {"m": 0.9 / 4.0}}) == [5, 6, 7, 8, 9, -10]  # ... halved in 5 rounds over it
+    assert rounds(QuietRestart(3), {2: {"m": 0.9 / 4.0}}, total=25) == [5, 6, 7, 8, 9, -20]  # ... halved over it
     assert rounds(QuietRestart(3, **restart), attack, reset_every=7) == []  # both at 7: the periodic one reported
     assert not QuietRestart().is_outsized([0.01]) and QuietRestart(1).is_outsized([0.01])
     # every 10 (negative: a restart at zero while outsized rounds come, after each multiple of 10 with one among its
