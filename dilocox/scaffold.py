@@ -44,9 +44,12 @@ a state where c = mean_i c_i holds again; the rounds after a restart run as DiLo
 is *outsized* when the robust rule scaled one of its contributions by less than 1 / ``outsized`` (its norm over
 that many times the norm bound: BadSFL's boosted update is 8-50 times the lower median). ``after`` Q rounds after
 the last outsized round, and in each of the ``rounds`` - 1 rounds that follow, c and c_i are multiplied by
-``factor`` (0: the restart). Every member reads the same scales from the same contributions (and a joiner the
-round's ``outsized`` flag from the update it replays), so all act at one outer step. Measured in the BadSFL
-harness (docs/security.md, ``make bench-badsfl-paper-quiet``).
+``factor`` (0: the restart). While outsized rounds keep coming, c and c_i also restart at zero after each outer
+step that is a multiple of ``every`` with an outsized round among its last ``every``: an attack that lasts cannot
+build c up for long, and the damage a long-built c does when it is removed (a deep dip in clean accuracy) is
+avoided. Every member reads the same scales from the same contributions (and a joiner the round's ``outsized``
+flag from the update it replays), so all act at one outer step. Measured in the BadSFL harness (docs/security.md,
+``make bench-badsfl-paper-quiet``).
 
 Per round, in order: ``correction()`` at the start (c and c_i must not change until step 3); the
 inner steps with ``apply_correction`` / ``apply_correction_step``; ``client_update(delta, K,
@@ -201,9 +204,9 @@ class ControlVariates:
         c <- 0 and c_i <- 0 if the step is a multiple of ``reset_every``, or of the quiet restart's ``every`` with
         an outsized round among its last ``every``; then c and c_i are scaled by the quiet restart's factor if the
         step is its ``after``-th to (``after`` + ``rounds`` - 1)-th after the last outsized round (module
-        docstring). Every member calls this at every outer step with the same flag, so c
-        stays identical swarm-wide. Returns what it did: a restart at zero (PERIODIC, DURING_ATTACK) before QUIET
-        where several acted."""
+        docstring). Every member calls this at every outer step with the same flag, so c stays identical
+        swarm-wide. Returns what it did: a restart at zero (PERIODIC, DURING_ATTACK) before QUIET where several
+        acted."""
         if outsized and self.quiet.after:
             self.last_outsized = int(outer_step)
         periodic = bool(self.reset_every) and outer_step > 0 and not outer_step % self.reset_every
