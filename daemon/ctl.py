@@ -31,7 +31,9 @@ def _print_status(status: node_pb2.NodeStatus) -> None:
         ("val_loss", f"{status.val_loss:.4f}"), ("tokens/s", f"{status.tokens_per_second:.0f}"),
         ("tokens_total", status.tokens_total), ("bytes sent/recv", f"{status.bytes_sent} / {status.bytes_received}"),
         ("last round", f"step {r.outer_step} group {r.group_size} {r.outcome} compute {r.compute_s:.2f}s "
-                       f"comm {r.duration_s:.2f}s (blocked {r.wait_s:.2f}s) payload {r.payload_bytes} B"),
+                       f"comm {r.duration_s:.2f}s (blocked {r.wait_s:.2f}s) payload {r.payload_bytes} B"
+                       + (" (an outsized contribution: SCAFFOLD's quiet restart counts from here)" if r.outsized
+                          else "")),
         ("compression", f"{status.compression}: rank {r.rank} bits {r.bits} ratio {r.compression_ratio:.1f}x "
                         f"error {r.compression_error:.2f}"),
         ("deadlines", status.deadlines or "(no round yet)"),
