@@ -194,6 +194,10 @@ def test_aggregate_is_the_rule_on_the_sorted_union_of_the_sent_positions(rule, k
     expected = torch.zeros(len(flat))
     expected[union] = want.float()
     assert rejected == {} and same_bits(flat.double(), expected.double())  # -0.0 nowhere
+    # the scales the norm bound gave (SCAFFOLD's quiet restart reads them): the rule's own, for the same bits
+    again, _, scaled = sparse.aggregate_scaled(payloads, weights, SHAPES, cfg, rule=rule, norm_bound=2.0)
+    assert scaled == pytest.approx(report["clipped"]) and all(0 < v < 1 for v in scaled.values())
+    assert same_bits(torch.cat([o.reshape(-1) for o in again]).double(), flat.double())
 
 
 def test_aggregate_has_the_same_bits_with_one_thread_or_two_and_any_order():
