@@ -67,7 +67,7 @@ def test_adaptive_overlap_with_a_sign_flipper_and_a_joiner(tmp_path):
 def test_the_delay_follows_the_link(tmp_path):
     """An emulated model whose rounds (30 steps of 0.1 s) outlast the exchange on loopback: with no wait at the
     round's end (--overlap-wait 0) the update joins the local parameters part-way through the next round
-    (0 < tau < H, as many steps as the exchange took), and the round's end does not wait."""
+    (0 < tau < H: once the exchange and its check are done), and the round's end does not wait."""
     args = FAST + ["--overlap", "adaptive", "--overlap-wait", "0", "--run-id", "follows", "--min-replicas", "2",
                    "--inner-steps", "30", "--workload", "synthetic:200k:0.1", "--eval-every", "100"]
     a = start(tmp_path, "a", args)
@@ -80,8 +80,10 @@ def test_the_delay_follows_the_link(tmp_path):
             rows = [r for r in n.metrics() if r["outcome"] == "applied"]
             taus = [r["overlap_steps"] for r in rows]
             assert all(0 < t < 30 for t in taus), taus
-            # tau matches the exchange's length in steps of 0.1 s (rounded up, plus the step in progress)
-            assert all(abs(r["overlap_steps"] - r["exchange_s"] / 0.1) <= 4 for r in rows), rows
+            # tau follows the exchange's length in steps of 0.1 s (rounded up, plus the step in progress): never
+            # before it ends, and after it only as long as the check takes (the group's result reports, asked with
+            # --request-timeout 1 s; seen once in CI: 0.07 s of exchange, merged 6 steps in)
+            assert all(-4 <= r["overlap_steps"] - r["exchange_s"] / 0.1 <= 4 + 1.0 / 0.1 for r in rows), rows
             assert statistics.median(r["wait_s"] for r in rows) < 0.5, rows  # nothing waited at the round's end
         steps = digests_by_step([a, b])
         assert all(len(d) == 1 for d in steps.values()), steps
