@@ -36,16 +36,27 @@ def node_env(threads: int = 1) -> dict:
 class LocalNode:
     """A dilocox-node subprocess; stdout, stderr and checkpoints live under ``workdir``."""
 
-    def __init__(self, name: str, workdir: Path, args: list[str], threads: int = 1, wrapper: list[str] = ()):
-        """``wrapper`` prefixes the command, e.g. ``ip netns exec HOST`` (bench/netsim.py)."""
+    def __init__(self, name: str, workdir: Path, args: list[str], threads: int = 1, wrapper: list[str] = (),
+                 forked: bool = False):
+        """``wrapper`` prefixes the command, e.g. ``ip netns exec HOST`` (bench/netsim.py). ``forked``: fork the
+        node from the image shared by all forked nodes (bench/forked.py) instead of starting an interpreter."""
         self.name, self.workdir = name, workdir
         self.started_at = time.time()  # wall clock, as the metrics rows' "time"
         workdir.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = workdir / "stdout", workdir / "stderr"
-        self.proc = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "dilocox.daemon.cli", *args, "--checkpoint-dir", str(workdir / "ckpt")],
-            stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"), env=node_env(threads), cwd=REPO,
-            start_new_session=True)
+        argv = [*args, "--checkpoint-dir", str(workdir / "ckpt")]
+        if forked:
+            if wrapper:
+                raise ValueError("a forked node cannot run under a wrapper command")
+            from bench.forked import ForkedProcess
+
+            self.proc = ForkedProcess(argv, str(REPO), node_env(threads), str(self.out_path), str(self.err_path),
+                                      threads)
+        else:
+            self.proc = subprocess.Popen(
+                [*wrapper, sys.executable, "-m", "dilocox.daemon.cli", *argv],
+                stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"), env=node_env(threads), cwd=REPO,
+                start_new_session=True)
         self.addr = self.join_maddr = ""
 
     def wait_started(self, timeout: float = 120.0) -> "LocalNode":

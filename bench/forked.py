@@ -1,0 +1,112 @@
+"""Local nodes forked from one shared image instead of each importing torch in a fresh interpreter.
+
+Many nodes on one machine (bench/swarm_size.py) pay twice for starting each as its own interpreter:
+- memory: ``import torch`` alone leaves about 144 MB of anonymous memory (Python objects, torch's operator
+  registrations, relocated library data) in every process, about 250 MB with hivemind and what
+  ``torch.optim`` imports; processes started apart cannot share it;
+- time: on a loaded machine the imports take tens of seconds, which a joiner spends before it even
+  asks the swarm for state.
+
+multiprocessing's *forkserver* start method (Python's standard library) solves both: one server process
+imports the image once (``set_forkserver_preload``, bench/node_image.py) and forks each node from it, so
+every node shares those pages copy-on-write and starts at once. A forked node is otherwise the same
+``dilocox-node``: its own session and process group, its own stdout/stderr files and environment, the
+same ``node_main``. What it does not measure is a volunteer's own start-up, one interpreter on its own
+machine; benchmarks say which launch they used.
+
+``ForkedProcess`` wraps the ``multiprocessing.Process`` in the part of ``subprocess.Popen``'s interface
+that bench/localswarm.py uses (pid, poll, wait, send_signal, returncode).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+from multiprocessing import forkserver
+from pathlib import Path
+
+IMAGE = "bench.node_image"
+REPO = Path(__file__).resolve().parents[1]
+_CONTEXT = None
+
+
+def _context():
+    """The forkserver context, its server started now with the image preloaded."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([IMAGE])
+        # Python 3.11's server ignores the sys.path it is handed and skips a preload it cannot import, so it
+        # gets the repository through its environment; _node checks that the image is there
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), saved]))
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+def _node(argv: list[str], cwd: str, env: dict, stdout: str, stderr: str, threads: int) -> None:
+    """The forked node's body: a session of its own, its own files and environment, then ``node_main``."""
+    if IMAGE not in sys.modules:
+        raise RuntimeError(f"the forkserver did not import {IMAGE}: run from the repository, or see its log")
+    os.setsid()
+    # a forkserver child inherits the forkserver method as its default; a fresh interpreter on Linux (and
+    # hivemind's averager, an mp.Process holding unpicklable callables) has fork
+    mp.set_start_method("fork", force=True)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, stdout), (2, stderr)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    # the inherited TextIOWrappers buffer for a pipe; the benchmarks read these files while the node runs
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    import numpy as np
+    import torch
+
+    np.random.seed()  # a fresh interpreter seeds numpy's global generator from the OS, not from the image
+    torch.set_num_threads(threads)
+    from dilocox.daemon.cli import node_main
+
+    sys.exit(node_main(argv))
+
+
+class ForkedProcess:
+    """A ``dilocox-node`` forked from the shared image; ``Popen``-like (see the module docstring)."""
+
+    def __init__(self, argv: list[str], cwd: str, env: dict, stdout: str, stderr: str, threads: int = 1):
+        for path in (stdout, stderr):  # there before start() returns, as with Popen, for readers that poll them
+            open(path, "w").close()
+        # not a daemonic process: those may not have children, and hivemind forks the DHT and averagers
+        self._process = _context().Process(target=_node, args=(argv, cwd, env, stdout, stderr, threads),
+                                           daemon=False)
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; raises subprocess.TimeoutExpired as Popen does."""
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"node {self.pid}", timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)

@@ -1,0 +1,67 @@
+"""bench/forked.py: local nodes forked from one shared image train as interpreter-started ones do, share the
+image's pages, and end on SIGTERM like any dilocox-node."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bench.forked import IMAGE, ForkedProcess, _node
+from bench.localswarm import JOINT, LocalNode, wait_all
+
+pytestmark = [pytest.mark.integration]
+
+ARGS = ["--workload", "synthetic:200k:0.05", "--inner-steps", "20", "--listen", "/ip4/127.0.0.1/tcp/0",
+        "--status-addr", "127.0.0.1:0", "--min-replicas", "2", "--run-id", "forked"]
+
+
+def anonymous_kb(pid: int) -> tuple[int, int]:
+    """(Anonymous, Pss_Anon) of a process, in kB (/proc/PID/smaps_rollup)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    return int(fields["Anonymous"].split()[0]), int(fields["Pss_Anon"].split()[0])
+
+
+def test_two_forked_nodes_train_together_share_the_image_and_leave_on_sigterm(tmp_path):
+    a = LocalNode("a", tmp_path / "a", ARGS, forked=True).wait_started()
+    b = LocalNode("b", tmp_path / "b", ARGS + ["--join", a.join_maddr], forked=True)
+    nodes = [a, b]
+    try:
+        assert isinstance(a.proc, ForkedProcess)
+        wait_all(nodes, lambda: all(sum(r["outcome"] in JOINT for r in n.metrics()) >= 2 for n in nodes), 120,
+                 "two joint rounds on both nodes")
+        steps = [{r["outer_step"]: r["digest"] for r in n.metrics()} for n in nodes]
+        assert steps[0][2] == steps[1][2]  # one update at outer step 2
+        server = {psutil.Process(n.proc.pid).ppid() for n in nodes}
+        assert len(server) == 1  # both forked from the same process
+        anon, pss = anonymous_kb(server.pop())
+        # the image (torch, hivemind: > 150 MB of anonymous memory) is shared with the nodes and their children,
+        # so the server's proportional share of it is a fraction; a private copy would make the two equal
+        assert anon > 150_000 and pss < anon / 3, (anon, pss)
+        groups = [n.proc.pid for n in nodes]
+    finally:
+        for n in nodes:
+            n.proc.send_signal(signal.SIGTERM)
+        codes = [n.terminate(signal.SIGTERM, timeout=60) for n in nodes]
+    assert codes == [0, 0], codes
+    assert not [p.pid for p in psutil.process_iter() if _group(p) in groups]  # nothing left in their groups
+
+
+def _group(p: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(p.pid)
+    except (OSError, psutil.Error):
+        return None
+
+
+def test_a_forked_node_refuses_to_run_without_the_shared_image(monkeypatch, tmp_path):
+    """A forkserver that could not import the image would give each node a fresh import: the point is lost,
+    so the node says so instead of running."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, IMAGE, raising=False)
+    with pytest.raises(RuntimeError, match="did not import bench.node_image"):
+        _node([], str(tmp_path), {}, str(tmp_path / "out"), str(tmp_path / "err"), 1)
