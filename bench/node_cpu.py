@@ -26,7 +26,7 @@ import psutil
 
 from bench.compare import _pss, _tree
 from bench.localswarm import JOINT, LocalNode, wait_all
-from bench.swarm_size import BASE, stop_all
+from bench.swarm_size import BASE, image_holders, stop_all
 
 IDLE_FRAMES = ("_watchdog", "DHT.run", "select", "socket.accept", "Connection._recv", "sleep")
 
@@ -46,6 +46,15 @@ def kinds(node: LocalNode) -> dict[str, tuple[int, float]]:
         except psutil.Error:
             continue
     return found
+
+
+def _private(pid: int) -> int:
+    """Bytes of the process's pages no other process maps (Private_Clean + Private_Dirty), 0 once it is gone."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    except OSError:
+        return 0
+    return 1024 * sum(int(fields[k].split()[0]) for k in ("Private_Clean", "Private_Dirty"))
 
 
 def busiest_frames(raw: Path, top: int = 12) -> list[tuple[float, str]]:
@@ -71,12 +80,15 @@ def main(argv=None) -> int:
     p.add_argument("--announce-period", default="2", help="seconds; 2 (more DHT work than the default 5) is what "
                    "docs/operations.md's table used")
     p.add_argument("--profile", action="store_true", help="py-spy node n01's main and DHT processes")
+    p.add_argument("--launch", choices=("interpreter", "forked"), default="interpreter",
+                   help="forked: every node forked from one shared image (bench/forked.py)")
     p.add_argument("--out", type=Path, default=Path("runs/bench/node-cpu"))
     a = p.parse_args(argv)
     args = BASE + ["--workload", a.workload, "--inner-steps", str(a.inner_steps), "--run-id", "cpu",
                    "--min-replicas", str(a.nodes), "--announce-period", a.announce_period]
-    boot = LocalNode("n00", a.out / "n00", args).wait_started()
-    nodes = [boot] + [LocalNode(f"n{i:02d}", a.out / f"n{i:02d}", args + ["--join", boot.join_maddr])
+    forked = a.launch == "forked"
+    boot = LocalNode("n00", a.out / "n00", args, forked=forked).wait_started()
+    nodes = [boot] + [LocalNode(f"n{i:02d}", a.out / f"n{i:02d}", args + ["--join", boot.join_maddr], forked=forked)
                       for i in range(1, a.nodes)]
     began = time.monotonic()
     try:
@@ -95,6 +107,8 @@ def main(argv=None) -> int:
         time.sleep(a.window)
         after = [kinds(x) for x in nodes]
         pss = {k: statistics.median(_pss(d[k][0]) for d in after if k in d) for k in after[0]}
+        private = {k: statistics.median(_private(d[k][0]) for d in after if k in d) for k in after[0]}
+        pss["image share"] = sum(map(_pss, image_holders(nodes))) / len(nodes)
         rows = [r for x in nodes for r in x.metrics()]
         for _, spy in spies:
             spy.wait(60)
@@ -104,19 +118,23 @@ def main(argv=None) -> int:
     for k in sorted(before[0]):
         rates = [(b[k][1] - a0[k][1]) / a.window for a0, b in zip(before, after) if k in a0 and k in b]
         cpu[k] = dict(median_cores=round(statistics.median(rates), 4), swarm_cores=round(sum(rates), 3),
-                      pss_mb=round(pss.get(k, 0) / 1e6, 1))
-    result = dict(nodes=a.nodes, window_s=a.window, first_round_s=round(first_round_s, 1), cpu=cpu,
+                      pss_mb=round(pss.get(k, 0) / 1e6, 1), private_mb=round(private.get(k, 0) / 1e6, 1))
+    cpu["image share"] = dict(median_cores=0.0, swarm_cores=0.0, pss_mb=round(pss["image share"] / 1e6, 1),
+                              private_mb=0.0)
+    result = dict(nodes=a.nodes, launch=a.launch, window_s=a.window, first_round_s=round(first_round_s, 1), cpu=cpu,
                   outcomes=dict(Counter(r["outcome"] for r in rows)),
                   round_s=statistics.median([r["duration_s"] for r in rows if r["outcome"] == "applied"] or [0]),
                   profile={k: busiest_frames(a.out / f"py-spy-{k}.txt") for k, _ in spies})
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "node-cpu.json").write_text(json.dumps(result, indent=1))
-    print(f"EMULATED workload ({a.workload}, H = {a.inner_steps}); {a.nodes} nodes on loopback, 2 cores; "
-          f"{a.window:.0f} s after every node's first round (at {first_round_s:.0f} s)")
-    print("| process | CPU cores per node (median) | CPU cores, whole swarm | PSS per node (median) |")
-    print("|---|---|---|---|")
+    print(f"EMULATED workload ({a.workload}, H = {a.inner_steps}); {a.nodes} nodes on loopback, 2 cores, launched "
+          f"{a.launch}; {a.window:.0f} s after every node's first round (at {first_round_s:.0f} s)")
+    print("| process | CPU cores per node (median) | CPU cores, whole swarm | PSS per node (median) | private |")
+    print("|---|---|---|---|---|")
     for k, c in cpu.items():
-        print(f"| {k} | {c['median_cores']:.3f} | {c['swarm_cores']:.2f} | {c['pss_mb']:.0f} MB |")
+        print(f"| {k} | {c['median_cores']:.3f} | {c['swarm_cores']:.2f} | {c['pss_mb']:.0f} MB | "
+              f"{c['private_mb']:.0f} MB |")
+    print(f"node (sum): {sum(c['pss_mb'] for c in cpu.values()):.0f} MB PSS")
     print(f"rounds: {result['outcomes']}, median round {result['round_s']:.1f} s")
     for k, frames in result["profile"].items():
         print(f"busiest frames of n01's {k} process (share of busy samples):")

@@ -21,7 +21,10 @@ metrics.jsonl and /proc it reports:
   slope of the overhead against log2 N and against N (least squares over the sizes run);
 - **bytes** sent and received per node and round (the transport's counters, medians);
 - **memory**: PSS of each node's process tree (main process, DHT, averagers, p2pd), sampled every
-  10 s; the median over nodes of each node's largest sample.
+  10 s; the median over nodes of each node's largest sample. With ``--launch forked`` (the default) the nodes
+  are forked from one image that holds torch, hivemind and the daemon (bench/forked.py); each sample then adds
+  an equal share of that forkserver's own PSS, so the per-node figures sum to the machine's total.
+  ``--launch interpreter`` starts each node as its own ``python -m dilocox.daemon.cli``, as a volunteer does.
 
 ``make bench-swarm-size`` writes runs/bench/swarm-size/{swarm-size.json, table.md, swarm-size.png}.
 """
@@ -41,6 +44,8 @@ from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
+import psutil
+
 from bench.compare import _pss, _tree
 from bench.localswarm import JOINT, LocalNode, wait_all
 
@@ -51,7 +56,9 @@ BASE = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0",
 
 
 class MemorySampler:
-    """Every ``period_s``: the PSS of each watched node's process tree; ``peaks()`` per node name."""
+    """Every ``period_s``: the PSS of each watched node's process tree, plus an equal share of the PSS of the
+    processes the live nodes were forked from (bench/forked.py; none for nodes started as interpreters);
+    ``stop()`` returns each node's largest sample by name."""
 
     def __init__(self, period_s: float = 10.0):
         self.nodes: list[LocalNode] = []
@@ -62,9 +69,11 @@ class MemorySampler:
 
     def _run(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
-            for n in list(self.nodes):
-                if n.proc.poll() is None:
-                    self.peak[n.name] = max(self.peak.get(n.name, 0), sum(_pss(p) for p in _tree(n.proc.pid)))
+            live = [n for n in list(self.nodes) if n.proc.poll() is None]
+            share = sum(map(_pss, image_holders(live))) / max(1, len(live))
+            for n in live:
+                pss = sum(_pss(p) for p in _tree(n.proc.pid)) + share
+                self.peak[n.name] = max(self.peak.get(n.name, 0), int(pss))
 
     def stop(self) -> dict[str, int]:
         self._stop.set()
@@ -72,14 +81,29 @@ class MemorySampler:
         return dict(self.peak)
 
 
+def image_holders(nodes: list[LocalNode]) -> set[int]:
+    """The pids of the processes that ``nodes`` were forked from (bench/forked.py); empty for interpreters."""
+    from bench.forked import ForkedProcess
+
+    out = set()
+    for n in nodes:
+        if isinstance(n.proc, ForkedProcess):
+            try:
+                out.add(psutil.Process(n.proc.pid).ppid())
+            except psutil.Error:
+                pass
+    return out
+
+
 def run_size(n: int, a, out: Path) -> dict:
     """One swarm of n nodes with churn; returns its figures (see the module docstring)."""
     rng = random.Random(n)
     args = BASE + ["--workload", a.workload, "--inner-steps", str(a.inner_steps), "--run-id", f"size{n}"] + a.extra
     first = args + ["--min-replicas", str(n)]  # the first N start together; joiners later take the swarm as it is
+    forked = a.launch == "forked"
     sampler = MemorySampler()
-    boot = LocalNode("n00", out / "n00", first).wait_started()
-    nodes = [boot] + [LocalNode(f"n{i:02d}", out / f"n{i:02d}", first + ["--join", boot.join_maddr])
+    boot = LocalNode("n00", out / "n00", first, forked=forked).wait_started()
+    nodes = [boot] + [LocalNode(f"n{i:02d}", out / f"n{i:02d}", first + ["--join", boot.join_maddr], forked=forked)
                       for i in range(1, n)]
     sampler.nodes += nodes
     began = time.monotonic()
@@ -100,7 +124,8 @@ def run_size(n: int, a, out: Path) -> dict:
                 left.append(victim)
                 events.append(dict(t=round(time.monotonic() - t0, 1), event="leave", node=victim.name, exit=code))
             else:
-                fresh = LocalNode(f"n{joined:02d}", out / f"n{joined:02d}", args + ["--join", boot.join_maddr])
+                fresh = LocalNode(f"n{joined:02d}", out / f"n{joined:02d}", args + ["--join", boot.join_maddr],
+                                  forked=forked)
                 joined += 1
                 nodes.append(fresh)
                 live.append(fresh)
@@ -112,8 +137,9 @@ def run_size(n: int, a, out: Path) -> dict:
         codes = stop_all([x for x in nodes if x.proc.poll() is None])
         peaks = sampler.stop()
     found = figures(nodes, peaks)
-    return dict(nodes=n, started_s=round(started_s, 1), first_round_s=round(first_round_s, 1), exit_codes=codes,
-                events=events, tail_s=round(tail_s, 1), joins=join_latency(nodes[n:], found["round_s"]), **found)
+    return dict(nodes=n, launch=a.launch, started_s=round(started_s, 1), first_round_s=round(first_round_s, 1),
+                exit_codes=codes, events=events, tail_s=round(tail_s, 1),
+                joins=join_latency(nodes[n:], found["round_s"]), **found)
 
 
 def wait_for_joiners(nodes: list[LocalNode], joiners: list[LocalNode], tail_rounds: float) -> float:
@@ -245,8 +271,10 @@ def slopes(results: list[dict]) -> dict:
 
 
 def table(results: list[dict], a) -> str:
+    launch = ("nodes forked from one shared image (bench/forked.py)" if a.launch == "forked"
+              else "each node its own interpreter")
     lines = [f"EMULATED workload ({a.workload}, H = {a.inner_steps}, compute is a sleep); loopback, 2 cores; "
-             f"{a.churn} leaves and {a.churn} joins in {a.duration:.0f} s per size.", "",
+             f"{a.churn} leaves and {a.churn} joins in {a.duration:.0f} s per size; {launch}.", "",
              "| N | node-rounds | joint | lost | joint of all | splits (lasting) | round s | overhead s "
              "| sent / round | received / round | sent / payload | PSS / node | groups |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -294,7 +322,7 @@ def plot(results: list[dict], path: Path, a) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32],
-                   help="32 needs about 19 GB (0.6 GB per node)")
+                   help="32 needs about 19 GB with --launch interpreter (0.6 GB per node)")
     p.add_argument("--workload", default="synthetic:1M:0.25")
     p.add_argument("--inner-steps", type=int, default=40)
     p.add_argument("--duration", type=float, default=240.0, help="seconds of churn after the first round")
@@ -302,9 +330,17 @@ def main(argv=None) -> int:
     p.add_argument("--tail-rounds", type=float, default=4.0,
                    help="after the churn, wait up to this many rounds from the last join for every joiner's first "
                         "joint round (0: stop at --duration, as before)")
+    p.add_argument("--launch", choices=("forked", "interpreter"), default="forked",
+                   help="forked: every node forked from one image holding torch and hivemind (shared pages, "
+                        "start in a second); interpreter: each node its own python process")
     p.add_argument("--out", type=Path, default=Path("runs/bench/swarm-size"))
     p.add_argument("extra", nargs="*", help="more dilocox-node flags (after --)")
     a = p.parse_args(argv)
+    for n in a.sizes:
+        taken = a.out / f"n{n}"
+        if taken.exists() and any(taken.iterdir()):
+            p.error(f"{taken} is not empty: its nodes would resume from the checkpoints there and append to their "
+                    f"metrics; choose another --out or remove it")
     results = []
     for n in a.sizes:
         r = run_size(n, a, a.out / f"n{n}")
