@@ -56,7 +56,9 @@ def _context():
 def _node(argv: list[str], cwd: str, env: dict, stdout: str, stderr: str, threads: int) -> None:
     """The forked node's body: a session of its own, its own files and environment, then ``node_main``."""
     if IMAGE not in sys.modules:
-        raise RuntimeError(f"the forkserver did not import {IMAGE}: run from the repository, or see its log")
+        problem = f"the forkserver did not import {IMAGE}: run from the repository, or see its log"
+        Path(stderr).write_text(f"{problem}\n")  # where the benchmarks read a node's last words
+        raise RuntimeError(problem)
     os.setsid()
     # a forkserver child inherits the forkserver method as its default; a fresh interpreter on Linux (and
     # hivemind's averager, an mp.Process holding unpicklable callables) has fork

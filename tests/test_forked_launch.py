@@ -65,3 +65,4 @@ def test_a_forked_node_refuses_to_run_without_the_shared_image(monkeypatch, tmp_
     monkeypatch.delitem(sys.modules, IMAGE, raising=False)
     with pytest.raises(RuntimeError, match="did not import bench.node_image"):
         _node([], str(tmp_path), {}, str(tmp_path / "out"), str(tmp_path / "err"), 1)
+    assert "did not import bench.node_image" in (tmp_path / "err").read_text()  # the node's log says why
