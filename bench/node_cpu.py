@@ -7,8 +7,9 @@ a round, then measures over ``--window`` seconds each process's CPU time (psutil
 (/proc/PID/smaps_rollup). With ``--profile`` it also samples node n01's main and DHT processes with py-spy
 and prints their busiest frames. No quality is claimed from it.
 
-Output: a table of CPU cores per node (median over nodes, and the sum over the swarm) and PSS per process
-kind, plus the rounds' outcomes and median duration; JSON to ``--out``.
+Output: a table of CPU cores per node (median over nodes, and the sum over the swarm), PSS and private memory
+per process kind, plus the rounds' outcomes and median duration; JSON to ``--out``. ``--launch forked`` forks the
+nodes from one shared image (bench/forked.py) and adds the forkserver's PSS, shared equally, as "image share".
 """
 
 from __future__ import annotations
