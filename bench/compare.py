@@ -165,14 +165,17 @@ def _tree(pid: int) -> list[int]:
     return [pid] + [q for k in kids for q in _tree(int(k))]
 
 
-def _pss(pid: int) -> int:
+def _rollup(pid: int) -> dict[str, int]:
+    """The process's /proc/PID/smaps_rollup sizes in bytes by field (Rss, Pss, Anonymous, ...); {} once it is gone."""
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
     except OSError:
-        pass
-    return 0
+        return {}
+    return {name: int(value.split()[0]) * 1024 for name, value in (line.split(":", 1) for line in lines)}
+
+
+def _pss(pid: int) -> int:
+    return _rollup(pid).get("Pss", 0)
 
 
 SPREAD_KEYS = ("tokens_per_s", "compute_utilization", "bytes_per_token", "bytes_per_token_reduction_vs_ddp")

@@ -27,6 +27,8 @@ import sys
 from multiprocessing import forkserver
 from pathlib import Path
 
+import psutil
+
 IMAGE = "bench.node_image"
 REPO = Path(__file__).resolve().parents[1]
 _CONTEXT = None
@@ -112,3 +114,16 @@ class ForkedProcess:
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
             os.kill(self.pid, sig)
+
+
+def image_holders(procs) -> set[int]:
+    """The pids of the processes that the ForkedProcesses among ``procs`` were forked from (the forkserver); empty
+    where none was forked. Memory figures share the holder's PSS among the nodes (bench/swarm_size.py)."""
+    out = set()
+    for proc in procs:
+        if isinstance(proc, ForkedProcess):
+            try:
+                out.add(psutil.Process(proc.pid).ppid())
+            except psutil.Error:
+                pass
+    return out

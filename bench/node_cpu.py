@@ -25,9 +25,10 @@ from pathlib import Path
 
 import psutil
 
-from bench.compare import _pss, _tree
+from bench.compare import _pss, _rollup, _tree
+from bench.forked import image_holders
 from bench.localswarm import JOINT, LocalNode, wait_all
-from bench.swarm_size import BASE, image_holders, stop_all
+from bench.swarm_size import BASE, stop_all
 
 IDLE_FRAMES = ("_watchdog", "DHT.run", "select", "socket.accept", "Connection._recv", "sleep")
 
@@ -51,11 +52,8 @@ def kinds(node: LocalNode) -> dict[str, tuple[int, float]]:
 
 def _private(pid: int) -> int:
     """Bytes of the process's pages no other process maps (Private_Clean + Private_Dirty), 0 once it is gone."""
-    try:
-        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
-    except OSError:
-        return 0
-    return 1024 * sum(int(fields[k].split()[0]) for k in ("Private_Clean", "Private_Dirty"))
+    fields = _rollup(pid)
+    return fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
 
 
 def busiest_frames(raw: Path, top: int = 12) -> list[tuple[float, str]]:
@@ -109,7 +107,7 @@ def main(argv=None) -> int:
         after = [kinds(x) for x in nodes]
         pss = {k: statistics.median(_pss(d[k][0]) for d in after if k in d) for k in after[0]}
         private = {k: statistics.median(_private(d[k][0]) for d in after if k in d) for k in after[0]}
-        pss["image share"] = sum(map(_pss, image_holders(nodes))) / len(nodes)
+        pss["image share"] = sum(map(_pss, image_holders([x.proc for x in nodes]))) / len(nodes)
         rows = [r for x in nodes for r in x.metrics()]
         for _, spy in spies:
             spy.wait(60)

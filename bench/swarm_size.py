@@ -44,9 +44,8 @@ from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
-import psutil
-
 from bench.compare import _pss, _tree
+from bench.forked import image_holders
 from bench.localswarm import JOINT, LocalNode, wait_all
 
 # the daemon's default announce period (5 s): at 32 nodes on 2 cores, records with the 6 s lifetime of a 2 s period
@@ -70,7 +69,7 @@ class MemorySampler:
     def _run(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
             live = [n for n in list(self.nodes) if n.proc.poll() is None]
-            share = sum(map(_pss, image_holders(live))) / max(1, len(live))
+            share = sum(map(_pss, image_holders([n.proc for n in live]))) / max(1, len(live))
             for n in live:
                 pss = sum(_pss(p) for p in _tree(n.proc.pid)) + share
                 self.peak[n.name] = max(self.peak.get(n.name, 0), int(pss))
@@ -79,20 +78,6 @@ class MemorySampler:
         self._stop.set()
         self._thread.join(30)
         return dict(self.peak)
-
-
-def image_holders(nodes: list[LocalNode]) -> set[int]:
-    """The pids of the processes that ``nodes`` were forked from (bench/forked.py); empty for interpreters."""
-    from bench.forked import ForkedProcess
-
-    out = set()
-    for n in nodes:
-        if isinstance(n.proc, ForkedProcess):
-            try:
-                out.add(psutil.Process(n.proc.pid).ppid())
-            except psutil.Error:
-                pass
-    return out
 
 
 def run_size(n: int, a, out: Path) -> dict:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import psutil
 import pytest
 
+from bench.compare import _rollup
 from bench.forked import IMAGE, ForkedProcess, _node
 from bench.localswarm import JOINT, LocalNode, wait_all
 
@@ -17,12 +17,6 @@ pytestmark = [pytest.mark.integration]
 
 ARGS = ["--workload", "synthetic:200k:0.05", "--inner-steps", "20", "--listen", "/ip4/127.0.0.1/tcp/0",
         "--status-addr", "127.0.0.1:0", "--min-replicas", "2", "--run-id", "forked"]
-
-
-def anonymous_kb(pid: int) -> tuple[int, int]:
-    """(Anonymous, Pss_Anon) of a process, in kB (/proc/PID/smaps_rollup)."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
-    return int(fields["Anonymous"].split()[0]), int(fields["Pss_Anon"].split()[0])
 
 
 def test_two_forked_nodes_train_together_share_the_image_and_leave_on_sigterm(tmp_path):
@@ -37,10 +31,11 @@ def test_two_forked_nodes_train_together_share_the_image_and_leave_on_sigterm(tm
         assert steps[0][2] == steps[1][2]  # one update at outer step 2
         server = {psutil.Process(n.proc.pid).ppid() for n in nodes}
         assert len(server) == 1  # both forked from the same process
-        anon, pss = anonymous_kb(server.pop())
+        fields = _rollup(server.pop())
+        anon, pss = fields["Anonymous"], fields["Pss_Anon"]
         # the image (torch, hivemind: > 150 MB of anonymous memory) is shared with the nodes and their children,
         # so the server's proportional share of it is a fraction; a private copy would make the two equal
-        assert anon > 150_000 and pss < anon / 3, (anon, pss)
+        assert anon > 150_000 * 1024 and pss < anon / 3, (anon, pss)
         groups = [n.proc.pid for n in nodes]
     finally:
         for n in nodes:
