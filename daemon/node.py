@@ -41,7 +41,7 @@ from dilocox.peers.admission import Admission
 from dilocox.peers.allgather import ContributionServer
 from dilocox.peers.averaging import PseudoGradientAverager
 from dilocox.peers.deadlines import RoundDeadlines
-from dilocox.peers.identity import load_or_create_identity
+from dilocox.peers.identity import is_new_identity, load_or_create_identity
 from dilocox.peers.swarm import Swarm
 
 from dilocox.catchup import encode
@@ -162,6 +162,9 @@ class Node:
             self.finished.set()
 
     def _join(self) -> None:
+        # a key made now (no --identity, or a new file) is nobody else's: hivemind's check for a peer already
+        # holding it would start a second p2pd and dial the swarm for nothing (peers/swarm.py)
+        fresh = is_new_identity(self.cfg.identity)
         identity_path, key = load_or_create_identity(self.cfg.identity)
         self.admission = load_admission(self.cfg, identity_path)
         self.board.update(admission=describe_admission(self.admission))
@@ -170,7 +173,8 @@ class Node:
                            startup_timeout_s=self.cfg.startup_timeout, ttl_s=3 * self.cfg.announce_period,
                            admission=self.admission, client_mode=self.cfg.client_mode,
                            auto_relay=self.cfg.auto_relay, join_deadline_s=self.cfg.sync_deadline,
-                           stop=self.leave_requested, on_join_failure=self._on_join_failure)
+                           stop=self.leave_requested, check_identity=not fresh,
+                           on_join_failure=self._on_join_failure)
         self._set_state(State.JOINING, sync_reason="", sync_attempts=0)
         maddrs = self.swarm.visible_maddrs()
         self.board.update(peer_id=self.swarm.peer_id, listen_maddrs=maddrs, client_mode=self.cfg.client_mode,

@@ -22,6 +22,12 @@ class IdentityError(ValueError):
     """The identity file cannot be created or is not an RSA libp2p private key."""
 
 
+def is_new_identity(path: str | os.PathLike | None) -> bool:
+    """Whether ``load_or_create_identity(path)`` makes a new key: no path given, or no file there yet. Nobody
+    else can hold such a key, so asking the swarm whether a peer already does is pointless."""
+    return path is None or not Path(path).expanduser().exists()
+
+
 def load_or_create_identity(path: str | os.PathLike | None) -> tuple[str, RSAPrivateKey]:
     """Return (identity file path, signing key); create the file (mode 0400) if it does not exist.
 

@@ -197,7 +197,7 @@ class Swarm:
                  host_maddrs: List[str], announce_maddrs: List[str], identity_path: str,
                  startup_timeout_s: float = 30.0, ttl_s: float = 15.0, admission: Optional[Admission] = None,
                  client_mode: bool = False, auto_relay: bool = False, join_deadline_s: Optional[float] = None,
-                 stop: Optional[threading.Event] = None,
+                 stop: Optional[threading.Event] = None, check_identity: bool = True,
                  on_join_failure: Callable[[int, str, float], None] = lambda attempt, reason, wait_s: None):
         """``admission``: with a swarm authority, records of peers without a valid certificate are ignored.
         ``client_mode``: hivemind's DHT client mode (no inbound requests; p2pd's DHT in client mode too).
@@ -206,6 +206,9 @@ class Swarm:
         With ``initial_peers``, a join that fails because they do not answer is retried with backoff
         (peers/bootstrap.py) until ``join_deadline_s`` seconds pass (None: for ever) or ``stop`` is set,
         calling ``on_join_failure(attempt, reason, seconds until the next)`` after each failed attempt.
+        ``check_identity``: before the first attempt, hivemind asks the join peers whether another peer already
+        holds our identity (``P2P.create(check_if_identity_free=...)``: it starts a second p2pd for the look-up);
+        pointless for a key made for this start, so the node turns it off then.
         Raises JoinError (``requested`` set when ``stop`` ended the attempts)."""
         self.run_id, self.ttl_s, self.admission = run_id, ttl_s, admission
         self.key = f"{run_id}_members"
@@ -231,6 +234,7 @@ class Swarm:
             # for that verdict: a node told to use a relay is behind a NAT (hivemind's force_reachability)
             force_reachability="private" if auto_relay else None,
             startup_timeout=startup_timeout_s,
+            check_if_identity_free=check_identity,
         )
         where = ", ".join(initial_peers) or "new swarm"
         tried = []
@@ -238,7 +242,7 @@ class Swarm:
         def attempt() -> SupervisedDHT:
             # hivemind's check that no other peer holds our identity dials it through the join peers; after a
             # failed attempt they may still hold our own dead attempt's addresses, and the dial hangs for minutes
-            again = dict(check_if_identity_free=False) if tried else {}
+            again = dict(check_if_identity_free=False) if tried else {}  # (after the first attempt)
             tried.append(True)
             return _start_dht({**settings, **again}, startup_timeout_s)
 

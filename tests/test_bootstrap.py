@@ -141,6 +141,67 @@ def test_a_joiner_waits_out_a_frozen_bootstrap_peer_and_leaves_no_processes_behi
                 s.shutdown()
 
 
+def test_only_a_key_made_for_this_start_counts_as_new(tmp_path):
+    from dilocox.peers.identity import is_new_identity, load_or_create_identity
+
+    path = tmp_path / "id.key"
+    assert is_new_identity(None) and is_new_identity(path)
+    load_or_create_identity(path)
+    assert not is_new_identity(path) and not is_new_identity(str(path))
+
+
+class P2pdWatch(threading.Thread):
+    """Every p2pd our process tree started while the watch ran (polled every 10 ms)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.seen, self.done = set(), threading.Event()
+
+    def run(self):
+        while not self.done.is_set():
+            self.seen |= _p2pds()
+            time.sleep(0.01)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.join()
+
+
+@pytest.mark.integration
+def test_the_identity_check_guards_a_kept_key_and_is_skipped_for_a_new_one(tmp_path):
+    """hivemind's check for a peer already holding our identity starts a second p2pd that dials the swarm. It
+    still refuses a kept key that a live peer holds, with the reason and no retry; with ``check_identity=False``,
+    as the node passes for a key made for this start (the file exists by then: hivemind itself skips the check
+    only for a file it makes), the joiner starts its own p2pd and no other."""
+    from dilocox.peers.swarm import JoinError, Swarm
+
+    loop = ["/ip4/127.0.0.1/tcp/0"]
+    boot = Swarm("ic", key(tmp_path / "boot.key"), initial_peers=[], host_maddrs=loop, announce_maddrs=[],
+                 identity_path=str(tmp_path / "boot.key"))
+    joiners = []
+    try:
+        maddrs, before = boot.visible_maddrs(), _p2pds()
+        with pytest.raises(JoinError, match="taken"):
+            Swarm("ic", key(tmp_path / "boot.key"), initial_peers=maddrs, host_maddrs=loop, announce_maddrs=[],
+                  identity_path=str(tmp_path / "boot.key"), join_deadline_s=30.0)
+        for check in (True, False):
+            with P2pdWatch() as watch:
+                joiners.append(Swarm("ic", key(tmp_path / f"{check}.key"), initial_peers=maddrs, host_maddrs=loop,
+                                     announce_maddrs=[], identity_path=str(tmp_path / f"{check}.key"),
+                                     check_identity=check))
+            own = {p.pid for p in psutil.Process(joiners[-1].dht.pid).children(recursive=True) if "p2pd" in p.name()}
+            assert len(own) == 1 and own <= watch.seen
+            assert len(watch.seen - before) == (2 if check else 1), (check, watch.seen - before, own)
+            before = _p2pds()
+    finally:
+        for s in (*joiners, boot):
+            s.shutdown()
+
+
 @pytest.mark.integration
 def test_24_joiners_started_at_once_against_a_busy_bootstrap_peer_all_get_in(tmp_path):
     """24 real DHT joiners start together while the only bootstrap peer is frozen for 6 s (SIGSTOP); none
