@@ -98,7 +98,8 @@ class StateTransfer:
         self.ahead = False  # set by attach(): joins may compute the next round ahead of its start
         self.caught_up = 0  # outer steps replayed by catch-up since start
         self._waited_for_result, self._late_waits = False, 0
-        self._busy_until = 0.0  # monotonic time until which we serve no other joiner
+        self._busy_until = 0.0  # monotonic time until which we serve no other joiner ...
+        self._served_before = 0  # ... unless the averager's count of whole streams grows past this
         self.attempts = 0  # state downloads and waits of the current sync
         self.on_attempt: Callable[[str, int], None] = lambda reason, attempts: None  # e.g. status
 
@@ -125,19 +126,23 @@ class StateTransfer:
     def serve(self):
         """hivemind's state provider (runs on the averager's thread in this process): (meta, tensors).
 
-        A donor serves one joiner per transfer window (request_timeout + the state's bytes at
-        ``bandwidth_mbps``, or at 100 Mbit/s when that is not configured); a joiner that asks meanwhile
-        gets no state and hivemind moves it on to the next donor, so joiners arriving together spread
-        over the donors (hivemind breaks priority ties at random, and skips a donor that fails
-        mid-download). Not the all-reduce's measured rate: that is a lower bound (it counts waiting for
-        the slowest member), and with a 4 s all-reduce of 18 KB it shut joiners out for a minute."""
+        A donor serves one joiner at a time: until the averager has streamed the state to its end
+        (``PseudoGradientAverager.states_served``), or at most for a transfer window (request_timeout + the
+        state's bytes at ``bandwidth_mbps``, or at 100 Mbit/s when that is not configured) when the joiner
+        breaks off. A joiner that asks meanwhile gets no state and hivemind moves it on to the next donor, so
+        joiners arriving together spread over the donors (hivemind breaks priority ties at random, and skips
+        a donor that fails mid-download), and a donor that is the only one serves them back to back. Not the
+        all-reduce's measured rate: that is a lower bound (it counts waiting for the slowest member), and with
+        a 4 s all-reduce of 18 KB it shut joiners out for a minute."""
         meta, tensors = self.state.served()
         now = time.monotonic()
-        if now < self._busy_until:
+        served = self.averager.states_served() if self.averager is not None else 0
+        if now < self._busy_until and served <= self._served_before:
             logger.info("state requested while serving another joiner: redirecting it to other donors")
             return None, []
         size = sum(t.numel() * t.element_size() for t in tensors)
         self._busy_until = now + self.cfg.request_timeout + 8 * size / ((self.cfg.bandwidth_mbps or 100) * 1e6)
+        self._served_before = served
         state_name, inner_step = self._donor_progress()
         return dict(meta, donor_state=state_name, donor_inner_step=inner_step, donor_round=self.state.round,
                     donor_peer_id=self.progress.peer_id), tensors

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing as mp
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 import pydantic.v1 as pydantic
 import torch
@@ -30,6 +31,8 @@ from dilocox.peers.codec import NarrowingCompression, narrowest_dtype
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from dilocox.compression import CompressionRound
@@ -127,6 +130,9 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._pipe_lock = threading.Lock()
         self._allreduce_timeout = averaging_timeout_s
         self.size, self.part_elements = size, max(1, part_size_bytes // 4)
+        # states streamed whole to joiners, counted in the averager process and read in this one: shared memory
+        # made before the fork below
+        self._states_served = mp.get_context("fork").Value("L", 0)
         lifecycle.before_fork()  # start=True below forks
         super().__init__(
             [torch.zeros(max(size, 1), dtype=torch.float32)],
@@ -165,6 +171,23 @@ class PseudoGradientAverager(DecentralizedAverager):
         """Serve (metadata, tensors) to a joiner; runs in this (host) process (hivemind contract)."""
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's handler of a joiner's state download (averager process), counting the streams that sent a
+        state to their end (``states_served``). A request that got nothing (state sharing off, the donor busy:
+        ``get_current_state`` gave no tensors) or whose joiner broke off mid-stream is not counted."""
+        sent = False
+        async for message in super().rpc_download_state(request, context):
+            sent = True
+            yield message
+        if sent:
+            with self._states_served.get_lock():
+                self._states_served.value += 1
+
+    def states_served(self) -> int:
+        """States streamed whole to joiners since start (``rpc_download_state``); readable from this process."""
+        return self._states_served.value
 
     def run_phase(self, bits: str, codes: torch.Tensor, gather: dict, weight: float, deadline_s: float,
                   cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None,

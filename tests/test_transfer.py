@@ -35,6 +35,30 @@ def test_donor_serves_one_joiner_per_short_window(state):  # noqa: F811
     assert t.serve()[0] is not None
 
 
+class FakeServingAverager:
+    """The two calls StateTransfer makes of its averager as a donor (peers/averaging.py)."""
+
+    def __init__(self):
+        self.whole_streams = 0
+
+    def set_priority(self, priority: float) -> None:
+        pass
+
+    def states_served(self) -> int:
+        return self.whole_streams
+
+
+def test_a_donor_serves_the_next_joiner_as_soon_as_the_last_stream_ended(state):  # noqa: F811
+    state.snapshot()
+    t, averager = transfer_for(state), FakeServingAverager()
+    t.attach(averager)
+    assert t.serve()[0] is not None
+    assert t.serve() == (None, [])  # the first joiner's stream is still going
+    averager.whole_streams += 1  # ... and now it has ended: no need to wait out the window
+    assert t.serve()[0] is not None
+    assert t.serve() == (None, [])  # a stream that broke off is not counted: the window holds again
+
+
 def served(state):  # noqa: F811
     state.snapshot()
     meta, tensors = transfer_for(state).serve()
