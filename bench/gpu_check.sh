@@ -16,7 +16,7 @@ gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 second=$([ "$gpus" -ge 2 ] && echo cuda:1 || echo cuda:0)
 common=(--model llama-150m --precision bf16 --batch-size 16 --micro-batch-size 8 --inner-steps "$H"
         --max-outer-steps 3 --min-replicas 2 --warmup-steps 10 --run-id gpucheck --eval-batches 2
-        --listen /ip4/127.0.0.1/tcp/0 --matchmaking-time 5 --checkpoint-every 100)
+        --listen /ip4/127.0.0.1/tcp/0 --matchmaking-time 5 --request-timeout 2 --checkpoint-every 100)
 "$PY" -m dilocox.daemon.cli "${common[@]}" --device cuda:0 --status-addr 127.0.0.1:0 \
     --checkpoint-dir "$OUT/a" >"$OUT/a.out" 2>"$OUT/a.err" &
 a=$!
