@@ -26,6 +26,7 @@ from datetime import datetime
 from pathlib import Path
 
 import psutil
+from dilocox.peers.identity import load_or_create_identity
 
 from bench.compare import _tree
 from bench.localswarm import LocalNode
@@ -87,7 +88,6 @@ def main(argv=None) -> int:
             kept = i % 2 == 1
             extra = ["--join", first.join_maddr]
             if kept:  # a kept key, as an operator's --identity file after its first start
-                from dilocox.peers.identity import load_or_create_identity
                 load_or_create_identity(a.out / f"n{i:02d}.key")
                 extra += ["--identity", str(a.out / f"n{i:02d}.key")]
             started = time.time()
