@@ -33,20 +33,30 @@ from bench.swarm_size import BASE, stop_all
 IDLE_FRAMES = ("_watchdog", "DHT.run", "select", "socket.accept", "Connection._recv", "sleep")
 
 
-def kinds(node: LocalNode) -> dict[str, tuple[int, float]]:
-    """Process kind (main, dht, averager, p2pd) -> (pid, CPU seconds so far). hivemind forks the DHT first."""
-    found: dict[str, tuple[int, float]] = {}
-    forked = 0
+def processes(node: LocalNode) -> list[tuple[str, psutil.Process]]:
+    """The node's live processes with their kind: main, dht, averager (hivemind forks the DHT first), p2pd."""
+    out, forked = [], 0
     for pid in _tree(node.proc.pid):
         try:
             p = psutil.Process(pid)
             kind = "p2pd" if "p2pd" in p.name() else "main" if pid == node.proc.pid else \
                 ("dht", "averager")[min(forked, 1)] if "python" in p.name() else p.name()
-            forked += kind in ("dht", "averager")
-            t = p.cpu_times()
-            found.setdefault(kind, (pid, t.user + t.system))
         except psutil.Error:
             continue
+        forked += kind in ("dht", "averager")
+        out.append((kind, p))
+    return out
+
+
+def kinds(node: LocalNode) -> dict[str, tuple[int, float]]:
+    """Process kind (main, dht, averager, p2pd) -> (pid, CPU seconds so far) of its first process."""
+    found: dict[str, tuple[int, float]] = {}
+    for kind, p in processes(node):
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        found.setdefault(kind, (p.pid, t.user + t.system))
     return found
 
 

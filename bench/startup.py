@@ -22,45 +22,33 @@ import re
 import shutil
 import statistics
 import time
-from datetime import datetime
 from pathlib import Path
 
 import psutil
 from dilocox.peers.identity import load_or_create_identity
 
-from bench.compare import _tree
 from bench.localswarm import LocalNode
-from bench.swarm_size import BASE
+from bench.node_cpu import processes
+from bench.swarm_size import BASE, log_time
 
 MARKS = {"dht": "joined DHT", "syncing": "-> SYNCING", "training": "-> TRAINING"}
-STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
 
-def marks(log: str, started: float) -> dict[str, float]:
-    """Seconds from ``started`` (epoch) to the first log line of each of MARKS (the daemon's local-time stamps)."""
-    out = {}
-    for line in log.splitlines():
-        for key, text in MARKS.items():
-            m = STAMP.match(line)
-            if key not in out and text in line and m:
-                out[key] = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - started
-    return out
+def marks(node: LocalNode, started: float) -> dict[str, float]:
+    """Seconds from ``started`` (epoch) to the first line of the node's log of each of MARKS."""
+    found = {key: log_time(node, re.escape(text)) for key, text in MARKS.items()}
+    return {key: t - started for key, t in found.items() if t is not None}
 
 
 def cpu_by_kind(node: LocalNode) -> dict[str, float]:
-    """CPU seconds (user + system, with exited children) of the node's processes by kind: main, dht, averager
-    (hivemind forks the DHT first), p2pd."""
-    out, forked = {}, 0
-    for pid in _tree(node.proc.pid):
+    """CPU seconds (user + system, with exited children) of the node's processes by kind (bench/node_cpu.py)."""
+    out = {}
+    for kind, p in processes(node):
         try:
-            p = psutil.Process(pid)
-            kind = "p2pd" if "p2pd" in p.name() else "main" if pid == node.proc.pid else \
-                ("dht", "averager")[min(forked, 1)]
-            forked += kind in ("dht", "averager")
             t = p.cpu_times()
-            out[kind] = out.get(kind, 0.0) + t.user + t.system + t.children_user + t.children_system
         except psutil.Error:
             continue
+        out[kind] = out.get(kind, 0.0) + t.user + t.system + t.children_user + t.children_system
     return out
 
 
@@ -96,8 +84,7 @@ def main(argv=None) -> int:
                           "SYNCING")
             cpu = cpu_by_kind(node)
             node.wait_for(lambda n: n.status().state == "TRAINING", 120, "TRAINING")
-            row = dict(joiner=node.name, identity="kept" if kept else "new", **marks(node.err_path.read_text(),
-                                                                                       started),
+            row = dict(joiner=node.name, identity="kept" if kept else "new", **marks(node, started),
                        cpu_s=cpu, cpu_total_s=sum(cpu.values()))
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -34,10 +34,15 @@ def test_averaging_starts_reads_the_times_of_the_nodes_log():
     assert averaging_starts(log) == [datetime(2026, 11, 25, 1, 17, 40, 919000).timestamp()]
 
 
-def test_startup_marks_read_the_first_of_each_phase_from_the_nodes_log():
+def test_startup_marks_read_the_first_of_each_phase_from_the_nodes_log(tmp_path):
     from datetime import datetime
+    from types import SimpleNamespace
 
     from bench.startup import marks
+
+    def node(text):
+        (tmp_path / "stderr").write_text(text)
+        return SimpleNamespace(err_path=tmp_path / "stderr")
 
     t0 = datetime(2026, 11, 28, 1, 0, 0).timestamp()
     log = "\n".join([
@@ -47,6 +52,6 @@ def test_startup_marks_read_the_first_of_each_phase_from_the_nodes_log():
         "2026-11-28 01:00:02,000 INFO dilocox.daemon.node: state SYNCING -> TRAINING (outer step 4)",
         "2026-11-28 01:00:09,000 INFO dilocox.daemon.node: state AVERAGING -> SYNCING (outer step 5)",
     ])
-    got = marks(log, t0)
+    got = marks(node(log), t0)
     assert got == {"dht": 0.5, "syncing": 0.75, "training": 2.0}
-    assert marks("no stamps at all", t0) == {}
+    assert marks(node("no stamps at all"), t0) == {}
