@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import AsyncIterator, Callable, Dict, Optional, Tuple, Union
+from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple, Union
 
 import pydantic.v1 as pydantic
 import torch
@@ -46,7 +46,6 @@ from dilocox.consensus import canonical_digest
 from dilocox.sparse import ContributionError, SparseRound, aggregate_scaled
 
 logger = logging.getLogger(__name__)
-
 CHUNK_BYTES = 1 << 20  # pieces of a payload on the wire (hivemind's unary limit is 4 MiB; streams have none)
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 NOT_HELD = "not held"  # a relay's answer when it has no copy (yet) of the asked member's contribution
@@ -57,8 +56,28 @@ EMPTY_RETRIES = 2      # an empty stream without an error is asked for again thi
 # a member asked for its own contribution before offering it waits this long for the offer: group-mates whose
 # compute ended first, or an early round's all-gather, can ask while it still encodes (seconds at 100M values)
 OFFER_WAIT_S = 60.0
+# The downloads after the all-gather are given up once nobody else has been in the round for this long. A
+# joiner's group waits its full download cap (--averaging-timeout: the joiner has not measured its link) for a
+# payload that may never come: in run P (docs/protocol.md) a joiner waited 60 s on a group-mate that had left
+# the round. The grace keeps a member whose mates finished first (and moved on) from losing a joint round.
+ABANDON_GRACE_S = 15.0
 # tamper(payload, requester peer_id, key) -> bytes: the red-team hook's view of what we serve
 Tamper = Callable[[bytes, str, str], bytes]
+
+
+def lasting(predicate: Callable[[], bool], grace_s: float) -> Callable[[], bool]:
+    """A predicate that is True once ``predicate()`` has returned True on every call for ``grace_s`` seconds
+    (monotonic clock); a False resets it."""
+    since: List[Optional[float]] = [None]
+
+    def held() -> bool:
+        if not predicate():
+            since[0] = None
+            return False
+        now = time.monotonic()
+        since[0] = now if since[0] is None else since[0]
+        return now - since[0] >= grace_s
+    return held
 
 
 class ContributionServer(ServicerBase):
@@ -184,19 +203,35 @@ class ContributionServer(ServicerBase):
     # ------------------------------------------------------------------ fetching
     def fetch(self, wanted: Dict[str, Tuple[Optional[str], int]], key: str, timeout_s: float,
               relays: Tuple[str, ...] = (),
-              no_direct: frozenset = frozenset()) -> Tuple[Dict[str, bytes], Dict[str, str]]:
+              no_direct: frozenset = frozenset(), stop: Optional[Callable[[], bool]] = None,
+              check_every_s: float = 1.0) -> Tuple[Dict[str, bytes], Dict[str, str]]:
         """Download the payloads of ``wanted`` (peer_id -> (sha256 hex, exact length in bytes), or (None,
         the largest valid length) when nothing was announced) under ``key``, all at once, within
         ``timeout_s`` seconds. A peer is dialed directly unless it is in ``no_direct`` or a dial to it
         failed recently (``dials``); else, or when that fails, its contribution is asked of ``relays``
         (members that may hold a copy), in order. Returns (peer_id -> payload whose length and digest
-        match, peer_id -> why it was not accepted)."""
+        match, peer_id -> why it was not accepted).
+
+        ``stop()``, polled every ``check_every_s`` seconds, ends the wait early: the downloads in flight are
+        cancelled and RoundFailed is raised (the round went on without us; waiting on a group-mate that
+        left it would only delay our re-sync)."""
         if not wanted:
             return {}, {}
         future = asyncio.run_coroutine_threadsafe(self._fetch_all(wanted, key, timeout_s, tuple(relays), no_direct),
                                                   self._loop)
+        began, give_up = time.monotonic(), time.monotonic() + timeout_s + 5.0
         try:
-            results = future.result(timeout_s + 5.0)
+            while True:
+                try:
+                    results = future.result(max(0.0, min(check_every_s, give_up - time.monotonic())))
+                    break
+                except FutureTimeout:
+                    if time.monotonic() >= give_up:
+                        raise
+                    if stop is not None and stop():
+                        future.cancel()
+                        raise RoundFailed(f"abandoned after {time.monotonic() - began:.1f}s of downloads under "
+                                          f"{key!r}: no replica left in this round") from None
         except FutureTimeout:  # our event loop is starved (32 nodes on 2 cores): a failed fetch
             future.cancel()  # the caller asks again or elsewhere; an exception here ended a node (seen at 32)
             return {}, {peer: f"not received within {timeout_s + 5.0:.0f}s (our transport did not answer in time)"
@@ -411,7 +446,7 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
                     tamper_contribution: Optional[Callable[[bytes, int], bytes]] = None,
                     scheduled_in_s: Optional[float] = None, rule: str = "mean", norm_bound: float = 0.0,
                     admitted: Optional[Callable[[str], Optional[str]]] = None,
-                    adaptive_deadline: bool = True) -> RoundResult:
+                    adaptive_deadline: bool = True, abandon_grace_s: float = ABANDON_GRACE_S) -> RoundResult:
     """Average one round's sparse contribution by all-gather (module docstring); blocking.
 
     ``rnd``: the round's SparseRound, or a Future that will hold it (**early** matchmaking: the group
@@ -424,7 +459,8 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     their bytes (peers/deadlines.py), at most ``fetch_timeout_s`` (always that, without ``adaptive_deadline``).
     ``tamper_gather`` / ``tamper_contribution``: red-team hooks on our gathered metadata and on the payload
     we announce and serve (daemon/redteam.py). Raises RoundCancelled /
-    RoundFailed as ``PseudoGradientAverager.run_phase`` does, and RoundFailed when no contribution
+    RoundFailed as ``PseudoGradientAverager.run_phase`` does (``abandon`` also ends the downloads once it has
+    held for ``abandon_grace_s`` seconds), and RoundFailed when no contribution
     but ours could be used (the caller then treats the round as a failed all-reduce)."""
     key = group_bits(round_index) + "0"
     mine: Dict[str, bytes] = {}
@@ -471,7 +507,8 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     links = [LinkSnapshot(m.link_bps, m.link_latency_s, int(m.link_bps > 0)) for m in metas.values() if m is not None]
     fetch_s = group_download_deadline(links, sum(size for _, size in announced.values()), fetch_timeout_s,
                                       relayed=len(clients) > 1) if adaptive_deadline else fetch_timeout_s
-    got, failed = server.fetch(wanted, key, fetch_s, relays, no_direct)
+    stop = None if abandon is None else lasting(abandon, abandon_grace_s)
+    got, failed = server.fetch(wanted, key, fetch_s, relays, no_direct, stop=stop)
     fetched = time.monotonic()
     dropped.update(failed)
     if me in announced and me not in dropped:
@@ -482,10 +519,10 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
         mean, rejected, scaled = aggregate_scaled(got, weights, shapes, rnd.codec.cfg, rule=rule,
                                                   norm_bound=norm_bound)
     except ValueError as e:
+        _log_drops(round_index, dropped)  # why nothing was left, ours included
         raise RoundFailed(f"no usable contribution: {e}") from e
     dropped.update(rejected)
-    for peer, reason in sorted(dropped.items()):
-        logger.warning("round %d: dropped the contribution of %s: %s", round_index, peer, reason)
+    _log_drops(round_index, dropped)
     n = max(len(res.gathered), 1)
     numel = sum(t.numel() for t in rnd.codec.error)
     sent = server.served_bytes(key) + res.bytes_sent
@@ -497,3 +534,8 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
                        link_bps=server.link.snapshot().bps, scales=scaled,
                        phases=dict(matchmaking=started - called, gather=fetched - started,
                                    aggregate=time.monotonic() - fetched))
+
+
+def _log_drops(round_index: int, dropped: Dict[str, str]) -> None:
+    for peer, reason in sorted(dropped.items()):
+        logger.warning("round %d: dropped the contribution of %s: %s", round_index, peer, reason)

@@ -10,8 +10,11 @@ import time
 
 import hivemind
 import pytest
-from dilocox.peers.allgather import ContributionServer, screen_gathered
-from dilocox.peers.averaging import RoundGather
+import torch
+from dilocox.peers.allgather import ContributionServer, exchange_sparse, lasting, screen_gathered
+from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather
+
+from dilocox.sparse import SparseCompressor, SparseConfig
 
 SHA = "ab" * 32
 
@@ -119,6 +122,69 @@ def test_a_fetch_on_a_starved_event_loop_fails_with_a_reason_and_the_next_one_wo
     time.sleep(0.6)  # the blocked call ends
     got, failed = b.fetch({a_id: (None, 100)}, "starved", 30)
     assert got == {a_id: b"x" * 100} and not failed
+
+
+def test_a_fetch_stops_waiting_once_the_round_went_on_without_us(servers):
+    """A group-mate that left the round never serves its contribution: once ``stop()`` (the round's
+    abandon rule) holds, the fetch gives up with RoundFailed instead of waiting out its deadline. Without
+    ``stop`` the wait is bounded by the deadline alone."""
+    (a_id, a), (b_id, b) = servers
+    a.offer_wait_s = 20.0  # a holds the request open, as a peer that is still deciding does
+    try:
+        began = time.monotonic()
+        with pytest.raises(RoundFailed, match="abandoned after .* no replica left"):
+            b.fetch({a_id: (SHA, 10)}, "never-offered", 30, stop=lambda: time.monotonic() > began + 1.0,
+                    check_every_s=0.2)
+        assert time.monotonic() - began < 4.0
+        began = time.monotonic()  # a stop that never holds changes nothing: the download's own timeout ends it
+        _, failed = b.fetch({a_id: (SHA, 10)}, "never-offered", 2, stop=lambda: False, check_every_s=0.2)
+        assert "not received within 2s" in failed[a_id] and 1.9 < time.monotonic() - began < 6.0
+    finally:
+        a.offer_wait_s = 1.0
+
+
+class GatheringAverager:
+    """Stands in for the all-gather of metadata (tested with real peers in tests/test_partial_allreduce.py):
+    returns our gather and ``others``' as the group's."""
+
+    def __init__(self, others: dict):
+        self.others = others
+
+    def run_phase(self, bits, codes, gather, weight, deadline_s, cancel, abandon=None, **kwargs):
+        return PhaseResult(codes, {**self.others, "me": gather}, 0.1, 0, 0)
+
+
+def test_a_sparse_round_whose_group_mate_never_serves_is_given_up_once_the_others_moved_on(servers):
+    """The wiring of the rule above: a joiner's group waits its whole download cap (30 s here: no member has
+    measured its link) for a mate that never serves; with the others gone from the round it gives up after
+    the grace instead. Without ``abandon`` the wait ends at the mate's own refusal (20 s), then averages alone."""
+    (a_id, a), (b_id, b) = servers
+    comp = SparseCompressor([(1000,)], SparseConfig())
+    rnd = comp.begin([torch.randn(1000)])
+    avg = GatheringAverager({a_id: meta(outer_step=4, start="d0", weight=20.0, sha=SHA, size=100)})
+    a.offer_wait_s = 20.0
+    try:
+        began = time.monotonic()
+        with pytest.raises(RoundFailed, match="abandoned after"):
+            exchange_sparse(avg, b, "me", rnd, 5, RoundGather(outer_step=4, start_digest="d0", weight=20.0), 20.0,
+                            10, 30, threading.Event(), abandon=lambda: True, abandon_grace_s=1.0,
+                            admitted=lambda peer: None)
+        assert time.monotonic() - began < 5.0
+    finally:
+        a.offer_wait_s = 1.0
+
+
+def test_lasting_holds_only_after_the_predicate_held_for_the_grace_period(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    answers = iter([True, True, False, True, True, True])
+    held = lasting(lambda: next(answers), grace_s=10.0)
+    seen = []
+    for t in (100, 105, 108, 109, 115, 119.5):
+        now[0] = t
+        seen.append(held())
+    assert seen == [False, False, False, False, False, True]  # reset at 108; held from 109 to 119.5
+    assert lasting(lambda: True, 0.0)()
 
 
 def test_a_contribution_asked_for_before_it_is_offered_is_served_once_it_is(servers):
