@@ -262,7 +262,8 @@ class Node:
         if self.updates is not None and cfg.overlap == "none" and not self.staged and not cfg.audit_rate:
             self.ahead = JoinAhead(self.state, self.progress, self.transfer.fetch_update, self._published_step,
                                    ThreadPoolExecutor(max_workers=1, thread_name_prefix="join-ahead"))
-        self.transfer.attach(self.averagers[sizes[0]], self.updates, self.results, ahead=self.ahead is not None)
+        self.transfer.attach(self.averagers[sizes[0]], self.updates, self.results, ahead=self.ahead is not None,
+                             link=self.contributions.link if self.contributions else None)
         self.state.on_snapshot = self.transfer.published
         self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
                                   self.deadlines, self.contributions, self.attack,

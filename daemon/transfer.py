@@ -25,6 +25,7 @@ from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.replica_state import ReplicaState
 from dilocox.peers.allgather import ContributionServer
 from dilocox.peers.averaging import PseudoGradientAverager
+from dilocox.peers.deadlines import LinkEstimate
 
 from dilocox.catchup import AppliedUpdate, CatchUpError, decode, max_encoded_bytes
 from dilocox.consensus import (
@@ -96,6 +97,7 @@ class StateTransfer:
         self.updates: Optional[ContributionServer] = None  # set by attach(): applied updates, for catch-up
         self.results: Optional[ContributionServer] = None  # set by attach(): group results of split rounds
         self.ahead = False  # set by attach(): joins may compute the next round ahead of its start
+        self.link: Optional[LinkEstimate] = None  # set by attach(): our download link, seeded by a state download
         self.caught_up = 0  # outer steps replayed by catch-up since start
         self._waited_for_result, self._late_waits = False, 0
         self._busy_until = 0.0  # monotonic time until which we serve no other joiner ...
@@ -104,12 +106,16 @@ class StateTransfer:
         self.on_attempt: Callable[[str, int], None] = lambda reason, attempts: None  # e.g. status
 
     def attach(self, averager: PseudoGradientAverager, updates: Optional[ContributionServer] = None,
-               results: Optional[ContributionServer] = None, ahead: bool = False) -> None:
+               results: Optional[ContributionServer] = None, ahead: bool = False,
+               link: Optional[LinkEstimate] = None) -> None:
         """The averager that serves (``serve``) and downloads our stage's state, the server of applied
         updates (sparse rounds; None: no catch-up, a joiner that missed steps downloads again) and that of
         split rounds' group results (daemon/majority.py; None: no union). ``ahead``: the node merges one
-        missed update mid-round (daemon/join_ahead.py), so joins may compute the next round at once."""
+        missed update mid-round (daemon/join_ahead.py), so joins may compute the next round at once.
+        ``link``: the estimate our rounds' download deadlines come from; a state download seeds it
+        (``LinkEstimate.seed``) while no round has measured it."""
         self.averager, self.updates, self.results, self.ahead = averager, updates, results, ahead
+        self.link = link
         self.published()
 
     def published(self) -> None:
@@ -215,9 +221,11 @@ class StateTransfer:
                 logger.warning("rejected a downloaded state: %s", e)
                 failed(f"rejected a downloaded state: {str(e).splitlines()[0][:200]}")
                 continue
+            seconds, nbytes = time.monotonic() - began, sum(t.numel() * t.element_size() for t in got[1])
             logger.info("downloaded the state of outer step %d from %s in %.1f s (%d bytes)",
-                        downloaded.meta.outer_step, downloaded.meta.donor_peer_id or "a donor",
-                        time.monotonic() - began, sum(t.numel() * t.element_size() for t in got[1]))
+                        downloaded.meta.outer_step, downloaded.meta.donor_peer_id or "a donor", seconds, nbytes)
+            if self.link is not None:
+                self.link.seed(nbytes, seconds)
             point, downloaded = self._enter(downloaded, keep_round, deadline, attempted, failed)
             if point is not None:
                 return point, downloaded

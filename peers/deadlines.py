@@ -8,7 +8,8 @@ whole batch's wall time, latency included: a lower bound on the link rate, so de
 and of its latency to the first byte, from the all-gather's past downloads (peers/allgather.py).
 ``download_deadline`` turns the bytes a round will fetch into a deadline: ``MARGIN`` x (latency +
 bytes / rate), at least ``FLOOR_S`` seconds, at most the configured cap (``--averaging-timeout``).
-Until a download has been measured the cap is used. A group uses the longest deadline any of its
+Until a download has been measured the cap is used; a joiner's state download gives a first rate
+(``LinkEstimate.seed``). A group uses the longest deadline any of its
 members needs (``group_download_deadline``: members announce their link with their metadata).
 
 ``RoundDeadlines`` derives the other two deadlines of a sparse round the same way, each with its
@@ -77,6 +78,19 @@ class LinkEstimate:
                 bps = rate if s.bps == 0 else (1 - ALPHA) * s.bps + ALPHA * rate
             self._s = LinkSnapshot(bps, latency, s.samples + 1)
 
+    def seed(self, nbytes: int, seconds: float) -> None:
+        """A first rate from one download outside the rounds: a joiner's state download, ``nbytes`` in
+        ``seconds`` (finding the donor included, so a lower bound on the rate, and deadlines from it err
+        long). Taken only while no round has been measured (``samples`` 0), which it leaves at 0: the
+        matchmaking time and group wait keep their flags until a round is measured, and the first round's
+        observation replaces the latency (unknown here: 0). Without it a joiner announces no rate, and its
+        whole group waits the download cap for a missing contribution (run P, docs/protocol.md)."""
+        if not (0 < seconds < float("inf")) or nbytes < MIN_RATE_BYTES:
+            return
+        with self._lock:
+            if self._s.samples == 0:
+                self._s = LinkSnapshot(8 * nbytes / seconds, 0.0, 0)
+
     def snapshot(self) -> LinkSnapshot:
         with self._lock:
             return self._s
@@ -106,6 +120,9 @@ def describe(link: LinkSnapshot, deadline_s: Optional[float], cap_s: float) -> s
     """One line for status: the deadline in use and what it came from."""
     if link.bps <= 0 or deadline_s is None:
         return f"downloads {cap_s:.0f}s (--averaging-timeout; link not measured yet)"
+    if link.samples == 0:
+        return (f"downloads {deadline_s:.1f}s (the state download's {link.bps / 1e6:.1f} Mbit/s; no round measured "
+                f"yet; cap {cap_s:.0f}s)")
     return (f"downloads {deadline_s:.1f}s (measured {link.bps / 1e6:.1f} Mbit/s, {1e3 * link.latency_s:.0f} ms to "
             f"first byte, {link.samples} rounds; cap {cap_s:.0f}s)")
 

@@ -145,3 +145,29 @@ def test_a_group_waits_as_long_as_its_slowest_or_unmeasured_member_needs():
     assert group_download_deadline([fast, LinkSnapshot()], 1000, 8.0) == 8.0  # a joiner: the cap
     assert group_download_deadline([fast, fast], 1000, 8.0) == FLOOR_S
     assert group_download_deadline([], 1000, 8.0) == 8.0
+
+
+def test_a_state_download_seeds_the_rate_until_a_round_is_measured():
+    """A joiner's state download (80 MB in 8 s here) gives its first rounds a download deadline from a rate
+    instead of the cap, which its whole group would wait; matchmaking keeps the flags, and a round's own
+    measurement then takes over. Nonsense and a state too small to time are ignored."""
+    link = LinkEstimate()
+    for args in ((80 << 20, 0.0), (80 << 20, -1.0), (80 << 20, math.inf), (100, 1.0)):
+        link.seed(*args)
+    assert link.snapshot() == LinkSnapshot()
+    link.seed(80 << 20, 8.0)
+    seeded = link.snapshot()
+    assert seeded.samples == 0 and seeded.latency_s == 0.0 and seeded.bps == pytest.approx(8 * (80 << 20) / 8.0)
+    assert download_deadline(seeded, 1 << 20, 60.0) == FLOOR_S  # 0.1 s at that rate, x MARGIN: the floor
+    assert download_deadline(seeded, 200 << 20, 60.0) == pytest.approx(MARGIN * 20.0)
+    assert "the state download's 83.9 Mbit/s; no round measured yet" in describe(seeded, 5.0, 60.0)
+    d = RoundDeadlines(link, matchmaking_cap_s=15.0, group_wait_cap_s=240.0, request_timeout_s=5.0)
+    d.observe_group(10.0, [12.0])
+    assert d.current() == RoundTimes(15.0, 240.0, measured=False)  # no latency known: the flags
+    link.seed(1 << 20, 8.0)  # a second sync before any round: the newest state download
+    assert link.snapshot().bps == pytest.approx(8 * (1 << 20) / 8.0)
+    link.observe(1 << 20, 0.3, 0.1)  # the first round: its latency, its rate blended with the seed
+    after = link.snapshot()
+    assert after.samples == 1 and after.latency_s == 0.1
+    link.seed(80 << 20, 0.001)  # once a round is measured, a state download changes nothing
+    assert link.snapshot() == after

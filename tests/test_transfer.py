@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 from dilocox.daemon.transfer import StateTransfer
+from dilocox.peers.deadlines import LinkEstimate
 
 from tests.test_rounds import FakeProgress, state  # noqa: F401 (pytest fixture)
 
@@ -147,8 +148,10 @@ def test_a_joiner_keeps_trying_and_says_why(state, monkeypatch):  # noqa: F811
     t.averager = FlakyAverager(2, (dict(meta, donor_peer_id="donor", donor_inner_step=1), tensors))
     reports = []
     t.on_attempt = lambda reason, n: reports.append((reason, n))
+    t.link = LinkEstimate()
     point, got = t.sync(initial=False)
     assert got is not None and t.averager.calls == 3
+    assert t.link.snapshot().bps > 0 and t.link.snapshot().samples == 0  # the download seeded our rate
     assert reports == [("no donor served a state", 1), ("no donor served a state", 2)]
     assert sleeps[:2] == [0.5, 1.0]  # backoff doubles
     cfg = state.cfg.model_copy(update=dict(sync_deadline=0.001))
