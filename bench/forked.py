@@ -112,8 +112,13 @@ class ForkedProcess:
         return self._process.exitcode
 
     def send_signal(self, sig: int) -> None:
+        """As Popen's: nothing once the node ended. Its parent is the forkserver, which reaps it before our
+        ``exitcode`` knows (a node that exits at SIGTERM time ended run Q's bench with ProcessLookupError)."""
         if self._process.exitcode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
 
 def image_holders(procs) -> set[int]:

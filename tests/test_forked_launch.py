@@ -61,3 +61,19 @@ def test_a_forked_node_refuses_to_run_without_the_shared_image(monkeypatch, tmp_
     with pytest.raises(RuntimeError, match="did not import bench.node_image"):
         _node([], str(tmp_path), {}, str(tmp_path / "out"), str(tmp_path / "err"), 1)
     assert "did not import bench.node_image" in (tmp_path / "err").read_text()  # the node's log says why
+
+
+def test_signalling_a_node_the_forkserver_already_reaped_is_a_no_op():
+    """A forked node's parent is the forkserver, which reaps it before our ``exitcode`` knows it ended: its pid
+    is gone while ``exitcode`` is still None. The stop that sends SIGTERM to every node then raised
+    ProcessLookupError and ended a 32-node bench before its figures were written."""
+    import subprocess
+    import types
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: os.kill(pid) raises ProcessLookupError
+    proc = ForkedProcess.__new__(ForkedProcess)
+    proc._process, proc.pid = types.SimpleNamespace(exitcode=None), gone.pid
+    with pytest.raises(ProcessLookupError):
+        os.kill(gone.pid, signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
