@@ -46,6 +46,7 @@ from dilocox.consensus import canonical_digest
 from dilocox.sparse import ContributionError, SparseRound, aggregate_scaled
 
 logger = logging.getLogger(__name__)
+
 CHUNK_BYTES = 1 << 20  # pieces of a payload on the wire (hivemind's unary limit is 4 MiB; streams have none)
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 NOT_HELD = "not held"  # a relay's answer when it has no copy (yet) of the asked member's contribution
@@ -56,10 +57,10 @@ EMPTY_RETRIES = 2      # an empty stream without an error is asked for again thi
 # a member asked for its own contribution before offering it waits this long for the offer: group-mates whose
 # compute ended first, or an early round's all-gather, can ask while it still encodes (seconds at 100M values)
 OFFER_WAIT_S = 60.0
-# The downloads after the all-gather are given up once nobody else has been in the round for this long. A
-# joiner's group waits its full download cap (--averaging-timeout: the joiner has not measured its link) for a
-# payload that may never come: in run P (docs/protocol.md) a joiner waited 60 s on a group-mate that had left
-# the round. The grace keeps a member whose mates finished first (and moved on) from losing a joint round.
+# The downloads after the all-gather are given up once nobody else has been in the round for this long. A group
+# waits its download deadline, up to --averaging-timeout, for a payload that may never come: in run P
+# (docs/protocol.md) a joiner's group, with no measured link, waited 60 s on a group-mate that had left the
+# round. The grace keeps a member whose mates finished first (and moved on) from losing a joint round.
 ABANDON_GRACE_S = 15.0
 # tamper(payload, requester peer_id, key) -> bytes: the red-team hook's view of what we serve
 Tamper = Callable[[bytes, str, str], bytes]
