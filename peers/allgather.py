@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple, Union
+from typing import AsyncIterator, Callable, Dict, Optional, Tuple, Union
 
 import pydantic.v1 as pydantic
 import torch
@@ -57,8 +57,8 @@ EMPTY_RETRIES = 2      # an empty stream without an error is asked for again thi
 # a member asked for its own contribution before offering it waits this long for the offer: group-mates whose
 # compute ended first, or an early round's all-gather, can ask while it still encodes (seconds at 100M values)
 OFFER_WAIT_S = 60.0
-# The downloads after the all-gather are given up once nobody else has been in the round for this long. A group
-# waits its download deadline, up to --averaging-timeout, for a payload that may never come: in run P
+# The downloads after the all-gather are given up once they have lasted this long and nobody else is in the round.
+# A group waits its download deadline, up to --averaging-timeout, for a payload that may never come: in run P
 # (docs/protocol.md) a joiner's group, with no measured link, waited 60 s on a group-mate that had left the
 # round. The grace keeps a member whose mates finished first (and moved on) from losing a joint round.
 ABANDON_GRACE_S = 15.0
@@ -66,19 +66,12 @@ ABANDON_GRACE_S = 15.0
 Tamper = Callable[[bytes, str, str], bytes]
 
 
-def lasting(predicate: Callable[[], bool], grace_s: float) -> Callable[[], bool]:
-    """A predicate that is True once ``predicate()`` has returned True on every call for ``grace_s`` seconds
-    (monotonic clock); a False resets it."""
-    since: List[Optional[float]] = [None]
-
-    def held() -> bool:
-        if not predicate():
-            since[0] = None
-            return False
-        now = time.monotonic()
-        since[0] = now if since[0] is None else since[0]
-        return now - since[0] >= grace_s
-    return held
+def after(predicate: Callable[[], bool], delay_s: float) -> Callable[[], bool]:
+    """A predicate that is False, without calling ``predicate``, until ``delay_s`` seconds (monotonic clock)
+    after it was made, and ``predicate()`` from then on. ``abandon`` reads the membership records (a DHT read),
+    so a download that ends within the grace never pays for one."""
+    start = time.monotonic()
+    return lambda: time.monotonic() - start >= delay_s and predicate()
 
 
 class ContributionServer(ServicerBase):
@@ -460,8 +453,8 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     their bytes (peers/deadlines.py), at most ``fetch_timeout_s`` (always that, without ``adaptive_deadline``).
     ``tamper_gather`` / ``tamper_contribution``: red-team hooks on our gathered metadata and on the payload
     we announce and serve (daemon/redteam.py). Raises RoundCancelled /
-    RoundFailed as ``PseudoGradientAverager.run_phase`` does (``abandon`` also ends the downloads once it has
-    held for ``abandon_grace_s`` seconds), and RoundFailed when no contribution
+    RoundFailed as ``PseudoGradientAverager.run_phase`` does (``abandon`` also ends the downloads once they
+    have lasted ``abandon_grace_s`` seconds), and RoundFailed when no contribution
     but ours could be used (the caller then treats the round as a failed all-reduce)."""
     key = group_bits(round_index) + "0"
     mine: Dict[str, bytes] = {}
@@ -508,7 +501,7 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     links = [LinkSnapshot(m.link_bps, m.link_latency_s, int(m.link_bps > 0)) for m in metas.values() if m is not None]
     fetch_s = group_download_deadline(links, sum(size for _, size in announced.values()), fetch_timeout_s,
                                       relayed=len(clients) > 1) if adaptive_deadline else fetch_timeout_s
-    stop = None if abandon is None else lasting(abandon, abandon_grace_s)
+    stop = None if abandon is None else after(abandon, abandon_grace_s)
     got, failed = server.fetch(wanted, key, fetch_s, relays, no_direct, stop=stop)
     fetched = time.monotonic()
     dropped.update(failed)

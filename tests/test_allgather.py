@@ -11,7 +11,7 @@ import time
 import hivemind
 import pytest
 import torch
-from dilocox.peers.allgather import ContributionServer, exchange_sparse, lasting, screen_gathered
+from dilocox.peers.allgather import ContributionServer, after, exchange_sparse, screen_gathered
 from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather
 
 from dilocox.sparse import SparseCompressor, SparseConfig
@@ -156,8 +156,9 @@ class GatheringAverager:
 
 def test_a_sparse_round_whose_group_mate_never_serves_is_given_up_once_the_others_moved_on(servers):
     """The wiring of the rule above: a joiner's group waits its whole download cap (30 s here: no member has
-    measured its link) for a mate that never serves; with the others gone from the round it gives up after
-    the grace instead. Without ``abandon`` the wait ends at the mate's own refusal (20 s), then averages alone."""
+    measured its link) for a mate that never serves; with the others gone from the round it gives up once its
+    downloads have lasted the grace. Without ``abandon`` the wait ends at the mate's own refusal (20 s), then
+    it averages alone."""
     (a_id, a), (b_id, b) = servers
     comp = SparseCompressor([(1000,)], SparseConfig())
     rnd = comp.begin([torch.randn(1000)])
@@ -174,17 +175,15 @@ def test_a_sparse_round_whose_group_mate_never_serves_is_given_up_once_the_other
         a.offer_wait_s = 1.0
 
 
-def test_lasting_holds_only_after_the_predicate_held_for_the_grace_period(monkeypatch):
-    now = [100.0]
+def test_after_asks_nothing_until_its_delay_has_passed(monkeypatch):
+    now, calls = [100.0], []
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    answers = iter([True, True, False, True, True, True])
-    held = lasting(lambda: next(answers), grace_s=10.0)
+    held = after(lambda: calls.append(now[0]) or True, delay_s=10.0)
     seen = []
-    for t in (100, 105, 108, 109, 115, 119.5):
+    for t in (100, 105, 109.9, 110, 115):
         now[0] = t
         seen.append(held())
-    assert seen == [False, False, False, False, False, True]  # reset at 108; held from 109 to 119.5
-    assert lasting(lambda: True, 0.0)()
+    assert seen == [False, False, False, True, True] and calls == [110, 115]  # no DHT read before the delay
 
 
 def test_a_contribution_asked_for_before_it_is_offered_is_served_once_it_is(servers):
