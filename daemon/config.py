@@ -104,12 +104,13 @@ class NodeConfig(BaseModel):
         """The settings every replica of a swarm must share for theta to stay bit-identical and codes to decode
         (docs/operations.md, "Nodes of one swarm must agree on"), as one line. Not in it: what separates swarms
         already (run_id, stages, compression, model and rank_max name the DHT keys and averager prefixes), the
-        seed (a joiner downloads theta), and per-node choices (sparse_beta, data, timeouts, devices)."""
+        seed (a joiner downloads theta), and per-node choices (sparse_beta, data, timeouts, devices, a synthetic
+        workload's STEP_S)."""
         outer = f"lr={self.outer_lr!r}" if self.outer_lr_final in (None, self.outer_lr) else \
             f"lr={self.outer_lr!r}->{self.outer_lr_final!r} over {self.ramp_rounds} rounds"
         parts = [f"H={self.inner_steps} T={self.schedule_steps}"]
-        if self.workload:
-            parts.append(f"workload={self.workload}")
+        if self.workload:  # STEP_S is the emulated machine's speed, a per-node choice: "synthetic:PARAMS" only
+            parts.append(f"workload={self.workload.strip().rsplit(':', 1)[0]}")
         elif self.tokenizer != "bytes":  # ids must mean the same text on every replica
             parts.append(f"tokenizer=sha256:{tokenizer_digest(self.tokenizer)}")
         shape = f"betas={self.beta1!r}/{self.beta2!r}" if self.inner_optimizer == "adamw" else \

@@ -144,6 +144,30 @@ class MajorityUpdate:
                 return Resolution(Standing.ALONE)
             time.sleep(POLL_S)
 
+    def follow(self, index: int, parent_digest: str) -> Optional[AppliedUpdate]:
+        """Round ``index`` went on without us (our exchange failed, or had not begun, while others applied it): the
+        update that took a strict majority of the live replicas (ours counted) from ``parent_digest`` to the theta
+        they hold at outer step ``index`` (dilocox.consensus.applied_majority), fetched from them and checked
+        (content and theta, ``_fetch_checked``). Polls while a replica that has not applied it is still in the
+        round, up to ``wait_s``; None when no majority applied it by then (or the swarm went past it: one update
+        does not take us there), no member served a valid update, or ``cancelled()`` (the caller then re-syncs)."""
+        deadline, why = time.monotonic() + self.wait_s, "no strict majority of the live replicas applied it"
+        while not self.cancelled():
+            others = self._others(index, parent_digest)
+            theta = applied_majority(others, index, 1)
+            if theta is not None:
+                update, why = self._fetch_applied(index, theta, parent_digest, others)
+                if update is not None:
+                    return update
+            elif not [m for m in in_round(others, index, self.delayed) if m.outer_step < index]:
+                why = f"no replica that could still apply it is in round {index}"
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        logger.info("round %d: cannot follow the swarm's update (%s)", index, why)
+        return None
+
     def _others(self, index: int, parent_digest: str) -> list:
         """The other members' records in round ``index``'s lineage: a fresh read merged with the roster
         (``_roster``), less the members whose record holds another theta at outer step index - 1. Their round

@@ -568,10 +568,22 @@ class Node:
                 self._record(finished.info, finished.losses)
         elif finished.outcome in _RECORDED:
             self._record(finished.info, finished.losses)
+        if finished.behind:
+            self._rejoin(finished.index)
         if self.audits is not None:
             if finished.result is not None:
                 self.audits.observe(finished.index, finished.result)
             self.audits.review(self.progress.others())
+
+    def _rejoin(self, index: int) -> None:
+        """Round ``index`` went on without us and we applied the update most of the swarm applied: skip to the
+        members' inner step of the round they compute now (no download), as a re-sync would."""
+        point = self.transfer.in_phase()
+        if point is None or point.round != self.state.round:
+            return  # nobody holds our theta, or they are further on: the next round's start sorts it out
+        self.skip_steps = point.skip
+        logger.info("round %d went on without us: applied the swarm's update; joining round %d at inner step %d",
+                    index, point.round, point.skip)
 
     def _form_replica(self) -> bool:
         """Block until our replica has all its stages (True) or we are asked to leave (False)."""

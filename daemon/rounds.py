@@ -57,8 +57,8 @@ from dilocox.consensus import (
     Verdict,
     canonical_digest,
     failure_action,
-    in_round,
     judge_result,
+    left_behind,
     round_start_action,
     undecided,
 )
@@ -99,6 +99,8 @@ class Finished:
     # the exchange's result where one came in from a group that started from our parameters (daemon/audits.py
     # keeps its contributions to audit, whatever became of the round)
     result: Optional[RoundResult] = None
+    # ADOPTED after the round went on without us: the caller rejoins the next round at the members' inner step
+    behind: bool = False
 
 
 @dataclass
@@ -112,6 +114,7 @@ class Checked:
     reason: str = ""
     fetches_result: bool = False
     adopted: Optional[AppliedUpdate] = None  # ADOPTED, UNITED: what is applied in place of ours (daemon/majority.py)
+    behind: bool = False  # ADOPTED: the round went on without us (MajorityUpdate.follow)
 
 
 @dataclass
@@ -211,7 +214,13 @@ class OuterRounds:
         early, self.early = self.early, None
         if action == StartAction.ALREADY_DONE:
             self._cancel(early)
-            return Finished(r, RoundOutcome.RESYNC, reason=f"round {r} was already completed by others")
+            reason = f"round {r} was already completed by others"
+            followed = self._follow(r, reason)
+            if followed.outcome == RoundOutcome.RESYNC:
+                return Finished(r, RoundOutcome.RESYNC, reason=reason)
+            p = PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started, checked=Future())
+            p.checked.set_result(followed)  # finish() applies it as it applies any checked round
+            return p
         if early is not None and early.index != r:
             self._cancel(early)
             early = None
@@ -237,7 +246,7 @@ class OuterRounds:
         p = PendingRound(r, honest, compression, None, compute_s, losses, started, **encoded)
         self.times[r] = self.deadlines.current()
         deadline_s = self.times[r].group_wait_s
-        abandon = lambda: not in_round(self.progress.others(), r, self.delayed)  # noqa: E731
+        abandon = lambda: left_behind(self.progress.others(), r, self.delayed)  # noqa: E731
         if isinstance(compression, SparseRound):
             p.future = self._submit_sparse(compression, r, gather, p.cancel)
         else:
@@ -255,7 +264,7 @@ class OuterRounds:
         return self.comm.submit(
             exchange_sparse, self.averagers[self.state.averager_sizes()[0]], self.contributions, self.progress.peer_id,
             compression, r, gather, float(cfg.inner_steps), group_wait_s,
-            cfg.averaging_timeout, cancel, lambda: not in_round(self.progress.others(), r, self.delayed),
+            cfg.averaging_timeout, cancel, lambda: left_behind(self.progress.others(), r, self.delayed),
             tamper_gather=attack.gather if attack else None,
             tamper_contribution=attack.contribution if attack else None, scheduled_in_s=scheduled_in_s,
             rule=cfg.aggregation, norm_bound=cfg.norm_bound, admitted=self.admitted,
@@ -408,7 +417,7 @@ class OuterRounds:
         if p.early is not None:
             return self._finish_locally(p, p.early)
         waited_from = time.monotonic()
-        if p.future is None:
+        if p.future is None and p.checked is None:
             checked = Checked(RoundOutcome.SOLO)
         else:
             waiting = p.checked if p.checked is not None else p.future
@@ -434,8 +443,8 @@ class OuterRounds:
         # state only together with the outer step it belongs to
         apply_began = time.monotonic()
         with self.state.changing():
-            if outcome in (RoundOutcome.APPLIED, RoundOutcome.ADOPTED, RoundOutcome.UNITED):  # ours went out
-                self.state.compressor.commit(p.compression)
+            if outcome in (RoundOutcome.APPLIED, RoundOutcome.ADOPTED, RoundOutcome.UNITED) and result is not None:
+                self.state.compressor.commit(p.compression)  # ours went out (not when the round went on without us)
             # SCAFFOLD's quiet restart counts from a round with an outsized contribution: the group's, or the update's
             outsized = checked.adopted.outsized if checked.adopted is not None else \
                 outcome == RoundOutcome.APPLIED and result is not None and self.state.outsized(result.scales)
@@ -451,7 +460,7 @@ class OuterRounds:
             p.early = info
             return Finished(p.index, RoundOutcome.DEFERRED, info)
         finished = self._finish_locally(p, info)
-        finished.result = result
+        finished.result, finished.behind = result, checked.behind
         return finished
 
     def _check(self, p: PendingRound) -> "Checked":
@@ -465,7 +474,7 @@ class OuterRounds:
             return Checked(RoundOutcome.CANCELLED)
         except RoundFailed as e:
             if failure_action(self.progress.others(FRESH_S), p.index) == Verdict.RESYNC:
-                return Checked(RoundOutcome.RESYNC, reason=f"round {p.index} went on without us ({e})")
+                return self._follow(p.index, f"round {p.index} went on without us ({e})")
             logger.warning("round %d: %s; applying our own pseudo-gradient", p.index, e)
             return Checked(RoundOutcome.APPLIED_ALONE)
         self.deadlines.observe_group(p.compute_s, [g.compute_s for g in result.gathered.values() if g])
@@ -523,6 +532,17 @@ class OuterRounds:
         # from all-gathered figures only, so every member picks the same rank (and averager)
         p.compression.decide_rank(*group_limits(result.gathered), group_size)
         return Checked(RoundOutcome.APPLIED, result, group_size)
+
+    def _follow(self, index: int, reason: str) -> Checked:
+        """Round ``index`` went on without us (``reason``): ADOPTED (``behind``) with the update a strict majority
+        of the live replicas applied, fetched and checked (MajorityUpdate.follow), so the round counts as joint and
+        no state download is needed; else RESYNC. Overlapped rounds re-sync as before: their next round is
+        already computed from theta_{index - 1}."""
+        update = None if self.majority is None or self.delayed else self.majority.follow(index, self.state.digest)
+        if update is None:
+            return Checked(RoundOutcome.RESYNC, reason=reason)
+        logger.info("%s: applying the update most of the swarm applied (theta %s)", reason, update.digest)
+        return Checked(RoundOutcome.ADOPTED, None, update.group_size, adopted=update, behind=True)
 
     def _await_reports(self, p: PendingRound, group: set[str]) -> dict[str, str]:
         """Result reports of round p's group when some were missing at first (missing, not different: a loaded

@@ -128,6 +128,14 @@ class StateTransfer:
         if self.averager is not None:
             self.averager.share_state(allowed)
 
+    def in_phase(self) -> Optional[JoinPoint]:
+        """Where the live replicas that hold our theta are now (dilocox.consensus.current_join: their most
+        advanced round, at their inner step): a member that followed a round's update without a download
+        rejoins there, as a re-sync would, so it reaches the next round's matchmaking with them. None: nobody
+        holds our theta."""
+        active = [m for m in self.progress.others() if m.state in ACTIVE_STATES]
+        return current_join(active, self.state.outer_step, self.state.digest, self.state.H)
+
     # ------------------------------------------------------------------ donor
     def serve(self):
         """hivemind's state provider (runs on the averager's thread in this process): (meta, tensors).

@@ -242,6 +242,15 @@ def in_round(others: Sequence[PeerProgress], r: int, delayed: bool) -> List[Peer
     return [m for m in others if m.state in ACTIVE_STATES and m.round in window]
 
 
+def left_behind(others: Sequence[PeerProgress], r: int, delayed: bool) -> bool:
+    """Round r no longer waits for us: no other replica takes part in it (``in_round``), or a strict majority
+    of the live replicas, ours counted, already applied it (``applied_majority``). A late member then stops
+    matchmaking and downloading and follows the update most of the swarm applied (daemon/majority.py,
+    ``MajorityUpdate.follow``) instead of waiting for the round's slowest member to settle: in a 32-node run
+    a member late to its round's only group waited 95 s for one straggler."""
+    return not in_round(others, r, delayed) or applied_majority(others, r, 1) is not None
+
+
 def someone_applied(others: Sequence[PeerProgress], r: int) -> bool:
     """Has a live replica already applied round r (its outer_step reached r)?"""
     return any(m.state in ACTIVE_STATES and m.outer_step >= r for m in others)

@@ -136,6 +136,21 @@ def test_in_round_window():
     assert [p.peer_id for p in in_round(peers, 5, delayed=True)] == ["a", "b", "e"]
 
 
+def test_a_member_is_left_behind_once_nobody_else_is_in_the_round_or_most_replicas_applied_it():
+    from dilocox.consensus import left_behind
+
+    in_it = [Peer(f"a{i}", outer_step=4, round=5, global_params_digest="d4") for i in range(3)]
+    applied = [Peer(f"b{i}", outer_step=5, round=6, inner_step=2, global_params_digest="d5") for i in range(3)]
+    assert not left_behind(in_it + applied, 5, delayed=False)  # 3 of 7 applied: the round still waits for its group
+    assert left_behind(in_it[:1] + applied, 5, delayed=False)  # 3 of 5 (ours counted) hold d5 at step 5
+    assert left_behind(applied, 5, delayed=False)  # nobody else is in round 5 (the rule before this one)
+    # a majority needs one theta: two lineages that applied the round do not make us late while others are in it
+    split = applied[:2] + [Peer("c", outer_step=5, round=6, global_params_digest="other")]
+    assert not left_behind(in_it[:1] + split, 5, delayed=False)
+    assert not left_behind([Peer(f"s{i}", state="SYNCING", outer_step=5, round=6, global_params_digest="d5")
+                            for i in range(4)] + in_it[:1], 5, delayed=False)  # syncing replicas do not count
+
+
 # ---------------------------------------------------------------- joining
 
 def test_no_donor_joiner_starts_from_seed_after_patience():

@@ -555,6 +555,65 @@ def test_a_late_group_adopts_what_most_of_the_swarm_already_applied(tmp_path, st
     assert (state.outer_step, state.digest) == (1, update.digest)
 
 
+def test_a_member_the_round_went_on_without_follows_the_update_most_replicas_applied(tmp_path, state):
+    """Our exchange failed (late to the round's one group) while four of five replicas applied the round: we fetch
+    the update that took them to theta_1 and apply it (ADOPTED, ``behind``), with no state download; our own
+    contribution never went out, so the error feedback keeps what it held."""
+    update, _ = _majority_update(tmp_path, state, 4)
+    outside = [Member(peer_id=p, outer_step=1, round=2, inner_step=3, global_params_digest=update.digest)
+               for p in "cdef"]
+    asked = []
+    rounds = split_rounds(state, outside, lambda peers, step: asked.append((sorted(peers), step)) or update)
+    committed = []
+    state.compressor.commit = committed.append  # what a codec's error feedback keeps from the round
+    done = rounds.finish(pending(state, RoundFailed("no group: the round's group formed without us")))
+    assert done.outcome == RoundOutcome.ADOPTED and done.behind and done.info.group_size == 4
+    assert len(asked) == 1 and set(asked[0][0]) < set("cdef")
+    assert (state.outer_step, state.digest, state.round) == (1, update.digest, 2) and committed == []
+
+
+def test_a_member_the_round_went_on_without_re_syncs_while_no_majority_applied_it(tmp_path, state):
+    """Two of five replicas applied the round (the others are still in it): nothing to follow within the wait
+    (averaging_timeout, 1 s here), so the member re-syncs as before; a fetched update that does not lead to the
+    majority's theta is not applied either."""
+    update, _ = _majority_update(tmp_path, state, 4)
+    theta0 = state.digest
+    minority = [Member(peer_id=p, outer_step=1, round=2, global_params_digest=update.digest) for p in "cd"] + \
+               [Member(peer_id=p, outer_step=0, round=1, global_params_digest=theta0) for p in "ef"]
+    began = time.monotonic()
+    done = split_rounds(state, minority, lambda peers, step: pytest.fail("nothing to fetch")).finish(
+        pending(state, RoundFailed("no group")))
+    assert done.outcome == RoundOutcome.RESYNC and "went on without us" in done.reason and not done.behind
+    assert 0.9 <= time.monotonic() - began < 5 and (state.outer_step, state.digest) == (0, theta0)
+    from dataclasses import replace
+
+    majority = [Member(peer_id=p, outer_step=1, round=2, global_params_digest=update.digest) for p in "cdef"]
+    for bad in (replace(update, digest="elsewhere"), replace(update, parent_digest="elsewhere")):
+        done = split_rounds(state, majority, lambda peers, step: bad).finish(pending(state, RoundFailed("no group")))
+        assert done.outcome == RoundOutcome.RESYNC and (state.outer_step, state.digest) == (0, theta0)
+
+
+def test_a_round_others_already_completed_follows_their_update_at_its_start(tmp_path, state):
+    """Our inner steps ended after most replicas had applied the round (round_start_action: ALREADY_DONE): the
+    round is joint all the same, through the update they applied, and nothing of ours goes out."""
+    update, _ = _majority_update(tmp_path, state, 3)
+    outside = [Member(peer_id=p, outer_step=1, round=2, global_params_digest=update.digest) for p in "cde"]
+    rounds = split_rounds(state, outside, lambda peers, step: update)
+    started = rounds.start(state.pseudo_gradient(), 2, 1.0, [2.0])
+    assert isinstance(started, PendingRound) and started.compression is None
+    done = rounds.finish(started)
+    assert done.outcome == RoundOutcome.ADOPTED and done.behind
+    assert (state.outer_step, state.digest) == (1, update.digest)
+    # overlapped rounds re-sync as before: the next round is computed from theta_0 already
+    st = computed_round(tmp_path / "delayed")
+    cfg = st.cfg.model_copy(update=dict(overlap="delayed", averaging_timeout=1.0))
+    delayed = OuterRounds(cfg, st, FakeProgress(outside), averagers={}, leave_requested=threading.Event(),
+                          deadlines=rounds.deadlines, fetch_update=lambda peers, step: pytest.fail("no follow"))
+    _made.append(delayed)
+    late = delayed.start(st.pseudo_gradient(), 2, 1.0, [])
+    assert late.outcome == RoundOutcome.RESYNC and "already completed" in late.reason
+
+
 def test_a_fetch_asks_two_holders_at_a_time_and_a_leave_ends_the_settling_at_once(tmp_path, state):
     """A majority result whose holders do not answer (each ask costs the transfer's timeout, here 0.3 s): every
     attempt asks at most two of the 20 holders (not a sweep over all of them, which at 32 nodes held a member in

@@ -64,7 +64,12 @@ def test_inner_steps_write_a_deterministic_update_and_take_step_s():
 
 def test_a_node_config_builds_a_replica_on_it():
     cfg = load_config({"workload": "synthetic:50k:0", "inner_steps": 4}, environ={})
-    assert "workload=synthetic:50k:0" in cfg.swarm_settings()
+    assert "workload=synthetic:50k " in cfg.swarm_settings()
+    # STEP_S is the emulated machine's speed: a slower node is the same swarm, a bigger model is not
+    slower = load_config({"workload": "synthetic:50k:0.5", "inner_steps": 4}, environ={})
+    assert slower.settings_digest() == cfg.settings_digest()
+    assert load_config({"workload": "synthetic:60k:0", "inner_steps": 4}, environ={}).settings_digest() != \
+        cfg.settings_digest()
     assert cfg.settings_digest() != load_config({"inner_steps": 4}, environ={}).settings_digest()
     w = make_workload(cfg.model, cfg.data, None, None, 1, workload=cfg.workload)
     state = ReplicaState(cfg, w, shard_key=1)

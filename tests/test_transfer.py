@@ -160,3 +160,26 @@ def test_a_joiner_keeps_trying_and_says_why(state, monkeypatch):  # noqa: F811
     monkeypatch.setattr(transfer_module.time, "sleep", lambda s: real_sleep(0.002))
     with pytest.raises(SyncError, match="--sync-deadline"):
         t.sync(initial=False)
+
+
+def test_a_member_that_followed_a_round_rejoins_where_the_holders_of_its_theta_are(state):  # noqa: F811
+    """After applying the update most replicas applied (no download), the member skips to their inner step in the
+    round they compute now; nobody holding our theta (they went further): no point, the next round sorts it out."""
+    from tests.test_consensus import Peer
+
+    assert state.H == 2
+    holders = [Peer("a", outer_step=state.outer_step, round=state.round, inner_step=0,
+                    global_params_digest=state.digest),
+               Peer("b", outer_step=state.outer_step, round=state.round, inner_step=1,
+                    global_params_digest=state.digest, state="AVERAGING"),
+               Peer("c", outer_step=state.outer_step + 1, round=state.round + 1, inner_step=15,
+                    global_params_digest="further"),
+               Peer("d", outer_step=state.outer_step, round=state.round, inner_step=1,
+                    global_params_digest=state.digest, state="SYNCING")]  # not active: not where the swarm is
+    point = StateTransfer(state.cfg, state, FakeProgress(holders), lambda: ("TRAINING", 0), lambda: False).in_phase()
+    assert (point.round, point.skip) == (state.round, 1)  # the most advanced holder's step
+    first = StateTransfer(state.cfg, state, FakeProgress(holders[:1] + holders[2:]), lambda: ("TRAINING", 0),
+                          lambda: False).in_phase()
+    assert (first.round, first.skip) == (state.round, 0)  # the syncing record does not count
+    alone = StateTransfer(state.cfg, state, FakeProgress(holders[2:]), lambda: ("TRAINING", 0), lambda: False)
+    assert alone.in_phase() is None
