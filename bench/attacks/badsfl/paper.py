@@ -70,7 +70,8 @@ COMPARED += ["scaffold+badsfl/default-reset10", "scaffold/default-reset10",
              "scaffold+badsfl/default-quiet3-half5", "scaffold/default-quiet3-half5",
              "scaffold+badsfl/default-quiet3-slow15",
              "scaffold+badsfl/default-quiet3-half5-every10", "scaffold/default-quiet3-half5-every10",
-             "scaffold+badsfl/default-quiet3-half5-every20"]
+             "scaffold+badsfl/default-quiet3-half5-every20",
+             "scaffold+badsfl/default-nb3-quiet3-half5-every20", "scaffold/default-nb3"]
 # one ingredient of the preset changed each (the note's "which ingredient moves persistence")
 ABLATIONS = {
     "adamw": dict(optimizer="adamw", inner_lr=1e-3, momentum=0.0, weight_decay=0.1),
