@@ -225,7 +225,8 @@ class ContributionServer(ServicerBase):
                     if stop is not None and stop():
                         future.cancel()
                         raise RoundFailed(f"abandoned after {time.monotonic() - began:.1f}s of downloads under "
-                                          f"{key!r}: no replica left in this round") from None
+                                          f"{key!r}: the round left us behind (no replica left in it, or most "
+                                          f"applied it)") from None
         except FutureTimeout:  # our event loop is starved (32 nodes on 2 cores): a failed fetch
             future.cancel()  # the caller asks again or elsewhere; an exception here ended a node (seen at 32)
             return {}, {peer: f"not received within {timeout_s + 5.0:.0f}s (our transport did not answer in time)"

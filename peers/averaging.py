@@ -241,7 +241,7 @@ class PseudoGradientAverager(DecentralizedAverager):
                 if abandon():
                     control.cancel()
                     raise RoundFailed(f"abandoned after {time.monotonic() - started:.1f}s: "
-                                      f"no replica left in this round")
+                                      f"the round left us behind (no replica left in it, or most applied it)")
             time.sleep(0.01)
         try:
             gathered_raw = control.result()

@@ -93,5 +93,6 @@ def test_every_quiet_restart_setting_of_the_harness_is_one_the_daemon_accepts():
         QuietRestart(s.c_reset_quiet, s.c_quiet_factor, s.c_quiet_rounds, s.c_outsized, s.c_quiet_every)
         cfg = NodeConfig(model="tiny", data="x", outer_algorithm="scaffold", scaffold_reset_quiet=s.c_reset_quiet,
                          scaffold_quiet_factor=s.c_quiet_factor, scaffold_quiet_rounds=s.c_quiet_rounds,
-                         scaffold_outsized=s.c_outsized, scaffold_quiet_every=s.c_quiet_every)
-        assert cfg.norm_bound == s.norm_bound == 2.0 and cfg.aggregation == s.rule == "mean"
+                         scaffold_outsized=s.c_outsized, scaffold_quiet_every=s.c_quiet_every, norm_bound=s.norm_bound)
+        assert cfg.norm_bound == s.norm_bound > 0 and cfg.aggregation == s.rule == "mean"  # the default's rule
+    assert {s.norm_bound for s in quiet} >= {NodeConfig(model="tiny", data="x").norm_bound}
