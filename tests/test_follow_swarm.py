@@ -1,7 +1,9 @@
-"""Real nodes whose rounds leave a member out: four replicas with ``--max-group-size 3``, one of them three times
-slower. Each round's group of three holds a majority; the member outside it, left behind, follows the update
-the group applied (daemon/majority.py, ``MajorityUpdate.follow``) and rejoins the next round at the members'
-inner step, with no state download, where it used to wait for the round to end and re-sync."""
+"""Real nodes whose rounds leave a member out: four replicas with ``--max-group-size 3``. Each round's group of
+three holds a majority; the member outside it, left behind, follows the update the group applied
+(daemon/majority.py, ``MajorityUpdate.follow``) and rejoins the next round at the members' inner step, with no
+state download, where it used to wait for the round to end and re-sync. All four compute at one speed: a member
+three times slower fell two rounds behind in CI (the fast three ran two rounds to its one), and one update does
+not take a member two rounds on, so it re-synced, as it should."""
 
 from __future__ import annotations
 
@@ -31,11 +33,11 @@ def _rows(node: LocalNode) -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_a_member_outside_the_rounds_group_follows_its_update_without_a_download(tmp_path):
-    fast = ARGS + ["--workload", "synthetic:200k:0.05"]  # 1 s of compute a round
-    first = start(tmp_path, "n0", fast)
-    nodes = [first] + [LocalNode(f"n{i}", tmp_path / f"n{i}", fast + ["--join", first.join_maddr]) for i in (1, 2)]
-    nodes.append(LocalNode("slow", tmp_path / "slow", ARGS + ["--workload", "synthetic:200k:0.15", "--join",
-                                                              first.join_maddr]))  # 3 s: a slower volunteer
+    # 3 s of compute a round: with 1 s rounds the members applied the next round before their records (announced
+    # every second) showed the last one, and a member that came late could not follow (it re-synced instead)
+    args = ARGS + ["--workload", "synthetic:200k:0.15"]
+    first = start(tmp_path, "n0", args)
+    nodes = [first] + [LocalNode(f"n{i}", tmp_path / f"n{i}", args + ["--join", first.join_maddr]) for i in (1, 2, 3)]
     try:
         wait_all(nodes, lambda: all(n.poll_started() for n in nodes), 180, "every node's start")
         wait_all(nodes, lambda: sum(n.log_tail(10 ** 8).count(FOLLOWED) for n in nodes) >= 4, 200,
