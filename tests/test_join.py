@@ -30,8 +30,9 @@ def test_two_nodes_then_late_joiner(tmp_path):
 
         c = start(tmp_path, "c", args + ["--join", b.join_maddr])
         nodes.append(c)
-        c.wait_for(lambda p: p.metrics(), 120, "its first round")
-        joined = c.metrics()[0]
+        # its first applied round; a round it came late to it follows first (adopted: the swarm's update)
+        joined = c.wait_for(lambda p: [r for r in p.metrics() if r["outcome"] == "applied"], 120, "its first round")[0]
+        assert all(r["outcome"] == "adopted" for r in c.metrics() if r["outer_step"] < joined["outer_step"])
         # it started from the swarm's parameters: first loss near the swarm's, far below a random init's
         c_first = c.status().initial_loss
         assert c_first < first_loss - 1.0, (c_first, first_loss)
