@@ -246,11 +246,11 @@ class OuterRounds:
         p = PendingRound(r, honest, compression, None, compute_s, losses, started, **encoded)
         self.times[r] = self.deadlines.current()
         deadline_s = self.times[r].group_wait_s
-        abandon = lambda: left_behind(self.progress.others(), r, self.delayed)  # noqa: E731
         if isinstance(compression, SparseRound):
             p.future = self._submit_sparse(compression, r, gather, p.cancel)
         else:
-            p.future = self.comm.submit(exchange, averager, compression, r, gather, deadline_s, p.cancel, abandon,
+            p.future = self.comm.submit(exchange, averager, compression, r, gather, deadline_s, p.cancel,
+                                        self._abandon(r),
                                         tamper_gather=self.attack.gather if self.attack else None)
         return p
 
@@ -264,11 +264,16 @@ class OuterRounds:
         return self.comm.submit(
             exchange_sparse, self.averagers[self.state.averager_sizes()[0]], self.contributions, self.progress.peer_id,
             compression, r, gather, float(cfg.inner_steps), group_wait_s,
-            cfg.averaging_timeout, cancel, lambda: left_behind(self.progress.others(), r, self.delayed),
+            cfg.averaging_timeout, cancel, self._abandon(r),
             tamper_gather=attack.gather if attack else None,
             tamper_contribution=attack.contribution if attack else None, scheduled_in_s=scheduled_in_s,
             rule=cfg.aggregation, norm_bound=cfg.norm_bound, admitted=self.admitted,
             adaptive_deadline=cfg.adaptive_deadlines)
+
+    def _abandon(self, r: int):
+        """The exchange's give-up rule for round r (matchmaking, and downloads after their grace): the round left
+        us behind (dilocox.consensus.left_behind, read from the membership records at each call)."""
+        return lambda: left_behind(self.progress.others(), r, self.delayed)
 
     # ------------------------------------------------------------------ equivocation
     def _exclude_equivocators(self, r: int, inputs: dict) -> None:

@@ -36,7 +36,14 @@ from typing import AsyncIterator, Callable, Dict, Optional, Tuple, Union
 
 import pydantic.v1 as pydantic
 import torch
-from dilocox.peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
+from dilocox.peers.averaging import (
+    LEFT_BEHIND,
+    PseudoGradientAverager,
+    RoundFailed,
+    RoundGather,
+    RoundResult,
+    group_bits,
+)
 from dilocox.peers.deadlines import LinkEstimate, LinkSnapshot, group_download_deadline
 from dilocox.peers.reachability import DialLog
 from dilocox.proto.dilocox.v1.swarm_pb2 import ContributionChunk, ContributionRequest
@@ -225,8 +232,7 @@ class ContributionServer(ServicerBase):
                     if stop is not None and stop():
                         future.cancel()
                         raise RoundFailed(f"abandoned after {time.monotonic() - began:.1f}s of downloads under "
-                                          f"{key!r}: the round left us behind (no replica left in it, or most "
-                                          f"applied it)") from None
+                                          f"{key!r}: {LEFT_BEHIND}") from None
         except FutureTimeout:  # our event loop is starved (32 nodes on 2 cores): a failed fetch
             future.cancel()  # the caller asks again or elsewhere; an exception here ended a node (seen at 32)
             return {}, {peer: f"not received within {timeout_s + 5.0:.0f}s (our transport did not answer in time)"

@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 GROUP_BITS = 16
 
 
+LEFT_BEHIND = "the round left us behind (no replica left in it, or most applied it)"  # why ``abandon`` gave up
+
+
 class RoundFailed(RuntimeError):
     """No group was found, or the all-reduce failed, before the round deadline."""
 
@@ -240,8 +243,7 @@ class PseudoGradientAverager(DecentralizedAverager):
                 next_check = time.monotonic() + check_every_s
                 if abandon():
                     control.cancel()
-                    raise RoundFailed(f"abandoned after {time.monotonic() - started:.1f}s: "
-                                      f"the round left us behind (no replica left in it, or most applied it)")
+                    raise RoundFailed(f"abandoned after {time.monotonic() - started:.1f}s: {LEFT_BEHIND}")
             time.sleep(0.01)
         try:
             gathered_raw = control.result()
