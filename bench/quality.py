@@ -33,6 +33,7 @@ from dilocox.data import Corpus, ReplicaShard, validation_batches
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
 from dilocox.model import ModelSpec
 from dilocox.overlap import OuterSchedule
+from dilocox.resparsify import reencode, residual
 from dilocox.sparse import SparseCodec, SparseConfig, aggregate, decode
 from dilocox.stages import build_stage
 
@@ -65,6 +66,7 @@ class Method:
     sparse: SparseConfig = field(default_factory=SparseConfig)
     aggregation: str = "mean"       # sparse rounds: dilocox/robust.py rule
     norm_bound: float = 0.0         # sparse rounds: clip to this multiple of the median norm (0: off)
+    resparsify: int = 0             # sparse rounds: the aggregate cut to this many x topk per chunk (0: off)
 
 
 def _sgd(name: str, codec: str, lr: float, **kw) -> Method:
@@ -143,6 +145,10 @@ METHODS = {m.name: m for m in [
     *[_overlapped(f"D-{d}-local-code", d, proxy="local") for d in ("tau1", "tau3", "tau20")],
     *[_overlapped(f"fp32-{d}", d, fp32=True) for d in ("tau1", "tau3", "tau10")],
     _overlapped("fp32-delayed-local-code", "delayed", fp32=True, proxy="local"),
+    # the default with its aggregate re-sparsified (dilocox/resparsify.py): what a reduce-scatter would apply
+    *[_sgd(f"sparse-k128r-a2.5-4.5-b0.9-cc-gtopk{b}", "sparse", 2.5, outer_lr_final=4.5,
+           sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip", norm_bound=2.0,
+           resparsify=b) for b in (1, 2)],
 ]}
 
 
@@ -153,7 +159,7 @@ DEFAULT = "sparse-k128r-a2.5-4.5-b0.9-cc"
 def daemon_flags(m: Method) -> list[str]:
     """dilocox-node flags that configure a node like method ``m``; ValueError for an ablation the daemon
     does not offer (no error feedback, dense embeddings, warm-up, power iterations, refresh, start proxies)."""
-    if (not m.error_feedback or m.dense_embeddings or m.warmup_rounds or m.power_iterations != 1
+    if (not m.error_feedback or m.dense_embeddings or m.resparsify or m.warmup_rounds or m.power_iterations != 1
             or m.refresh_every or m.proxy != "none" or m.tau is not None or m.merge != "rebase"):
         raise ValueError(f"{m.name} is an ablation of the benchmark only")
     flags = ["--compression", m.codec, "--overlap", m.overlap,
@@ -211,7 +217,7 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
     step_bound = exact_mean.adam_step_bound(node.beta1, node.beta2)
     tokens_per_round = replicas * inner_steps * spec.batch_size * spec.seq_len
     tau = inner_steps if method.tau is None else min(method.tau, inner_steps)
-    curve, payloads, pending, started = [], [], None, time.monotonic()
+    curve, payloads, uploads, pending, started = [], [], [], None, time.monotonic()
 
     def evaluate(t: int, applied: int) -> None:
         """theta after t rounds of compute holding ``applied`` outer updates (overlapped rounds: t - 1, the
@@ -239,8 +245,10 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
                 pending = None
             inner_steps_of(t, tau, inner_steps)
         deltas = [s.pseudo_gradient(inner.params) for s, inner in zip(schedules, inners)]
-        averaged, own, payload = _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_bound)
+        averaged, own, payload, upload = _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps,
+                                                  step_bound)
         payloads.append(payload)
+        uploads.append(upload)
         if method.overlap == "none":
             schedules[0].update_theta(averaged, replicas, outer_step=t)
             for s, inner in zip(schedules, inners):
@@ -260,12 +268,16 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
         evaluate(outer_steps, outer_steps)
     return dict(method=method.name, seed=seed, curve=curve, final_val_loss=curve[-1]["val_loss"],
                 payload_bytes=sum(payloads) / len(payloads), fp32_bytes=4 * numel,
+                upload_bytes=sum(uploads) / len(uploads),
                 compression_ratio=4 * numel / (sum(payloads) / len(payloads)), seconds=time.monotonic() - started)
 
 
 def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_bound):
     """The group's mean pseudo-gradient as every member computes it, each replica's own contribution as
-    the group decodes it, and one member's payload bytes."""
+    the group decodes it, one member's payload bytes, and the bytes a member uploads per round (mean over
+    members): (k - 1) x payload in an all-gather; (payload + result) x (k - 1) / k when the aggregate is
+    re-sparsified, as a reduce-scatter over chunk ranges would send (dilocox/resparsify.py); 2 x payload x
+    (k - 1) / k per phase in hivemind's butterfly all-reduce."""
     weights = [float(inner_steps)] * len(deltas)
     shapes = [tuple(p.shape) for p in outer.global_params]
     if method.codec == "sparse":
@@ -276,11 +288,19 @@ def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_boun
         mean, dropped = aggregate(payloads, {p: w for p, w in zip(payloads, weights)}, shapes, method.sparse,
                                   rule=method.aggregation, norm_bound=method.norm_bound)
         assert not dropped, dropped
+        k = len(payloads)
+        upload = (k - 1) * len(payloads["r0"])
+        if method.resparsify:  # every member applies the cut aggregate; what it dropped goes back to its owners
+            result = reencode(mean, method.sparse, method.resparsify)
+            for p, c in zip(payloads, codecs["main"]):
+                c.restore(residual(decode(payloads[p], shapes, method.sparse), mean, result))
+            mean = result.applied
+            upload = (len(payloads["r0"]) + len(result.payload)) * (k - 1) / k
         if method.proxy_source == "code":  # our contribution as the group decodes it
             own = [decode(payloads[p], shapes, method.sparse) for p in payloads]
         elif method.proxy_source == "raw":
             own = [list(d) for d in deltas]
-        return mean, own, len(payloads["r0"])
+        return mean, own, len(payloads["r0"]), upload
     lr_sum = sum(inner_cfg.lr_at((t - 1) * inner_steps + i) for i in range(inner_steps))
     bounds = [exact_mean.pseudo_gradient_bound(lr_sum, inner_cfg.weight_decay, float(p.abs().max()), step_bound)
               for p in outer.global_params]
@@ -316,7 +336,8 @@ def _compressed_round(codecs, deltas, bounds, t, weights, power_iterations):
     for r, c in zip(rounds, codecs):
         r.decide_rank(0.0, 0.0, len(rounds))
         c.commit(r)
-    return averaged, own, rounds[0].stats.payload_bytes * power_iterations
+    payload = rounds[0].stats.payload_bytes * power_iterations
+    return averaged, own, payload, 2 * payload * (len(rounds) - 1) / len(rounds)
 
 
 def _job(args):
@@ -365,6 +386,8 @@ def report(results: list[dict], methods: list[str], out: Path, settings: dict) -
                          val_loss_max=round(max(losses), 4),
                          vs_fp32=round(mean / (sum(base) / len(base)) - 1, 4) if base else "",
                          payload_bytes=round(mine[0]["payload_bytes"]),
+                         upload_bytes=round(mine[0]["upload_bytes"]),
+                         upload_x_payload=round(mine[0]["upload_bytes"] / mine[0]["payload_bytes"], 2),
                          compression_ratio=round(mine[0]["compression_ratio"], 1)))
     out.with_suffix(".json").write_text(json.dumps(dict(settings=settings, rows=rows, runs=results), indent=1))
     with open(out.with_suffix(".csv"), "w", newline="") as f:

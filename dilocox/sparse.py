@@ -423,6 +423,14 @@ def decode(payload: bytes, shapes: Sequence[Sequence[int]], cfg: SparseConfig) -
     return _split(torch.from_numpy(flat), shapes)
 
 
+def sent_positions(payload: bytes, shapes: Sequence[Sequence[int]], cfg: SparseConfig) -> np.ndarray:
+    """The flat positions (int64, ascending) a payload sends values at, after ``decode``'s validation
+    (raises ContributionError as it does)."""
+    n = _numel([tuple(s) for s in shapes])
+    idx, _ = _parse(payload, n, cfg)
+    return _positions(idx, layout(n, cfg), cfg)
+
+
 def _fill(job: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
     """A contribution's row of the rule: its values at their ranks in the union (zeros elsewhere)."""
     row, rank, values = job
@@ -769,6 +777,17 @@ class SparseCodec:
     def commit(self, new_error: torch.Tensor) -> None:
         """Adopt the buffer a ``prepare`` left (its round was applied)."""
         self._flat.copy_(new_error)
+
+    def restore(self, tensors: Sequence[torch.Tensor]) -> None:
+        """e <- e + tensors: return to the buffer what the swarm did not apply of a committed contribution
+        (dilocox/resparsify.py). Raises ValueError (buffers unchanged) for other shapes or non-finite values."""
+        got = [tuple(t.shape) for t in tensors]
+        if got != self.shapes:
+            raise ValueError(f"shapes {got} do not match the codec's {self.shapes}")
+        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors]) if tensors else torch.zeros(0)
+        if not bool(torch.isfinite(flat).all()):
+            raise ValueError("tensors to restore hold non-finite values")
+        self._flat.add_(flat)
 
     def reset(self) -> None:
         """Zero the buffers (e.g. after adopting another trajectory's parameters)."""

@@ -40,3 +40,17 @@ def test_the_default_row_is_the_daemons_default_configuration():
     add_flags(parser)
     explicit = load_config(vars(parser.parse_args(daemon_flags(METHODS[DEFAULT]))), environ={})
     assert explicit == load_config({}, environ={})
+
+
+def test_a_resparsified_aggregate_trains_and_its_upload_does_not_grow_with_the_group():
+    """The default with its aggregate cut to 2 x topk per chunk (dilocox/resparsify.py): it trains, and a
+    member's upload is (payload + result) x (k - 1) / k, below the all-gather's (k - 1) x payload at k = 4."""
+    from bench.quality import DEFAULT
+
+    four = dict(SMALL, replicas=4)
+    plain, cut = run(METHODS[DEFAULT], 7, **four), run(METHODS[f"{DEFAULT}-gtopk2"], 7, **four)
+    assert plain["upload_bytes"] == 3 * plain["payload_bytes"]
+    assert 1.5 * cut["payload_bytes"] < cut["upload_bytes"] < 2.5 * cut["payload_bytes"]
+    assert abs(cut["compression_ratio"] / plain["compression_ratio"] - 1) < 0.01  # Rice: lengths vary a little
+    assert cut["curve"][-1]["val_loss"] < cut["curve"][0]["val_loss"], cut["curve"]
+    assert cut["curve"][-1]["val_loss"] != plain["curve"][-1]["val_loss"]  # the cut changed what was applied
