@@ -67,6 +67,7 @@ class Method:
     aggregation: str = "mean"       # sparse rounds: dilocox/robust.py rule
     norm_bound: float = 0.0         # sparse rounds: clip to this multiple of the median norm (0: off)
     resparsify: int = 0             # sparse rounds: the aggregate cut to this many x topk per chunk (0: off)
+    resparsify_bits: int = 0        # bits per value of the cut aggregate (0: the contributions')
 
 
 def _sgd(name: str, codec: str, lr: float, **kw) -> Method:
@@ -146,9 +147,9 @@ METHODS = {m.name: m for m in [
     *[_overlapped(f"fp32-{d}", d, fp32=True) for d in ("tau1", "tau3", "tau10")],
     _overlapped("fp32-delayed-local-code", "delayed", fp32=True, proxy="local"),
     # the default with its aggregate re-sparsified (dilocox/resparsify.py): what a reduce-scatter would apply
-    *[_sgd(f"sparse-k128r-a2.5-4.5-b0.9-cc-gtopk{b}", "sparse", 2.5, outer_lr_final=4.5,
-           sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip", norm_bound=2.0,
-           resparsify=b) for b in (1, 2)],
+    *[_sgd(f"sparse-k128r-a2.5-4.5-b0.9-cc-gtopk{b}" + (f"-{bits}bit" if bits else ""), "sparse", 2.5,
+           outer_lr_final=4.5, sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip",
+           norm_bound=2.0, resparsify=b, resparsify_bits=bits) for b in (1, 2) for bits in (0, 8)],
 ]}
 
 
@@ -291,7 +292,7 @@ def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_boun
         k = len(payloads)
         upload = (k - 1) * len(payloads["r0"])
         if method.resparsify:  # every member applies the cut aggregate; what it dropped goes back to its owners
-            result = reencode(mean, method.sparse, method.resparsify)
+            result = reencode(mean, method.sparse, method.resparsify, method.resparsify_bits)
             for p, c in zip(payloads, codecs["main"]):
                 c.restore(residual(decode(payloads[p], shapes, method.sparse), mean, result))
             mean = result.applied

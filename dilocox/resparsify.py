@@ -52,21 +52,22 @@ class Reencoded:
     cfg: SparseConfig
 
 
-def result_config(cfg: SparseConfig, budget: int) -> SparseConfig:
-    """The codec configuration of a result: ``budget`` x cfg.topk values per chunk (at most the chunk).
-    Raises ValueError for a budget below 1."""
+def result_config(cfg: SparseConfig, budget: int, bits: int = 0) -> SparseConfig:
+    """The codec configuration of a result: ``budget`` x cfg.topk values per chunk (at most the chunk), at
+    ``bits`` bits per value (0: the contributions' bits). Raises ValueError for a budget below 1 or bits
+    the codec does not offer."""
     if not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1 (result values per chunk / topk); got {budget!r}")
-    return replace(cfg, topk=min(cfg.chunk, budget * cfg.topk), beta=0.0)
+    return replace(cfg, topk=min(cfg.chunk, budget * cfg.topk), bits=bits or cfg.bits, beta=0.0)
 
 
-def reencode(aggregate: Sequence[torch.Tensor], cfg: SparseConfig, budget: int) -> Reencoded:
+def reencode(aggregate: Sequence[torch.Tensor], cfg: SparseConfig, budget: int, bits: int = 0) -> Reencoded:
     """Keep the budget x topk largest |values| of each chunk of ``aggregate`` (fp32 tensors, any shapes),
-    quantized to ``cfg.bits`` with one scale per chunk: a fresh SparseCodec's encode, so ties and padding
+    quantized to ``bits`` (0: ``cfg.bits``) with one scale per chunk: a fresh SparseCodec's encode, so ties and padding
     follow dilocox/sparse.py and the result is the same bits on every machine.
     Raises ValueError for a non-finite aggregate or a bad budget."""
     shapes = [tuple(t.shape) for t in aggregate]
-    rcfg = result_config(cfg, budget)
+    rcfg = result_config(cfg, budget, bits)
     payload = SparseCodec(shapes, rcfg).encode(aggregate)
     return Reencoded(payload, decode(payload, shapes, rcfg), sent_positions(payload, shapes, rcfg), rcfg)
 

@@ -95,6 +95,9 @@ def test_bad_input_is_refused():
     _, _, _, mean = _round(4)
     with pytest.raises(ValueError, match="budget"):
         result_config(CFG, 0)
+    with pytest.raises(ValueError, match="bits"):
+        result_config(CFG, 1, bits=3)
+    assert result_config(CFG, 2, bits=8).bits == 8 and result_config(CFG, 100).topk == CFG.chunk
     res = reencode(mean, CFG, budget=1)
     with pytest.raises(ValueError, match="shapes"):
         residual([torch.zeros(3)], mean, res)
