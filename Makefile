@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -89,6 +89,20 @@ bench-soak: install
 bench-quality: install
 	$(PY) -m bench.quality --methods fp32 int8 adaptive-delayed sparse-k128r-a3.5-b0.9-cc \
 		sparse-k128r-a2.5-4.5-b0.9-cc --seeds 7 8 9
+
+# the default codec with its aggregate re-sparsified (docs/algorithms.md, "Re-sparsified aggregates"): 4 replicas
+# (fp32, the default and seven cut variants) and 8 replicas (fp32, the default, three cuts to 2 x topk), seeds 7-9,
+# then the loss-against-upload plot (~100 min on 2 cores)
+GTOPK = sparse-k128r-a2.5-4.5-b0.9-cc-gtopk
+bench-quality-gtopk: install
+	$(PY) -m bench.quality --out runs/bench/quality-gtopk --seeds 7 8 9 --methods fp32 sparse-k128r-a2.5-4.5-b0.9-cc \
+		$(GTOPK)2 $(GTOPK)1 $(GTOPK)2-8bit $(GTOPK)1-8bit $(GTOPK)2-whole sparse-k128r-a3.1-5.6-b0.9-cc-gtopk2 \
+		sparse-k128r-a3.75-6.75-b0.9-cc-gtopk2
+	$(PY) -m bench.quality --out runs/bench/quality-gtopk-r8 --seeds 7 8 9 --replicas 8 \
+		--methods fp32 sparse-k128r-a2.5-4.5-b0.9-cc $(GTOPK)2 sparse-k128r-a3.1-5.6-b0.9-cc-gtopk2 \
+		sparse-k128r-a3.75-6.75-b0.9-cc-gtopk2
+	$(PY) -m bench.quality --tradeoff runs/bench/quality-gtopk.json runs/bench/quality-gtopk-r8.json \
+		--out docs/img/quality-gtopk
 
 # one ablation per row (docs/algorithms.md, "Choosing the default"), seed 7 (~3 h on 2 cores)
 bench-quality-ablations: install

@@ -68,6 +68,7 @@ class Method:
     norm_bound: float = 0.0         # sparse rounds: clip to this multiple of the median norm (0: off)
     resparsify: int = 0             # sparse rounds: the aggregate cut to this many x topk per chunk (0: off)
     resparsify_bits: int = 0        # bits per value of the cut aggregate (0: the contributions')
+    restore_whole: bool = False     # the cut's residual returned undecayed (SparseCodec.restore's whole)
 
 
 def _sgd(name: str, codec: str, lr: float, **kw) -> Method:
@@ -150,6 +151,12 @@ METHODS = {m.name: m for m in [
     *[_sgd(f"sparse-k128r-a2.5-4.5-b0.9-cc-gtopk{b}" + (f"-{bits}bit" if bits else ""), "sparse", 2.5,
            outer_lr_final=4.5, sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip",
            norm_bound=2.0, resparsify=b, resparsify_bits=bits) for b in (1, 2) for bits in (0, 8)],
+    _sgd("sparse-k128r-a2.5-4.5-b0.9-cc-gtopk2-whole", "sparse", 2.5, outer_lr_final=4.5,
+         sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip", norm_bound=2.0, resparsify=2,
+         restore_whole=True),
+    *[_sgd(f"sparse-k128r-a{a}-{b}-b0.9-cc-gtopk2", "sparse", a, outer_lr_final=b,  # the ramp x 1.25, x 1.5
+           sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip", norm_bound=2.0,
+           resparsify=2) for a, b in ((3.1, 5.6), (3.75, 6.75))],
 ]}
 
 
@@ -294,7 +301,7 @@ def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_boun
         if method.resparsify:  # every member applies the cut aggregate; what it dropped goes back to its owners
             result = reencode(mean, method.sparse, method.resparsify, method.resparsify_bits)
             for p, c in zip(payloads, codecs["main"]):
-                c.restore(residual(decode(payloads[p], shapes, method.sparse), mean, result))
+                c.restore(residual(decode(payloads[p], shapes, method.sparse), mean, result), method.restore_whole)
             mean = result.applied
             upload = (len(payloads["r0"]) + len(result.payload)) * (k - 1) / k
         if method.proxy_source == "code":  # our contribution as the group decodes it
@@ -361,7 +368,12 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT / "quality")
+    ap.add_argument("--tradeoff", type=Path, nargs="+", metavar="JSON",
+                    help="draw loss against upload per member from these runs' JSON into --out's .png, and exit")
     a = ap.parse_args(argv)
+    if a.tradeoff:
+        plot_tradeoff(a.tradeoff, a.out.with_suffix(".png"))
+        return
     kw = dict(replicas=a.replicas, inner_steps=a.inner_steps, outer_steps=a.outer_steps, model=a.model,
               eval_every=a.eval_every, eval_batches=a.eval_batches, data=a.data)
     jobs = [(m, s, kw) for m in a.methods for s in a.seeds]
@@ -418,6 +430,45 @@ def _plot(results, methods, path: Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_tradeoff(paths: list[Path], path: Path) -> None:
+    """Validation loss against fp32 (%, mean over seeds with min-max bars) against the bytes a member uploads
+    per round (x its payload), one marker per method and one colour per replica count, from saved runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loaded = [json.loads(Path(p).read_text()) for p in paths]
+    fp32 = {(d["settings"]["replicas"], r["seed"]): r["final_val_loss"]  # runs with equal settings reproduce fp32
+            for d in loaded for r in d["runs"] if r["method"] == "fp32"}
+    colours = {n: f"C{i}" for i, n in enumerate(sorted({d["settings"]["replicas"] for d in loaded}))}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for d in loaded:
+        runs, replicas = d["runs"], d["settings"]["replicas"]
+        base = {seed: v for (n, seed), v in fp32.items() if n == replicas}
+        for m in sorted({r["method"] for r in runs} - {"fp32"}):
+            mine = [r for r in runs if r["method"] == m and r["seed"] in base]
+            if not mine:
+                continue
+            rel = [100 * (r["final_val_loss"] / base[r["seed"]] - 1) for r in mine]
+            x = sum(r["upload_bytes"] / r["payload_bytes"] for r in mine) / len(mine)
+            y = sum(rel) / len(rel)
+            ax.errorbar([x], [y], yerr=[[y - min(rel)], [max(rel) - y]], fmt="o", color=colours[replicas], capsize=3)
+            label = m.replace("sparse-k128r-", "").replace("-b0.9-cc", "").replace("a2.5-4.5-", "")
+            label = "default, all-gather" if label == "a2.5-4.5" else label
+            ax.annotate(f"{label} (k={replicas})", (x, y), textcoords="offset points", fontsize=7,
+                        xytext=(6, 0), va="center")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.axhline(1, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("upload per member and round (x its payload)")
+    ax.set_ylabel("final validation loss vs fp32 DiLoCo (%)")
+    ax.set_title("the default codec: all-gather against a re-sparsified aggregate (gtopkB)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
 

@@ -778,13 +778,20 @@ class SparseCodec:
         """Adopt the buffer a ``prepare`` left (its round was applied)."""
         self._flat.copy_(new_error)
 
-    def restore(self, tensors: Sequence[torch.Tensor]) -> None:
+    def restore(self, tensors: Sequence[torch.Tensor], whole: bool = False) -> None:
         """e <- e + tensors: return to the buffer what the swarm did not apply of a committed contribution
-        (dilocox/resparsify.py). Raises ValueError (buffers unchanged) for other shapes or non-finite values."""
+        (dilocox/resparsify.py). ``whole``: e <- e + tensors / beta instead, so the next encode's decay
+        (e <- beta e + delta) leaves them whole, as if they were part of the next pseudo-gradient (beta 0:
+        nothing survives the decay, so nothing is added). Raises ValueError (buffers unchanged) for other
+        shapes or non-finite values."""
         got = [tuple(t.shape) for t in tensors]
         if got != self.shapes:
             raise ValueError(f"shapes {got} do not match the codec's {self.shapes}")
         flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors]) if tensors else torch.zeros(0)
+        if whole:
+            if self.cfg.beta == 0:
+                return
+            flat = flat / self.cfg.beta
         if not bool(torch.isfinite(flat).all()):
             raise ValueError("tensors to restore hold non-finite values")
         self._flat.add_(flat)

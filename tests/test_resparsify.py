@@ -107,6 +107,8 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="non-finite"):
         c.restore([torch.full(s, float("nan")) for s in SHAPES])
     assert all(bool((e == 0).all()) for e in c.error)
+    c.restore([torch.ones(s) for s in SHAPES], whole=True)  # / beta: the next encode's decay leaves it whole
+    assert float(c.error[0][0, 0]) == pytest.approx(1 / CFG.beta)
     with pytest.raises(ValueError, match="non-finite"):
         reencode([torch.full((70,), float("inf"))], CFG, budget=1)
     assert np.all(res.positions < 211)
