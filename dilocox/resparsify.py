@@ -9,7 +9,7 @@ k x topk values per chunk, so a result must be cut back to about a contribution'
 all-gather to stay flat. ``reencode`` keeps the ``budget`` x topk largest |values| of each chunk of the
 aggregate, quantized and coded as a contribution is: global top-k (gTop-k; Shi et al., "A Distributed
 Synchronous SGD Algorithm with Global Top-k Sparsification for Low Bandwidth Networks", arXiv
-1901.04359, Algorithm 2, here per chunk of dilocox/sparse.py). It works chunk by chunk, so the
+1901.04359; here per chunk of dilocox/sparse.py). It works chunk by chunk, so the
 reducer of a range of chunks computes exactly that range of the whole result.
 
 Per member and round the upload is then about (payload + result) x (k - 1) / k: its contribution's
@@ -20,7 +20,7 @@ What is not applied is not lost. ``residual`` is what a contributor adds to its 
 its own decoded contribution where the result dropped a position, and the aggregate's quantization
 error where it kept one (gTop-k returns the first part to the workers' residuals; the second is ours).
 For the weighted mean rule, the weighted mean of the residuals plus the applied update equals the
-aggregate exactly, so nothing leaves the system (tests/test_resparsify.py).
+aggregate (up to fp32 rounding), so nothing leaves the system (tests/test_resparsify.py).
 
 Only the rule is here. Its cost in quality is measured in bench/quality.py (methods ``*-gtopkB``,
 docs/algorithms.md, "Re-sparsified aggregates"); the reduce-scatter transport is not built.
