@@ -86,6 +86,14 @@ def _overlapped(name: str, delay: str, lr: tuple[float, float] = (2.5, 4.5), fp3
                 sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip", norm_bound=2.0, **kw)
 
 
+
+def _cut(suffix: str, budget: int, lr: tuple[float, float] = (2.5, 4.5), **kw) -> Method:
+    """The default row (``DEFAULT``) with its aggregate cut to ``budget`` x topk per chunk (dilocox/resparsify.py);
+    ``lr``: the outer lr ramp's ends; named "sparse-k128r-a{lr0}-{lr1}-b0.9-cc-{suffix}"."""
+    return _sgd(f"sparse-k128r-a{lr[0]}-{lr[1]}-b0.9-cc-{suffix}", "sparse", lr[0], outer_lr_final=lr[1],
+                sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip", norm_bound=2.0,
+                resparsify=budget, **kw)
+
 METHODS = {m.name: m for m in [
     Method("fp32"),
     Method("fp32-delayed", overlap="delayed"),
@@ -148,15 +156,9 @@ METHODS = {m.name: m for m in [
     *[_overlapped(f"fp32-{d}", d, fp32=True) for d in ("tau1", "tau3", "tau10")],
     _overlapped("fp32-delayed-local-code", "delayed", fp32=True, proxy="local"),
     # the default with its aggregate re-sparsified (dilocox/resparsify.py): what a reduce-scatter would apply
-    *[_sgd(f"sparse-k128r-a2.5-4.5-b0.9-cc-gtopk{b}" + (f"-{bits}bit" if bits else ""), "sparse", 2.5,
-           outer_lr_final=4.5, sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip",
-           norm_bound=2.0, resparsify=b, resparsify_bits=bits) for b in (1, 2) for bits in (0, 8)],
-    _sgd("sparse-k128r-a2.5-4.5-b0.9-cc-gtopk2-whole", "sparse", 2.5, outer_lr_final=4.5,
-         sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip", norm_bound=2.0, resparsify=2,
-         restore_whole=True),
-    *[_sgd(f"sparse-k128r-a{a}-{b}-b0.9-cc-gtopk2", "sparse", a, outer_lr_final=b,  # the ramp x 1.25, x 1.5
-           sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip", norm_bound=2.0,
-           resparsify=2) for a, b in ((3.1, 5.6), (3.75, 6.75))],
+    *[_cut(f"gtopk{b}" + (f"-{bits}bit" if bits else ""), b, resparsify_bits=bits) for b in (1, 2) for bits in (0, 8)],
+    _cut("gtopk2-whole", 2, restore_whole=True),
+    *[_cut("gtopk2", 2, lr) for lr in ((3.1, 5.6), (3.75, 6.75))],  # the ramp x 1.25, x 1.5
 ]}
 
 
