@@ -34,6 +34,18 @@ from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
 from dilocox.model import ModelSpec
 from dilocox.overlap import OuterSchedule
 from dilocox.resparsify import reencode, residual
+from dilocox.shared_index import (
+    Selection,
+    SharedIndexConfig,
+    SharedIndexMember,
+    index_bytes,
+    leader_positions,
+    leader_rank,
+    random_positions,
+    reduce,
+    union_positions,
+    values_bytes,
+)
 from dilocox.sparse import SparseCodec, SparseConfig, aggregate, decode
 from dilocox.stages import build_stage
 
@@ -69,6 +81,7 @@ class Method:
     resparsify: int = 0             # sparse rounds: the aggregate cut to this many x topk per chunk (0: off)
     resparsify_bits: int = 0        # bits per value of the cut aggregate (0: the contributions')
     restore_whole: bool = False     # the cut's residual returned undecayed (SparseCodec.restore's whole)
+    shared: Optional[SharedIndexConfig] = None  # sparse rounds on one index set (dilocox/shared_index.py)
 
 
 def _sgd(name: str, codec: str, lr: float, **kw) -> Method:
@@ -93,6 +106,17 @@ def _cut(suffix: str, budget: int, lr: tuple[float, float] = (2.5, 4.5), **kw) -
     return _sgd(f"sparse-k128r-a{lr[0]}-{lr[1]}-b0.9-cc-{suffix}", "sparse", lr[0], outer_lr_final=lr[1],
                 sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip", norm_bound=2.0,
                 resparsify=budget, **kw)
+
+def _shared(selection: str, topk: int, result_bits: int, beta: float = 0.9, lr: tuple[float, float] = (2.5, 4.5),
+            bits: int = 2) -> Method:
+    """The default row (``DEFAULT``) with every member sending its values at one index set (dilocox/shared_index.py);
+    named "shared-{selection}-k{topk}-r{result_bits}[-b{beta}][-a{lr0}-{lr1}]"."""
+    name = f"shared-{selection}-k{topk}-r{result_bits}" + (f"-b{beta:g}" if beta != 0.9 else "") + (
+        f"-a{lr[0]:g}-{lr[1]:g}" if lr != (2.5, 4.5) else "") + (f"-{bits}bit" if bits != 2 else "")
+    return _sgd(name, "sparse", lr[0], outer_lr_final=lr[1], sparse=SparseConfig(topk=128, rice=True, beta=0.9),
+                aggregation="centered-clip", norm_bound=2.0,
+                shared=SharedIndexConfig(topk=topk, bits=bits, result_bits=result_bits, beta=beta, selection=selection))
+
 
 METHODS = {m.name: m for m in [
     Method("fp32"),
@@ -159,6 +183,10 @@ METHODS = {m.name: m for m in [
     *[_cut(f"gtopk{b}" + (f"-{bits}bit" if bits else ""), b, resparsify_bits=bits) for b in (1, 2) for bits in (0, 8)],
     _cut("gtopk2-whole", 2, restore_whole=True),
     *[_cut("gtopk2", 2, lr) for lr in ((3.1, 5.6), (3.75, 6.75))],  # the ramp x 1.25, x 1.5
+    # the default on one index set per round (dilocox/shared_index.py): a reduce-scatter needs no cut
+    _shared("leader", 128, 8), _shared("leader", 128, 2), _shared("leader", 256, 4),
+    _shared("random", 512, 4), _shared("random", 512, 4, beta=1.0),
+    _shared("union", 128, 8), _shared("union", 256, 4),
 ]}
 
 
@@ -169,8 +197,9 @@ DEFAULT = "sparse-k128r-a2.5-4.5-b0.9-cc"
 def daemon_flags(m: Method) -> list[str]:
     """dilocox-node flags that configure a node like method ``m``; ValueError for an ablation the daemon
     does not offer (no error feedback, dense embeddings, warm-up, power iterations, refresh, start proxies)."""
-    if (not m.error_feedback or m.dense_embeddings or m.resparsify or m.warmup_rounds or m.power_iterations != 1
-            or m.refresh_every or m.proxy != "none" or m.tau is not None or m.merge != "rebase"):
+    if (not m.error_feedback or m.dense_embeddings or m.resparsify or m.shared or m.warmup_rounds
+            or m.power_iterations != 1 or m.refresh_every or m.proxy != "none" or m.tau is not None
+            or m.merge != "rebase"):
         raise ValueError(f"{m.name} is an ablation of the benchmark only")
     flags = ["--compression", m.codec, "--overlap", m.overlap,
              "--outer-lr", str(m.outer_lr), "--outer-lr-final", str(m.outer_lr_final or m.outer_lr),
@@ -216,7 +245,8 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
     names = [n for n, _ in modules[0].named_parameters()]
     dense = tuple(i for i, n in enumerate(names) if "embed" in n or "lm_head" in n) if method.dense_embeddings else ()
     numel = sum(math.prod(s) for s in shapes)
-    codecs = dict(main=[SparseCodec(shapes, method.sparse) if method.codec == "sparse"
+    codecs = dict(main=[SharedIndexMember(numel, method.shared) if method.shared
+                        else SparseCodec(shapes, method.sparse) if method.codec == "sparse"
                         else _compressor(method, method.codec, shapes, dense, seed) for _ in inners])
     if method.warmup_rounds:
         codecs["warmup"] = [_compressor(method, "none", shapes, dense, seed) for _ in inners]
@@ -290,6 +320,8 @@ def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_boun
     (k - 1) / k per phase in hivemind's butterfly all-reduce."""
     weights = [float(inner_steps)] * len(deltas)
     shapes = [tuple(p.shape) for p in outer.global_params]
+    if method.shared:
+        return _shared_round(method, codecs["main"], deltas, weights, shapes, t)
     if method.codec == "sparse":
         if method.proxy_source == "ef":  # the error-feedback-corrected pseudo-gradient: beta e + delta
             own = [[method.sparse.beta * e + d for e, d in zip(c.error, delta)]
@@ -326,6 +358,36 @@ def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_boun
             c.error = [e.clone() for e in r.error]
         return out
     return _compressed_round(main, deltas, bounds, t, weights, method.power_iterations)
+
+
+def _shared_round(method, members, deltas, weights, shapes, t):
+    """``_average`` for one index set per round (dilocox/shared_index.py). One member's payload: its values
+    plus the index set (what a receiver needs to place them). Upload per member (mean): (values + result
+    range + index set) x (k - 1) / k, a reduce-scatter of the values over chunk ranges, an all-gather of the
+    ranges' results, and the index set: the leader's relayed so that each member forwards it about once, or
+    each member's proposal to the others (union)."""
+    cfg, k = method.shared, len(members)
+    ms = [mem.accumulate(d) for mem, d in zip(members, deltas)]
+    n = ms[0].numel()
+    if cfg.selection == Selection.UNION:
+        positions, index = union_positions(ms, cfg)
+    else:
+        positions = (leader_positions(ms[leader_rank(t, k)], cfg) if cfg.selection == Selection.LEADER
+                     else random_positions(n, cfg, 0, t))
+        index = index_bytes(positions, n, cfg)
+    sent = [mem.contribute(m, positions) for mem, m in zip(members, ms)]
+    red = reduce(sent, weights, positions, n, cfg, method.aggregation, method.norm_bound)
+    for mem in members:
+        mem.restore(positions, red.residual)
+
+    def dense(values) -> list[torch.Tensor]:
+        flat = torch.zeros(n)
+        flat[torch.from_numpy(positions)] = torch.from_numpy(values)
+        return [t_.view(s) for t_, s in zip(torch.split(flat, [math.prod(s) for s in shapes]), shapes)]
+
+    own = [dense(v) if method.proxy_source == "code" else list(d) for v, d in zip(sent, deltas)]
+    values = values_bytes(positions, n, cfg)
+    return dense(red.applied), own, values + index, (values + red.result_bytes + index) * (k - 1) / k
 
 
 def _compressed_round(codecs, deltas, bounds, t, weights, power_iterations):

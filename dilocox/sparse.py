@@ -263,6 +263,20 @@ def _levels(bits: int) -> np.ndarray:
     return ((2 * np.arange(2 * m) + 1 - 2 * m) / (2 * m)).astype(np.float32)
 
 
+def quantize_rows(vals: np.ndarray, bits: int) -> np.ndarray:
+    """(rows, k) fp32 values -> the fp32 values a receiver decodes from them: one scale per row and a code per
+    value at ``bits`` bits, this payload's quantizer (module docstring; 1 bit: a sign at +-scale/2). For other
+    codecs that send values at positions agreed elsewhere (dilocox/shared_index.py). Raises ValueError for
+    bits outside SUPPORTED_BITS."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}; got {bits!r}")
+    vals = np.ascontiguousarray(vals, dtype=np.float32)
+    scale, codes = _quantized(vals, bits)
+    out = _levels(bits)[codes]
+    out *= scale.astype(np.float32)[:, None]
+    return out
+
+
 def _rows(a: np.ndarray, lay: Layout, cfg: SparseConfig) -> tuple[np.ndarray, np.ndarray]:
     """Per-index values -> (the chunks that send ``topk`` each, as (chunks, topk); the last chunk's)."""
     body = (lay.nchunks - 1) * cfg.topk if lay.nchunks else 0

@@ -54,3 +54,16 @@ def test_a_resparsified_aggregate_trains_and_its_upload_does_not_grow_with_the_g
     assert abs(cut["compression_ratio"] / plain["compression_ratio"] - 1) < 0.01  # Rice: lengths vary a little
     assert cut["curve"][-1]["val_loss"] < cut["curve"][0]["val_loss"], cut["curve"]
     assert cut["curve"][-1]["val_loss"] != plain["curve"][-1]["val_loss"]  # the cut changed what was applied
+
+
+def test_rounds_on_a_shared_index_set_train_and_their_upload_stays_flat_as_the_group_grows():
+    """The default on the leader's index set (dilocox/shared_index.py): it trains, and a member's upload,
+    (values + result + index set) x (k - 1) / k, grows by (k - 1) / k from 2 to 4 members where the
+    all-gather's grows 3-fold."""
+    method = METHODS["shared-leader-k128-r8"]
+    two, four = run(method, 7, **SMALL), run(method, 7, **dict(SMALL, replicas=4))
+    assert abs(four["upload_bytes"] / two["upload_bytes"] - 1.5) < 0.05  # (3/4) / (1/2), index sets vary a little
+    assert four["upload_bytes"] < 2 * four["payload_bytes"]
+    assert four["compression_ratio"] > 100
+    for r in (two, four):
+        assert r["curve"][-1]["val_loss"] < r["curve"][0]["val_loss"], r["curve"]

@@ -1,0 +1,249 @@
+"""Shared index sets: every member of a round sends its values at the same positions.
+
+Why: with top-k chosen by each member, the group's aggregate holds up to k x topk values per chunk, so
+a reduce-scatter (each range's reducer aggregates that range, then the results are all-gathered) must
+cut its result back, and the cut costs quality (dilocox/resparsify.py, docs/algorithms.md
+"Re-sparsified aggregates"). If every member sends values at one index set P, the aggregate lives on P
+too: the reducers need no cut, and a member uploads about (V + R + I) x (k - 1) / k per round, with V
+its values, R a result range's bytes and I the index set relayed once, whatever k is.
+
+Selections (``Selection``):
+
+* ``leader``: the round's leader (``leader_rank``: members in sorted peer-id order, rotating by outer
+  step) takes the top-k |values| of each chunk of its error-feedback-corrected pseudo-gradient; the
+  others use that index set. Cyclic local top-k (CLT-k), Chen et al., "ScaleCom: Scalable Sparsified
+  Gradient Compression for Communication-Efficient Distributed Training", NeurIPS 2020, arXiv
+  2104.11125, Sec. 3: it relies on the members' error-feedback buffers being alike. I is the index set
+  Rice-coded as dilocox/sparse.py codes a contribution's indices.
+* ``union``: every member proposes the ceil(topk / k) largest |values| of each chunk of its own beta e +
+  delta, and P is the union of the k proposals (at most about topk per chunk): each member's largest
+  values are sent every round, as in an all-gather of top-k, at a k-th of the count. I is the k
+  proposals, each Rice-coded; a member uploads its own to the others, about I x (k - 1) / k.
+* ``random``: topk positions per chunk drawn from a generator seeded by (seed, outer step): random-k
+  with a shared seed, so no index bytes at all (I = 0), and values spend the bytes indices would.
+
+Per member r and round, with e_r its fp32 error-feedback buffer (as dilocox/sparse.py):
+
+    m_r <- beta e_r + delta_r;   v_r <- Q_bits(m_r[P]) per chunk;   e_r <- m_r - scatter(P, v_r)
+    A = rule(v_1 .. v_k) on P (dilocox/robust.py);   applied = Q_result_bits(A) per chunk (0: fp32)
+    e_r[P] <- e_r[P] + (A - applied)   for every member (the result's quantization error)
+
+For the weighted mean, mean_r(what each e_r keeps) + applied = mean_r(m_r) exactly as in
+dilocox/resparsify.py: nothing is lost, only delayed (tests/test_shared_index.py).
+
+Only the rule and its byte counts are here; its quality is measured in bench/quality.py (methods
+``*-shared-*``, docs/algorithms.md "Shared index sets"). No transport sends these rounds yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from dilocox import robust
+from dilocox.sparse import SCALE_BYTES, SUPPORTED_BITS, quantize_rows
+
+
+class Selection(str, Enum):
+    LEADER = "leader"
+    UNION = "union"
+    RANDOM = "random"
+
+
+@dataclass(frozen=True)
+class SharedIndexConfig:
+    """chunk: values per chunk; topk: positions per chunk in P; bits: bits per contribution value;
+    result_bits: bits per value of the reduced result (0: fp32, not quantized); beta: decay of the
+    error-feedback buffer per outer step; selection: how P is chosen (module docstring)."""
+
+    chunk: int = 4096
+    topk: int = 128
+    bits: int = 2
+    result_bits: int = 8
+    beta: float = 0.9
+    selection: Selection = Selection.LEADER
+
+    def __post_init__(self):
+        if not isinstance(self.chunk, int) or not 2 <= self.chunk < 2**32:
+            raise ValueError(f"chunk must be an integer in [2, 2^32); got {self.chunk!r}")
+        if not isinstance(self.topk, int) or not 1 <= self.topk <= self.chunk:
+            raise ValueError(f"topk must be an integer in [1, chunk={self.chunk}]; got {self.topk!r}")
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}; got {self.bits!r}")
+        if self.result_bits not in (0, *SUPPORTED_BITS):
+            raise ValueError(f"result_bits must be 0 (fp32) or one of {SUPPORTED_BITS}; got {self.result_bits!r}")
+        if not (isinstance(self.beta, (int, float)) and 0.0 <= self.beta <= 1.0):
+            raise ValueError(f"beta must be in [0, 1]; got {self.beta!r}")
+        object.__setattr__(self, "selection", Selection(self.selection))
+
+    @property
+    def rice_bits(self) -> int:
+        """Rice parameter of the index set's gaps, as dilocox/sparse.py's (4 for 128 of 4096)."""
+        return max(0, int(math.log2(self.chunk / self.topk * math.log(2))))
+
+
+def leader_rank(outer_step: int, k: int) -> int:
+    """The leader's rank among the k members sorted by peer id: (outer_step - 1) mod k, so each leads in turn."""
+    if k < 1:
+        raise ValueError(f"a group has at least one member; got k={k}")
+    return (outer_step - 1) % k
+
+
+def _padded(flat: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(nchunks, chunk) view of ``flat`` with the last chunk padded by -1 (below any |value|)."""
+    n = flat.numel()
+    out = torch.full((-(-n // chunk) * chunk,), -1.0)
+    out[:n] = flat
+    return out.view(-1, chunk)
+
+
+def _flat_positions(local: torch.Tensor, n: int, chunk: int) -> np.ndarray:
+    """(nchunks, topk) positions inside chunks -> sorted flat int64 positions below n."""
+    local, _ = torch.sort(local, dim=1)
+    flat = (local + torch.arange(local.shape[0]).unsqueeze(1) * chunk).reshape(-1).numpy().astype(np.int64)
+    return flat[flat < n]
+
+
+def leader_positions(m: torch.Tensor, cfg: SharedIndexConfig) -> np.ndarray:
+    """The leader's index set: the topk largest |values| of each chunk of ``m`` (flat fp32, the leader's
+    beta e + delta), as sorted flat int64 positions (a short last chunk: at most its length).
+    Raises ValueError for non-finite values."""
+    if not bool(torch.isfinite(m).all()):
+        raise ValueError("the leader's pseudo-gradient holds non-finite values")
+    if m.numel() == 0:
+        return np.zeros(0, dtype=np.int64)
+    chunks = _padded(m.abs(), cfg.chunk)
+    local = torch.topk(chunks, min(cfg.topk, cfg.chunk), dim=1, sorted=False).indices
+    return _flat_positions(local, m.numel(), cfg.chunk)
+
+
+def union_positions(ms: Sequence[torch.Tensor], cfg: SharedIndexConfig) -> tuple[np.ndarray, int]:
+    """The union of every member's proposal, the ceil(topk / k) largest |values| of each chunk of its ``ms``
+    entry (flat fp32, beta e + delta), as sorted flat int64 positions, and the bytes of the k proposals as
+    Rice-coded index sets (``index_bytes``). Raises ValueError for no members or non-finite values."""
+    if not ms:
+        raise ValueError("no member to propose positions")
+    q = -(-cfg.topk // len(ms))
+    own = SharedIndexConfig(cfg.chunk, q, cfg.bits, cfg.result_bits, cfg.beta, Selection.LEADER)
+    proposals = [leader_positions(m, own) for m in ms]
+    return np.unique(np.concatenate(proposals)), sum(index_bytes(p, ms[0].numel(), own) for p in proposals)
+
+
+def random_positions(n: int, cfg: SharedIndexConfig, seed: int, outer_step: int) -> np.ndarray:
+    """topk positions per chunk drawn uniformly without replacement from torch's CPU generator seeded by
+    (seed, outer_step): the same on every member. Sorted flat int64 positions below n."""
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(outer_step)) % (1 << 63))
+    keys = _padded(torch.rand(n, generator=g), cfg.chunk)
+    return _flat_positions(torch.topk(keys, cfg.topk, dim=1, sorted=False).indices, n, cfg.chunk)
+
+
+def _chunk_counts(positions: np.ndarray, n: int, chunk: int) -> np.ndarray:
+    return np.bincount(positions // chunk, minlength=-(-n // chunk))
+
+
+def index_bytes(positions: np.ndarray, n: int, cfg: SharedIndexConfig) -> int:
+    """Bytes of the index set as the leader sends it (Rice-coded gaps, chunk after chunk, with a u64 unary
+    length, as dilocox/sparse.py); 0 for a random selection (the seed is the outer step)."""
+    if cfg.selection == Selection.RANDOM or not len(positions):
+        return 0
+    local = positions % cfg.chunk
+    first = np.r_[True, positions[1:] // cfg.chunk != positions[:-1] // cfg.chunk]
+    gaps = np.where(first, local, np.r_[0, np.diff(local) - 1])
+    b = cfg.rice_bits
+    return 8 + -(-int(((gaps >> b) + 1 + b).sum()) // 8)
+
+
+def values_bytes(positions: np.ndarray, n: int, cfg: SharedIndexConfig, bits: int | None = None) -> int:
+    """Bytes of values at ``positions``: per chunk with any, an fp32 scale and the codes at ``bits``
+    (default cfg.bits; 0: fp32 values, no scale)."""
+    bits = cfg.bits if bits is None else bits
+    counts = _chunk_counts(positions, n, cfg.chunk)
+    if bits == 0:
+        return 4 * int(counts.sum())
+    return int(((counts > 0) * SCALE_BYTES + -(-counts * bits // 8)).sum())
+
+
+def _quantize_at(values: np.ndarray, positions: np.ndarray, n: int, chunk: int, bits: int) -> np.ndarray:
+    """Values at sorted positions quantized per chunk (one scale per chunk, as a contribution's)."""
+    counts = _chunk_counts(positions, n, chunk)
+    out = np.empty_like(values, dtype=np.float32)
+    width = int(counts.max()) if len(counts) else 0
+    if width == 0:
+        return out
+    rows = np.zeros((len(counts), width), dtype=np.float32)
+    col = np.arange(len(positions)) - np.repeat(np.cumsum(counts) - counts, counts)
+    rows[positions // chunk, col] = values
+    # zeros padding a short row never raise its scale; a 1-bit row's mean magnitude would count them
+    out[:] = quantize_rows(rows, bits)[positions // chunk, col]
+    return out
+
+
+class SharedIndexMember:
+    """One member's error-feedback buffer (flat CPU fp32, the concatenation of the model's tensors)."""
+
+    def __init__(self, n: int, cfg: SharedIndexConfig = SharedIndexConfig()):
+        self.cfg = cfg
+        self.error = torch.zeros(int(n))
+
+    def accumulate(self, pseudo_gradient: Sequence[torch.Tensor]) -> torch.Tensor:
+        """beta e + delta as a new flat fp32 tensor (the buffer is unchanged). Raises ValueError if the
+        tensors do not hold n values or hold non-finite ones."""
+        flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in pseudo_gradient])
+        if flat.numel() != self.error.numel():
+            raise ValueError(f"pseudo-gradient has {flat.numel()} values; the buffer holds {self.error.numel()}")
+        if not bool(torch.isfinite(flat).all()):
+            raise ValueError("pseudo-gradient holds non-finite values")
+        return self.error * self.cfg.beta + flat
+
+    def contribute(self, m: torch.Tensor, positions: np.ndarray) -> np.ndarray:
+        """Our values at ``positions`` (sorted flat int64), quantized per chunk at cfg.bits, as every member
+        decodes them (fp32); the buffer becomes m minus what was sent."""
+        pos = torch.from_numpy(positions)
+        sent = _quantize_at(m[pos].numpy(), positions, m.numel(), self.cfg.chunk, self.cfg.bits)
+        self.error = m.clone()
+        self.error[pos] -= torch.from_numpy(sent)
+        return sent
+
+    def restore(self, positions: np.ndarray, residual: np.ndarray) -> None:
+        """e[positions] += residual (fp32): what the result did not apply of the aggregate."""
+        self.error[torch.from_numpy(positions)] += torch.from_numpy(np.asarray(residual, dtype=np.float32))
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """A round's result on P: ``applied`` (fp32, len(P), what every member applies), ``residual``
+    (fp32, len(P): aggregate - applied, what every member returns to its buffer), ``result_bytes``
+    (the result's bytes as the all-gather of the ranges sends them)."""
+
+    applied: np.ndarray
+    residual: np.ndarray
+    result_bytes: int
+
+
+def reduce(values: Sequence[np.ndarray], weights: Sequence[float], positions: np.ndarray, n: int,
+           cfg: SharedIndexConfig, rule: str = "mean", norm_bound: float = 0.0) -> Reduced:
+    """The members' values on P (in sorted peer-id order, each fp32 of len(P)) through ``rule``
+    (dilocox/robust.py, float64), then quantized per chunk at cfg.result_bits (0: cast to fp32).
+    The quantization and the coordinate-wise rules (mean, trimmed-mean, median) are chunk-local, so a
+    reducer of a range of chunks computes exactly that range; norm bounding and centered-clip use each
+    row's whole-vector norms, which range reducers would first have to agree on (a few scalars per member
+    and iteration). Raises ValueError for no members or rows of another length."""
+    if not values:
+        raise ValueError("no contribution to reduce")
+    if any(len(v) != len(positions) for v in values):
+        raise ValueError(f"every row must hold {len(positions)} values; got {[len(v) for v in values]}")
+    rows = np.stack([np.asarray(v, dtype=np.float32) for v in values])
+    rows += np.float32(0.0)  # -0.0 (a negative level x a zero scale) read as +0.0, as robust.py requires
+    agg = robust.aggregate_rows(rows, list(weights), rule, norm_bound=norm_bound)[0].numpy().astype(np.float32)
+    if cfg.result_bits == 0:
+        applied = agg
+    else:
+        applied = _quantize_at(agg, positions, n, cfg.chunk, cfg.result_bits)
+    return Reduced(applied, agg - applied, values_bytes(positions, n, cfg, cfg.result_bits))
