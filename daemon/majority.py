@@ -30,7 +30,15 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from dilocox.catchup import AppliedUpdate
-from dilocox.consensus import Standing, applied_majority, chosen_union, group_standing, in_round, union_groups
+from dilocox.consensus import (
+    Standing,
+    applied_majority,
+    chosen_union,
+    group_standing,
+    in_round,
+    majority_theta,
+    union_groups,
+)
 from dilocox.diloco import params_digest
 from dilocox.union import UnionError, unite
 
@@ -44,6 +52,9 @@ ROSTER_SHARE = 0.25  # of wait_s: how long a member's record counts after reads 
 # at its next poll, so a holder that is gone or overloaded costs one timeout, not one per holder (at 32 nodes a
 # sweep over 30 holders kept a member in one round for minutes and past its leave)
 FETCH_SOURCES = 2
+# outer steps a member left behind follows by fetching the updates that took the swarm on (each a sparse aggregate,
+# served from the catch-up log); further behind, it re-syncs (a state download)
+MAX_CHAIN = 4
 
 # fetch(peer_ids, outer_step) -> the update one of them applied at that step (checked against our shapes), or None
 FetchUpdate = Callable[[list[str], int], Optional[AppliedUpdate]]
@@ -77,6 +88,7 @@ class MajorityUpdate:
         self.progress, self.fetch, self.delayed = progress, fetch, delayed
         self.wait_s, self.cancelled = wait_s, cancelled
         self.fetch_result, self.offer_result = fetch_result, offer_result
+        self.max_chain = MAX_CHAIN
         # peer_id -> (its last record, monotonic time last read): a record a loaded DHT read misses still counts
         # for ROSTER_SHARE x wait_s, so a group does not take itself for the round's majority (seen at 32 nodes)
         self._roster: dict[str, tuple[object, float]] = {}
@@ -144,13 +156,17 @@ class MajorityUpdate:
                 return Resolution(Standing.ALONE)
             time.sleep(POLL_S)
 
-    def follow(self, index: int, parent_digest: str) -> Optional[AppliedUpdate]:
+    def follow(self, index: int, parent_digest: str) -> Optional[list[AppliedUpdate]]:
         """Round ``index`` went on without us (our exchange failed, or had not begun, while others applied it): the
-        update that took a strict majority of the live replicas (ours counted) from ``parent_digest`` to the theta
-        they hold at outer step ``index`` (dilocox.consensus.applied_majority), fetched from them and checked
-        (content and theta, ``_fetch_checked``). Polls while a replica that has not applied it is still in the
-        round, up to ``wait_s``; None when no majority applied it by then (or the swarm went past it: one update
-        does not take us there), no member served a valid update, or ``cancelled()`` (the caller then re-syncs)."""
+        updates that took a strict majority of the live replicas (ours counted) from ``parent_digest`` to the theta
+        they hold, fetched from them and checked (content and theta, ``_fetch_checked``), in outer-step order. One
+        update where the majority holds outer step ``index`` (dilocox.consensus.applied_majority); where it has
+        gone on to outer step s > index, the chain of updates index .. s (at most ``max_chain``), each continuing
+        the one before and the last leading to the majority's theta at s (``_fetch_chain``).
+        Polls while a replica that has not applied round ``index`` is still in it, or the swarm is ahead (a
+        majority may be forming at one outer step), up to ``wait_s``; None when no majority can be followed by
+        then (or it is more than ``max_chain`` steps ahead), no member served a valid chain, or ``cancelled()``
+        (the caller then re-syncs)."""
         deadline, why = time.monotonic() + self.wait_s, "no strict majority of the live replicas applied it"
         while not self.cancelled():
             others = self._others(index, parent_digest)
@@ -158,15 +174,54 @@ class MajorityUpdate:
             if theta is not None:
                 update, why = self._fetch_applied(index, theta, parent_digest, others)
                 if update is not None:
-                    return update
-            elif not [m for m in in_round(others, index, self.delayed) if m.outer_step < index]:
-                why = f"no replica that could still apply it is in round {index}"
-                break
+                    return [update]
+            else:
+                chain, why, hopeless = self._fetch_chain(index, parent_digest, others)
+                if chain:
+                    return chain
+                if hopeless:
+                    break
+                if not any(m.outer_step > index for m in others) and \
+                        not [m for m in in_round(others, index, self.delayed) if m.outer_step < index]:
+                    why = f"no replica that could still apply it is in round {index}"
+                    break
             if time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
         logger.info("round %d: cannot follow the swarm's update (%s)", index, why)
         return None
+
+    def _fetch_chain(self, index: int, parent_digest: str, others) -> tuple[Optional[list[AppliedUpdate]], str, bool]:
+        """The updates of outer steps index .. s that took a strict majority of the live replicas (ours counted)
+        to the theta they hold at s > index (the furthest such s), each fetched from members of that majority
+        (they serve ``update/{j}`` from their catch-up log) and checked to continue the one before, the last to
+        lead to their theta. (chain, "", False), or (None, why, hopeless): hopeless when the majority is more than
+        ``max_chain`` steps ahead (a re-sync is due), else worth another poll."""
+        for step in sorted({m.outer_step for m in others if m.outer_step > index}, reverse=True):
+            theta = majority_theta(others, step, ours=1)
+            if theta is not None:
+                break
+        else:
+            return None, "no strict majority of the live replicas holds one theta at a later outer step", False
+        if step - index + 1 > self.max_chain:
+            return None, (f"the swarm is at outer step {step}, {step - index + 1} updates from ours (more than "
+                          f"{self.max_chain}: re-sync)"), True
+        sources = [m.peer_id for m in others if m.outer_step == step and m.global_params_digest == theta
+                   and not m.client_mode]
+        if not sources:
+            return None, f"no holder of theta {theta[:16]} at outer step {step} accepts connections", False
+        chain, parent = [], parent_digest
+        for j in range(index, step + 1):
+            if self.cancelled():
+                return None, "cancelled", True
+            update, why = self._fetch_checked(self.fetch, list(sources), j, parent, theta=theta if j == step else "")
+            if update is None:
+                return None, f"outer step {j} of {index}..{step}: {why}", False
+            chain.append(update)
+            parent = update.digest
+        logger.info("round %d: the swarm went on to outer step %d; following it through %d updates", index, step,
+                    len(chain))
+        return chain, "", False
 
     def _others(self, index: int, parent_digest: str) -> list:
         """The other members' records in round ``index``'s lineage: a fresh read merged with the roster

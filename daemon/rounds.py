@@ -27,7 +27,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from dilocox.daemon.audits import Audits
@@ -115,6 +115,8 @@ class Checked:
     fetches_result: bool = False
     adopted: Optional[AppliedUpdate] = None  # ADOPTED, UNITED: what is applied in place of ours (daemon/majority.py)
     behind: bool = False  # ADOPTED: the round went on without us (MajorityUpdate.follow)
+    # ADOPTED behind a swarm that went further: the updates of the outer steps after ``adopted``'s, in order
+    chain: tuple[AppliedUpdate, ...] = ()
 
 
 @dataclass
@@ -459,12 +461,14 @@ class OuterRounds:
             # start digests send us to re-sync
             logger.error("round %d: the adopted update gave theta %s, its group's is %s", p.index, self.state.digest,
                          checked.adopted.digest)
+        elif checked.chain:
+            self._apply_chain(p.index, checked.chain)
         info = self._info(p, group_size, outcome, result, waited_from)
         info.apply_s, info.outsized = time.monotonic() - apply_began, outsized
         if early:
             p.early = info
             return Finished(p.index, RoundOutcome.DEFERRED, info)
-        finished = self._finish_locally(p, info)
+        finished = self._finish_locally(p, info, last=self.state.outer_step if checked.chain else None)
         finished.result, finished.behind = result, checked.behind
         return finished
 
@@ -543,11 +547,13 @@ class OuterRounds:
         of the live replicas applied, fetched and checked (MajorityUpdate.follow), so the round counts as joint and
         no state download is needed; else RESYNC. Overlapped rounds re-sync as before: their next round is
         already computed from theta_{index - 1}."""
-        update = None if self.majority is None or self.delayed else self.majority.follow(index, self.state.digest)
-        if update is None:
+        chain = None if self.majority is None or self.delayed else self.majority.follow(index, self.state.digest)
+        if not chain:
             return Checked(RoundOutcome.RESYNC, reason=reason)
-        logger.info("%s: applying the update most of the swarm applied (theta %s)", reason, update.digest)
-        return Checked(RoundOutcome.ADOPTED, None, update.group_size, adopted=update, behind=True)
+        logger.info("%s: applying the update%s most of the swarm applied (theta %s)", reason,
+                    f"s of outer steps {index}..{chain[-1].outer_step}" if len(chain) > 1 else "", chain[-1].digest)
+        return Checked(RoundOutcome.ADOPTED, None, chain[0].group_size, adopted=chain[0], behind=True,
+                       chain=tuple(chain[1:]))
 
     def _await_reports(self, p: PendingRound, group: set[str]) -> dict[str, str]:
         """Result reports of round p's group when some were missing at first (missing, not different: a loaded
@@ -596,14 +602,29 @@ class OuterRounds:
         return Finished(p.index, RoundOutcome.DEFERRED if early else RoundOutcome.RESYNC, losses=p.losses,
                         reason=reason)
 
-    def _finish_locally(self, p: PendingRound, info: RoundInfo) -> Finished:
+    def _apply_chain(self, index: int, chain: Sequence[AppliedUpdate]) -> None:
+        """Round ``index`` went on without us and the swarm went further: apply the updates of the outer steps
+        after it (``MajorityUpdate.follow``), in order, each checked to give the theta its servers hold; a
+        mismatch stops there (the next round's start digests send us to re-sync)."""
+        for update in chain:
+            with self.state.changing():
+                self.state.apply_outer(update.aggregate, update.outer_step, update.group_size, update.outsized)
+            if self.state.digest != update.digest:
+                logger.error("outer step %d: the followed update gave theta %s, the swarm's is %s", update.outer_step,
+                             self.state.digest, update.digest)
+                return
+        logger.info("round %d: followed the swarm to outer step %d (%d more updates applied)", index,
+                    self.state.outer_step, len(chain))
+
+    def _finish_locally(self, p: PendingRound, info: RoundInfo, last: Optional[int] = None) -> Finished:
         """Re-base the local parameters on theta (already updated; a no-op where ``finish_early`` merged it)
-        and report the round. ``overlap_steps``: inner steps of the next round computed before the merge."""
+        and report the round. ``overlap_steps``: inner steps of the next round computed before the merge.
+        ``last``: the outer step theta holds (after a followed chain, beyond p.index; default p.index)."""
         if self.delayed:
             info.overlap_steps = self.cfg.inner_steps if p.merged_at is None else p.merged_at
         self.state.rebase_and_begin()
         if not self.delayed:
-            self.state.round = p.index + 1
+            self.state.round = (p.index if last is None else max(last, p.index)) + 1
         return Finished(p.index, RoundOutcome(info.outcome), info, p.losses)
 
     def finish_on_leave(self) -> Optional[Finished]:

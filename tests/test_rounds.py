@@ -614,6 +614,58 @@ def test_a_round_others_already_completed_follows_their_update_at_its_start(tmp_
     assert late.outcome == RoundOutcome.RESYNC and "already completed" in late.reason
 
 
+def _chain(tmp_path, state, steps: int, group_size: int = 4):
+    """The updates a majority applied at outer steps 1 .. ``steps`` from our theta_0, each continuing the last."""
+    from dilocox.catchup import AppliedUpdate
+
+    twin = computed_round(tmp_path / "chain")  # same seed: the same theta_0
+    assert twin.digest == state.digest
+    chain = []
+    for step in range(1, steps + 1):
+        aggregate = [torch.full_like(p, 1e-3 * step) for p in twin.outer.global_params]
+        parent = twin.digest
+        twin.apply_outer(aggregate, step, group_size)
+        chain.append(AppliedUpdate(step, parent, twin.digest, group_size, aggregate))
+    return chain
+
+
+def test_a_member_two_rounds_behind_follows_the_chain_of_updates_without_a_download(tmp_path, state):
+    """Our exchange of round 1 failed and by the time we look, four of five replicas hold theta_2 (they applied
+    rounds 1 and 2): we fetch update/1 and update/2 from them, check each continues the last and the second leads
+    to their theta, and apply both (ADOPTED, ``behind``); the next round we compute is round 3, the swarm's."""
+    chain = _chain(tmp_path, state, 2)
+    outside = [Member(peer_id=p, outer_step=2, round=3, inner_step=1, global_params_digest=chain[-1].digest)
+               for p in "cdef"]
+    asked = []
+    rounds = split_rounds(state, outside, lambda peers, step: asked.append((sorted(peers), step)) or chain[step - 1])
+    done = rounds.finish(pending(state, RoundFailed("no group: the round's group formed without us")))
+    assert done.outcome == RoundOutcome.ADOPTED and done.behind, done
+    assert [step for _, step in asked] == [1, 2] and all(set(peers) < set("cdef") for peers, _ in asked)
+    assert (state.outer_step, state.digest, state.round) == (2, chain[-1].digest, 3)
+
+
+def test_a_chain_that_breaks_or_is_too_long_is_not_followed(tmp_path):
+    """A broken link (an update that continues another theta, or a last one leading elsewhere) or a swarm more
+    than max_chain steps ahead: the member re-syncs with nothing applied; too far ahead, at once (no poll)."""
+    from dataclasses import replace
+
+    for case in ("parent", "theta", "far"):
+        st = computed_round(tmp_path / case)
+        theta0 = st.digest
+        chain = _chain(tmp_path / case, st, 6 if case == "far" else 2)
+        outside = [Member(peer_id=p, outer_step=len(chain), round=len(chain) + 1,
+                          global_params_digest=chain[-1].digest) for p in "cdef"]
+        served = {"parent": [chain[0], replace(chain[1], parent_digest="elsewhere")],
+                  "theta": [chain[0], replace(chain[1], digest="elsewhere")], "far": chain}[case]
+        rounds = split_rounds(st, outside, lambda peers, step: served[step - 1])
+        began = time.monotonic()
+        done = rounds.finish(pending(st, RoundFailed("no group")))
+        assert done.outcome == RoundOutcome.RESYNC and not done.behind, (case, done)
+        assert (st.outer_step, st.digest) == (0, theta0), case
+        if case == "far":
+            assert time.monotonic() - began < 0.5
+
+
 def test_a_fetch_asks_two_holders_at_a_time_and_a_leave_ends_the_settling_at_once(tmp_path, state):
     """A majority result whose holders do not answer (each ask costs the transfer's timeout, here 0.3 s): every
     attempt asks at most two of the 20 holders (not a sweep over all of them, which at 32 nodes held a member in
