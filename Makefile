@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-shared bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -103,6 +103,14 @@ bench-quality-gtopk: install
 		sparse-k128r-a3.75-6.75-b0.9-cc-gtopk2
 	$(PY) -m bench.quality --tradeoff runs/bench/quality-gtopk.json runs/bench/quality-gtopk-r8.json \
 		--out docs/img/quality-gtopk
+
+# the default on one index set per round (docs/algorithms.md, "Shared index sets"), 4 replicas (~50 min on 2 cores)
+bench-quality-shared: install
+	$(PY) -m bench.quality --out runs/bench/quality-shared --seeds 7 8 9 --methods fp32 sparse-k128r-a2.5-4.5-b0.9-cc \
+		shared-leader-k128-r8 shared-leader-k128-r2 shared-leader-k256-r4 shared-union-k128-r8 shared-union-k256-r4 \
+		shared-random-k512-r4 shared-random-k512-r4-b1
+	$(PY) -m bench.quality --tradeoff runs/bench/quality-gtopk.json runs/bench/quality-shared.json \
+		--out docs/img/quality-shared
 
 # one ablation per row (docs/algorithms.md, "Choosing the default"), seed 7 (~3 h on 2 cores)
 bench-quality-ablations: install

@@ -186,7 +186,7 @@ METHODS = {m.name: m for m in [
     # the default on one index set per round (dilocox/shared_index.py): a reduce-scatter needs no cut
     _shared("leader", 128, 8), _shared("leader", 128, 2), _shared("leader", 256, 4),
     _shared("random", 512, 4), _shared("random", 512, 4, beta=1.0),
-    _shared("union", 128, 8), _shared("union", 256, 4),
+    _shared("union", 128, 8), _shared("union", 256, 4), _shared("union", 256, 2),
 ]}
 
 
@@ -499,7 +499,8 @@ def _plot(results, methods, path: Path) -> None:
 
 def plot_tradeoff(paths: list[Path], path: Path) -> None:
     """Validation loss against fp32 (%, mean over seeds with min-max bars) against the bytes a member uploads
-    per round (x its payload), one marker per method and one colour per replica count, from saved runs."""
+    per round (x the default row's payload at that replica count, else x the method's own), one marker per
+    method and one colour per replica count, from saved runs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -508,6 +509,7 @@ def plot_tradeoff(paths: list[Path], path: Path) -> None:
     loaded = [json.loads(Path(p).read_text()) for p in paths]
     fp32 = {(d["settings"]["replicas"], r["seed"]): r["final_val_loss"]  # runs with equal settings reproduce fp32
             for d in loaded for r in d["runs"] if r["method"] == "fp32"}
+    unit = {d["settings"]["replicas"]: r["payload_bytes"] for d in loaded for r in d["runs"] if r["method"] == DEFAULT}
     colours = {n: f"C{i}" for i, n in enumerate(sorted({d["settings"]["replicas"] for d in loaded}))}
     fig, ax = plt.subplots(figsize=(8, 5))
     for d in loaded:
@@ -518,7 +520,7 @@ def plot_tradeoff(paths: list[Path], path: Path) -> None:
             if not mine:
                 continue
             rel = [100 * (r["final_val_loss"] / base[r["seed"]] - 1) for r in mine]
-            x = sum(r["upload_bytes"] / r["payload_bytes"] for r in mine) / len(mine)
+            x = sum(r["upload_bytes"] / unit.get(replicas, r["payload_bytes"]) for r in mine) / len(mine)
             y = sum(rel) / len(rel)
             ax.errorbar([x], [y], yerr=[[y - min(rel)], [max(rel) - y]], fmt="o", color=colours[replicas], capsize=3)
             label = m.replace("sparse-k128r-", "").replace("-b0.9-cc", "").replace("a2.5-4.5-", "")
@@ -527,9 +529,9 @@ def plot_tradeoff(paths: list[Path], path: Path) -> None:
                         xytext=(6, 0), va="center")
     ax.axhline(0, color="grey", lw=0.8)
     ax.axhline(1, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("upload per member and round (x its payload)")
+    ax.set_xlabel("upload per member and round (x the default's payload)")
     ax.set_ylabel("final validation loss vs fp32 DiLoCo (%)")
-    ax.set_title("the default codec: all-gather against a re-sparsified aggregate (gtopkB)")
+    ax.set_title("the default codec's all-gather against rules with flat upload")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -465,6 +465,8 @@ class OuterRounds:
             self._apply_chain(p.index, checked.chain)
         info = self._info(p, group_size, outcome, result, waited_from)
         info.apply_s, info.outsized = time.monotonic() - apply_began, outsized
+        if checked.chain:  # the row names the theta we hold: the chain's last outer step
+            info.outer_step = self.state.outer_step
         if early:
             p.early = info
             return Finished(p.index, RoundOutcome.DEFERRED, info)

@@ -639,7 +639,7 @@ def test_a_member_two_rounds_behind_follows_the_chain_of_updates_without_a_downl
     asked = []
     rounds = split_rounds(state, outside, lambda peers, step: asked.append((sorted(peers), step)) or chain[step - 1])
     done = rounds.finish(pending(state, RoundFailed("no group: the round's group formed without us")))
-    assert done.outcome == RoundOutcome.ADOPTED and done.behind, done
+    assert done.outcome == RoundOutcome.ADOPTED and done.behind and done.info.outer_step == 2, done
     assert [step for _, step in asked] == [1, 2] and all(set(peers) < set("cdef") for peers, _ in asked)
     assert (state.outer_step, state.digest, state.round) == (2, chain[-1].digest, 3)
 
