@@ -104,12 +104,15 @@ bench-quality-gtopk: install
 	$(PY) -m bench.quality --tradeoff runs/bench/quality-gtopk.json runs/bench/quality-gtopk-r8.json \
 		--out docs/img/quality-gtopk
 
-# the default on one index set per round (docs/algorithms.md, "Shared index sets"), 4 replicas (~50 min on 2 cores)
+# the default on one index set per round (docs/algorithms.md, "Shared index sets"): 4 and 8 replicas (~110 min on 2 cores)
 bench-quality-shared: install
 	$(PY) -m bench.quality --out runs/bench/quality-shared --seeds 7 8 9 --methods fp32 sparse-k128r-a2.5-4.5-b0.9-cc \
 		shared-leader-k128-r8 shared-leader-k128-r2 shared-leader-k256-r4 shared-union-k128-r8 shared-union-k256-r4 \
 		shared-random-k512-r4 shared-random-k512-r4-b1
-	$(PY) -m bench.quality --tradeoff runs/bench/quality-gtopk.json runs/bench/quality-shared.json \
+	$(PY) -m bench.quality --out runs/bench/quality-shared-r8 --seeds 7 8 9 --replicas 8 --methods fp32 \
+		sparse-k128r-a2.5-4.5-b0.9-cc shared-union-k256-r4 shared-union-k256-r2 shared-union-k384-r2 \
+		shared-union-k256-r4-a3.1-5.6
+	$(PY) -m bench.quality --tradeoff runs/bench/quality-shared.json runs/bench/quality-shared-r8.json \
 		--out docs/img/quality-shared
 
 # one ablation per row (docs/algorithms.md, "Choosing the default"), seed 7 (~3 h on 2 cores)

@@ -32,7 +32,8 @@ For the weighted mean, mean_r(what each e_r keeps) + applied = mean_r(m_r) exact
 dilocox/resparsify.py: nothing is lost, only delayed (tests/test_shared_index.py).
 
 Only the rule and its byte counts are here; its quality is measured in bench/quality.py (methods
-``*-shared-*``, docs/algorithms.md "Shared index sets"). No transport sends these rounds yet.
+``shared-*``, docs/algorithms.md "Shared index sets": the union is the one that works, +0.19% of fp32
+DiLoCo at 4 replicas for 2.2x a contribution's upload). No transport sends these rounds yet.
 """
 
 from __future__ import annotations
