@@ -38,7 +38,6 @@ DiLoCo at 4 replicas for 2.2x a contribution's upload). No transport sends these
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
@@ -47,7 +46,7 @@ import numpy as np
 import torch
 
 from dilocox import robust
-from dilocox.sparse import SCALE_BYTES, SUPPORTED_BITS, quantize_rows
+from dilocox.sparse import SCALE_BYTES, SUPPORTED_BITS, SparseConfig, quantize_rows
 
 
 class Selection(str, Enum):
@@ -70,22 +69,20 @@ class SharedIndexConfig:
     selection: Selection = Selection.LEADER
 
     def __post_init__(self):
-        if not isinstance(self.chunk, int) or not 2 <= self.chunk < 2**32:
-            raise ValueError(f"chunk must be an integer in [2, 2^32); got {self.chunk!r}")
-        if not isinstance(self.topk, int) or not 1 <= self.topk <= self.chunk:
-            raise ValueError(f"topk must be an integer in [1, chunk={self.chunk}]; got {self.topk!r}")
-        if self.bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits must be one of {SUPPORTED_BITS}; got {self.bits!r}")
+        self.contribution_config()  # chunk, topk, bits and beta within a contribution's limits, with its errors
         if self.result_bits not in (0, *SUPPORTED_BITS):
             raise ValueError(f"result_bits must be 0 (fp32) or one of {SUPPORTED_BITS}; got {self.result_bits!r}")
-        if not (isinstance(self.beta, (int, float)) and 0.0 <= self.beta <= 1.0):
-            raise ValueError(f"beta must be in [0, 1]; got {self.beta!r}")
         object.__setattr__(self, "selection", Selection(self.selection))
+
+    def contribution_config(self) -> SparseConfig:
+        """The sparse codec's configuration with our chunk, topk, bits and beta (Rice-coded indices): the limits
+        and the index code our values and index sets share with a contribution (dilocox/sparse.py)."""
+        return SparseConfig(self.chunk, self.topk, self.bits, self.beta, rice=True)
 
     @property
     def rice_bits(self) -> int:
         """Rice parameter of the index set's gaps, as dilocox/sparse.py's (4 for 128 of 4096)."""
-        return max(0, int(math.log2(self.chunk / self.topk * math.log(2))))
+        return self.contribution_config().rice_bits
 
 
 def leader_rank(outer_step: int, k: int) -> int:
