@@ -88,7 +88,6 @@ class MajorityUpdate:
         self.progress, self.fetch, self.delayed = progress, fetch, delayed
         self.wait_s, self.cancelled = wait_s, cancelled
         self.fetch_result, self.offer_result = fetch_result, offer_result
-        self.max_chain = MAX_CHAIN
         # peer_id -> (its last record, monotonic time last read): a record a loaded DHT read misses still counts
         # for ROSTER_SHARE x wait_s, so a group does not take itself for the round's majority (seen at 32 nodes)
         self._roster: dict[str, tuple[object, float]] = {}
@@ -161,11 +160,11 @@ class MajorityUpdate:
         updates that took a strict majority of the live replicas (ours counted) from ``parent_digest`` to the theta
         they hold, fetched from them and checked (content and theta, ``_fetch_checked``), in outer-step order. One
         update where the majority holds outer step ``index`` (dilocox.consensus.applied_majority); where it has
-        gone on to outer step s > index, the chain of updates index .. s (at most ``max_chain``), each continuing
+        gone on to outer step s > index, the chain of updates index .. s (at most ``MAX_CHAIN``), each continuing
         the one before and the last leading to the majority's theta at s (``_fetch_chain``).
         Polls while a replica that has not applied round ``index`` is still in it, or the swarm is ahead (a
         majority may be forming at one outer step), up to ``wait_s``; None when no majority can be followed by
-        then (or it is more than ``max_chain`` steps ahead), no member served a valid chain, or ``cancelled()``
+        then (or it is more than ``MAX_CHAIN`` steps ahead), no member served a valid chain, or ``cancelled()``
         (the caller then re-syncs)."""
         deadline, why = time.monotonic() + self.wait_s, "no strict majority of the live replicas applied it"
         while not self.cancelled():
@@ -196,16 +195,16 @@ class MajorityUpdate:
         to the theta they hold at s > index (the furthest such s), each fetched from members of that majority
         (they serve ``update/{j}`` from their catch-up log) and checked to continue the one before, the last to
         lead to their theta. (chain, "", False), or (None, why, hopeless): hopeless when the majority is more than
-        ``max_chain`` steps ahead (a re-sync is due), else worth another poll."""
+        ``MAX_CHAIN`` steps ahead (a re-sync is due), else worth another poll."""
         for step in sorted({m.outer_step for m in others if m.outer_step > index}, reverse=True):
             theta = majority_theta(others, step, ours=1)
             if theta is not None:
                 break
         else:
             return None, "no strict majority of the live replicas holds one theta at a later outer step", False
-        if step - index + 1 > self.max_chain:
+        if step - index + 1 > MAX_CHAIN:
             return None, (f"the swarm is at outer step {step}, {step - index + 1} updates from ours (more than "
-                          f"{self.max_chain}: re-sync)"), True
+                          f"{MAX_CHAIN}: re-sync)"), True
         sources = [m.peer_id for m in others if m.outer_step == step and m.global_params_digest == theta
                    and not m.client_mode]
         if not sources:

@@ -470,7 +470,7 @@ class OuterRounds:
         if early:
             p.early = info
             return Finished(p.index, RoundOutcome.DEFERRED, info)
-        finished = self._finish_locally(p, info, last=self.state.outer_step if checked.chain else None)
+        finished = self._finish_locally(p, info)
         finished.result, finished.behind = result, checked.behind
         return finished
 
@@ -618,15 +618,15 @@ class OuterRounds:
         logger.info("round %d: followed the swarm to outer step %d (%d more updates applied)", index,
                     self.state.outer_step, len(chain))
 
-    def _finish_locally(self, p: PendingRound, info: RoundInfo, last: Optional[int] = None) -> Finished:
+    def _finish_locally(self, p: PendingRound, info: RoundInfo) -> Finished:
         """Re-base the local parameters on theta (already updated; a no-op where ``finish_early`` merged it)
         and report the round. ``overlap_steps``: inner steps of the next round computed before the merge.
-        ``last``: the outer step theta holds (after a followed chain, beyond p.index; default p.index)."""
+        The next round follows ``info.outer_step`` (p.index; after a followed chain, its last outer step)."""
         if self.delayed:
             info.overlap_steps = self.cfg.inner_steps if p.merged_at is None else p.merged_at
         self.state.rebase_and_begin()
         if not self.delayed:
-            self.state.round = (p.index if last is None else max(last, p.index)) + 1
+            self.state.round = info.outer_step + 1
         return Finished(p.index, RoundOutcome(info.outcome), info, p.losses)
 
     def finish_on_leave(self) -> Optional[Finished]:

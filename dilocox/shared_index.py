@@ -38,7 +38,7 @@ DiLoCo at 4 replicas for 2.2x a contribution's upload). No transport sends these
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Sequence
 
@@ -127,7 +127,7 @@ def union_positions(ms: Sequence[torch.Tensor], cfg: SharedIndexConfig) -> tuple
     if not ms:
         raise ValueError("no member to propose positions")
     q = -(-cfg.topk // len(ms))
-    own = SharedIndexConfig(cfg.chunk, q, cfg.bits, cfg.result_bits, cfg.beta, Selection.LEADER)
+    own = replace(cfg, topk=q, selection=Selection.LEADER)
     proposals = [leader_positions(m, own) for m in ms]
     return np.unique(np.concatenate(proposals)), sum(index_bytes(p, ms[0].numel(), own) for p in proposals)
 

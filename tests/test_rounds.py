@@ -646,7 +646,7 @@ def test_a_member_two_rounds_behind_follows_the_chain_of_updates_without_a_downl
 
 def test_a_chain_that_breaks_or_is_too_long_is_not_followed(tmp_path):
     """A broken link (an update that continues another theta, or a last one leading elsewhere) or a swarm more
-    than max_chain steps ahead: the member re-syncs with nothing applied; too far ahead, at once (no poll)."""
+    than MAX_CHAIN steps ahead: the member re-syncs with nothing applied; too far ahead, at once (no poll)."""
     from dataclasses import replace
 
     for case in ("parent", "theta", "far"):
