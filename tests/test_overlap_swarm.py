@@ -92,12 +92,27 @@ def test_the_delay_follows_the_link(tmp_path):
 
 
 @pytest.mark.swarm
-def test_scaffold_and_stages_in_adaptive_overlap(tmp_path):
-    """SCAFFOLD's swarm control variate and two replicas of two pipeline stages (stage nodes merge at the
-    round's end: a pause mid-round would hold up their replica's pipeline) stay equal across replicas."""
+def test_scaffold_in_adaptive_overlap(tmp_path):
+    """SCAFFOLD's swarm control variate stays equal across replicas when rounds overlap."""
     scaffold = ADAPTIVE + ["--run-id", "ovl-scaffold", "--min-replicas", "2", "--outer-algorithm", "scaffold"]
     a = start(tmp_path, "a", scaffold)
     b = start(tmp_path, "b", scaffold + ["--join", a.join_maddr])
+    try:
+        for n in (a, b):
+            n.wait_for(lambda p: len([r for r in p.metrics() if r["outcome"] == "applied"]) >= 3, 150,
+                       "three applied SCAFFOLD rounds")
+        both = [{r["outer_step"]: (r["digest"], r["control_digest"]) for r in n.metrics()} for n in (a, b)]
+        shared = set(both[0]) & set(both[1])
+        assert shared and all(both[0][k] == both[1][k] for k in shared), both
+    finally:
+        _stop([a, b])
+
+
+@pytest.mark.swarm
+def test_stages_in_adaptive_overlap(tmp_path):
+    """Two replicas of two pipeline stages (stage nodes merge at the round's end: a pause mid-round would hold
+    up their replica's pipeline) stay equal across replicas. Its own test, apart from SCAFFOLD's pair: six
+    nodes on two cores once starved these four past the test's time limit in CI."""
     staged = ADAPTIVE + ["--run-id", "ovl-staged", "--compression", "adaptive", "--rank-min", "4", "--rank-max",
                          "4", "--microbatches", "2", "--pipeline-addr", "127.0.0.1:0", "--min-replicas", "2",
                          "--matchmaking-time", "4", "--averaging-timeout", "10"]
@@ -106,12 +121,6 @@ def test_scaffold_and_stages_in_adaptive_overlap(tmp_path):
     s += [start(tmp_path, name, staged + ["--stage", stage] + join) for name, stage in
           (("s1", "1/2"), ("t0", "0/2"), ("t1", "1/2"))]
     try:
-        for n in (a, b):
-            n.wait_for(lambda p: len([r for r in p.metrics() if r["outcome"] == "applied"]) >= 3, 150,
-                       "three applied SCAFFOLD rounds")
-        both = [{r["outer_step"]: (r["digest"], r["control_digest"]) for r in n.metrics()} for n in (a, b)]
-        shared = set(both[0]) & set(both[1])
-        assert shared and all(both[0][k] == both[1][k] for k in shared), both
         for n in s:
             n.wait_for(lambda p: len([r for r in p.metrics() if r["outcome"] == "applied" and r["group_size"] == 2])
                        >= 2, 240, "two rounds averaged with the other replica's stage")
@@ -122,4 +131,4 @@ def test_scaffold_and_stages_in_adaptive_overlap(tmp_path):
             assert applied and all(count == 2 for count in applied.values()), applied
         assert all(r["overlap_steps"] == 20 for n in s for r in n.metrics() if r["outcome"] == "applied")
     finally:
-        _stop([a, b, *s])
+        _stop(s)
