@@ -35,6 +35,7 @@ from dilocox.model import ModelSpec
 from dilocox.overlap import OuterSchedule
 from dilocox.resparsify import reencode, residual
 from dilocox.shared_index import (
+    ReducerFeedback,
     Selection,
     SharedIndexConfig,
     SharedIndexMember,
@@ -43,6 +44,7 @@ from dilocox.shared_index import (
     leader_rank,
     random_positions,
     reduce,
+    reduce_by_range,
     union_positions,
     values_bytes,
 )
@@ -82,6 +84,7 @@ class Method:
     resparsify_bits: int = 0        # bits per value of the cut aggregate (0: the contributions')
     restore_whole: bool = False     # the cut's residual returned undecayed (SparseCodec.restore's whole)
     shared: Optional[SharedIndexConfig] = None  # sparse rounds on one index set (dilocox/shared_index.py)
+    reducer_feedback: bool = False  # shared: the result's quantization error kept by its range's reducer
 
 
 def _sgd(name: str, codec: str, lr: float, **kw) -> Method:
@@ -108,13 +111,15 @@ def _cut(suffix: str, budget: int, lr: tuple[float, float] = (2.5, 4.5), **kw) -
                 resparsify=budget, **kw)
 
 def _shared(selection: str, topk: int, result_bits: int, beta: float = 0.9, lr: tuple[float, float] = (2.5, 4.5),
-            bits: int = 2) -> Method:
+            bits: int = 2, reducer: bool = False) -> Method:
     """The default row (``DEFAULT``) with every member sending its values at one index set (dilocox/shared_index.py);
-    named "shared-{selection}-k{topk}-r{result_bits}[-b{beta}][-a{lr0}-{lr1}]"."""
+    named "shared-{selection}-k{topk}-r{result_bits}[-b{beta}][-a{lr0}-{lr1}][-rf]"; ``reducer`` (-rf): the
+    result's quantization error stays with its range's reducer (ReducerFeedback) instead of every member."""
     name = f"shared-{selection}-k{topk}-r{result_bits}" + (f"-b{beta:g}" if beta != 0.9 else "") + (
-        f"-a{lr[0]:g}-{lr[1]:g}" if lr != (2.5, 4.5) else "") + (f"-{bits}bit" if bits != 2 else "")
+        f"-a{lr[0]:g}-{lr[1]:g}" if lr != (2.5, 4.5) else "") + (f"-{bits}bit" if bits != 2 else "") + (
+        "-rf" if reducer else "")
     return _sgd(name, "sparse", lr[0], outer_lr_final=lr[1], sparse=SparseConfig(topk=128, rice=True, beta=0.9),
-                aggregation="centered-clip", norm_bound=2.0,
+                aggregation="centered-clip", norm_bound=2.0, reducer_feedback=reducer,
                 shared=SharedIndexConfig(topk=topk, bits=bits, result_bits=result_bits, beta=beta, selection=selection))
 
 
@@ -188,6 +193,8 @@ METHODS = {m.name: m for m in [
     _shared("random", 512, 4), _shared("random", 512, 4, beta=1.0),
     _shared("union", 128, 8), _shared("union", 256, 4), _shared("union", 256, 2), _shared("union", 384, 2),
     _shared("union", 256, 4, lr=(3.1, 5.6)),
+    # what a reduce-scatter can send: the result's quantization error kept by the range's reducer
+    _shared("union", 256, 4, reducer=True), _shared("union", 256, 4, lr=(3.1, 5.6), reducer=True),
 ]}
 
 
@@ -249,6 +256,8 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
     codecs = dict(main=[SharedIndexMember(numel, method.shared) if method.shared
                         else SparseCodec(shapes, method.sparse) if method.codec == "sparse"
                         else _compressor(method, method.codec, shapes, dense, seed) for _ in inners])
+    if method.reducer_feedback:  # fixed chunk ranges: one buffer stands for every reducer's (shared_index.py)
+        codecs["reducer"] = [ReducerFeedback(numel)]
     if method.warmup_rounds:
         codecs["warmup"] = [_compressor(method, "none", shapes, dense, seed) for _ in inners]
     if method.refresh_every:
@@ -322,7 +331,7 @@ def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_boun
     weights = [float(inner_steps)] * len(deltas)
     shapes = [tuple(p.shape) for p in outer.global_params]
     if method.shared:
-        return _shared_round(method, codecs["main"], deltas, weights, shapes, t)
+        return _shared_round(method, codecs["main"], deltas, weights, shapes, t, codecs.get("reducer", [None])[0])
     if method.codec == "sparse":
         if method.proxy_source == "ef":  # the error-feedback-corrected pseudo-gradient: beta e + delta
             own = [[method.sparse.beta * e + d for e, d in zip(c.error, delta)]
@@ -361,7 +370,7 @@ def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_boun
     return _compressed_round(main, deltas, bounds, t, weights, method.power_iterations)
 
 
-def _shared_round(method, members, deltas, weights, shapes, t):
+def _shared_round(method, members, deltas, weights, shapes, t, feedback=None):
     """``_average`` for one index set per round (dilocox/shared_index.py). One member's payload: its values
     plus the index set (what a receiver needs to place them). Upload per member (mean): (values + result
     range + index set) x (k - 1) / k, a reduce-scatter of the values over chunk ranges, an all-gather of the
@@ -377,9 +386,13 @@ def _shared_round(method, members, deltas, weights, shapes, t):
                      else random_positions(n, cfg, 0, t))
         index = index_bytes(positions, n, cfg)
     sent = [mem.contribute(m, positions) for mem, m in zip(members, ms)]
-    red = reduce(sent, weights, positions, n, cfg, method.aggregation, method.norm_bound)
-    for mem in members:
-        mem.restore(positions, red.residual)
+    if feedback is None:
+        red = reduce(sent, weights, positions, n, cfg, method.aggregation, method.norm_bound)
+    else:  # as the transport would: each range by its reducer, who keeps what its result dropped
+        red = reduce_by_range(sent, weights, positions, n, cfg, method.aggregation, method.norm_bound, feedback)
+    if feedback is None:
+        for mem in members:
+            mem.restore(positions, red.residual)
 
     def dense(values) -> list[torch.Tensor]:
         flat = torch.zeros(n)

@@ -31,6 +31,17 @@ Per member r and round, with e_r its fp32 error-feedback buffer (as dilocox/spar
 For the weighted mean, mean_r(what each e_r keeps) + applied = mean_r(m_r) exactly as in
 dilocox/resparsify.py: nothing is lost, only delayed (tests/test_shared_index.py).
 
+The last line needs the unquantized A at every member, which a reduce-scatter never sends. What a transport
+can do instead (``ReducerFeedback``): the result's quantization error stays with the reducer of its range,
+in a buffer g over the positions of the chunks it reduces, and joins the next result there:
+
+    A' = A + g[P];   applied = Q_result_bits(A') per chunk;   g[P] <- A' - applied
+
+Error feedback at the aggregator, as DoubleSqueeze (Tang et al., "DoubleSqueeze: Parallel Stochastic Gradient
+Descent with Double-Pass Error-Compensated Compression", ICML 2019, arXiv 1905.05957, Algorithm 1) keeps it at
+its parameter server. Ranges are fixed runs of chunks (``chunk_ranges``), so a reducer meets its own chunks
+again; sum(applied) + g over rounds equals the sum of A, nothing lost either.
+
 Only the rule and its byte counts are here; its quality is measured in bench/quality.py (methods
 ``shared-*``, docs/algorithms.md "Shared index sets": the union is the one that works, +0.19% of fp32
 DiLoCo at 4 replicas for 2.2x a contribution's upload). No transport sends these rounds yet.
@@ -214,6 +225,35 @@ class SharedIndexMember:
         self.error[torch.from_numpy(positions)] += torch.from_numpy(np.asarray(residual, dtype=np.float32))
 
 
+def chunk_ranges(n: int, chunk: int, k: int) -> list[tuple[int, int]]:
+    """The k reducers' ranges of chunks, [lo, hi) in chunk indices, as equal as whole chunks allow
+    (floor(j x nchunks / k) to floor((j + 1) x nchunks / k)): reducer j (members in sorted peer-id order)
+    reduces range j. Fixed by n, chunk and k alone, so a reducer's ``ReducerFeedback`` meets the same chunks
+    every round its group is the same.
+    Raises ValueError for k < 1."""
+    if k < 1:
+        raise ValueError(f"a group has at least one member; got k={k}")
+    nchunks = -(-int(n) // chunk)
+    bounds = [j * nchunks // k for j in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class ReducerFeedback:
+    """A reducer's error feedback on the result (module docstring, DoubleSqueeze): what quantizing the result
+    dropped, per flat position (fp32, n values; a reducer only ever touches the positions of its chunks)."""
+
+    def __init__(self, n: int):
+        self.error = np.zeros(int(n), dtype=np.float32)
+
+    def quantize(self, agg: np.ndarray, positions: np.ndarray, n: int, cfg: "SharedIndexConfig") -> np.ndarray:
+        """agg (fp32 on ``positions``) plus what earlier results dropped there, quantized per chunk at
+        cfg.result_bits; what this one drops is kept. Returns the applied values (fp32, len(positions))."""
+        want = agg + self.error[positions]
+        applied = want if cfg.result_bits == 0 else _quantize_at(want, positions, n, cfg.chunk, cfg.result_bits)
+        self.error[positions] = want - applied
+        return applied
+
+
 @dataclass(frozen=True)
 class Reduced:
     """A round's result on P: ``applied`` (fp32, len(P), what every member applies), ``residual``
@@ -226,9 +266,12 @@ class Reduced:
 
 
 def reduce(values: Sequence[np.ndarray], weights: Sequence[float], positions: np.ndarray, n: int,
-           cfg: SharedIndexConfig, rule: str = "mean", norm_bound: float = 0.0) -> Reduced:
+           cfg: SharedIndexConfig, rule: str = "mean", norm_bound: float = 0.0,
+           feedback: "ReducerFeedback | None" = None) -> Reduced:
     """The members' values on P (in sorted peer-id order, each fp32 of len(P)) through ``rule``
     (dilocox/robust.py, float64), then quantized per chunk at cfg.result_bits (0: cast to fp32).
+    ``feedback``: the reducer keeps the result's quantization error (``ReducerFeedback``) and ``residual``
+    is all zeros (nothing for the members' buffers); None: ``residual`` is it, for every member.
     The quantization and the coordinate-wise rules (mean, trimmed-mean, median) are chunk-local, so a
     reducer of a range of chunks computes exactly that range; norm bounding and centered-clip use each
     row's whole-vector norms, which range reducers would first have to agree on (a few scalars per member
@@ -240,8 +283,33 @@ def reduce(values: Sequence[np.ndarray], weights: Sequence[float], positions: np
     rows = np.stack([np.asarray(v, dtype=np.float32) for v in values])
     rows += np.float32(0.0)  # -0.0 (a negative level x a zero scale) read as +0.0, as robust.py requires
     agg = robust.aggregate_rows(rows, list(weights), rule, norm_bound=norm_bound)[0].numpy().astype(np.float32)
+    if feedback is not None:
+        applied = feedback.quantize(agg, positions, n, cfg)
+        return Reduced(applied, np.zeros_like(agg), values_bytes(positions, n, cfg, cfg.result_bits))
     if cfg.result_bits == 0:
         applied = agg
     else:
         applied = _quantize_at(agg, positions, n, cfg.chunk, cfg.result_bits)
     return Reduced(applied, agg - applied, values_bytes(positions, n, cfg, cfg.result_bits))
+
+
+def range_slices(positions: np.ndarray, n: int, chunk: int, k: int) -> list[slice]:
+    """Where each of the k reducers' ranges (``chunk_ranges``) lies in the sorted ``positions``."""
+    first = [lo * chunk for lo, _ in chunk_ranges(n, chunk, k)] + [int(n)]
+    cut = np.searchsorted(positions, first)
+    return [slice(int(a), int(b)) for a, b in zip(cut[:-1], cut[1:])]
+
+
+def reduce_by_range(values: Sequence[np.ndarray], weights: Sequence[float], positions: np.ndarray, n: int,
+                    cfg: SharedIndexConfig, rule: str = "mean", norm_bound: float = 0.0,
+                    feedback: "ReducerFeedback | None" = None) -> Reduced:
+    """``reduce`` as k = len(values) reducers of a reduce-scatter compute it, each on its range of chunks
+    (``chunk_ranges``): the same result under the coordinate-wise rules; norm bounding and centered-clip see
+    each range's norms, as BTARD's butterfly clipping does (Gorbunov et al., arXiv 2106.11257, Sec. 3)."""
+    parts = [reduce([np.asarray(v)[sl] for v in values], weights, positions[sl], n, cfg, rule, norm_bound, feedback)
+             for sl in range_slices(positions, n, cfg.chunk, len(values)) if sl.stop > sl.start]
+    if not parts:
+        return reduce(values, weights, positions, n, cfg, rule, norm_bound, feedback)
+    return Reduced(np.concatenate([p.applied for p in parts]), np.concatenate([p.residual for p in parts]),
+                   sum(p.result_bytes for p in parts))
+

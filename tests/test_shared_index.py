@@ -6,14 +6,17 @@ import pytest
 import torch
 
 from dilocox.shared_index import (
+    ReducerFeedback,
     Selection,
     SharedIndexConfig,
     SharedIndexMember,
+    chunk_ranges,
     index_bytes,
     leader_positions,
     leader_rank,
     random_positions,
     reduce,
+    reduce_by_range,
     union_positions,
     values_bytes,
 )
@@ -116,6 +119,28 @@ def test_a_range_of_chunks_reduces_to_that_range_of_the_whole_under_a_coordinate
     sel = (pos >= 64) & (pos < 192)
     part = reduce([s[sel] for s in sent], weights, pos[sel], N, CFG, "trimmed-mean")
     assert np.array_equal(part.applied, red.applied[sel])
+
+
+def test_a_reducer_keeps_what_quantizing_its_results_dropped_and_applies_it_later():
+    """ReducerFeedback (DoubleSqueeze): over rounds, the applied results plus the reducer's buffer sum to the
+    aggregates exactly; the members' buffers get nothing; and the fixed chunk ranges partition the chunks."""
+    fb = ReducerFeedback(N)
+    total_agg, total_applied = np.zeros(N, np.float32), np.zeros(N, np.float32)
+    for t in range(5):
+        members, _, _, _, pos, sent, weights, plain = _round(seed=t)
+        red = reduce(sent, weights, pos, N, CFG, feedback=fb)
+        assert not red.residual.any() and red.result_bytes == plain.result_bytes
+        total_agg[pos] += plain.applied + plain.residual  # the unquantized aggregate A
+        total_applied[pos] += red.applied
+    np.testing.assert_allclose(total_applied + fb.error, total_agg, atol=1e-5)
+    assert np.abs(fb.error).max() > 0  # 2-bit results did drop something, and it is held
+    # range by range, as a reduce-scatter's reducers: the whole's result under a coordinate-wise rule
+    _, _, _, _, pos, sent, weights, red = _round(rule="median")
+    assert np.array_equal(reduce_by_range(sent, weights, pos, N, CFG, "median").applied, red.applied)
+    assert chunk_ranges(N, 64, 3) == [(0, 1), (1, 2), (2, 4)]
+    assert chunk_ranges(N, 64, 6)[:2] == [(0, 0), (0, 1)]  # more reducers than chunks: some reduce nothing
+    with pytest.raises(ValueError, match="at least one member"):
+        chunk_ranges(N, 64, 0)
 
 
 def test_byte_counts_match_the_sparse_codec():
