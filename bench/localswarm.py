@@ -9,6 +9,7 @@ This module only starts them, polls ``GetStatus`` and asks them to ``Leave``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -233,3 +234,27 @@ def summarize(nodes: list[LocalNode]) -> dict:
             digest_last=rows[-1]["digest"],
         )
     return per_node
+
+
+@contextlib.contextmanager
+def peers_on_loopback(n: int, namespace: str, tampers=(), offer_wait_s: float = 1.0, keep: int = 4):
+    """n real hivemind peers on loopback, each with a ContributionServer (``tampers[i]``: peer i's hook) that
+    waits ``offer_wait_s`` for an offer asked for before it was made and keeps ``keep`` offers; yields
+    [(peer_id, server, dht)]."""
+    import hivemind  # here, not at the top: the node launcher above needs neither
+    from dilocox.peers.allgather import ContributionServer
+
+    dhts, out = [], []
+    try:
+        for i in range(n):
+            dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs() if dhts else None, start=True,
+                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, startup_timeout=60))
+            tamper = tampers[i] if i < len(tampers) else None
+            out.append(ContributionServer(dhts[-1].replicate_p2p, namespace, tamper=tamper, offer_wait_s=offer_wait_s,
+                                          keep=keep))
+        yield [(d.peer_id.to_base58(), s, d) for d, s in zip(dhts, out)]
+    finally:
+        for s in out:
+            s.shutdown()  # idempotent, as is DHT.shutdown: a test may stop a peer early
+        for d in dhts:
+            d.shutdown()

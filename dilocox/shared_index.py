@@ -57,7 +57,18 @@ import numpy as np
 import torch
 
 from dilocox import robust
-from dilocox.sparse import SCALE_BYTES, SUPPORTED_BITS, SparseConfig, quantize_rows
+from dilocox.sparse import (
+    SCALE_BYTES,
+    SUPPORTED_BITS,
+    ContributionError,
+    SparseCodec,
+    SparseConfig,
+    decode_rows,
+    encode_rows,
+    pack_bits,
+    sent_positions,
+    unpack_bits,
+)
 
 
 class Selection(str, Enum):
@@ -143,6 +154,32 @@ def union_positions(ms: Sequence[torch.Tensor], cfg: SharedIndexConfig) -> tuple
     return np.unique(np.concatenate(proposals)), sum(index_bytes(p, ms[0].numel(), own) for p in proposals)
 
 
+def proposal_config(cfg: SharedIndexConfig, k: int) -> SparseConfig:
+    """The sparse codec's configuration of a member's proposal in a group of k: ceil(topk / k) values per
+    chunk, Rice-coded indices, 1-bit values (their signs: unused, the cheapest the codec sends), no decay."""
+    if k < 1:
+        raise ValueError(f"a group has at least one member; got k={k}")
+    return replace(cfg.contribution_config(), topk=-(-cfg.topk // k), bits=1, beta=0.0)
+
+
+def encode_proposal(m: torch.Tensor, cfg: SharedIndexConfig, k: int) -> bytes:
+    """Our proposal for a union round of k members, as wire bytes: a sparse contribution (dilocox/sparse.py)
+    of ``m`` (flat fp32, beta e + delta) with ``proposal_config``, so the codec's validation guards what a
+    receiver reads. Its positions are those ``decode_proposal`` returns."""
+    return SparseCodec([(m.numel(),)], proposal_config(cfg, k)).encode([m])
+
+
+def decode_proposal(payload: bytes, n: int, cfg: SharedIndexConfig, k: int) -> np.ndarray:
+    """A member's proposal (untrusted bytes) -> its sorted flat int64 positions. Raises ContributionError (a
+    ValueError) for anything the codec would not have encoded with ``proposal_config`` for n values."""
+    return sent_positions(payload, [(int(n),)], proposal_config(cfg, k))
+
+
+def proposal_bytes(n: int, cfg: SharedIndexConfig, k: int) -> int:
+    """The largest valid proposal length for n values (a fetch's bound)."""
+    return SparseCodec([(int(n),)], proposal_config(cfg, k)).payload_bytes()
+
+
 def random_positions(n: int, cfg: SharedIndexConfig, seed: int, outer_step: int) -> np.ndarray:
     """topk positions per chunk drawn uniformly without replacement from torch's CPU generator seeded by
     (seed, outer_step): the same on every member. Sorted flat int64 positions below n."""
@@ -170,28 +207,77 @@ def index_bytes(positions: np.ndarray, n: int, cfg: SharedIndexConfig) -> int:
 
 
 def values_bytes(positions: np.ndarray, n: int, cfg: SharedIndexConfig, bits: int | None = None) -> int:
-    """Bytes of values at ``positions``: per chunk with any, an fp32 scale and the codes at ``bits``
-    (default cfg.bits; 0: fp32 values, no scale)."""
+    """Bytes of values at ``positions`` as ``pack_values`` sends them: per chunk with any, an fp32 scale, then
+    one stream of codes at ``bits`` (default cfg.bits; 0: fp32 values, no scale)."""
     bits = cfg.bits if bits is None else bits
     counts = _chunk_counts(positions, n, cfg.chunk)
     if bits == 0:
         return 4 * int(counts.sum())
-    return int(((counts > 0) * SCALE_BYTES + -(-counts * bits // 8)).sum())
+    return int((counts > 0).sum()) * SCALE_BYTES + -(-int(counts.sum()) * bits // 8)
+
+
+def _rows_of(positions: np.ndarray, n: int, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For sorted flat positions: the chunks holding any (ascending), and each position's row among them and
+    column inside it."""
+    counts = _chunk_counts(positions, n, chunk)
+    held = np.flatnonzero(counts)
+    row = np.searchsorted(held, positions // chunk)
+    col = np.arange(len(positions)) - np.repeat(np.cumsum(counts[held]) - counts[held], counts[held])
+    return held, row, col
+
+
+def pack_values(values: np.ndarray, positions: np.ndarray, n: int, chunk: int, bits: int) -> tuple[bytes, np.ndarray]:
+    """Values at sorted flat ``positions`` (fp32, one each) as wire bytes, and as every receiver decodes them.
+
+    Layout (little-endian): for each chunk holding a position, in chunk order, its fp32 scale; then one code
+    per position, in order, ``bits`` wide in the bit stream of dilocox/sparse.py (LSB first, zero-padded to
+    a whole byte). One scale per chunk, the sparse codec's quantizer (``encode_rows``). bits 0: the fp32
+    values, no scale. No index is sent: the receiver holds P. Chunk-local: a range of chunks packed alone
+    decodes to the same values. Length: ``values_bytes(positions, n, cfg, bits)``. Raises ValueError for bits
+    outside (0, 1, 2, 4, 8)."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if bits == 0:
+        return values.astype("<f4").tobytes(), values.copy()
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be 0 (fp32) or one of {SUPPORTED_BITS}; got {bits!r}")
+    if not len(positions):
+        return b"", np.zeros(0, np.float32)
+    held, row, col = _rows_of(positions, n, chunk)
+    rows = np.zeros((len(held), int(col.max()) + 1), dtype=np.float32)
+    rows[row, col] = values
+    scale, codes = encode_rows(rows, bits, np.bincount(row, minlength=len(held)))  # chunk-local at any width
+    return scale.astype("<f4").tobytes() + pack_bits(codes[row, col], bits), decode_rows(scale, codes, bits)[row, col]
+
+
+def unpack_values(buf: bytes, positions: np.ndarray, n: int, chunk: int, bits: int) -> np.ndarray:
+    """Inverse of ``pack_values`` for untrusted bytes: the fp32 values at ``positions``. Raises
+    ContributionError (a ValueError) for another length, a scale that is negative or not finite, nonzero
+    padding bits, or fp32 values that are not finite."""
+    if not isinstance(buf, (bytes, bytearray, memoryview)):
+        raise ContributionError(f"values are {type(buf).__name__}, not bytes")
+    buf = bytes(buf)
+    if bits == 0:
+        if len(buf) != 4 * len(positions):
+            raise ContributionError(f"{len(buf)} bytes of fp32 values; {4 * len(positions)} expected")
+        out = np.frombuffer(buf, dtype="<f4").astype(np.float32)
+        if not np.isfinite(out).all():
+            raise ContributionError("non-finite value")
+        return out
+    held, row, _ = _rows_of(positions, n, chunk)
+    expected = SCALE_BYTES * len(held) + -(-len(positions) * bits // 8)
+    if len(buf) != expected:
+        raise ContributionError(f"{len(buf)} bytes of values; {expected} expected for {len(positions)} positions "
+                                f"in {len(held)} chunks at {bits} bits")
+    scale = np.frombuffer(buf, dtype="<f4", count=len(held)).astype(np.float32)
+    if not (np.isfinite(scale).all() and (scale >= 0).all()):
+        raise ContributionError("a chunk's scale is negative or not finite")
+    codes = unpack_bits(buf, SCALE_BYTES * len(held), len(positions), bits, "code").numpy()
+    return decode_rows(scale[row], codes[:, None], bits)[:, 0]  # one row per position: its chunk's scale
 
 
 def _quantize_at(values: np.ndarray, positions: np.ndarray, n: int, chunk: int, bits: int) -> np.ndarray:
     """Values at sorted positions quantized per chunk (one scale per chunk, as a contribution's)."""
-    counts = _chunk_counts(positions, n, chunk)
-    out = np.empty_like(values, dtype=np.float32)
-    width = int(counts.max()) if len(counts) else 0
-    if width == 0:
-        return out
-    rows = np.zeros((len(counts), width), dtype=np.float32)
-    col = np.arange(len(positions)) - np.repeat(np.cumsum(counts) - counts, counts)
-    rows[positions // chunk, col] = values
-    # zeros padding a short row never raise its scale; a 1-bit row's mean magnitude would count them
-    out[:] = quantize_rows(rows, bits)[positions // chunk, col]
-    return out
+    return pack_values(values, positions, n, chunk, bits)[1]
 
 
 class SharedIndexMember:
@@ -245,24 +331,31 @@ class ReducerFeedback:
     def __init__(self, n: int):
         self.error = np.zeros(int(n), dtype=np.float32)
 
-    def quantize(self, agg: np.ndarray, positions: np.ndarray, n: int, cfg: "SharedIndexConfig") -> np.ndarray:
+    def quantize(self, agg: np.ndarray, positions: np.ndarray, n: int,
+                 cfg: "SharedIndexConfig") -> tuple[bytes, np.ndarray]:
         """agg (fp32 on ``positions``) plus what earlier results dropped there, quantized per chunk at
-        cfg.result_bits; what this one drops is kept. Returns the applied values (fp32, len(positions))."""
-        want = agg + self.error[positions]
-        applied = want if cfg.result_bits == 0 else _quantize_at(want, positions, n, cfg.chunk, cfg.result_bits)
+        cfg.result_bits (``pack_values``); what this one drops is kept. Returns (the result's bytes, the
+        applied values: fp32, len(positions))."""
+        want = (agg + self.error[positions]).astype(np.float32)
+        payload, applied = pack_values(want, positions, n, cfg.chunk, cfg.result_bits)
         self.error[positions] = want - applied
-        return applied
+        return payload, applied
 
 
 @dataclass(frozen=True)
 class Reduced:
     """A round's result on P: ``applied`` (fp32, len(P), what every member applies), ``residual``
-    (fp32, len(P): aggregate - applied, what every member returns to its buffer), ``result_bytes``
-    (the result's bytes as the all-gather of the ranges sends them)."""
+    (fp32, len(P): aggregate - applied, what every member returns to its buffer), ``payload`` (the result
+    as ``pack_values`` sends it at cfg.result_bits: ``applied`` is what it decodes to)."""
 
     applied: np.ndarray
     residual: np.ndarray
-    result_bytes: int
+    payload: bytes
+
+    @property
+    def result_bytes(self) -> int:
+        """The result's bytes as the all-gather of the ranges sends them."""
+        return len(self.payload)
 
 
 def reduce(values: Sequence[np.ndarray], weights: Sequence[float], positions: np.ndarray, n: int,
@@ -284,13 +377,10 @@ def reduce(values: Sequence[np.ndarray], weights: Sequence[float], positions: np
     rows += np.float32(0.0)  # -0.0 (a negative level x a zero scale) read as +0.0, as robust.py requires
     agg = robust.aggregate_rows(rows, list(weights), rule, norm_bound=norm_bound)[0].numpy().astype(np.float32)
     if feedback is not None:
-        applied = feedback.quantize(agg, positions, n, cfg)
-        return Reduced(applied, np.zeros_like(agg), values_bytes(positions, n, cfg, cfg.result_bits))
-    if cfg.result_bits == 0:
-        applied = agg
-    else:
-        applied = _quantize_at(agg, positions, n, cfg.chunk, cfg.result_bits)
-    return Reduced(applied, agg - applied, values_bytes(positions, n, cfg, cfg.result_bits))
+        payload, applied = feedback.quantize(agg, positions, n, cfg)
+        return Reduced(applied, np.zeros_like(agg), payload)
+    payload, applied = pack_values(agg, positions, n, cfg.chunk, cfg.result_bits)
+    return Reduced(applied, agg - applied, payload)
 
 
 def range_slices(positions: np.ndarray, n: int, chunk: int, k: int) -> list[slice]:
@@ -311,5 +401,5 @@ def reduce_by_range(values: Sequence[np.ndarray], weights: Sequence[float], posi
     if not parts:
         return reduce(values, weights, positions, n, cfg, rule, norm_bound, feedback)
     return Reduced(np.concatenate([p.applied for p in parts]), np.concatenate([p.residual for p in parts]),
-                   sum(p.result_bytes for p in parts))
+                   b"".join(p.payload for p in parts))
 

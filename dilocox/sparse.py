@@ -263,18 +263,32 @@ def _levels(bits: int) -> np.ndarray:
     return ((2 * np.arange(2 * m) + 1 - 2 * m) / (2 * m)).astype(np.float32)
 
 
-def quantize_rows(vals: np.ndarray, bits: int) -> np.ndarray:
-    """(rows, k) fp32 values -> the fp32 values a receiver decodes from them: one scale per row and a code per
-    value at ``bits`` bits, this payload's quantizer (module docstring; 1 bit: a sign at +-scale/2). For other
-    codecs that send values at positions agreed elsewhere (dilocox/shared_index.py). Raises ValueError for
-    bits outside SUPPORTED_BITS."""
+def encode_rows(vals: np.ndarray, bits: int, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, k) fp32 values -> (fp32 scale per row, uint8 codes (rows, k) in [0, 2^bits)): this payload's
+    quantizer (module docstring; 1 bit: a sign at +-scale/2). For other codecs that send values at positions
+    agreed elsewhere (dilocox/shared_index.py). ``counts``: the values of each row that are real, the rest
+    zero padding (a 1-bit scale is the mean magnitude of those alone; the largest is unchanged by zeros).
+    Raises ValueError for bits outside SUPPORTED_BITS."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}; got {bits!r}")
     vals = np.ascontiguousarray(vals, dtype=np.float32)
+    if bits == 1 and counts is not None:
+        scale = (2 * np.abs(vals).sum(axis=1, dtype=np.float64) / np.maximum(counts, 1)).astype(np.float32)
+        return scale, _quantize(vals, scale, bits)
     scale, codes = _quantized(vals, bits)
+    return scale.astype(np.float32), codes
+
+
+def decode_rows(scale: np.ndarray, codes: np.ndarray, bits: int) -> np.ndarray:
+    """(rows,) scales and (rows, k) codes -> fp32 values, scale x level, the same bits on every machine."""
     out = _levels(bits)[codes]
-    out *= scale.astype(np.float32)[:, None]
+    out *= np.asarray(scale, dtype=np.float32)[:, None]
     return out
+
+
+def quantize_rows(vals: np.ndarray, bits: int) -> np.ndarray:
+    """(rows, k) fp32 values -> the fp32 values a receiver decodes from them (``encode_rows``, ``decode_rows``)."""
+    return decode_rows(*encode_rows(vals, bits), bits)
 
 
 def _rows(a: np.ndarray, lay: Layout, cfg: SparseConfig) -> tuple[np.ndarray, np.ndarray]:

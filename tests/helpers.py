@@ -6,7 +6,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.localswarm import LocalNode, digests_by_step, node_env  # noqa: F401 (re-exported for tests)
+from bench.localswarm import LocalNode, digests_by_step, node_env, peers_on_loopback  # noqa: F401 (re-exported)
 
 # Seconds-scale timeouts and a tiny model so a round takes ~2 s (matchmaking window dominates).
 FAST = ["--model", "tiny", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0",

@@ -3,18 +3,17 @@ metadata, and the contribution server between real hivemind peers on loopback.""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import threading
 import time
 
-import hivemind
 import pytest
 import torch
 from dilocox.peers.allgather import ContributionServer, after, exchange_sparse, screen_gathered
 from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather
 
 from dilocox.sparse import SparseCompressor, SparseConfig
+from tests.helpers import peers_on_loopback
 
 SHA = "ab" * 32
 
@@ -58,25 +57,6 @@ def test_screen_is_the_same_for_every_member_whatever_the_order():
     first = screen_gathered(gathered, 5, 20.0, 100)[2]
     again = screen_gathered(dict(reversed(list(gathered.items()))), 5, 20.0, 100)[2]
     assert first == again and set(first) == {"p3", "p4", "p5"}  # the tie goes to the smallest peer id's digest
-
-
-@contextlib.contextmanager
-def peers_on_loopback(n: int, namespace: str, tampers=(), offer_wait_s: float = 1.0):
-    """n real hivemind peers on loopback, each with a ContributionServer (``tampers[i]``: peer i's hook) that
-    waits ``offer_wait_s`` for an offer asked for before it was made; yields [(peer_id, server, dht)]."""
-    dhts, out = [], []
-    try:
-        for i in range(n):
-            dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs() if dhts else None, start=True,
-                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, startup_timeout=60))
-            tamper = tampers[i] if i < len(tampers) else None
-            out.append(ContributionServer(dhts[-1].replicate_p2p, namespace, tamper=tamper, offer_wait_s=offer_wait_s))
-        yield [(d.peer_id.to_base58(), s, d) for d, s in zip(dhts, out)]
-    finally:
-        for s in out:
-            s.shutdown()  # idempotent, as is DHT.shutdown: a test may stop a peer early
-        for d in dhts:
-            d.shutdown()
 
 
 @pytest.fixture(scope="module")

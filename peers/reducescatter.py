@@ -1,0 +1,171 @@
+"""Reduce-scatter rounds on a shared index set: an upload per member that does not grow with the group.
+
+In an all-gather round (peers/allgather.py) each member serves its contribution to each of its k - 1
+group-mates, (k - 1) x payload per round. Here the members first agree on one index set P (the union
+of their proposals, dilocox/shared_index.py), so every member's values live on the same positions and
+can be summed range by range:
+
+1. **proposals** (key ``{key}/p``): each member's ceil(topk / k) largest |beta e + delta| per chunk, a
+   1-bit sparse contribution (``encode_proposal``), all-gathered; P = their union, the same on every
+   member that got all k. A proposal that cannot be fetched or read fails the round for whoever missed
+   it (its P would differ): nothing has left the error feedback yet.
+2. **values** (key ``{key}/v{j}``): P's chunks are split into k fixed ranges (``chunk_ranges``); member
+   j (sorted peer-id order) reduces range j, and fetches from every other member its values there
+   (``pack_values`` at cfg.bits: the receiver holds P, so no index is sent).
+3. **results** (key ``{key}/r``): reducer j runs the robust rule on its range (``reduce``; norm bound and
+   centered-clip on the range's norms, as BTARD's butterfly clipping), quantizes it at cfg.result_bits
+   keeping what that drops (``ReducerFeedback``, DoubleSqueeze), and serves it; every member fetches
+   every other range's result and applies P's values.
+
+Upload per member and round, with V its values, R the result and I one proposal: about
+(k - 1) / k x (V + R) + (k - 1) x I, and I shrinks as 1/k, so the sum is flat in k.
+
+What a member checks: lengths (each range's exact byte count follows from P), scales and codes
+(``unpack_values``), proposals (the sparse codec's validation). A reducer drops a member whose values do
+not parse and reports it. A reducer could serve different results to different members, or a wrong one:
+``RangeResults.digests`` (SHA-256 of each range's result bytes) are what members compare to catch the
+first, as they compare theta digests after applying; the second needs an audit of the range (a member
+re-fetching its inputs), which is not built here. This module is the transport only: the daemon does
+not run these rounds yet (docs/algorithms.md, "Shared index sets").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+from dilocox.peers.allgather import ContributionServer
+from dilocox.peers.averaging import RoundFailed
+
+from dilocox.shared_index import (
+    ReducerFeedback,
+    SharedIndexConfig,
+    SharedIndexMember,
+    decode_proposal,
+    encode_proposal,
+    pack_values,
+    proposal_bytes,
+    range_slices,
+    reduce,
+    unpack_values,
+    values_bytes,
+)
+from dilocox.sparse import ContributionError
+
+
+@dataclass(frozen=True)
+class RangeResults:
+    """One member's outcome of a reduce-scatter round.
+
+    ``positions``: P (sorted flat int64); ``applied``: fp32 on P, what the member adds to its pseudo-gradient
+    mean (the same bits on every member that got the same results); ``digests``: reducer peer_id -> SHA-256
+    hex of its range's result bytes; ``dropped``: as a reducer, member -> why its values were not used;
+    ``sent_bytes`` / ``received_bytes``: payload bytes served (so far: members still fetching our result add
+    to it, ``ContributionServer.served_bytes``) / fetched under the round's keys;
+    ``phases``: seconds per step (propose, reduce, gather)."""
+
+    positions: np.ndarray
+    applied: np.ndarray
+    digests: Dict[str, str]
+    dropped: Dict[str, str]
+    sent_bytes: int
+    received_bytes: int
+    phases: Dict[str, float] = field(default_factory=dict)
+
+
+def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], key: str, member: SharedIndexMember,
+                    m: torch.Tensor, weights: Mapping[str, float], timeout_s: float, rule: str = "mean",
+                    norm_bound: float = 0.0, feedback: Optional[ReducerFeedback] = None) -> RangeResults:
+    """Run one reduce-scatter round (module docstring) with ``group`` (peer_ids, ours included; their order
+    does not matter), under the round's ``key``; blocking.
+
+    ``m``: our beta e + delta (flat fp32, ``member.accumulate``); ``member``'s buffer becomes m minus what we
+    sent once P is known, and is restored if the round then fails. ``weights``: every member's weight (from
+    matchmaking). ``feedback``: our reducer's buffer (kept across rounds; None: the result's quantization
+    error is dropped). ``timeout_s``: seconds for each of the three fetches. The server must keep at least
+    k + 1 offers (``keep``). Raises RoundFailed when a proposal or a result could not be fetched or read,
+    ValueError for a group without us or a server that keeps too few offers."""
+    cfg: SharedIndexConfig = member.cfg
+    group = sorted(set(group))
+    if me not in group:
+        raise ValueError(f"we ({me[:16]}) are not in the group")
+    k, n = len(group), m.numel()
+    if server.keep < k + 1:
+        raise ValueError(f"the contribution server keeps {server.keep} offers; a round of {k} needs {k + 1}")
+    others = [p for p in group if p != me]
+    t0 = time.monotonic()
+    own = encode_proposal(m, cfg, k)
+    server.offer(f"{key}/p", own)
+    got, failed = server.fetch({p: (None, proposal_bytes(n, cfg, k)) for p in others}, f"{key}/p", timeout_s)
+    if failed:
+        raise RoundFailed("no proposal from " + "; ".join(f"{p[:16]}: {why}" for p, why in sorted(failed.items())))
+    proposals = [decode_proposal(own, n, cfg, k)]
+    for p in others:
+        try:
+            proposals.append(decode_proposal(got[p], n, cfg, k))
+        except ContributionError as e:
+            raise RoundFailed(f"the proposal of {p[:16]} does not read: {e}") from e
+    positions = np.unique(np.concatenate(proposals))
+    received = sum(map(len, got.values()))
+    sent = member.contribute(m, positions)
+    phases = dict(propose=time.monotonic() - t0)
+    try:
+        return _reduce_and_gather(server, me, group, key, cfg, m, positions, sent, weights, timeout_s, rule,
+                                  norm_bound, feedback, received, phases)
+    except BaseException:
+        member.restore(positions, sent)  # nothing of ours was applied: the buffer is m again
+        raise
+
+
+def _reduce_and_gather(server, me, group, key, cfg, m, positions, sent, weights, timeout_s, rule, norm_bound,
+                       feedback, received, phases) -> RangeResults:
+    """Steps 2 and 3 of the module docstring, once P is known."""
+    k, rank, n = len(group), group.index(me), m.numel()
+    slices = range_slices(positions, n, cfg.chunk, k)
+    ours = m[torch.from_numpy(positions)].numpy()
+    for j, sl in enumerate(slices):
+        if j != rank:
+            server.offer(f"{key}/v{j}", pack_values(ours[sl], positions[sl], n, cfg.chunk, cfg.bits)[0])
+    t0 = time.monotonic()
+    mine = slices[rank]
+    size = values_bytes(positions[mine], n, cfg)
+    got, dropped = server.fetch({p: (None, size) for p in group if p != me}, f"{key}/v{rank}", timeout_s)
+    received += sum(map(len, got.values()))
+    rows = {me: sent[mine]}
+    for p, payload in got.items():
+        try:
+            rows[p] = unpack_values(payload, positions[mine], n, cfg.chunk, cfg.bits)
+        except ContributionError as e:
+            dropped[p] = f"its values do not read: {e}"
+    peers = sorted(rows)
+    red = reduce([rows[p] for p in peers], [float(weights[p]) for p in peers], positions[mine], n, cfg, rule,
+                 norm_bound, feedback)
+    server.offer(f"{key}/r", red.payload)
+    phases["reduce"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    wanted = {group[j]: (None, values_bytes(positions[sl], n, cfg, cfg.result_bits))
+              for j, sl in enumerate(slices) if j != rank}
+    got, failed = server.fetch(wanted, f"{key}/r", timeout_s)
+    if failed:
+        raise RoundFailed("no result from " + "; ".join(f"{p[:16]}: {why}" for p, why in sorted(failed.items())))
+    received += sum(map(len, got.values()))
+    applied = np.empty(len(positions), dtype=np.float32)
+    applied[mine] = red.applied
+    digests = {me: hashlib.sha256(red.payload).hexdigest()}
+    for j, sl in enumerate(slices):
+        if j == rank:
+            continue
+        payload = got[group[j]]
+        try:
+            applied[sl] = unpack_values(payload, positions[sl], n, cfg.chunk, cfg.result_bits)
+        except ContributionError as e:
+            raise RoundFailed(f"the result of {group[j][:16]} does not read: {e}") from e
+        digests[group[j]] = hashlib.sha256(payload).hexdigest()
+    phases["gather"] = time.monotonic() - t0
+    keys = [f"{key}/p", f"{key}/r"] + [f"{key}/v{j}" for j in range(k) if j != rank]
+    return RangeResults(positions, applied, digests, dropped, sum(server.served_bytes(x) for x in keys), received,
+                        phases)

@@ -1,0 +1,137 @@
+"""Reduce-scatter rounds on a shared index set (peers/reducescatter.py) between real hivemind peers on
+loopback: every member gets the same result, the one the in-process rule computes; a member whose values
+do not read is dropped by its reducers with the reason; a member that never proposes fails the round for
+the others without touching their error feedback; the upload stays about flat as the group grows."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from dilocox.peers.averaging import RoundFailed
+from dilocox.peers.reducescatter import exchange_shared
+
+from dilocox.shared_index import (
+    ReducerFeedback,
+    SharedIndexConfig,
+    SharedIndexMember,
+    proposal_bytes,
+    range_slices,
+    reduce,
+    union_positions,
+    values_bytes,
+)
+from tests.helpers import peers_on_loopback
+
+CFG = SharedIndexConfig(chunk=256, topk=32, bits=2, result_bits=4, selection="union")
+N = 5000  # 20 chunks, the last one short
+
+
+def _ms(k: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(N, generator=g) * (1 + r) for r in range(k)]
+
+
+def _run(peers, ms, key, weights=None, timeout_s=20.0, feedbacks=None):
+    """One round on every peer in threads; peer_id -> RangeResults or the exception it raised."""
+    group = [p for p, _, _ in peers]
+    weights = weights or {p: 30.0 for p in group}
+    members = {p: SharedIndexMember(N, CFG) for p in group}
+    out = {}
+
+    def one(i, p, server):
+        try:
+            out[p] = exchange_shared(server, p, group, key, members[p], ms[i], weights, timeout_s, rule="mean",
+                                     feedback=None if feedbacks is None else feedbacks[p])
+        except Exception as e:  # noqa: BLE001 (the test reads it)
+            out[p] = e
+
+    threads = [threading.Thread(target=one, args=(i, p, s)) for i, (p, s, _) in enumerate(peers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s * 4)
+    return out, members
+
+
+def test_every_member_gets_the_rules_result_and_a_bad_member_is_dropped_by_its_reducers():
+    garble = lambda payload, requester, key: payload[:-1] if "/v" in key else payload  # noqa: E731
+    with peers_on_loopback(4, "test_reducescatter", tampers=(None, None, None, garble), keep=8) as peers:
+        group = sorted(p for p, _, _ in peers)
+        order = {p: i for i, (p, _, _) in enumerate(peers)}
+        ms = _ms(4)
+        feedbacks = {p: ReducerFeedback(N) for p in group}
+        out, members = _run(peers, ms, "rs/1", feedbacks=feedbacks)
+        assert all(not isinstance(r, Exception) for r in out.values()), out
+        first = out[group[0]]
+        for r in out.values():  # one P and one result, bit for bit, on every member
+            assert np.array_equal(r.positions, first.positions) and np.array_equal(r.applied, first.applied)
+            assert r.digests == first.digests and len(r.digests) == 4
+        # the garbling member's values (one byte short) are dropped by the three other reducers, with the reason;
+        # its own range keeps its own values
+        bad = peers[3][0]
+        for p in group:
+            if p != bad:
+                assert "do not read" in out[p].dropped[bad], out[p].dropped
+        # the result is the in-process rule's, range by range, over the members each reducer used
+        ref_members = [SharedIndexMember(N, CFG) for _ in range(4)]
+        accs = [mem.accumulate([m]) for mem, m in zip(ref_members, ms)]
+        positions, _ = union_positions(accs, CFG)
+        assert np.array_equal(positions, first.positions)
+        sent = {p: ref_members[order[p]].contribute(accs[order[p]], positions) for p in group}
+        for mem, p in zip(ref_members, [peers[i][0] for i in range(4)]):
+            assert torch.equal(mem.error, members[p].error)  # each member's buffer is what it did not send
+        for j, sl in enumerate(range_slices(positions, N, CFG.chunk, 4)):  # (a reducer's buffer starts at zero)
+            used = [p for p in group if p == group[j] or p != bad]
+            ref = reduce([sent[p][sl] for p in used], [30.0] * len(used), positions[sl], N, CFG)
+            assert np.array_equal(ref.applied, first.applied[sl])
+        # upload: about (k - 1) / k x (values + result) + (k - 1) x one proposal, and a reducer's quantization
+        # error is held by it
+        values, result = values_bytes(positions, N, CFG), values_bytes(positions, N, CFG, CFG.result_bits)
+        for p, s, _ in peers:
+            if p == bad:
+                continue
+            served = sum(s.served_bytes(f"rs/1/{x}") for x in ["p", "r"] + [f"v{j}" for j in range(4)])
+            bound = 3 / 4 * (values + result) + 3 * proposal_bytes(N, CFG, 4) + 64 * 4
+            assert 0.5 * bound < served <= bound, (served, bound)
+            assert np.abs(feedbacks[p].error).max() > 0
+
+
+def test_a_member_that_never_proposes_fails_the_round_and_leaves_the_buffers_alone():
+    with peers_on_loopback(3, "test_reducescatter_absent", keep=8) as peers:
+        out, members = _absent(peers, _ms(3, seed=1))
+        for p, r in out.items():
+            assert isinstance(r, RoundFailed) and "no proposal from" in str(r), r
+            assert not members[p].error.any()  # P was never known: nothing was taken from it
+
+
+def _absent(peers, ms):
+    """Two members run a round of three; the third never offers anything."""
+    group = [p for p, _, _ in peers]
+    members = {p: SharedIndexMember(N, CFG) for p in group[:2]}
+    out = {}
+
+    def one(i, p, server):
+        try:
+            out[p] = exchange_shared(server, p, group, "rs/2", members[p], ms[i], {q: 1.0 for q in group}, 3.0)
+        except Exception as e:  # noqa: BLE001
+            out[p] = e
+
+    threads = [threading.Thread(target=one, args=(i, p, s)) for i, (p, s, _) in enumerate(peers[:2])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out, members
+
+
+def test_bad_calls_are_refused():
+    with peers_on_loopback(1, "test_reducescatter_bad", keep=4) as peers:
+        p, s, _ = peers[0]
+        mem = SharedIndexMember(N, CFG)
+        with pytest.raises(ValueError, match="not in the group"):
+            exchange_shared(s, p, ["someone-else"], "k", mem, torch.zeros(N), {}, 1.0)
+        with pytest.raises(ValueError, match="needs 5"):
+            exchange_shared(s, p, [p, "a", "b", "c"], "k", mem, torch.zeros(N), {}, 1.0)
