@@ -195,6 +195,7 @@ METHODS = {m.name: m for m in [
     _shared("union", 256, 4, lr=(3.1, 5.6)),
     # what a reduce-scatter can send: the result's quantization error kept by the range's reducer
     _shared("union", 256, 4, reducer=True), _shared("union", 256, 4, lr=(3.1, 5.6), reducer=True),
+    _shared("union", 256, 2, reducer=True), _shared("union", 256, 2, lr=(3.1, 5.6), reducer=True),
 ]}
 
 
