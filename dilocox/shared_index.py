@@ -61,12 +61,13 @@ from dilocox.sparse import (
     SCALE_BYTES,
     SUPPORTED_BITS,
     ContributionError,
-    SparseCodec,
     SparseConfig,
+    decode_positions,
     decode_rows,
+    encode_positions,
     encode_rows,
+    layout,
     pack_bits,
-    sent_positions,
     unpack_bits,
 )
 
@@ -155,29 +156,31 @@ def union_positions(ms: Sequence[torch.Tensor], cfg: SharedIndexConfig) -> tuple
 
 
 def proposal_config(cfg: SharedIndexConfig, k: int) -> SparseConfig:
-    """The sparse codec's configuration of a member's proposal in a group of k: ceil(topk / k) values per
-    chunk, Rice-coded indices, 1-bit values (their signs: unused, the cheapest the codec sends), no decay."""
+    """The sparse codec's configuration of a member's proposal in a group of k: ceil(topk / k) positions per
+    chunk, Rice-coded as a contribution's indices (the values' settings are unused)."""
     if k < 1:
         raise ValueError(f"a group has at least one member; got k={k}")
-    return replace(cfg.contribution_config(), topk=-(-cfg.topk // k), bits=1, beta=0.0)
+    return replace(cfg.contribution_config(), topk=-(-cfg.topk // k))
 
 
 def encode_proposal(m: torch.Tensor, cfg: SharedIndexConfig, k: int) -> bytes:
-    """Our proposal for a union round of k members, as wire bytes: a sparse contribution (dilocox/sparse.py)
-    of ``m`` (flat fp32, beta e + delta) with ``proposal_config``, so the codec's validation guards what a
-    receiver reads. Its positions are those ``decode_proposal`` returns."""
-    return SparseCodec([(m.numel(),)], proposal_config(cfg, k)).encode([m])
+    """Our proposal for a union round of k members as wire bytes: the ceil(topk / k) largest |values| of each
+    chunk of ``m`` (flat fp32, beta e + delta; ``leader_positions``), an index set alone
+    (``dilocox.sparse.encode_positions``: no scale, no value). ``decode_proposal`` returns those positions."""
+    own = replace(cfg, topk=proposal_config(cfg, k).topk, selection=Selection.LEADER)
+    return encode_positions(leader_positions(m, own), m.numel(), proposal_config(cfg, k))
 
 
 def decode_proposal(payload: bytes, n: int, cfg: SharedIndexConfig, k: int) -> np.ndarray:
     """A member's proposal (untrusted bytes) -> its sorted flat int64 positions. Raises ContributionError (a
-    ValueError) for anything the codec would not have encoded with ``proposal_config`` for n values."""
-    return sent_positions(payload, [(int(n),)], proposal_config(cfg, k))
+    ValueError) for anything but ceil(topk / k) distinct positions per chunk of n values, Rice-coded."""
+    return decode_positions(payload, int(n), proposal_config(cfg, k))
 
 
 def proposal_bytes(n: int, cfg: SharedIndexConfig, k: int) -> int:
     """The largest valid proposal length for n values (a fetch's bound)."""
-    return SparseCodec([(int(n),)], proposal_config(cfg, k)).payload_bytes()
+    lay = layout(int(n), proposal_config(cfg, k))
+    return 8 + lay.index_bytes + -(-lay.max_unary_bits // 8)
 
 
 def random_positions(n: int, cfg: SharedIndexConfig, seed: int, outer_step: int) -> np.ndarray:
@@ -195,15 +198,15 @@ def _chunk_counts(positions: np.ndarray, n: int, chunk: int) -> np.ndarray:
 
 
 def index_bytes(positions: np.ndarray, n: int, cfg: SharedIndexConfig) -> int:
-    """Bytes of the index set as the leader sends it (Rice-coded gaps, chunk after chunk, with a u64 unary
-    length, as dilocox/sparse.py); 0 for a random selection (the seed is the outer step)."""
+    """Bytes of the index set as ``dilocox.sparse.encode_positions`` sends it (Rice-coded gaps, chunk after
+    chunk, after a u64 unary length); 0 for a random selection (the seed is the outer step)."""
     if cfg.selection == Selection.RANDOM or not len(positions):
         return 0
     local = positions % cfg.chunk
     first = np.r_[True, positions[1:] // cfg.chunk != positions[:-1] // cfg.chunk]
     gaps = np.where(first, local, np.r_[0, np.diff(local) - 1])
     b = cfg.rice_bits
-    return 8 + -(-int(((gaps >> b) + 1 + b).sum()) // 8)
+    return 8 + -(-len(gaps) * b // 8) + -(-int(((gaps >> b) + 1).sum()) // 8)  # u64, remainders, unary stream
 
 
 def values_bytes(positions: np.ndarray, n: int, cfg: SharedIndexConfig, bits: int | None = None) -> int:

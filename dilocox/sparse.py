@@ -377,6 +377,71 @@ def _positions(idx: np.ndarray, lay: Layout, cfg: SparseConfig) -> np.ndarray:
     return pos
 
 
+def _rice_streams(idx: np.ndarray, lay: Layout, cfg: SparseConfig) -> tuple[int, bytes, bytes]:
+    """Positions inside their chunks (ascending in each) -> (unary stream bits, the gap remainders' bytes, the
+    unary stream's bytes): Rice-coded gaps with parameter cfg.rice_bits (module docstring)."""
+    gaps = np.empty_like(idx)
+    body, tail = _rows(gaps, lay, cfg)
+    ibody, itail = _rows(idx, lay, cfg)
+    np.subtract(ibody[:, 1:], ibody[:, :-1], out=body[:, 1:])
+    body[:, 1:] -= 1
+    body[:, 0] = ibody[:, 0]
+    if len(tail):
+        np.subtract(itail[1:], itail[:-1], out=tail[1:])
+        tail[1:] -= 1
+        tail[0] = itail[0]
+    b = cfg.rice_bits
+    q = gaps >> b
+    unary = np.ones(int(q.sum()) + len(q), dtype=np.uint8)
+    q += 1
+    unary[np.cumsum(q) - 1] = 0  # q ones, then the stop bit
+    return (len(unary), pack_bits(gaps & ((1 << b) - 1), b) if b else b"",
+            np.packbits(unary, bitorder="little").tobytes())
+
+
+def encode_positions(positions: np.ndarray, n: int, cfg: SparseConfig) -> bytes:
+    """An index set alone, as a contribution with ``cfg`` codes its indices: ``cfg.topk`` sorted flat positions
+    per chunk of n values (all of a last chunk shorter than that). Bytes: the unary stream's length in bits
+    (u64), the Rice remainders, the unary stream (``cfg.rice`` must be set). For codecs that agree on
+    positions apart from values (dilocox/shared_index.py). Raises ValueError for another count per chunk."""
+    if not cfg.rice:
+        raise ValueError("an index set alone is sent Rice-coded (cfg.rice)")
+    lay = layout(n, cfg)
+    positions = np.asarray(positions, dtype=np.int64)
+    chunks = np.bincount(positions // cfg.chunk, minlength=lay.nchunks) if len(positions) else np.zeros(lay.nchunks)
+    want = np.full(lay.nchunks, cfg.topk)
+    if lay.nchunks:
+        want[-1] = min(cfg.topk, lay.last)
+    if len(positions) != lay.nidx or not np.array_equal(chunks, want):
+        raise ValueError(f"an index set for {n} values sends {cfg.topk} positions per chunk; got {len(positions)}")
+    unary_bits, remainders, unary = _rice_streams(positions % cfg.chunk, lay, cfg)
+    return UNARY.pack(unary_bits) + remainders + unary
+
+
+def decode_positions(payload: bytes, n: int, cfg: SparseConfig) -> np.ndarray:
+    """Inverse of ``encode_positions`` for untrusted bytes: the sorted flat positions (int64). Raises
+    ContributionError for another length, a unary stream that does not hold one gap per index, nonzero
+    padding, or positions out of range, repeated or unsorted inside a chunk."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ContributionError(f"index set is {type(payload).__name__}, not bytes")
+    buf = bytes(payload)
+    lay = layout(n, cfg)
+    if len(buf) < UNARY.size:
+        raise ContributionError(f"truncated index set: {len(buf)} bytes, need {UNARY.size}")
+    (unary_bits,) = UNARY.unpack_from(buf)
+    if not lay.nidx <= unary_bits <= lay.max_unary_bits:
+        raise ContributionError(f"unary stream of {unary_bits} bits outside [{lay.nidx}, {lay.max_unary_bits}]")
+    expected = UNARY.size + lay.index_bytes + -(-unary_bits // 8)
+    if len(buf) != expected:
+        raise ContributionError(f"index set of {len(buf)} bytes; {expected} expected")
+    idx = _rice_indices(buf, UNARY.size, lay, cfg, unary_bits)
+    body, tail = _rows(idx, lay, cfg)
+    if not ((not len(body) or bool((body[:, -1] < np.int64(cfg.chunk)).all())) and
+            (not len(tail) or int(tail[-1]) < lay.last)):
+        _index_error(idx, lay, cfg)
+    return _positions(idx, lay, cfg)
+
+
 def _index_error(idx: np.ndarray, lay: Layout, cfg: SparseConfig) -> None:
     """Raise the ContributionError naming the first bad index: out of range, else duplicate, else unsorted."""
     idx = idx.astype(np.int64)
@@ -781,25 +846,9 @@ class SparseCodec:
             out = b"".join((header, scales, pack_bits(idx, cfg.index_bits), pack_bits(codes, cfg.bits)))
             assert len(out) == lay.total
             return out, e
-        gaps = np.empty_like(idx)
-        body, tail = _rows(gaps, lay, cfg)
-        ibody, itail = _rows(idx, lay, cfg)
-        np.subtract(ibody[:, 1:], ibody[:, :-1], out=body[:, 1:])
-        body[:, 1:] -= 1
-        body[:, 0] = ibody[:, 0]
-        if len(tail):
-            np.subtract(itail[1:], itail[:-1], out=tail[1:])
-            tail[1:] -= 1
-            tail[0] = itail[0]
-        b = cfg.rice_bits
-        q = gaps >> b
-        unary = np.ones(int(q.sum()) + len(q), dtype=np.uint8)
-        q += 1
-        unary[np.cumsum(q) - 1] = 0  # q ones, then the stop bit
-        out = b"".join((header, UNARY.pack(len(unary)), scales,
-                        pack_bits(gaps & ((1 << b) - 1), b) if b else b"",
-                        np.packbits(unary, bitorder="little").tobytes(), pack_bits(codes, cfg.bits)))
-        assert len(out) == lay.rice_total(len(unary))
+        unary_bits, remainders, unary = _rice_streams(idx, lay, cfg)
+        out = b"".join((header, UNARY.pack(unary_bits), scales, remainders, unary, pack_bits(codes, cfg.bits)))
+        assert len(out) == lay.rice_total(unary_bits)
         return out, e
 
     def commit(self, new_error: torch.Tensor) -> None:

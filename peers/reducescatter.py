@@ -5,10 +5,10 @@ group-mates, (k - 1) x payload per round. Here the members first agree on one in
 of their proposals, dilocox/shared_index.py), so every member's values live on the same positions and
 can be summed range by range:
 
-1. **proposals** (key ``{key}/p``): each member's ceil(topk / k) largest |beta e + delta| per chunk, a
-   1-bit sparse contribution (``encode_proposal``), all-gathered; P = their union, the same on every
-   member that got all k. A proposal that cannot be fetched or read fails the round for whoever missed
-   it (its P would differ): nothing has left the error feedback yet.
+1. **proposals** (key ``{key}/p``): each member's ceil(topk / k) largest |beta e + delta| per chunk, an
+   index set alone, Rice-coded as a contribution's indices (``encode_proposal``), all-gathered; P = their
+   union, the same on every member that got all k. A proposal that cannot be fetched or read fails the
+   round for whoever missed it (its P would differ): nothing has left the error feedback yet.
 2. **values** (key ``{key}/v{j}``): P's chunks are split into k fixed ranges (``chunk_ranges``); member
    j (sorted peer-id order) reduces range j, and fetches from every other member its values there
    (``pack_values`` at cfg.bits: the receiver holds P, so no index is sent).
@@ -18,15 +18,17 @@ can be summed range by range:
    every other range's result and applies P's values.
 
 Upload per member and round, with V its values, R the result and I one proposal: about
-(k - 1) / k x (V + R) + (k - 1) x I, and I shrinks as 1/k, so the sum is flat in k.
+(k - 1) / k x (V + R) + (k - 1) x I. I holds topk / k indices per chunk, so (k - 1) x I stays near one
+index set of topk per chunk; its bits per index grow slowly with k (longer gaps between fewer indices).
 
 What a member checks: lengths (each range's exact byte count follows from P), scales and codes
-(``unpack_values``), proposals (the sparse codec's validation). A reducer drops a member whose values do
-not parse and reports it. A reducer could serve different results to different members, or a wrong one:
-``RangeResults.digests`` (SHA-256 of each range's result bytes) are what members compare to catch the
-first, as they compare theta digests after applying; the second needs an audit of the range (a member
-re-fetching its inputs), which is not built here. This module is the transport only: the daemon does
-not run these rounds yet (docs/algorithms.md, "Shared index sets").
+(``unpack_values``), proposals (``dilocox.sparse.decode_positions``: count, range and order per chunk).
+A reducer drops a member whose values do not parse and reports it. A reducer could serve different
+results to different members, or a wrong one: ``RangeResults.digests`` (SHA-256 of each range's result
+bytes) are what members compare to catch the first, as they compare theta digests after applying; the
+second needs an audit of the range (a member re-fetching its inputs), which is not built here. This
+module is the transport only: the daemon does not run these rounds yet (docs/algorithms.md, "Shared
+index sets").
 """
 
 from __future__ import annotations

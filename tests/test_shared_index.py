@@ -4,6 +4,8 @@ them, that nothing leaves the error feedback, the byte counts, and bad input."""
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dilocox.shared_index import (
     ReducerFeedback,
@@ -11,16 +13,21 @@ from dilocox.shared_index import (
     SharedIndexConfig,
     SharedIndexMember,
     chunk_ranges,
+    decode_proposal,
+    encode_proposal,
     index_bytes,
     leader_positions,
     leader_rank,
+    pack_values,
+    proposal_bytes,
     random_positions,
     reduce,
     reduce_by_range,
     union_positions,
+    unpack_values,
     values_bytes,
 )
-from dilocox.sparse import SparseCodec, SparseConfig
+from dilocox.sparse import ContributionError, SparseCodec, SparseConfig
 
 CFG = SharedIndexConfig(chunk=64, topk=4, bits=2, result_bits=2, beta=0.9)
 N = 211  # 3 whole chunks and a short last one (19 values)
@@ -175,3 +182,49 @@ def test_bad_input_is_refused_and_the_buffer_is_kept():
     with pytest.raises(ValueError, match="no contribution"):
         reduce([], [], pos, N, CFG)
     assert SharedIndexConfig(selection="random").selection is Selection.RANDOM
+
+
+def test_proposals_and_values_on_the_wire_read_back_and_bad_bytes_get_a_clear_error():
+    m = torch.randn(N, generator=torch.Generator().manual_seed(5))
+    for k in (1, 2, 4):
+        wire = encode_proposal(m, CFG, k)
+        pos = decode_proposal(wire, N, CFG, k)
+        assert np.array_equal(pos, leader_positions(m, SharedIndexConfig(chunk=64, topk=-(-4 // k))))
+        assert len(wire) <= proposal_bytes(N, CFG, k)
+        assert len(wire) == index_bytes(pos, N, SharedIndexConfig(chunk=64, topk=-(-4 // k)))
+    wire = encode_proposal(m, CFG, 2)
+    for bad, match in [(wire[:-1], "expected"), (wire + b"\0", "expected"), (b"\1" * 3, "truncated"),
+                       (bytes(8) + wire[8:], "unary stream")]:
+        with pytest.raises(ContributionError, match=match):
+            decode_proposal(bad, N, CFG, 2)
+    with pytest.raises(ContributionError):  # the same bytes read as a proposal of a group of 4: another count
+        decode_proposal(wire, N, CFG, 4)
+    pos = leader_positions(m, CFG)
+    for bits in (0, 1, 2, 4, 8):
+        payload, decoded = pack_values(m[torch.from_numpy(pos)].numpy(), pos, N, CFG.chunk, bits)
+        assert len(payload) == values_bytes(pos, N, CFG, bits)
+        assert np.array_equal(unpack_values(payload, pos, N, CFG.chunk, bits), decoded)
+        # a range of chunks packed alone decodes to the same values (what a reducer of that range gets)
+        sel = pos >= 128
+        part, alone = pack_values(m[torch.from_numpy(pos[sel])].numpy(), pos[sel], N, CFG.chunk, bits)
+        assert np.array_equal(alone, decoded[sel])
+        with pytest.raises(ContributionError, match="expected"):
+            unpack_values(payload[:-1], pos, N, CFG.chunk, bits)
+    payload, _ = pack_values(m[torch.from_numpy(pos)].numpy(), pos, N, CFG.chunk, 2)
+    with pytest.raises(ContributionError, match="scale"):
+        unpack_values(np.float32(-1).tobytes() + payload[4:], pos, N, CFG.chunk, 2)
+    with pytest.raises(ContributionError, match="non-finite"):
+        unpack_values(np.full(len(pos), np.nan, np.float32).tobytes(), pos, N, CFG.chunk, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=80))
+def test_any_bytes_read_as_a_proposal_or_values_give_positions_or_a_contribution_error(data):
+    pos = np.arange(0, N, 5)
+    for read in (lambda: decode_proposal(data, N, CFG, 2), lambda: unpack_values(data, pos[:40], N, 64, 2)):
+        try:
+            out = read()
+        except ContributionError:
+            continue
+        assert np.isfinite(np.asarray(out, dtype=np.float64)).all()
+
