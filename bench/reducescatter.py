@@ -7,8 +7,8 @@ scheme on the same pseudo-gradients:
 
 * **all-gather** (the daemon's sparse round, peers/allgather.py): each member offers its default sparse
   contribution (top-128 of each 4096, 2-bit values, Rice-coded indices) and fetches every other's;
-* **reduce-scatter** (peers/reducescatter.py): union of proposals, values by range to their reducers,
-  results gathered (``--topk`` positions per chunk in the union, ``--bits``, ``--result-bits``).
+* **reduce-scatter rB** (peers/reducescatter.py): union of proposals, values by range to their reducers,
+  results gathered (``--topk`` positions per chunk in the union, ``--bits``; one row per ``--result-bits`` B).
 
 Measured: the payload bytes each member served under the round's keys once every member finished
 (``ContributionServer.served_bytes``; application bytes, not interface counters: no p2p framing, no DHT
@@ -55,13 +55,14 @@ def _threads(fn, items) -> None:
 
 def run_group(k: int, args) -> list[dict]:
     """``args.rounds`` rounds of each scheme with k peers; one row per member and round."""
-    cfg = SharedIndexConfig(topk=args.topk, bits=args.bits, result_bits=args.result_bits, selection="union")
+    cfgs = {f"reduce-scatter r{b}": SharedIndexConfig(topk=args.topk, bits=args.bits, result_bits=b,
+                                                      selection="union") for b in args.result_bits}
     rows = []
     with peers_on_loopback(k, f"bench_reducescatter_{k}", offer_wait_s=30.0, keep=2 * k + 4) as peers:
         group = [p for p, _, _ in peers]
         codecs = {p: SparseCodec([(args.values,)], DEFAULT) for p in group}
-        members = {p: SharedIndexMember(args.values, cfg) for p in group}
-        feedbacks = {p: ReducerFeedback(args.values) for p in group}
+        members = {(name, p): SharedIndexMember(args.values, cfg) for name, cfg in cfgs.items() for p in group}
+        feedbacks = {(name, p): ReducerFeedback(args.values) for name in cfgs for p in group}
         for r in range(args.rounds):
             g = torch.Generator().manual_seed(1000 * k + r)
             shared = torch.randn(args.values, generator=g)
@@ -77,22 +78,23 @@ def run_group(k: int, args) -> list[dict]:
                 if failed:
                     failures[("all-gather", p)] = failed
 
-            def reduce_scatter(p, server):
-                m = members[p].accumulate([deltas[p]])
+            def reduce_scatter(name, p, server):
+                m = members[(name, p)].accumulate([deltas[p]])
                 t0 = time.monotonic()
                 try:
-                    exchange_shared(server, p, group, f"rs/{r}", members[p], m, {q: 1.0 for q in group}, 120.0,
-                                    feedback=feedbacks[p])
+                    exchange_shared(server, p, group, f"{name}/{r}", members[(name, p)], m, {q: 1.0 for q in group},
+                                    120.0, feedback=feedbacks[(name, p)])
                 except RoundFailed as e:
-                    failures[("reduce-scatter", p)] = str(e)
-                walls[("reduce-scatter", p)] = time.monotonic() - t0
+                    failures[(name, p)] = str(e)
+                walls[(name, p)] = time.monotonic() - t0
 
             _threads(all_gather, [(p, s) for p, s, _ in peers])
-            _threads(reduce_scatter, [(p, s) for p, s, _ in peers])
+            for name in cfgs:
+                _threads(reduce_scatter, [(name, p, s) for p, s, _ in peers])
             time.sleep(0.5)  # late fetches of our result are counted by the server: let them land
             for p, s, _ in peers:
-                keys = {"all-gather": [f"ag/{r}"],
-                        "reduce-scatter": [f"rs/{r}/p", f"rs/{r}/r"] + [f"rs/{r}/v{j}" for j in range(k)]}
+                keys = {"all-gather": [f"ag/{r}"]} | {
+                    name: [f"{name}/{r}/p", f"{name}/{r}/r"] + [f"{name}/{r}/v{j}" for j in range(k)] for name in cfgs}
                 for scheme, ks in keys.items():
                     rows.append(dict(k=k, round=r, scheme=scheme, peer=p, payload_bytes=len(payloads[p]),
                                      upload_bytes=sum(s.served_bytes(x) for x in ks), wall_s=walls[(scheme, p)],
@@ -102,8 +104,9 @@ def run_group(k: int, args) -> list[dict]:
 
 def summarize(rows: list[dict]) -> list[dict]:
     out = []
+    schemes = list(dict.fromkeys(r["scheme"] for r in rows))
     for k in sorted({r["k"] for r in rows}):
-        for scheme in ("all-gather", "reduce-scatter"):
+        for scheme in schemes:
             mine = [r for r in rows if r["k"] == k and r["scheme"] == scheme and not r["failed"]]
             if not mine:
                 out.append(dict(k=k, scheme=scheme, ok=0))
@@ -125,7 +128,8 @@ def plot(summary: list[dict], path: Path, values: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for scheme, colour in (("all-gather", "tab:red"), ("reduce-scatter", "tab:blue")):
+    for scheme, colour in zip(dict.fromkeys(s["scheme"] for s in summary), ("tab:red", "tab:blue", "tab:green",
+                                                                           "tab:purple")):
         pts = [s for s in summary if s["scheme"] == scheme and s.get("ok")]
         ks = [s["k"] for s in pts]
         ys = [s["upload_x"] for s in pts]
@@ -149,7 +153,7 @@ def main(argv=None) -> None:
     ap.add_argument("--values", type=int, default=1 << 21)
     ap.add_argument("--topk", type=int, default=256, help="positions per 4096-value chunk in the union")
     ap.add_argument("--bits", type=int, default=2)
-    ap.add_argument("--result-bits", type=int, default=4)
+    ap.add_argument("--result-bits", type=int, nargs="+", default=[4, 2])
     ap.add_argument("--out", type=Path, default=OUT / "reducescatter")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
