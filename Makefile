@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-shared bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-shared bench-reducescatter bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -104,7 +104,7 @@ bench-quality-gtopk: install
 	$(PY) -m bench.quality --tradeoff runs/bench/quality-gtopk.json runs/bench/quality-gtopk-r8.json \
 		--out docs/img/quality-gtopk
 
-# the default on one index set per round (docs/algorithms.md, "Shared index sets"): 4 and 8 replicas (~110 min on 2 cores)
+# the default on one index set per round (docs/algorithms.md, "Shared index sets"): 4 and 8 replicas (~150 min on 2 cores)
 bench-quality-shared: install
 	$(PY) -m bench.quality --out runs/bench/quality-shared --seeds 7 8 9 --methods fp32 sparse-k128r-a2.5-4.5-b0.9-cc \
 		shared-leader-k128-r8 shared-leader-k128-r2 shared-leader-k256-r4 shared-union-k128-r8 shared-union-k256-r4 \
@@ -112,8 +112,17 @@ bench-quality-shared: install
 	$(PY) -m bench.quality --out runs/bench/quality-shared-r8 --seeds 7 8 9 --replicas 8 --methods fp32 \
 		sparse-k128r-a2.5-4.5-b0.9-cc shared-union-k256-r4 shared-union-k256-r2 shared-union-k384-r2 \
 		shared-union-k256-r4-a3.1-5.6
+	$(PY) -m bench.quality --out runs/bench/quality-shared-rf --seeds 7 8 9 --methods shared-union-k256-r4-rf
+	$(PY) -m bench.quality --out runs/bench/quality-shared-r8-rf --seeds 7 8 9 --replicas 8 --methods \
+		shared-union-k256-r4-a3.1-5.6-rf shared-union-k256-r2-a3.1-5.6-rf
 	$(PY) -m bench.quality --tradeoff runs/bench/quality-shared.json runs/bench/quality-shared-r8.json \
-		--out docs/img/quality-shared
+		runs/bench/quality-shared-rf.json runs/bench/quality-shared-r8-rf.json --out docs/img/quality-shared
+
+# upload per member of the reduce-scatter transport against the all-gather, k = 8, 16, 32 real peers on
+# loopback with synthetic pseudo-gradients (docs/algorithms.md, "A reduce-scatter transport"; ~4 min)
+bench-reducescatter: install
+	$(PY) -m bench.reducescatter --out runs/bench/reducescatter
+	cp runs/bench/reducescatter.png docs/img/reducescatter.png
 
 # one ablation per row (docs/algorithms.md, "Choosing the default"), seed 7 (~3 h on 2 cores)
 bench-quality-ablations: install

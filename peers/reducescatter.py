@@ -86,7 +86,7 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     does not matter), under the round's ``key``; blocking.
 
     ``m``: our beta e + delta (flat fp32, ``member.accumulate``); ``member``'s buffer becomes m minus what we
-    sent once P is known, and is restored if the round then fails. ``weights``: every member's weight (from
+    sent, or stays as it was if the round fails. ``weights``: every member's weight (from
     matchmaking). ``feedback``: our reducer's buffer (kept across rounds; None: the result's quantization
     error is dropped). ``timeout_s``: seconds for each of the three fetches. The server must keep at least
     k + 1 offers (``keep``). Raises RoundFailed when a proposal or a result could not be fetched or read,
@@ -113,13 +113,14 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
             raise RoundFailed(f"the proposal of {p[:16]} does not read: {e}") from e
     positions = np.unique(np.concatenate(proposals))
     received = sum(map(len, got.values()))
+    before = member.error.clone()
     sent = member.contribute(m, positions)
     phases = dict(propose=time.monotonic() - t0)
     try:
         return _reduce_and_gather(server, me, group, key, cfg, m, positions, sent, weights, timeout_s, rule,
                                   norm_bound, feedback, received, phases)
     except BaseException:
-        member.restore(positions, sent)  # nothing of ours was applied: the buffer is m again
+        member.error = before  # a failed round changes nothing: the caller decides what becomes of m
         raise
 
 

@@ -1,7 +1,8 @@
 """Reduce-scatter rounds on a shared index set (peers/reducescatter.py) between real hivemind peers on
 loopback: every member gets the same result, the one the in-process rule computes; a member whose values
-do not read is dropped by its reducers with the reason; a member that never proposes fails the round for
-the others without touching their error feedback; the upload stays about flat as the group grows."""
+do not read is dropped by its reducers with the reason; a member that never proposes, or leaves after
+proposing, fails the round for the others and leaves their error feedback as it was; the upload
+is about (k - 1) / k x (values + result) + (k - 1) proposals."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dilocox.shared_index import (
     ReducerFeedback,
     SharedIndexConfig,
     SharedIndexMember,
+    encode_proposal,
     proposal_bytes,
     range_slices,
     reduce,
@@ -99,23 +101,30 @@ def test_every_member_gets_the_rules_result_and_a_bad_member_is_dropped_by_its_r
             assert np.abs(feedbacks[p].error).max() > 0
 
 
-def test_a_member_that_never_proposes_fails_the_round_and_leaves_the_buffers_alone():
+def test_a_member_that_never_proposes_or_leaves_after_proposing_fails_the_round_and_leaves_the_buffers_alone():
     with peers_on_loopback(3, "test_reducescatter_absent", keep=8) as peers:
-        out, members = _absent(peers, _ms(3, seed=1))
+        out, members = _absent(peers, _ms(3, seed=1), "rs/2")
         for p, r in out.items():
             assert isinstance(r, RoundFailed) and "no proposal from" in str(r), r
             assert not members[p].error.any()  # P was never known: nothing was taken from it
+        ms = _ms(3, seed=2)
+        quitter, server, _ = peers[2]
+        server.offer("rs/3/p", encode_proposal(ms[2], CFG, 3))  # it proposes, then is gone
+        out, members = _absent(peers, ms, "rs/3")
+        for p, r in out.items():
+            assert isinstance(r, RoundFailed) and "no result from" in str(r) and quitter[:16] in str(r), r
+            assert not members[p].error.any()  # as before the round: nothing was sent for good
 
 
-def _absent(peers, ms):
-    """Two members run a round of three; the third never offers anything."""
+def _absent(peers, ms, key):
+    """Two members run a round of three; the third runs no round (it may have offered something)."""
     group = [p for p, _, _ in peers]
     members = {p: SharedIndexMember(N, CFG) for p in group[:2]}
     out = {}
 
     def one(i, p, server):
         try:
-            out[p] = exchange_shared(server, p, group, "rs/2", members[p], ms[i], {q: 1.0 for q in group}, 3.0)
+            out[p] = exchange_shared(server, p, group, key, members[p], ms[i], {q: 1.0 for q in group}, 3.0)
         except Exception as e:  # noqa: BLE001
             out[p] = e
 
