@@ -96,8 +96,11 @@ def run_group(k: int, args) -> list[dict]:
                 keys = {"all-gather": [f"ag/{r}"]} | {
                     name: [f"{name}/{r}/p", f"{name}/{r}/r"] + [f"{name}/{r}/v{j}" for j in range(k)] for name in cfgs}
                 for scheme, ks in keys.items():
+                    parts = {part: sum(s.served_bytes(x) for x in ks if x.split("/")[-1][0] == part)
+                             for part in "pvr"}  # proposals, values, results
                     rows.append(dict(k=k, round=r, scheme=scheme, peer=p, payload_bytes=len(payloads[p]),
                                      upload_bytes=sum(s.served_bytes(x) for x in ks), wall_s=walls[(scheme, p)],
+                                     proposals_bytes=parts["p"], values_bytes=parts["v"], results_bytes=parts["r"],
                                      failed=str(failures.get((scheme, p), ""))))
     return rows
 
@@ -112,12 +115,14 @@ def summarize(rows: list[dict]) -> list[dict]:
                 out.append(dict(k=k, scheme=scheme, ok=0))
                 continue
             ratio = [r["upload_bytes"] / r["payload_bytes"] for r in mine]
+            parts = {f"{part}_x": statistics.median(r[f"{part}_bytes"] / r["payload_bytes"] for r in mine)
+                     for part in ("proposals", "values", "results")} if scheme != "all-gather" else {}
             out.append(dict(k=k, scheme=scheme, ok=len(mine), failed=sum(
                 1 for r in rows if r["k"] == k and r["scheme"] == scheme and r["failed"]),
                 upload_x=statistics.median(ratio), upload_min=min(ratio), upload_max=max(ratio),
                 upload_bytes=statistics.median(r["upload_bytes"] for r in mine),
                 payload_bytes=statistics.median(r["payload_bytes"] for r in mine),
-                wall_s=statistics.median(r["wall_s"] for r in mine)))
+                wall_s=statistics.median(r["wall_s"] for r in mine), **parts))
     return out
 
 
@@ -171,14 +176,17 @@ def main(argv=None) -> None:
         w.writeheader()
         w.writerows(summary)
     plot(summary, args.out.with_suffix(".png"), args.values)
-    print("| k | scheme | upload, median [min, max] (x own payload) | upload (bytes) | round wall (s) | failed |")
-    print("|---|---|---|---|---|---|")
+    print("| k | scheme | upload, median [min, max] (x own payload) | of which proposals / values / results | "
+          "upload (bytes) | round wall (s) | failed |")
+    print("|---|---|---|---|---|---|---|")
     for s in summary:
         if s.get("ok"):
+            split = " / ".join(f"{s[f'{x}_x']:.2f}" for x in ("proposals", "values", "results")) \
+                if "values_x" in s else "—"
             print(f"| {s['k']} | {s['scheme']} | {s['upload_x']:.2f} [{s['upload_min']:.2f}, {s['upload_max']:.2f}] | "
-                  f"{s['upload_bytes']:,.0f} | {s['wall_s']:.1f} | {s['failed']} |")
+                  f"{split} | {s['upload_bytes']:,.0f} | {s['wall_s']:.1f} | {s['failed']} |")
         else:
-            print(f"| {s['k']} | {s['scheme']} | all failed | | | |")
+            print(f"| {s['k']} | {s['scheme']} | all failed | | | | |")
 
 
 if __name__ == "__main__":
