@@ -39,6 +39,7 @@ from dilocox.shared_index import (
     Selection,
     SharedIndexConfig,
     SharedIndexMember,
+    chunk_ranges,
     index_bytes,
     leader_positions,
     leader_rank,
@@ -85,6 +86,7 @@ class Method:
     restore_whole: bool = False     # the cut's residual returned undecayed (SparseCodec.restore's whole)
     shared: Optional[SharedIndexConfig] = None  # sparse rounds on one index set (dilocox/shared_index.py)
     reducer_feedback: bool = False  # shared: the result's quantization error kept by its range's reducer
+    reducer_proposes: bool = False  # ... and added to the reducer's own proposal on its range (it may pick them)
 
 
 def _sgd(name: str, codec: str, lr: float, **kw) -> Method:
@@ -111,15 +113,17 @@ def _cut(suffix: str, budget: int, lr: tuple[float, float] = (2.5, 4.5), **kw) -
                 resparsify=budget, **kw)
 
 def _shared(selection: str, topk: int, result_bits: int, beta: float = 0.9, lr: tuple[float, float] = (2.5, 4.5),
-            bits: int = 2, reducer: bool = False) -> Method:
+            bits: int = 2, reducer: bool = False, proposes: bool = False) -> Method:
     """The default row (``DEFAULT``) with every member sending its values at one index set (dilocox/shared_index.py);
-    named "shared-{selection}-k{topk}-r{result_bits}[-b{beta}][-a{lr0}-{lr1}][-rf]"; ``reducer`` (-rf): the
-    result's quantization error stays with its range's reducer (ReducerFeedback) instead of every member."""
+    named "shared-{selection}-k{topk}-r{result_bits}[-b{beta}][-a{lr0}-{lr1}][-rf|-rfp]"; ``reducer`` (-rf): the
+    result's quantization error stays with its range's reducer (ReducerFeedback) instead of every member;
+    ``proposes`` (-rfp): and the reducer proposes from its pseudo-gradient plus that error on its range."""
     name = f"shared-{selection}-k{topk}-r{result_bits}" + (f"-b{beta:g}" if beta != 0.9 else "") + (
         f"-a{lr[0]:g}-{lr[1]:g}" if lr != (2.5, 4.5) else "") + (f"-{bits}bit" if bits != 2 else "") + (
-        "-rf" if reducer else "")
+        "-rfp" if proposes else "-rf" if reducer else "")
     return _sgd(name, "sparse", lr[0], outer_lr_final=lr[1], sparse=SparseConfig(topk=128, rice=True, beta=0.9),
-                aggregation="centered-clip", norm_bound=2.0, reducer_feedback=reducer,
+                aggregation="centered-clip", norm_bound=2.0, reducer_feedback=reducer or proposes,
+                reducer_proposes=proposes,
                 shared=SharedIndexConfig(topk=topk, bits=bits, result_bits=result_bits, beta=beta, selection=selection))
 
 
@@ -196,6 +200,7 @@ METHODS = {m.name: m for m in [
     # what a reduce-scatter can send: the result's quantization error kept by the range's reducer
     _shared("union", 256, 4, reducer=True), _shared("union", 256, 4, lr=(3.1, 5.6), reducer=True),
     _shared("union", 256, 2, reducer=True), _shared("union", 256, 2, lr=(3.1, 5.6), reducer=True),
+    _shared("union", 256, 4, lr=(3.1, 5.6), proposes=True),
 ]}
 
 
@@ -380,7 +385,13 @@ def _shared_round(method, members, deltas, weights, shapes, t, feedback=None):
     cfg, k = method.shared, len(members)
     ms = [mem.accumulate(d) for mem, d in zip(members, deltas)]
     n = ms[0].numel()
-    if cfg.selection == Selection.UNION:
+    if cfg.selection == Selection.UNION and method.reducer_proposes:  # member r reduces range r (chunk_ranges)
+        bounds = [(lo * cfg.chunk, min(hi * cfg.chunk, n)) for lo, hi in chunk_ranges(n, cfg.chunk, k)]
+        views = [m.clone() for m in ms]
+        for v, (a, b) in zip(views, bounds):
+            v[a:b] += torch.from_numpy(feedback.error[a:b])
+        positions, index = union_positions(views, cfg)
+    elif cfg.selection == Selection.UNION:
         positions, index = union_positions(ms, cfg)
     else:
         positions = (leader_positions(ms[leader_rank(t, k)], cfg) if cfg.selection == Selection.LEADER
