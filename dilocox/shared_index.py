@@ -42,9 +42,11 @@ Descent with Double-Pass Error-Compensated Compression", ICML 2019, arXiv 1905.0
 its parameter server. Ranges are fixed runs of chunks (``chunk_ranges``), so a reducer meets its own chunks
 again; sum(applied) + g over rounds equals the sum of A, nothing lost either.
 
-Only the rule and its byte counts are here; its quality is measured in bench/quality.py (methods
-``shared-*``, docs/algorithms.md "Shared index sets": the union is the one that works, +0.19% of fp32
-DiLoCo at 4 replicas for 2.2x a contribution's upload). No transport sends these rounds yet.
+Here are the rule, its byte counts and its wire formats (``encode_proposal``, ``pack_values``, with their
+untrusted-input readers); peers/reducescatter.py sends a round between peers, and the daemon does not run
+these rounds yet. Quality is measured in bench/quality.py (methods ``shared-*``, docs/algorithms.md
+"Shared index sets": the union is the one that works, +0.19% of fp32 DiLoCo at 4 replicas for 2.2x a
+contribution's upload).
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ def decode_proposal(payload: bytes, n: int, cfg: SharedIndexConfig, k: int) -> n
 def proposal_bytes(n: int, cfg: SharedIndexConfig, k: int) -> int:
     """The largest valid proposal length for n values (a fetch's bound)."""
     lay = layout(int(n), proposal_config(cfg, k))
-    return 8 + lay.index_bytes + -(-lay.max_unary_bits // 8)
+    return 8 + lay.index_bytes + -(-lay.max_unary_bits // 8)  # the u64 unary length, remainders, unary stream
 
 
 def random_positions(n: int, cfg: SharedIndexConfig, seed: int, outer_step: int) -> np.ndarray:

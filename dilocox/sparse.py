@@ -414,6 +414,8 @@ def encode_positions(positions: np.ndarray, n: int, cfg: SparseConfig) -> bytes:
         want[-1] = min(cfg.topk, lay.last)
     if len(positions) != lay.nidx or not np.array_equal(chunks, want):
         raise ValueError(f"an index set for {n} values sends {cfg.topk} positions per chunk; got {len(positions)}")
+    if len(positions) and not (np.diff(positions) > 0).all():
+        raise ValueError("the positions of an index set must be distinct and sorted")
     unary_bits, remainders, unary = _rice_streams(positions % cfg.chunk, lay, cfg)
     return UNARY.pack(unary_bits) + remainders + unary
 
