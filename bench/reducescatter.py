@@ -7,8 +7,9 @@ scheme on the same pseudo-gradients:
 
 * **all-gather** (the daemon's sparse round, peers/allgather.py): each member offers its default sparse
   contribution (top-128 of each 4096, 2-bit values, Rice-coded indices) and fetches every other's;
-* **reduce-scatter rB** (peers/reducescatter.py): union of proposals, values by range to their reducers,
-  results gathered (``--topk`` positions per chunk in the union, ``--bits``; one row per ``--result-bits`` B).
+* **reduce-scatter rB** (peers/reducescatter.py): proposals by range to their reducers, each range's union
+  gathered, values by range to their reducers, results gathered (``--topk`` positions per chunk in the
+  union, ``--bits``; one row per ``--result-bits`` B).
 
 Measured: the payload bytes each member served under the round's keys once every member finished
 (``ContributionServer.served_bytes``; application bytes, not interface counters: no p2p framing, no DHT
@@ -58,7 +59,7 @@ def run_group(k: int, args) -> list[dict]:
     cfgs = {f"reduce-scatter r{b}": SharedIndexConfig(topk=args.topk, bits=args.bits, result_bits=b,
                                                       selection="union") for b in args.result_bits}
     rows = []
-    with peers_on_loopback(k, f"bench_reducescatter_{k}", offer_wait_s=30.0, keep=2 * k + 4) as peers:
+    with peers_on_loopback(k, f"bench_reducescatter_{k}", offer_wait_s=30.0, keep=4 * k + 4) as peers:
         group = [p for p, _, _ in peers]
         codecs = {p: SparseCodec([(args.values,)], DEFAULT) for p in group}
         members = {(name, p): SharedIndexMember(args.values, cfg) for name, cfg in cfgs.items() for p in group}
@@ -94,13 +95,15 @@ def run_group(k: int, args) -> list[dict]:
             time.sleep(0.5)  # late fetches of our result are counted by the server: let them land
             for p, s, _ in peers:
                 keys = {"all-gather": [f"ag/{r}"]} | {
-                    name: [f"{name}/{r}/p", f"{name}/{r}/r"] + [f"{name}/{r}/v{j}" for j in range(k)] for name in cfgs}
+                    name: [f"{name}/{r}/u", f"{name}/{r}/r"] + [f"{name}/{r}/{x}{j}" for j in range(k) for x in "pv"]
+                    for name in cfgs}
                 for scheme, ks in keys.items():
                     parts = {part: sum(s.served_bytes(x) for x in ks if x.split("/")[-1][0] == part)
-                             for part in "pvr"}  # proposals, values, results
+                             for part in "puvr"}  # proposals, unions, values, results
                     rows.append(dict(k=k, round=r, scheme=scheme, peer=p, payload_bytes=len(payloads[p]),
                                      upload_bytes=sum(s.served_bytes(x) for x in ks), wall_s=walls[(scheme, p)],
-                                     proposals_bytes=parts["p"], values_bytes=parts["v"], results_bytes=parts["r"],
+                                     proposals_bytes=parts["p"], unions_bytes=parts["u"], values_bytes=parts["v"],
+                                     results_bytes=parts["r"],
                                      failed=str(failures.get((scheme, p), ""))))
     return rows
 
@@ -116,7 +119,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 continue
             ratio = [r["upload_bytes"] / r["payload_bytes"] for r in mine]
             parts = {f"{part}_x": statistics.median(r[f"{part}_bytes"] / r["payload_bytes"] for r in mine)
-                     for part in ("proposals", "values", "results")} if scheme != "all-gather" else {}
+                     for part in ("proposals", "unions", "values", "results")} if scheme != "all-gather" else {}
             out.append(dict(k=k, scheme=scheme, ok=len(mine), failed=sum(
                 1 for r in rows if r["k"] == k and r["scheme"] == scheme and r["failed"]),
                 upload_x=statistics.median(ratio), upload_min=min(ratio), upload_max=max(ratio),
@@ -176,12 +179,12 @@ def main(argv=None) -> None:
         w.writeheader()
         w.writerows(summary)
     plot(summary, args.out.with_suffix(".png"), args.values)
-    print("| k | scheme | upload, median [min, max] (x own payload) | of which proposals / values / results | "
+    print("| k | scheme | upload, median [min, max] (x own payload) | of which proposals / unions / values / results | "
           "upload (bytes) | round wall (s) | failed |")
     print("|---|---|---|---|---|---|---|")
     for s in summary:
         if s.get("ok"):
-            split = " / ".join(f"{s[f'{x}_x']:.2f}" for x in ("proposals", "values", "results")) \
+            split = " / ".join(f"{s[f'{x}_x']:.2f}" for x in ("proposals", "unions", "values", "results")) \
                 if "values_x" in s else "—"
             print(f"| {s['k']} | {s['scheme']} | {s['upload_x']:.2f} [{s['upload_min']:.2f}, {s['upload_max']:.2f}] | "
                   f"{split} | {s['upload_bytes']:,.0f} | {s['wall_s']:.1f} | {s['failed']} |")

@@ -51,6 +51,7 @@ contribution's upload).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Sequence
@@ -165,24 +166,87 @@ def proposal_config(cfg: SharedIndexConfig, k: int) -> SparseConfig:
     return replace(cfg.contribution_config(), topk=-(-cfg.topk // k))
 
 
-def encode_proposal(m: torch.Tensor, cfg: SharedIndexConfig, k: int) -> bytes:
-    """Our proposal for a union round of k members as wire bytes: the ceil(topk / k) largest |values| of each
-    chunk of ``m`` (flat fp32, beta e + delta; ``leader_positions``), an index set alone
-    (``dilocox.sparse.encode_positions``: no scale, no value). ``decode_proposal`` returns those positions."""
-    own = replace(cfg, topk=proposal_config(cfg, k).topk, selection=Selection.LEADER)
-    return encode_positions(leader_positions(m, own), m.numel(), proposal_config(cfg, k))
+def proposal_positions(m: torch.Tensor, cfg: SharedIndexConfig, k: int) -> np.ndarray:
+    """Our proposal for a union round of k members: the ceil(topk / k) largest |values| of each chunk of ``m``
+    (flat fp32, beta e + delta), as sorted flat int64 positions (``leader_positions``)."""
+    return leader_positions(m, replace(cfg, topk=proposal_config(cfg, k).topk, selection=Selection.LEADER))
 
 
-def decode_proposal(payload: bytes, n: int, cfg: SharedIndexConfig, k: int) -> np.ndarray:
-    """A member's proposal (untrusted bytes) -> its sorted flat int64 positions. Raises ContributionError (a
-    ValueError) for anything but ceil(topk / k) distinct positions per chunk of n values, Rice-coded."""
-    return decode_positions(payload, int(n), proposal_config(cfg, k))
+def value_range(n: int, chunk: int, k: int, j: int) -> tuple[int, int]:
+    """Reducer j's range (``chunk_ranges``) in flat positions: [lo, hi)."""
+    lo, hi = chunk_ranges(n, chunk, k)[j]
+    return lo * chunk, min(hi * chunk, int(n))
 
 
-def proposal_bytes(n: int, cfg: SharedIndexConfig, k: int) -> int:
-    """The largest valid proposal length for n values (a fetch's bound)."""
-    lay = layout(int(n), proposal_config(cfg, k))
+def encode_proposal(positions: np.ndarray, lo: int, hi: int, cfg: SharedIndexConfig, k: int) -> bytes:
+    """The part of a proposal (``proposal_positions``) in the range [lo, hi) of whole chunks, for its reducer:
+    an index set alone over hi - lo values (``dilocox.sparse.encode_positions``: Rice-coded as a
+    contribution's indices, no scale, no value). Raises ValueError for a range that does not start a chunk."""
+    if lo % cfg.chunk:
+        raise ValueError(f"a range starts at a chunk; {lo} is not a multiple of {cfg.chunk}")
+    sel = positions[(positions >= lo) & (positions < hi)]
+    return encode_positions(sel - lo, hi - lo, proposal_config(cfg, k))
+
+
+def decode_proposal(payload: bytes, lo: int, hi: int, cfg: SharedIndexConfig, k: int) -> np.ndarray:
+    """A member's proposal for [lo, hi) (untrusted bytes) -> sorted flat int64 positions. Raises
+    ContributionError (a ValueError) for anything but ceil(topk / k) distinct positions per chunk, Rice-coded."""
+    return decode_positions(payload, hi - lo, proposal_config(cfg, k)) + lo
+
+
+def proposal_bytes(lo: int, hi: int, cfg: SharedIndexConfig, k: int) -> int:
+    """The largest valid proposal for [lo, hi) (a fetch's bound)."""
+    lay = layout(hi - lo, proposal_config(cfg, k))
     return 8 + lay.index_bytes + -(-lay.max_unary_bits // 8)  # the u64 unary length, remainders, unary stream
+
+
+COUNT = struct.Struct("<I")
+
+
+def _run_config(count: int, length: int) -> SparseConfig:
+    """The codec's configuration of ``count`` positions among ``length`` values read as one chunk."""
+    return SparseConfig(chunk=max(2, length), topk=max(1, count), rice=True)
+
+
+def encode_union(positions: np.ndarray, lo: int, hi: int) -> bytes:
+    """The union of a range's proposals, as its reducer serves it: the count (u32), then the positions in
+    [lo, hi) as one Rice-coded index set over the whole range (``dilocox.sparse.encode_positions`` with the
+    range as a single chunk, so the Rice parameter follows the union's own density)."""
+    sel = positions[(positions >= lo) & (positions < hi)] - lo
+    if not len(sel):
+        return COUNT.pack(0)
+    return COUNT.pack(len(sel)) + encode_positions(sel, max(2, hi - lo), _run_config(len(sel), hi - lo))
+
+
+def decode_union(payload: bytes, lo: int, hi: int, most: int) -> np.ndarray:
+    """A reducer's union for [lo, hi) (untrusted bytes) -> sorted flat int64 positions. ``most``: the largest
+    count a union may hold (k proposals' worth). Raises ContributionError for a count above ``most`` or the
+    range, or an index set that does not read."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)) or len(payload) < COUNT.size:
+        raise ContributionError("a union starts with its count (u32)")
+    (count,) = COUNT.unpack_from(bytes(payload))
+    if count > min(most, hi - lo):
+        raise ContributionError(f"a union of {count} positions; at most {min(most, hi - lo)} in this range")
+    if count == 0:
+        if len(payload) != COUNT.size:
+            raise ContributionError(f"an empty union of {len(payload)} bytes; {COUNT.size} expected")
+        return np.zeros(0, dtype=np.int64)
+    local = decode_positions(bytes(payload)[COUNT.size:], max(2, hi - lo), _run_config(count, hi - lo))
+    if local[-1] >= hi - lo:  # a one-value range is read as a chunk of two
+        raise ContributionError(f"position {int(local[-1]) + lo} outside the range [{lo}, {hi})")
+    return local + lo
+
+
+def union_bytes_bound(lo: int, hi: int, most: int) -> int:
+    """The largest valid union for [lo, hi) holding at most ``most`` positions (a fetch's bound)."""
+    count = max(1, min(most, hi - lo))
+    lay = layout(max(2, hi - lo), _run_config(count, hi - lo))
+    return COUNT.size + 8 + lay.index_bytes + -(-lay.max_unary_bits // 8)
+
+
+def union_bytes(positions: np.ndarray, n: int, cfg: SharedIndexConfig, k: int) -> int:
+    """Bytes of P as the k reducers serve it, each its range's union (``encode_union``), once."""
+    return sum(len(encode_union(positions, *value_range(n, cfg.chunk, k, j))) for j in range(k))
 
 
 def random_positions(n: int, cfg: SharedIndexConfig, seed: int, outer_step: int) -> np.ndarray:

@@ -5,10 +5,13 @@ group-mates, (k - 1) x payload per round. Here the members first agree on one in
 of their proposals, dilocox/shared_index.py), so every member's values live on the same positions and
 can be summed range by range:
 
-1. **proposals** (key ``{key}/p``): each member's ceil(topk / k) largest |beta e + delta| per chunk, an
-   index set alone, Rice-coded as a contribution's indices (``encode_proposal``), all-gathered; P = their
-   union, the same on every member that got all k. A proposal that cannot be fetched or read fails the
-   round for whoever missed it (its P would differ): nothing has left the error feedback yet.
+1. **proposals** (keys ``{key}/p{j}``, then ``{key}/u``): each member takes its ceil(topk / k) largest
+   |beta e + delta| per chunk (``proposal_positions``) and sends the part in range j to reducer j, an
+   index set alone, Rice-coded as a contribution's indices (``encode_proposal``); reducer j serves the union
+   of what it got (``encode_union``: one Rice-coded set over the range), and every member fetches every
+   range's union. P is their concatenation, the same on every member. A proposal a reducer cannot fetch or
+   read is left out of its union (and reported); a union a member cannot fetch or read fails the round for
+   it, before anything leaves its error feedback.
 2. **values** (key ``{key}/v{j}``): P's chunks are split into k fixed ranges (``chunk_ranges``); member
    j (sorted peer-id order) reduces range j, and fetches from every other member its values there
    (``pack_values`` at cfg.bits: the receiver holds P, so no index is sent).
@@ -17,12 +20,13 @@ can be summed range by range:
    keeping what that drops (``ReducerFeedback``, DoubleSqueeze), and serves it; every member fetches
    every other range's result and applies P's values.
 
-Upload per member and round, with V its values, R the result and I one proposal: about
-(k - 1) / k x (V + R) + (k - 1) x I. I holds topk / k indices per chunk, so (k - 1) x I stays near one
-index set of topk per chunk; its bits per index grow slowly with k (longer gaps between fewer indices).
+Upload per member and round, with V its values, R the result, I its proposal (topk / k indices per
+chunk) and U the union coded once (up to topk per chunk, about 6 bits per index at 256 of 4096): each
+goes to k - 1 members a k-th at a time, (k - 1) / k x (V + R + I + U), flat in k.
 
 What a member checks: lengths (each range's exact byte count follows from P), scales and codes
-(``unpack_values``), proposals (``dilocox.sparse.decode_positions``: count, range and order per chunk).
+(``unpack_values``), proposals and unions (``dilocox.sparse.decode_positions``: count, range and order),
+and that each union holds its own proposal (a reducer that leaves positions out is logged).
 A reducer drops a member whose values do not parse and reports it. A reducer could serve different
 results to different members, or a wrong one: ``RangeResults.digests`` (SHA-256 of each range's result
 bytes) are what members compare to catch the first, as they compare theta digests after applying; the
@@ -34,6 +38,7 @@ index sets").
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence
@@ -48,15 +53,23 @@ from dilocox.shared_index import (
     SharedIndexConfig,
     SharedIndexMember,
     decode_proposal,
+    decode_union,
     encode_proposal,
+    encode_union,
     pack_values,
     proposal_bytes,
+    proposal_config,
+    proposal_positions,
     range_slices,
     reduce,
+    union_bytes_bound,
     unpack_values,
+    value_range,
     values_bytes,
 )
 from dilocox.sparse import ContributionError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -65,10 +78,11 @@ class RangeResults:
 
     ``positions``: P (sorted flat int64); ``applied``: fp32 on P, what the member adds to its pseudo-gradient
     mean (the same bits on every member that got the same results); ``digests``: reducer peer_id -> SHA-256
-    hex of its range's result bytes; ``dropped``: as a reducer, member -> why its values were not used;
+    hex of its range's result bytes; ``dropped``: as a reducer, member -> why its proposal or values were not
+    used;
     ``sent_bytes`` / ``received_bytes``: payload bytes served (so far: members still fetching our result add
     to it, ``ContributionServer.served_bytes``) / fetched under the round's keys;
-    ``phases``: seconds per step (propose, reduce, gather)."""
+    ``phases``: seconds per step (propose: proposals and unions, reduce, gather)."""
 
     positions: np.ndarray
     applied: np.ndarray
@@ -88,44 +102,67 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     ``m``: our beta e + delta (flat fp32, ``member.accumulate``); ``member``'s buffer becomes m minus what we
     sent, or stays as it was if the round fails. ``weights``: every member's weight (from
     matchmaking). ``feedback``: our reducer's buffer (kept across rounds; None: the result's quantization
-    error is dropped). ``timeout_s``: seconds for each of the three fetches. The server must keep at least
-    k + 1 offers (``keep``). Raises RoundFailed when a proposal or a result could not be fetched or read,
+    error is dropped). ``timeout_s``: seconds for each of the four fetches. The server must keep at least
+    2k offers (``keep``). Raises RoundFailed when a union or a result could not be fetched or read,
     ValueError for a group without us or a server that keeps too few offers."""
     cfg: SharedIndexConfig = member.cfg
     group = sorted(set(group))
     if me not in group:
         raise ValueError(f"we ({me[:16]}) are not in the group")
     k, n = len(group), m.numel()
-    if server.keep < k + 1:
-        raise ValueError(f"the contribution server keeps {server.keep} offers; a round of {k} needs {k + 1}")
-    others = [p for p in group if p != me]
+    if server.keep < 2 * k:
+        raise ValueError(f"the contribution server keeps {server.keep} offers; a round of {k} needs {2 * k}")
+    others, rank = [p for p in group if p != me], group.index(me)
+    ranges = [value_range(n, cfg.chunk, k, j) for j in range(k)]
     t0 = time.monotonic()
-    own = encode_proposal(m, cfg, k)
-    server.offer(f"{key}/p", own)
-    got, failed = server.fetch({p: (None, proposal_bytes(n, cfg, k)) for p in others}, f"{key}/p", timeout_s)
-    if failed:
-        raise RoundFailed("no proposal from " + "; ".join(f"{p[:16]}: {why}" for p, why in sorted(failed.items())))
-    proposals = [decode_proposal(own, n, cfg, k)]
-    for p in others:
-        try:
-            proposals.append(decode_proposal(got[p], n, cfg, k))
-        except ContributionError as e:
-            raise RoundFailed(f"the proposal of {p[:16]} does not read: {e}") from e
-    positions = np.unique(np.concatenate(proposals))
+    mine = proposal_positions(m, cfg, k)
+    for j, (lo, hi) in enumerate(ranges):
+        if j != rank:
+            server.offer(f"{key}/p{j}", encode_proposal(mine, lo, hi, cfg, k))
+    lo, hi = ranges[rank]
+    got, unproposed = server.fetch({p: (None, proposal_bytes(lo, hi, cfg, k)) for p in others}, f"{key}/p{rank}",
+                                   timeout_s)
     received = sum(map(len, got.values()))
+    proposals = [mine[(mine >= lo) & (mine < hi)]]
+    for p, payload in got.items():
+        try:
+            proposals.append(decode_proposal(payload, lo, hi, cfg, k))
+        except ContributionError as e:
+            unproposed[p] = f"its proposal does not read: {e}"
+    server.offer(f"{key}/u", encode_union(np.unique(np.concatenate(proposals)), lo, hi))
+    most = [k * proposal_config(cfg, k).topk * -(-(b - a) // cfg.chunk) for a, b in ranges]  # k proposals' worth
+    got, failed = server.fetch({group[j]: (None, union_bytes_bound(*ranges[j], most[j])) for j in range(k)
+                                if j != rank}, f"{key}/u", timeout_s)
+    if failed:
+        raise RoundFailed("no union from " + "; ".join(f"{p[:16]}: {why}" for p, why in sorted(failed.items())))
+    received += sum(map(len, got.values()))
+    parts = []
+    for j, (a, b) in enumerate(ranges):
+        if j == rank:
+            parts.append(np.unique(np.concatenate(proposals)))
+            continue
+        try:
+            parts.append(decode_union(got[group[j]], a, b, most[j]))
+        except ContributionError as e:
+            raise RoundFailed(f"the union of {group[j][:16]} does not read: {e}") from e
+        left_out = np.setdiff1d(mine[(mine >= a) & (mine < b)], parts[-1])
+        if len(left_out):  # a reducer may pick its range's positions; it is told to take every proposal
+            logger.warning("round %s: the union of %s leaves out %d of our proposed positions", key, group[j][:16],
+                           len(left_out))
+    positions = np.concatenate(parts)
     before = member.error.clone()
     sent = member.contribute(m, positions)
     phases = dict(propose=time.monotonic() - t0)
     try:
         return _reduce_and_gather(server, me, group, key, cfg, m, positions, sent, weights, timeout_s, rule,
-                                  norm_bound, feedback, received, phases)
+                                  norm_bound, feedback, received, phases, unproposed)
     except BaseException:
         member.error = before  # a failed round changes nothing: the caller decides what becomes of m
         raise
 
 
 def _reduce_and_gather(server, me, group, key, cfg, m, positions, sent, weights, timeout_s, rule, norm_bound,
-                       feedback, received, phases) -> RangeResults:
+                       feedback, received, phases, unproposed) -> RangeResults:
     """Steps 2 and 3 of the module docstring, once P is known."""
     k, rank, n = len(group), group.index(me), m.numel()
     slices = range_slices(positions, n, cfg.chunk, k)
@@ -137,6 +174,7 @@ def _reduce_and_gather(server, me, group, key, cfg, m, positions, sent, weights,
     mine = slices[rank]
     size = values_bytes(positions[mine], n, cfg)
     got, dropped = server.fetch({p: (None, size) for p in group if p != me}, f"{key}/v{rank}", timeout_s)
+    dropped.update({p: f"no proposal for our range: {why}" for p, why in unproposed.items() if p not in dropped})
     received += sum(map(len, got.values()))
     rows = {me: sent[mine]}
     for p, payload in got.items():
@@ -169,6 +207,6 @@ def _reduce_and_gather(server, me, group, key, cfg, m, positions, sent, weights,
             raise RoundFailed(f"the result of {group[j][:16]} does not read: {e}") from e
         digests[group[j]] = hashlib.sha256(payload).hexdigest()
     phases["gather"] = time.monotonic() - t0
-    keys = [f"{key}/p", f"{key}/r"] + [f"{key}/v{j}" for j in range(k) if j != rank]
+    keys = [f"{key}/u", f"{key}/r"] + [f"{key}/{x}{j}" for j in range(k) if j != rank for x in "pv"]
     return RangeResults(positions, applied, digests, dropped, sum(server.served_bytes(x) for x in keys), received,
                         phases)

@@ -1,8 +1,8 @@
 """Reduce-scatter rounds on a shared index set (peers/reducescatter.py) between real hivemind peers on
 loopback: every member gets the same result, the one the in-process rule computes; a member whose values
-do not read is dropped by its reducers with the reason; a member that never proposes, or leaves after
-proposing, fails the round for the others and leaves their error feedback as it was; the upload
-is about (k - 1) / k x (values + result) + (k - 1) proposals."""
+do not read is dropped by its reducers with the reason; a member that never comes, or leaves after the
+unions, fails the round for the others and leaves their error feedback as it was; the upload is about
+(k - 1) / k x (values + result + proposal + union)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,14 @@ from dilocox.shared_index import (
     SharedIndexConfig,
     SharedIndexMember,
     encode_proposal,
+    encode_union,
     proposal_bytes,
+    proposal_positions,
     range_slices,
     reduce,
+    union_bytes,
     union_positions,
+    value_range,
     values_bytes,
 )
 from tests.helpers import peers_on_loopback
@@ -95,21 +99,24 @@ def test_every_member_gets_the_rules_result_and_a_bad_member_is_dropped_by_its_r
         for p, s, _ in peers:
             if p == bad:
                 continue
-            served = sum(s.served_bytes(f"rs/1/{x}") for x in ["p", "r"] + [f"v{j}" for j in range(4)])
-            bound = 3 / 4 * (values + result) + 3 * proposal_bytes(N, CFG, 4) + 64 * 4
+            served = sum(s.served_bytes(f"rs/1/{x}") for x in ["u", "r"] + [f"{y}{j}" for j in range(4) for y in "pv"])
+            bound = 3 / 4 * (values + result + proposal_bytes(0, N, CFG, 4) + union_bytes(positions, N, CFG, 4)) + 64
             assert 0.5 * bound < served <= bound, (served, bound)
             assert np.abs(feedbacks[p].error).max() > 0
 
 
-def test_a_member_that_never_proposes_or_leaves_after_proposing_fails_the_round_and_leaves_the_buffers_alone():
+def test_a_member_that_never_comes_or_leaves_before_the_values_fails_the_round_and_leaves_the_buffers_alone():
     with peers_on_loopback(3, "test_reducescatter_absent", keep=8) as peers:
+        quitter, server, _ = peers[2]
         out, members = _absent(peers, _ms(3, seed=1), "rs/2")
-        for p, r in out.items():
-            assert isinstance(r, RoundFailed) and "no proposal from" in str(r), r
+        for p, r in out.items():  # its proposals are left out; the union of its range is what is missing
+            assert isinstance(r, RoundFailed) and "no union from" in str(r) and quitter[:16] in str(r), r
             assert not members[p].error.any()  # P was never known: nothing was taken from it
         ms = _ms(3, seed=2)
-        quitter, server, _ = peers[2]
-        server.offer("rs/3/p", encode_proposal(ms[2], CFG, 3))  # it proposes, then is gone
+        mine, rank = proposal_positions(ms[2], CFG, 3), sorted(p for p, _, _ in peers).index(quitter)
+        for j in {0, 1, 2} - {rank}:  # it proposes and serves a union of its range, then is gone
+            server.offer(f"rs/3/p{j}", encode_proposal(mine, *value_range(N, 256, 3, j), CFG, 3))
+        server.offer("rs/3/u", encode_union(mine, *value_range(N, 256, 3, rank)))
         out, members = _absent(peers, ms, "rs/3")
         for p, r in out.items():
             assert isinstance(r, RoundFailed) and "no result from" in str(r) and quitter[:16] in str(r), r
@@ -142,5 +149,5 @@ def test_bad_calls_are_refused():
         mem = SharedIndexMember(N, CFG)
         with pytest.raises(ValueError, match="not in the group"):
             exchange_shared(s, p, ["someone-else"], "k", mem, torch.zeros(N), {}, 1.0)
-        with pytest.raises(ValueError, match="needs 5"):
+        with pytest.raises(ValueError, match="needs 8"):
             exchange_shared(s, p, [p, "a", "b", "c"], "k", mem, torch.zeros(N), {}, 1.0)

@@ -14,17 +14,23 @@ from dilocox.shared_index import (
     SharedIndexMember,
     chunk_ranges,
     decode_proposal,
+    decode_union,
     encode_proposal,
+    encode_union,
     index_bytes,
     leader_positions,
     leader_rank,
     pack_values,
     proposal_bytes,
+    proposal_positions,
     random_positions,
     reduce,
     reduce_by_range,
+    union_bytes,
+    union_bytes_bound,
     union_positions,
     unpack_values,
+    value_range,
     values_bytes,
 )
 from dilocox.sparse import ContributionError, SparseCodec, SparseConfig
@@ -184,21 +190,40 @@ def test_bad_input_is_refused_and_the_buffer_is_kept():
     assert SharedIndexConfig(selection="random").selection is Selection.RANDOM
 
 
-def test_proposals_and_values_on_the_wire_read_back_and_bad_bytes_get_a_clear_error():
+def test_proposals_unions_and_values_on_the_wire_read_back_and_bad_bytes_get_a_clear_error():
     m = torch.randn(N, generator=torch.Generator().manual_seed(5))
     for k in (1, 2, 4):
-        wire = encode_proposal(m, CFG, k)
-        pos = decode_proposal(wire, N, CFG, k)
-        assert np.array_equal(pos, leader_positions(m, SharedIndexConfig(chunk=64, topk=-(-4 // k))))
-        assert len(wire) <= proposal_bytes(N, CFG, k)
-        assert len(wire) == index_bytes(pos, N, SharedIndexConfig(chunk=64, topk=-(-4 // k)))
-    wire = encode_proposal(m, CFG, 2)
+        mine = proposal_positions(m, CFG, k)
+        assert np.array_equal(mine, leader_positions(m, SharedIndexConfig(chunk=64, topk=-(-4 // k))))
+        ranges = [value_range(N, 64, k, j) for j in range(k)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == N and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        back = []
+        for lo, hi in ranges:
+            wire = encode_proposal(mine, lo, hi, CFG, k)
+            assert len(wire) <= proposal_bytes(lo, hi, CFG, k)
+            back.append(decode_proposal(wire, lo, hi, CFG, k))
+        assert np.array_equal(np.concatenate(back), mine)
+    lo, hi = value_range(N, 64, 2, 1)  # chunks 2 and 3 (the short one): 128 .. 211
+    wire = encode_proposal(proposal_positions(m, CFG, 2), lo, hi, CFG, 2)
     for bad, match in [(wire[:-1], "expected"), (wire + b"\0", "expected"), (b"\1" * 3, "truncated"),
                        (bytes(8) + wire[8:], "unary stream")]:
         with pytest.raises(ContributionError, match=match):
-            decode_proposal(bad, N, CFG, 2)
+            decode_proposal(bad, lo, hi, CFG, 2)
     with pytest.raises(ContributionError):  # the same bytes read as a proposal of a group of 4: another count
-        decode_proposal(wire, N, CFG, 4)
+        decode_proposal(wire, lo, hi, CFG, 4)
+    with pytest.raises(ValueError, match="starts at a chunk"):
+        encode_proposal(proposal_positions(m, CFG, 2), 5, hi, CFG, 2)
+    # a union: any count up to the bound, the empty one included
+    union = np.unique(np.r_[proposal_positions(m, CFG, 1), [130, 131, 210]])
+    for sel in (union, np.zeros(0, np.int64)):
+        wire = encode_union(sel, lo, hi)
+        assert np.array_equal(decode_union(wire, lo, hi, 80), sel[(sel >= lo) & (sel < hi)])
+        assert len(wire) <= union_bytes_bound(lo, hi, 80)
+    with pytest.raises(ContributionError, match="at most 3"):
+        decode_union(encode_union(union, lo, hi), lo, hi, 3)
+    with pytest.raises(ContributionError):
+        decode_union(encode_union(union, lo, hi)[:-1], lo, hi, 80)
+    assert union_bytes(union, N, CFG, 2) == sum(len(encode_union(union, *value_range(N, 64, 2, j))) for j in (0, 1))
     pos = leader_positions(m, CFG)
     for bits in (0, 1, 2, 4, 8):
         payload, decoded = pack_values(m[torch.from_numpy(pos)].numpy(), pos, N, CFG.chunk, bits)
@@ -221,7 +246,8 @@ def test_proposals_and_values_on_the_wire_read_back_and_bad_bytes_get_a_clear_er
 @given(st.binary(max_size=80))
 def test_any_bytes_read_as_a_proposal_or_values_give_positions_or_a_contribution_error(data):
     pos = np.arange(0, N, 5)
-    for read in (lambda: decode_proposal(data, N, CFG, 2), lambda: unpack_values(data, pos[:40], N, 64, 2)):
+    for read in (lambda: decode_proposal(data, 0, N, CFG, 2), lambda: decode_union(data, 64, N, 40),
+                 lambda: unpack_values(data, pos[:40], N, 64, 2)):
         try:
             out = read()
         except ContributionError:
