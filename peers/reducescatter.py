@@ -105,7 +105,8 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     matchmaking). ``feedback``: our reducer's buffer (kept across rounds; None: the result's quantization
     error is dropped). ``timeout_s``: seconds for each of the four fetches. The server must keep at least
     2k offers (``keep``). Raises RoundFailed when a union or a result could not be fetched or read,
-    ValueError for a group without us or a server that keeps too few offers."""
+    ValueError for a group without us, a member without a weight, fewer chunks than members or a server
+    that keeps too few offers."""
     cfg: SharedIndexConfig = member.cfg
     group = sorted(set(group))
     if me not in group:
@@ -113,6 +114,10 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     k, n = len(group), m.numel()
     if server.keep < 2 * k:
         raise ValueError(f"the contribution server keeps {server.keep} offers; a round of {k} needs {2 * k}")
+    if -(-n // cfg.chunk) < k:
+        raise ValueError(f"{n} values make {-(-n // cfg.chunk)} chunks; a round of {k} needs a chunk per reducer")
+    if set(group) - set(weights):
+        raise ValueError(f"no weight for {sorted(set(group) - set(weights))[:3]}")
     others, rank = [p for p in group if p != me], group.index(me)
     ranges = [value_range(n, cfg.chunk, k, j) for j in range(k)]
     t0 = time.monotonic()

@@ -158,4 +158,10 @@ def test_bad_calls_are_refused():
         with pytest.raises(ValueError, match="not in the group"):
             exchange_shared(s, p, ["someone-else"], "k", mem, torch.zeros(N), {}, 1.0)
         with pytest.raises(ValueError, match="needs 8"):
-            exchange_shared(s, p, [p, "a", "b", "c"], "k", mem, torch.zeros(N), {}, 1.0)
+            exchange_shared(s, p, [p, "a", "b", "c"], "k", mem, torch.zeros(N), dict.fromkeys([p, "a", "b", "c"], 1.0),
+                            1.0)
+        with pytest.raises(ValueError, match="no weight"):
+            exchange_shared(s, p, [p, "a"], "k", mem, torch.zeros(N), {p: 1.0}, 1.0)
+        with pytest.raises(ValueError, match="a chunk per reducer"):
+            exchange_shared(s, p, [p, "a"], "k", SharedIndexMember(200, CFG), torch.zeros(200), {p: 1.0, "a": 1.0},
+                            1.0)
