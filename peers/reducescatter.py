@@ -6,13 +6,12 @@ of their proposals, dilocox/shared_index.py), so every member's values live on t
 can be summed range by range:
 
 1. **proposals** (keys ``{key}/p{j}``, then ``{key}/u``): each member takes its ceil(topk / k) largest
-   |beta e + delta| per chunk (``proposal_positions``; on its own range, of beta e + delta plus what its
-   ``ReducerFeedback`` holds there, so that error can choose positions too) and sends the part in range j
-   to reducer j, an index set alone, Rice-coded as a contribution's indices (``encode_proposal``); reducer
-   j serves the union of what it got (``encode_union``: one Rice-coded set over the range), and every
-   member fetches every range's union. P is their concatenation, the same on every member. A proposal a
-   reducer cannot fetch or read is left out of its union (and reported); a union a member cannot fetch or
-   read fails the round for it, before anything leaves its error feedback.
+   |beta e + delta| per chunk (``proposal_positions``) and sends the part in range j to reducer j, an
+   index set alone, Rice-coded as a contribution's indices (``encode_proposal``); reducer j serves the
+   union of what it got (``encode_union``: one Rice-coded set over the range), and every member fetches
+   every range's union. P is their concatenation, the same on every member. A proposal a reducer cannot
+   fetch or read is left out of its union (and reported); a union a member cannot fetch or read fails the
+   round for it, before anything leaves its error feedback.
 2. **values** (key ``{key}/v{j}``): P's chunks are split into k fixed ranges (``chunk_ranges``); member
    j (sorted peer-id order) reduces range j, and fetches from every other member its values there
    (``pack_values`` at cfg.bits: the receiver holds P, so no index is sent).
@@ -122,12 +121,7 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     ranges = [value_range(n, cfg.chunk, k, j) for j in range(k)]
     t0 = time.monotonic()
     lo, hi = ranges[rank]
-    if feedback is not None:  # on our range we also hold what earlier results dropped: it may pick positions there
-        view = m.clone()
-        view[lo:hi] += torch.from_numpy(feedback.error[lo:hi])
-        mine = proposal_positions(view, cfg, k)
-    else:
-        mine = proposal_positions(m, cfg, k)
+    mine = proposal_positions(m, cfg, k)
     for j, (a, b) in enumerate(ranges):
         if j != rank:
             server.offer(f"{key}/p{j}", encode_proposal(mine, a, b, cfg, k))
