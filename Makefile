@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-shared bench-reducescatter bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-shared bench-quality-shared-16 bench-reducescatter bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -115,8 +115,16 @@ bench-quality-shared: install
 	$(PY) -m bench.quality --out runs/bench/quality-shared-rf --seeds 7 8 9 --methods shared-union-k256-r4-rf
 	$(PY) -m bench.quality --out runs/bench/quality-shared-r8-rf --seeds 7 8 9 --replicas 8 --methods \
 		shared-union-k256-r4-a3.1-5.6-rf shared-union-k256-r2-a3.1-5.6-rf
+	$(PY) -m bench.quality --out runs/bench/quality-shared-r8-rfp --seeds 7 8 --replicas 8 --methods \
+		shared-union-k256-r4-a3.1-5.6-rfp
 	$(PY) -m bench.quality --tradeoff runs/bench/quality-shared.json runs/bench/quality-shared-r8.json \
-		runs/bench/quality-shared-rf.json runs/bench/quality-shared-r8-rf.json --out docs/img/quality-shared
+		runs/bench/quality-shared-rf.json runs/bench/quality-shared-r8-rf.json runs/bench/quality-shared-r8-rfp.json \
+		--out docs/img/quality-shared
+
+# the union at 16 in-process replicas against fp32 DiLoCo (~2.5 h on 2 cores)
+bench-quality-shared-16: install
+	$(PY) -m bench.quality --out runs/bench/quality-shared-r16 --seeds 7 8 9 --replicas 16 --methods fp32 \
+		shared-union-k256-r4-a3.1-5.6
 
 # upload per member of the reduce-scatter transport against the all-gather, k = 8, 16, 32 real peers on
 # loopback with synthetic pseudo-gradients (docs/algorithms.md, "A reduce-scatter transport"; ~4 min)
