@@ -23,6 +23,7 @@ def _stop(nodes) -> None:
         n.terminate(signal.SIGKILL)
 
 
+@pytest.mark.swarm  # 54 s: in the swarm suite, to keep `make test` within its 12 minutes
 def test_adaptive_overlap_with_a_sign_flipper_and_a_joiner(tmp_path):
     # the tiny model's rounds (40 steps, ~1 s of compute per node here) are shorter than the exchange (matchmaking
     # alone takes 2 s): overlap could not hide it, so once that is measured a round's end waits for its update
