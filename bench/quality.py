@@ -39,7 +39,6 @@ from dilocox.shared_index import (
     Selection,
     SharedIndexConfig,
     SharedIndexMember,
-    chunk_ranges,
     index_bytes,
     leader_positions,
     leader_rank,
@@ -47,6 +46,7 @@ from dilocox.shared_index import (
     reduce,
     reduce_by_range,
     union_positions,
+    value_range,
     values_bytes,
 )
 from dilocox.sparse import SparseCodec, SparseConfig, aggregate, decode
@@ -386,9 +386,9 @@ def _shared_round(method, members, deltas, weights, shapes, t, feedback=None):
     ms = [mem.accumulate(d) for mem, d in zip(members, deltas)]
     n = ms[0].numel()
     if cfg.selection == Selection.UNION and method.reducer_proposes:  # member r reduces range r (chunk_ranges)
-        bounds = [(lo * cfg.chunk, min(hi * cfg.chunk, n)) for lo, hi in chunk_ranges(n, cfg.chunk, k)]
         views = [m.clone() for m in ms]
-        for v, (a, b) in zip(views, bounds):
+        for r, v in enumerate(views):
+            a, b = value_range(n, cfg.chunk, k, r)
             v[a:b] += torch.from_numpy(feedback.error[a:b])
         positions, index = union_positions(views, cfg)
     elif cfg.selection == Selection.UNION:
@@ -400,11 +400,10 @@ def _shared_round(method, members, deltas, weights, shapes, t, feedback=None):
     sent = [mem.contribute(m, positions) for mem, m in zip(members, ms)]
     if feedback is None:
         red = reduce(sent, weights, positions, n, cfg, method.aggregation, method.norm_bound)
-    else:  # as the transport would: each range by its reducer, who keeps what its result dropped
-        red = reduce_by_range(sent, weights, positions, n, cfg, method.aggregation, method.norm_bound, feedback)
-    if feedback is None:
         for mem in members:
             mem.restore(positions, red.residual)
+    else:  # as the transport would: each range by its reducer, who keeps what its result dropped
+        red = reduce_by_range(sent, weights, positions, n, cfg, method.aggregation, method.norm_bound, feedback)
 
     def dense(values) -> list[torch.Tensor]:
         flat = torch.zeros(n)

@@ -134,7 +134,8 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
             proposals.append(decode_proposal(payload, lo, hi, cfg, k))
         except ContributionError as e:
             unproposed[p] = f"its proposal does not read: {e}"
-    server.offer(f"{key}/u", encode_union(np.unique(np.concatenate(proposals)), lo, hi))
+    union = np.unique(np.concatenate(proposals))
+    server.offer(f"{key}/u", encode_union(union, lo, hi))
     most = [k * proposal_config(cfg, k).topk * -(-(b - a) // cfg.chunk) for a, b in ranges]  # k proposals' worth
     got, failed = server.fetch({group[j]: (None, union_bytes_bound(*ranges[j], most[j])) for j in range(k)
                                 if j != rank}, f"{key}/u", timeout_s)
@@ -144,7 +145,7 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     parts = []
     for j, (a, b) in enumerate(ranges):
         if j == rank:
-            parts.append(np.unique(np.concatenate(proposals)))
+            parts.append(union)
             continue
         try:
             parts.append(decode_union(got[group[j]], a, b, most[j]))
