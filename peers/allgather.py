@@ -167,11 +167,12 @@ class ContributionServer(ServicerBase):
                 return
             if self.tamper is not None:
                 payload = self.tamper(payload, requester, request.key)
-        with self._lock:
-            if request.key in self._served:
-                self._served[request.key] += len(payload)
         for i in range(0, max(len(payload), 1), CHUNK_BYTES):
-            yield ContributionChunk(data=payload[i:i + CHUNK_BYTES], total_bytes=len(payload) if i == 0 else 0)
+            piece = payload[i:i + CHUNK_BYTES]
+            with self._lock:  # counted as handed to the stream: a stream cut early counts what it carried
+                if request.key in self._served:
+                    self._served[request.key] += len(piece)
+            yield ContributionChunk(data=piece, total_bytes=len(payload) if i == 0 else 0)
 
     async def _own(self, key: str) -> Optional[bytes]:
         """Our contribution under ``key``, waiting up to ``offer_wait_s`` for ``offer`` (the requester's own

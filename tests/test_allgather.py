@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from dilocox.peers.allgather import ContributionServer, after, exchange_sparse, screen_gathered
+from dilocox.peers.allgather import EMPTY_RETRIES, ContributionServer, after, exchange_sparse, screen_gathered
 from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather
 
 from dilocox.sparse import SparseCompressor, SparseConfig
@@ -71,7 +71,10 @@ def test_fetch_checks_length_and_digest(servers):
     a.offer("r1", payload)
     got, failed = b.fetch({a_id: (hashlib.sha256(payload).hexdigest(), len(payload))}, "r1", 30)
     assert got == {a_id: payload} and not failed
-    assert a.served_bytes("r1") == len(payload)
+    # one whole payload; a stream cut before its first byte is asked for again (EMPTY_RETRIES: seen once in CI
+    # under load), and the server counts what it handed to each stream, so at most that many more
+    served = a.served_bytes("r1")
+    assert len(payload) <= served <= (1 + EMPTY_RETRIES) * len(payload), served
     short = payload[:1000]
     a.offer("r2", short)
     _, failed = b.fetch({a_id: (hashlib.sha256(short).hexdigest(), 999)}, "r2", 30)
