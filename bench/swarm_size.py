@@ -255,14 +255,25 @@ def slopes(results: list[dict]) -> dict:
     return dict(per_doubling_s=bl, log_residual_s=rl, per_node_s=bn, linear_residual_s=rn)
 
 
+def default_payload_bytes(workload: str) -> int:
+    """The default codec's payload (``--compression sparse``: top-128 of 4096, 2-bit, Rice) for the workload's
+    parameters: one denominator for every compression, since a shared round's own payload (its values on P and
+    its proposal) is about half of it."""
+    from dilocox.sparse import SparseConfig, payload_bytes
+    from dilocox.synthetic import parse_spec, shapes_for
+
+    return payload_bytes(shapes_for(parse_spec(workload)[0]), SparseConfig(rice=True))
+
+
 def table(results: list[dict], a) -> str:
     launch = ("nodes forked from one shared image (bench/forked.py)" if a.launch == "forked"
               else "each node its own interpreter")
     lines = [f"EMULATED workload ({a.workload}, H = {a.inner_steps}, compute is a sleep); loopback, 2 cores; "
              f"{a.churn} leaves and {a.churn} joins in {a.duration:.0f} s per size; {launch}.", "",
              "| N | node-rounds | joint | lost | joint of all | splits (lasting) | round s | overhead s "
-             "| sent / round | received / round | sent / payload | PSS / node | groups |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| sent / round | received / round | sent / payload | sent / default payload | PSS / node | groups |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    default = default_payload_bytes(a.workload)
     for r in results:
         ratio = r["sent_bytes"] / r["payload_bytes"] if r["payload_bytes"] else math.nan
         groups = ", ".join(f"{k}:{v}" for k, v in sorted(r["group_sizes"].items(), key=lambda kv: -kv[1])[:4])
@@ -272,6 +283,7 @@ def table(results: list[dict], a) -> str:
                      f"{len(r['split_steps'])} "
                      f"({r['lasting_splits']}) | {r['round_s']:.1f} | {r['overhead_s']:.1f} | "
                      f"{r['sent_bytes'] / 1e6:.2f} MB | {r['received_bytes'] / 1e6:.2f} MB | {ratio:.1f}x | "
+                     f"{r['sent_bytes'] / default:.1f}x | "
                      f"{r['pss_bytes'] / 1e6:.0f} MB | {groups} |")
     return "\n".join(lines) + "\n"
 

@@ -52,6 +52,10 @@ OUTER_DEFAULTS = {
     # SparseLoCo: error feedback, no momentum; the outer lr ramps 2.5 -> 4.5 over the cosine schedule
     "sparse": dict(outer_lr=2.5, outer_lr_final=4.5, outer_momentum=0.0, nesterov=False,
                    aggregation="centered-clip", norm_bound=2.0),
+    # the union of the members' proposals at 8 in-process replicas: +1.70% of fp32's loss at 1.25 x sparse's ramp
+    # (make bench-quality-shared, the -rf rows; docs/algorithms.md, "A reduce-scatter transport")
+    "shared": dict(outer_lr=3.125, outer_lr_final=5.625, outer_momentum=0.0, nesterov=False,
+                   aggregation="centered-clip", norm_bound=2.0),
 }
 # SCAFFOLD on non-IID shards: CenteredClip cost 4 points of clean accuracy over 3 seeds, the plain mean after
 # norm bounding about 1, and c derived from the aggregate is what stops BadSFL (make bench-badsfl; docs/security.md)
@@ -79,10 +83,16 @@ class NodeConfig(BaseModel):
         return int(self.stage.split("/")[1])
 
     @property
+    def gathers(self) -> bool:
+        """Rounds exchange contributions through the nodes' contribution servers (peers/allgather.py) rather than
+        a butterfly all-reduce: sparse (all-gathered) and shared (reduce-scattered on a shared index set)."""
+        return self.compression in ("sparse", "shared")
+
+    @property
     def matches_early(self) -> bool:
-        """Rounds form their group during their last inner steps: synchronous sparse rounds of whole models
-        (the all-gather needs nothing of the butterfly's per-phase data)."""
-        return self.compression == "sparse" and self.num_stages == 1
+        """Rounds form their group during their last inner steps: synchronous sparse or shared rounds of whole
+        models (their matchmaking needs nothing of the butterfly's per-phase data)."""
+        return self.gathers and self.num_stages == 1
 
     @property
     def early_window_s(self) -> float:
@@ -131,6 +141,9 @@ class NodeConfig(BaseModel):
         if self.compression == "sparse":
             parts.append(f"codes=sparse(chunk={self.sparse_chunk},topk={self.sparse_topk},bits={self.sparse_bits},"
                          f"rice={self.sparse_rice})")
+        elif self.compression == "shared":
+            parts.append(f"codes=shared(chunk={self.sparse_chunk},topk={self.shared_topk},bits={self.sparse_bits},"
+                         f"result_bits={self.shared_result_bits},beta={self.sparse_beta!r})")
         else:
             parts.append(f"codes={self.compression}(rank_min={self.rank_min},rank_energy={self.rank_energy!r},"
                          f"quant_block={self.quant_block})")
@@ -146,6 +159,14 @@ class NodeConfig(BaseModel):
 
         return SparseConfig(chunk=self.sparse_chunk, topk=self.sparse_topk, bits=self.sparse_bits,
                             beta=self.sparse_beta, rice=self.sparse_rice)
+
+    def shared_config(self):
+        """The ``dilocox.shared_index.SharedIndexConfig`` of ``--compression shared``: the union of proposals, P of
+        ``shared_topk`` per chunk of ``sparse_chunk``, values at ``sparse_bits``, results at ``shared_result_bits``."""
+        from dilocox.shared_index import SharedIndexConfig  # torch: only when a codec is built, not for --help
+
+        return SharedIndexConfig(chunk=self.sparse_chunk, topk=self.shared_topk, bits=self.sparse_bits,
+                                 result_bits=self.shared_result_bits, beta=self.sparse_beta, selection="union")
 
     # swarm and identity
     run_id: str = Field("dilocox", pattern=r"^[A-Za-z0-9_-]{1,64}$",
@@ -292,16 +313,22 @@ class NodeConfig(BaseModel):
                                             "the round's compute time; if it lands in time the next round starts "
                                             "from its update (synchronous quality, utilization >= 1 - this), "
                                             "else it is overlapped")
-    compression: Literal["none", "fp16", "int8", "adaptive", "sparse"] = Field(
+    compression: Literal["none", "fp16", "int8", "adaptive", "sparse", "shared"] = Field(
         "sparse",
         description="pseudo-gradient codes: none (fp32), fp16 (16-bit), int8 (8-bit), adaptive (low rank + 8-bit), "
-                    "sparse (top-k per chunk + 2-bit + error feedback, all-gathered)")
+                    "sparse (top-k per chunk + 2-bit + error feedback, all-gathered), shared (the members agree on "
+                    "one index set, the union of their proposals, and reduce-scatter 2-bit values on it: an upload "
+                    "per node that does not grow with the group; synchronous whole-model DiLoCo rounds only)")
     sparse_chunk: int = Field(4096, ge=2, lt=2**32, description="sparse: values per chunk")
     sparse_topk: int = Field(128, ge=1, description="sparse: values sent per chunk")
     sparse_bits: int = Field(2, description="sparse: bits per sent value (1: a sign, 2, 4 or 8)")
     sparse_beta: float = Field(0.9, ge=0, le=1, description="sparse: error-feedback decay per outer step "
                                 "(0.9: measured, docs/algorithms.md)")
     sparse_rice: bool = Field(True, description="sparse: Rice-coded index gaps (else fixed-width indices)")
+    shared_topk: int = Field(256, ge=1, description="shared: positions per chunk of the round's index set (the "
+                                                    "union of the members' proposals, topk / k each)")
+    shared_result_bits: int = Field(4, description="shared: bits per value of a reducer's result (0: fp32, 1, 2, 4, "
+                                                   "8); what it drops the reducer keeps for its next result")
     aggregation: Optional[Literal["mean", "centered-clip", "trimmed-mean", "median"]] = Field(
         None, description="how a sparse round's contributions are combined (dilocox/robust.py; default: "
                           "centered-clip for sparse, mean otherwise and with --outer-algorithm scaffold)")
@@ -407,7 +434,7 @@ class NodeConfig(BaseModel):
             raise ValueError("authority and certificate go together: a certified swarm needs both, an open one neither")
         if self.revocations is not None and self.authority is None:
             raise ValueError("revocations need an authority")
-        if (self.aggregation != "mean" or self.norm_bound) and self.compression != "sparse":
+        if (self.aggregation != "mean" or self.norm_bound) and not self.gathers:
             raise ValueError(f"aggregation={self.aggregation} / norm_bound={self.norm_bound} need compression=sparse: "
                              f"a butterfly all-reduce sums parts on reducers, which a robust rule cannot trust")
         if self.scaffold_reset_quiet and (self.outer_algorithm != "scaffold" or not self.norm_bound):
@@ -417,6 +444,15 @@ class NodeConfig(BaseModel):
             raise ValueError(f"sparse_bits must be 1, 2, 4 or 8; got {self.sparse_bits}")
         if self.compression == "sparse" and self.sparse_topk > self.sparse_chunk:
             raise ValueError(f"sparse_topk={self.sparse_topk} must be <= sparse_chunk={self.sparse_chunk}")
+        if self.compression == "shared":
+            if self.shared_topk > self.sparse_chunk:
+                raise ValueError(f"shared_topk={self.shared_topk} must be <= sparse_chunk={self.sparse_chunk}")
+            if self.shared_result_bits not in (0, 1, 2, 4, 8):
+                raise ValueError(f"shared_result_bits must be 0 (fp32), 1, 2, 4 or 8; got {self.shared_result_bits}")
+            if self.overlap != "none" or self.stage != "0/1" or self.outer_algorithm != "diloco" or self.audit_rate:
+                raise ValueError("compression=shared runs synchronous DiLoCo rounds of whole models (overlap=none, "
+                                 "stage 0/1, outer_algorithm=diloco, no audit_rate): an overlapped round's proxy "
+                                 "and an audit need a member's contribution before the round's index set exists")
         if self.audit_rate and (self.compression != "sparse" or self.overlap != "none" or self.stage != "0/1"
                                 or self.outer_algorithm != "diloco" or self.workload):
             raise ValueError("audit_rate needs synchronous sparse rounds of whole models trained with DiLoCo on a real "

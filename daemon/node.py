@@ -54,6 +54,7 @@ from dilocox.tokenizer import load_tokenizer
 from dilocox.workload import make_workload
 
 logger = logging.getLogger(__name__)
+SHARED_KEEP = 256  # offers kept by a shared-compression node: 2k keys a round, two rounds of up to 64 members
 RESULT_ROUNDS = 2  # rounds whose group result we serve: a slow group may still be uniting the last one
 _RECORDED = (RoundOutcome.APPLIED, RoundOutcome.ADOPTED, RoundOutcome.UNITED, RoundOutcome.SOLO,
              RoundOutcome.APPLIED_ALONE, RoundOutcome.SKIPPED)
@@ -190,7 +191,7 @@ class Node:
     def _build(self) -> None:
         cfg = self.cfg
         prefix = f"{cfg.run_id}_{stage_tag(cfg.stage_index, cfg.num_stages)}pseudo_gradient_{cfg.compression}"
-        if cfg.compression == "sparse":
+        if cfg.gathers:
             # hivemind forks each averager's process: forked after the replica's tensors exist, the child would keep
             # the original of every page the training thread later rewrites (about 16 bytes per parameter). The
             # sparse rounds' one-value matchmaking averager needs no shapes, so it is forked before them.
@@ -226,8 +227,10 @@ class Node:
         sizes = self.state.averager_sizes()
         if not self.averagers:
             self._make_averagers(prefix, sizes)
-        if cfg.compression == "sparse":
+        if cfg.gathers:
+            # a shared round offers 2k keys (proposals, union, values, result): two rounds of up to 64 members
             self.contributions = ContributionServer(self.swarm.replicate_p2p, prefix,
+                                                    keep=SHARED_KEEP if cfg.compression == "shared" else 4,
                                                     startup_timeout_s=cfg.startup_timeout,
                                                     tamper=self.attack.payload if self.attack else None,
                                                     admitted=self.progress.admitted if self.admission else None,
@@ -288,7 +291,7 @@ class Node:
         built). Its minimum matchmaking time: the floor of measured deadlines (sparse whole-model rounds), else
         the flag (peers/deadlines.py)."""
         cfg = self.cfg
-        measured = cfg.compression == "sparse" and cfg.adaptive_deadlines and not self.staged
+        measured = cfg.gathers and cfg.adaptive_deadlines and not self.staged
         floor_s = deadlines.matchmaking_floor(cfg.matchmaking_time, cfg.request_timeout) if measured \
             else cfg.matchmaking_time
 

@@ -28,6 +28,7 @@ from dilocox.diloco import InnerConfig, OuterOptimizer, params_digest, training_
 from dilocox.overlap import OuterSchedule
 from dilocox.pipeline import PipelinedInnerLoop
 from dilocox.scaffold import ControlVariates, QuietRestart, Restart, apply_correction_step
+from dilocox.shared_round import SharedCompressor
 from dilocox.sparse import SparseCompressor
 from dilocox.stages import tensor_bytes
 from dilocox.synthetic import SyntheticInnerLoop
@@ -93,6 +94,8 @@ class ReplicaState:
         shapes = [tuple(p.shape) for p in self.outer.global_params]
         if cfg.compression == "sparse":
             self.compressor = SparseCompressor(shapes, cfg.sparse_config())
+        elif cfg.compression == "shared":
+            self.compressor = SharedCompressor(shapes, cfg.shared_config())
         else:
             self.compressor = Compressor(shapes, CompressionConfig(
                 mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
@@ -139,8 +142,8 @@ class ReplicaState:
 
     def averager_sizes(self) -> list[int]:
         """All-reduce buffer sizes this node needs, largest first: one per rank of the adaptive ladder,
-        or a single one-value buffer for sparse rounds (matchmaking only; peers/allgather.py)."""
-        if isinstance(self.compressor, SparseCompressor):
+        or a single one-value buffer for sparse and shared rounds (matchmaking only; peers/allgather.py)."""
+        if isinstance(self.compressor, (SparseCompressor, SharedCompressor)):
             return [1]
         return sorted({self.compressor.buffer_size(r) for r in self.compressor.cfg.ladder}, reverse=True)
 

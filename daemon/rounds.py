@@ -48,6 +48,7 @@ from dilocox.peers.averaging import (
     group_limits,
 )
 from dilocox.peers.deadlines import RoundDeadlines, RoundTimes
+from dilocox.peers.reducescatter import exchange_reduced
 
 from dilocox.catchup import AppliedUpdate
 from dilocox.compression import CompressionRound
@@ -63,6 +64,7 @@ from dilocox.consensus import (
     undecided,
 )
 from dilocox.diloco import params_digest
+from dilocox.shared_round import SharedRound
 from dilocox.sparse import SparseRound
 
 logger = logging.getLogger(__name__)
@@ -243,12 +245,12 @@ class OuterRounds:
             return PendingRound(r, honest, compression, early.future, compute_s, losses, early.started,
                                 cancel=early.cancel, **encoded)
         self._cancel(early)
-        averager = self.averagers[self.state.averager_sizes()[0] if isinstance(compression, SparseRound)
+        averager = self.averagers[self.state.averager_sizes()[0] if isinstance(compression, (SparseRound, SharedRound))
                                   else self.state.compressor.buffer_size()]
         p = PendingRound(r, honest, compression, None, compute_s, losses, started, **encoded)
         self.times[r] = self.deadlines.current()
         deadline_s = self.times[r].group_wait_s
-        if isinstance(compression, SparseRound):
+        if isinstance(compression, (SparseRound, SharedRound)):
             p.future = self._submit_sparse(compression, r, gather, p.cancel)
         else:
             p.future = self.comm.submit(exchange, averager, compression, r, gather, deadline_s, p.cancel,
@@ -263,6 +265,12 @@ class OuterRounds:
         scheduled_in_s = max(times.matchmaking_s, scheduled_in_s or 0.0)
         self.times[r] = times
         group_wait_s = max(times.group_wait_s, scheduled_in_s + cfg.request_timeout)  # hivemind: schedule < timeout
+        if cfg.compression == "shared":  # reduce-scattered on a shared index set (peers/reducescatter.py)
+            return self.comm.submit(
+                exchange_reduced, self.averagers[self.state.averager_sizes()[0]], self.contributions,
+                self.progress.peer_id, compression, r, gather, float(cfg.inner_steps), group_wait_s,
+                cfg.averaging_timeout, cancel, self._abandon(r), tamper_gather=attack.gather if attack else None,
+                scheduled_in_s=scheduled_in_s, rule=cfg.aggregation, norm_bound=cfg.norm_bound, admitted=self.admitted)
         return self.comm.submit(
             exchange_sparse, self.averagers[self.state.averager_sizes()[0]], self.contributions, self.progress.peer_id,
             compression, r, gather, float(cfg.inner_steps), group_wait_s,

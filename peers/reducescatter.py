@@ -31,22 +31,25 @@ A reducer drops a member whose values do not parse and reports it. A reducer cou
 results to different members, or a wrong one: ``RangeResults.digests`` (SHA-256 of each range's result
 bytes) are what members compare to catch the first, as they compare theta digests after applying; the
 second needs an audit of the range (a member re-fetching its inputs), which is not built here. This
-module is the transport only: the daemon does not run these rounds yet (docs/algorithms.md, "Shared
-index sets").
+module is the transport (``exchange_shared``) and the daemon's round over it (``exchange_reduced``,
+``--compression shared``; docs/algorithms.md, "Shared index sets").
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
-from dilocox.peers.allgather import ContributionServer
-from dilocox.peers.averaging import RoundFailed
+from dilocox.peers.allgather import ContributionServer, screen_gathered
+from dilocox.peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
 
 from dilocox.shared_index import (
     ReducerFeedback,
@@ -67,6 +70,7 @@ from dilocox.shared_index import (
     value_range,
     values_bytes,
 )
+from dilocox.shared_round import SharedRound
 from dilocox.sparse import ContributionError
 
 logger = logging.getLogger(__name__)
@@ -216,3 +220,82 @@ def _reduce_and_gather(server, me, group, key, cfg, m, positions, sent, weights,
     keys = [f"{key}/u", f"{key}/r"] + [f"{key}/{x}{j}" for j in range(k) if j != rank for x in "pv"]
     return RangeResults(positions, applied, digests, dropped, sum(server.served_bytes(x) for x in keys), received,
                         phases)
+
+
+def round_key(round_index: int) -> str:
+    """The contribution keys' prefix of a reduce-scatter round: one per outer step, so keys of two rounds a slow
+    member still fetches never meet."""
+    return f"rs{int(round_index)}"
+
+
+def exchange_reduced(averager: PseudoGradientAverager, server: ContributionServer, me: str,
+                     rnd: Union[SharedRound, Future], round_index: int, meta: RoundGather, max_weight: float,
+                     deadline_s: float, fetch_timeout_s: float, cancel: threading.Event,
+                     abandon: Optional[Callable[[], bool]] = None,
+                     tamper_gather: Optional[Callable[[dict, int], dict]] = None,
+                     scheduled_in_s: Optional[float] = None, rule: str = "mean", norm_bound: float = 0.0,
+                     admitted: Optional[Callable[[str], Optional[str]]] = None) -> RoundResult:
+    """One ``--compression shared`` round, blocking: the group forms by matchmaking and all-gathers its metadata
+    (``averager.run_phase`` on a one-value buffer, as an all-gather round), every member screens it by the same
+    rules (peers/allgather.py: ``screen_gathered``; no payload is announced), and the members that pass run
+    ``exchange_shared`` among themselves under ``round_key(round_index)``.
+
+    ``rnd``: the round's SharedRound, or a Future that will hold it (early matchmaking, as exchange_sparse).
+    Its ``member`` and ``feedback`` copies hold the buffers the round leaves (SharedCompressor.commit adopts
+    them if the round is applied). Returns the mean pseudo-gradient as tensors of the model's shapes (zero off
+    P); ``dropped``: the members the screen left out (the same on every member; what a reducer dropped of its
+    range is logged). A member whose start the screen left out gets zeros and the group's metadata (its
+    caller's start-digest check re-syncs it). Raises RoundCancelled / RoundFailed as ``run_phase`` does, and
+    RoundFailed when a union or result could not be had."""
+    key = group_bits(round_index) + "0"
+    gather = dict(meta.dict())
+    if tamper_gather is not None:
+        gather = tamper_gather(gather, round_index)
+    ready = None
+    if isinstance(rnd, Future):
+        ready = Future()  # the all-reduce may start once our round exists (nothing is offered before P)
+
+        def on_ready(f: Future) -> None:
+            try:
+                f.result()
+                ready.set_result(True)
+            except BaseException as e:  # cancelled or failed: the step is cancelled (run_phase)
+                ready.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+
+        rnd.add_done_callback(on_ready)
+    called = time.monotonic()
+    res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, abandon, ready=ready,
+                             scheduled_in_s=scheduled_in_s)
+    started = time.monotonic()
+    rnd = rnd.result() if isinstance(rnd, Future) else rnd
+    metas, _, dropped = screen_gathered(res.gathered, round_index, max_weight, 0, admitted or server.admitted)
+    group = sorted(p for p, m in metas.items() if m is not None and p not in dropped)
+    if me not in group:
+        if metas.get(me) is None:
+            raise RoundFailed(f"the group left us out: {dropped.get(me, 'no metadata of ours came back')}")
+        # our start is not the group's: the members did not count us, and the caller's start-digest check re-syncs
+        # us (as after an all-gather round we started from other parameters)
+        return RoundResult([torch.zeros(s) for s in rnd.shapes], metas, 0, res.bytes_sent, res.bytes_received,
+                           res.allreduce_s, 0, dropped=dropped, phases=dict(matchmaking=started - called))
+    for peer, why in sorted(dropped.items()):
+        logger.warning("round %d: left %s out of the reduce-scatter: %s", round_index, peer, why)
+    out = exchange_shared(server, me, group, round_key(round_index), rnd.member, rnd.m,
+                          {p: metas[p].weight for p in group}, fetch_timeout_s, rule, norm_bound, rnd.feedback)
+    for peer, why in sorted(out.dropped.items()):
+        logger.warning("round %d: as reducer of our range, dropped %s: %s", round_index, peer, why)
+    n, cfg = rnd.m.numel(), rnd.cfg
+    contribution = values_bytes(out.positions, n, cfg) + sum(
+        proposal_bytes(*value_range(n, cfg.chunk, len(group), j), cfg, len(group)) for j in range(len(group)))
+    rnd.settle(contribution)
+    flat = torch.zeros(n)
+    flat[torch.from_numpy(out.positions)] = torch.from_numpy(out.applied)
+    tensors, offset = [], 0
+    for shape in rnd.shapes:
+        size = math.prod(shape)
+        tensors.append(flat[offset:offset + size].view(shape))
+        offset += size
+    return RoundResult(tensors, metas, contribution, out.sent_bytes + res.bytes_sent,
+                       out.received_bytes + res.bytes_received, res.allreduce_s + time.monotonic() - started,
+                       int(2 * (len(group) - 1) / max(len(group), 1) * 4 * n), dropped=dropped,
+                       download_deadline_s=fetch_timeout_s, link_bps=server.link.snapshot().bps,
+                       phases=dict(out.phases, matchmaking=started - called, gather=sum(out.phases.values())))

@@ -45,6 +45,20 @@ def test_outer_optimizer_defaults_follow_the_compression_and_explicit_values_win
         load_config(parse(["--sparse-topk", "64", "--sparse-chunk", "32"]), {})
 
 
+def test_shared_compression_takes_its_measured_outer_lr_and_refuses_what_it_cannot_run():
+    shared = load_config(parse(["--compression", "shared"]), {})
+    assert (shared.outer_lr, shared.outer_lr_final, shared.aggregation, shared.norm_bound) == \
+        (3.125, 5.625, "centered-clip", 2.0)
+    c = shared.shared_config()
+    assert (c.topk, c.bits, c.result_bits, c.selection.value) == (256, 2, 4, "union")
+    assert "codes=shared(chunk=4096,topk=256,bits=2,result_bits=4" in shared.swarm_settings()
+    for flags, message in ((["--overlap", "delayed"], "compression=shared runs synchronous DiLoCo rounds"),
+                           (["--shared-result-bits", "3"], "shared_result_bits must be"),
+                           (["--shared-topk", "8192"], "shared_topk=8192 must be <= sparse_chunk")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(parse(["--compression", "shared", *flags]), {})
+
+
 def test_scaffold_defaults_to_the_norm_bounded_mean_and_explicit_rules_win():
     # CenteredClip cost SCAFFOLD clean accuracy on label shards (docs/security.md); DiLoCo keeps it
     assert (load_config({}, {}).aggregation, load_config({}, {}).norm_bound) == ("centered-clip", 2.0)
