@@ -10,15 +10,16 @@ can be summed range by range:
    index set alone, Rice-coded as a contribution's indices (``encode_proposal``); reducer j serves the
    union of what it got (``encode_union``: one Rice-coded set over the range), and every member fetches
    every range's union. P is their concatenation, the same on every member. A proposal a reducer cannot
-   fetch or read is left out of its union (and reported); a union a member cannot fetch or read fails the
-   round for it, before anything leaves its error feedback.
+   fetch or read is left out of its union (and reported); a range whose union a member cannot fetch or
+   read is left out of its P (a reducer that left: every member misses it alike, so all still hold one P).
 2. **values** (key ``{key}/v{j}``): P's chunks are split into k fixed ranges (``chunk_ranges``); member
    j (sorted peer-id order) reduces range j, and fetches from every other member its values there
    (``pack_values`` at cfg.bits: the receiver holds P, so no index is sent).
 3. **results** (key ``{key}/r``): reducer j runs the robust rule on its range (``reduce``; norm bound and
    centered-clip on the range's norms, as BTARD's butterfly clipping), quantizes it at cfg.result_bits
    keeping what that drops (``ReducerFeedback``, DoubleSqueeze), and serves it; every member fetches
-   every other range's result and applies P's values.
+   every other range's result and applies P's values. A range whose result cannot be had gets no update,
+   and each member puts back in its buffer what it sent there (its reducer left mid-round).
 
 Upload per member and round, with V its values, R the result, I its proposal (topk / k indices per
 chunk) and U the union coded once (up to topk per chunk, about 6 bits per index at 256 of 4096): each
@@ -86,7 +87,8 @@ class RangeResults:
     used;
     ``sent_bytes`` / ``received_bytes``: payload bytes served (so far: members still fetching our result add
     to it, ``ContributionServer.served_bytes``) / fetched under the round's keys;
-    ``phases``: seconds per step (propose: proposals and unions, reduce, gather)."""
+    ``phases``: seconds per step (propose: proposals and unions, reduce, gather); ``missing``: reducer -> why its
+    range got no update (no union: left out of P; no result: our values there went back to our buffer)."""
 
     positions: np.ndarray
     applied: np.ndarray
@@ -95,6 +97,7 @@ class RangeResults:
     sent_bytes: int
     received_bytes: int
     phases: Dict[str, float] = field(default_factory=dict)
+    missing: Dict[str, str] = field(default_factory=dict)
 
 
 def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], key: str, member: SharedIndexMember,
@@ -107,8 +110,9 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     sent, or stays as it was if the round fails. ``weights``: every member's weight (from
     matchmaking). ``feedback``: our reducer's buffer (kept across rounds; None: the result's quantization
     error is dropped). ``timeout_s``: seconds for each of the four fetches. The server must keep at least
-    2k offers (``keep``). Raises RoundFailed when a union or a result could not be fetched or read,
-    ValueError for a group without us, a member without a weight, fewer chunks than members or a server
+    2k offers (``keep``). A range whose union or result could not be fetched or read gets no update
+    (``RangeResults.missing``; without a result, what we sent there goes back to our buffer). Raises RoundFailed
+    when no other member's range could be had, ValueError for a group without us, a member without a weight, fewer chunks than members or a server
     that keeps too few offers."""
     cfg: SharedIndexConfig = member.cfg
     group = sorted(set(group))
@@ -141,10 +145,8 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     union = np.unique(np.concatenate(proposals))
     server.offer(f"{key}/u", encode_union(union, lo, hi))
     most = [k * proposal_config(cfg, k).topk * -(-(b - a) // cfg.chunk) for a, b in ranges]  # k proposals' worth
-    got, failed = server.fetch({group[j]: (None, union_bytes_bound(*ranges[j], most[j])) for j in range(k)
-                                if j != rank}, f"{key}/u", timeout_s)
-    if failed:
-        raise RoundFailed("no union from " + "; ".join(f"{p[:16]}: {why}" for p, why in sorted(failed.items())))
+    got, missing = server.fetch({group[j]: (None, union_bytes_bound(*ranges[j], most[j])) for j in range(k)
+                                 if j != rank}, f"{key}/u", timeout_s)
     received += sum(map(len, got.values()))
     parts = []
     for j, (a, b) in enumerate(ranges):
@@ -152,9 +154,17 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
             parts.append(union)
             continue
         try:
+            if group[j] in missing:
+                raise ContributionError(missing[group[j]])
             parts.append(decode_union(got[group[j]], a, b, most[j]))
         except ContributionError as e:
-            raise RoundFailed(f"the union of {group[j][:16]} does not read: {e}") from e
+            # its range is left out of P: every member that misses it too applies the same update (a member
+            # that got it has another P, and the round's result digests tell them apart)
+            missing[group[j]] = f"no union: {e}"
+            logger.warning("round %s: no union from %s (%s): its range is left out of this round", key,
+                           group[j][:16], e)
+            parts.append(np.zeros(0, dtype=np.int64))
+            continue
         left_out = np.setdiff1d(mine[(mine >= a) & (mine < b)], parts[-1])
         if len(left_out):  # a reducer may pick its range's positions; it is told to take every proposal
             logger.warning("round %s: the union of %s leaves out %d of our proposed positions", key, group[j][:16],
@@ -164,15 +174,15 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     sent = member.contribute(m, positions)
     phases = dict(propose=time.monotonic() - t0)
     try:
-        return _reduce_and_gather(server, me, group, key, cfg, m, positions, sent, weights, timeout_s, rule,
-                                  norm_bound, feedback, received, phases, unproposed)
+        return _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, weights, timeout_s, rule,
+                                  norm_bound, feedback, received, phases, unproposed, missing)
     except BaseException:
         member.error = before  # a failed round changes nothing: the caller decides what becomes of m
         raise
 
 
-def _reduce_and_gather(server, me, group, key, cfg, m, positions, sent, weights, timeout_s, rule, norm_bound,
-                       feedback, received, phases, unproposed) -> RangeResults:
+def _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, weights, timeout_s, rule, norm_bound,
+                       feedback, received, phases, unproposed, missing) -> RangeResults:
     """Steps 2 and 3 of the module docstring, once P is known."""
     k, rank, n = len(group), group.index(me), m.numel()
     slices = range_slices(positions, n, cfg.chunk, k)
@@ -199,27 +209,34 @@ def _reduce_and_gather(server, me, group, key, cfg, m, positions, sent, weights,
     phases["reduce"] = time.monotonic() - t0
     t0 = time.monotonic()
     wanted = {group[j]: (None, values_bytes(positions[sl], n, cfg, cfg.result_bits))
-              for j, sl in enumerate(slices) if j != rank}
+              for j, sl in enumerate(slices) if j != rank and sl.stop > sl.start}  # (an empty range has no result)
     got, failed = server.fetch(wanted, f"{key}/r", timeout_s)
-    if failed:
-        raise RoundFailed("no result from " + "; ".join(f"{p[:16]}: {why}" for p, why in sorted(failed.items())))
     received += sum(map(len, got.values()))
-    applied = np.empty(len(positions), dtype=np.float32)
+    applied = np.zeros(len(positions), dtype=np.float32)
     applied[mine] = red.applied
     digests = {me: hashlib.sha256(red.payload).hexdigest()}
     for j, sl in enumerate(slices):
-        if j == rank:
+        if group[j] not in wanted:
             continue
-        payload = got[group[j]]
         try:
-            applied[sl] = unpack_values(payload, positions[sl], n, cfg.chunk, cfg.result_bits)
+            if group[j] in failed:
+                raise ContributionError(failed[group[j]])
+            applied[sl] = unpack_values(got[group[j]], positions[sl], n, cfg.chunk, cfg.result_bits)
         except ContributionError as e:
-            raise RoundFailed(f"the result of {group[j][:16]} does not read: {e}") from e
-        digests[group[j]] = hashlib.sha256(payload).hexdigest()
+            # its range gets no update; what we sent there goes back to our buffer, as if never sent
+            missing[group[j]] = f"no result: {e}"
+            logger.warning("round %s: no result from %s (%s): its range gets no update this round", key,
+                           group[j][:16], e)
+            member.restore(positions[sl], sent[sl])
+            continue
+        digests[group[j]] = hashlib.sha256(got[group[j]]).hexdigest()
+    if len(missing) == k - 1 and k > 1:
+        raise RoundFailed("no union or result from any other member: " +
+                          "; ".join(f"{p[:16]}: {why}" for p, why in sorted(missing.items())))
     phases["gather"] = time.monotonic() - t0
     keys = [f"{key}/u", f"{key}/r"] + [f"{key}/{x}{j}" for j in range(k) if j != rank for x in "pv"]
     return RangeResults(positions, applied, digests, dropped, sum(server.served_bytes(x) for x in keys), received,
-                        phases)
+                        phases, missing)
 
 
 def round_key(round_index: int) -> str:
@@ -246,7 +263,7 @@ def exchange_reduced(averager: PseudoGradientAverager, server: ContributionServe
     P); ``dropped``: the members the screen left out (the same on every member; what a reducer dropped of its
     range is logged). A member whose start the screen left out gets zeros and the group's metadata (its
     caller's start-digest check re-syncs it). Raises RoundCancelled / RoundFailed as ``run_phase`` does, and
-    RoundFailed when a union or result could not be had."""
+    RoundFailed when no other member's range could be had."""
     key = group_bits(round_index) + "0"
     gather = dict(meta.dict())
     if tamper_gather is not None:

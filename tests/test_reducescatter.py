@@ -1,7 +1,8 @@
 """Reduce-scatter rounds on a shared index set (peers/reducescatter.py) between real hivemind peers on
 loopback: every member gets the same result, the one the in-process rule computes; a member whose values
-do not read is dropped by its reducers with the reason; a member that never comes, or leaves after the
-unions, fails the round for the others and leaves their error feedback as it was; the upload is about
+do not read is dropped by its reducers with the reason; a reducer that never comes, or leaves after the
+unions, leaves its range without an update, alike on every other member (what they sent there back in their
+buffers), and a member left with no other range fails the round with its buffer as it was; the upload is about
 (k - 1) / k x (values + result + proposal + union)."""
 
 from __future__ import annotations
@@ -105,28 +106,48 @@ def test_every_member_gets_the_rules_result_and_a_bad_member_is_dropped_by_its_r
             assert np.abs(feedbacks[p].error).max() > 0
 
 
-def test_a_member_that_never_comes_or_leaves_before_the_values_fails_the_round_and_leaves_the_buffers_alone():
+def test_a_reducer_that_never_comes_or_leaves_before_its_result_leaves_its_range_without_an_update():
     with peers_on_loopback(3, "test_reducescatter_absent", keep=8) as peers:
         quitter, server, _ = peers[2]
-        out, members = _absent(peers, _ms(3, seed=1), "rs/2")
-        for p, r in out.items():  # its proposals are left out; the union of its range is what is missing
-            assert isinstance(r, RoundFailed) and "no union from" in str(r) and quitter[:16] in str(r), r
-            assert not members[p].error.any()  # P was never known: nothing was taken from it
+        rank = sorted(p for p, _, _ in peers).index(quitter)
+        ms = _ms(3, seed=1)
+        out, members = _absent(peers, ms, "rs/2")
+        (a, r_a), (b, r_b) = sorted(out.items())
+        for p, r in out.items():  # no union of its range: that range is left out of P, alike on both members
+            assert not isinstance(r, Exception), r
+            assert "no union" in r.missing[quitter], r.missing
+            sl = range_slices(r.positions, N, CFG.chunk, 3)[rank]
+            assert sl.stop == sl.start  # nothing of its range in P
+            assert members[p].error.any()  # the other ranges were sent
+        assert np.array_equal(r_a.positions, r_b.positions) and np.array_equal(r_a.applied, r_b.applied)
         ms = _ms(3, seed=2)
-        mine, rank = proposal_positions(ms[2], CFG, 3), sorted(p for p, _, _ in peers).index(quitter)
+        mine = proposal_positions(ms[2], CFG, 3)
         for j in {0, 1, 2} - {rank}:  # it proposes and serves a union of its range, then is gone
             server.offer(f"rs/3/p{j}", encode_proposal(mine, *value_range(N, 256, 3, j), CFG, 3))
         server.offer("rs/3/u", encode_union(mine, *value_range(N, 256, 3, rank)))
         out, members = _absent(peers, ms, "rs/3")
-        for p, r in out.items():
-            assert isinstance(r, RoundFailed) and "no result from" in str(r) and quitter[:16] in str(r), r
-            assert not members[p].error.any()  # as before the round: nothing was sent for good
+        (a, r_a), (b, r_b) = sorted(out.items())
+        assert np.array_equal(r_a.positions, r_b.positions) and np.array_equal(r_a.applied, r_b.applied)
+        for i, (p, r) in enumerate(sorted(out.items(), key=lambda kv: [q for q, _, _ in peers].index(kv[0]))):
+            assert "no result" in r.missing[quitter], r.missing
+            sl = range_slices(r.positions, N, CFG.chunk, 3)[rank]
+            assert sl.stop > sl.start and not r.applied[sl].any()  # in P, without an update
+            # what it sent there is back in its buffer: m itself (beta e + delta with e = 0)
+            there = torch.from_numpy(r.positions[sl])
+            assert torch.allclose(members[p].error[there], ms[i][there], atol=1e-6)
+        # both others gone: no range but ours, a failed round, the buffer as it was
+        alone = peers[:1]
+        out, members = _absent(alone, _ms(3, seed=3), "rs/4", group=[p for p, _, _ in peers])
+        r = next(iter(out.values()))
+        assert isinstance(r, RoundFailed) and "no union or result from any other member" in str(r), r
+        assert not next(iter(members.values())).error.any()
 
 
-def _absent(peers, ms, key):
-    """Two members run a round of three; the third runs no round (it may have offered something)."""
-    group = [p for p, _, _ in peers]
-    members = {p: SharedIndexMember(N, CFG) for p in group[:2]}
+def _absent(peers, ms, key, group=None):
+    """The first two of ``peers`` run a round of ``group`` (all of ``peers``); the others run no round (they may
+    have offered something)."""
+    group = group or [p for p, _, _ in peers]
+    members = {p: SharedIndexMember(N, CFG) for p, _, _ in peers[:2]}
     out = {}
 
     def one(i, p, server):
