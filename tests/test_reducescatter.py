@@ -143,6 +143,22 @@ def test_a_reducer_that_never_comes_or_leaves_before_its_result_leaves_its_range
         assert not next(iter(members.values())).error.any()
 
 
+def test_a_reducer_serving_different_results_to_different_members_shows_in_their_digests():
+    """Equivocation: the members' applied values and digests of its range differ, so the round's result digests
+    differ and the daemon's verdict rules (dilocox/consensus.py: majority, skip or re-sync) settle the round."""
+    victim = []
+    flip = lambda payload, requester, key: (  # noqa: E731
+        payload[:-1] + bytes([payload[-1] ^ 0x55]) if key.endswith("/r") and requester in victim else payload)
+    with peers_on_loopback(3, "test_reducescatter_equivocate", tampers=(flip,), keep=8) as peers:
+        victim.append(peers[1][0])
+        out, _ = _run(peers, _ms(3, seed=4), "rs/5")
+        liar, fooled, other = peers[0][0], peers[1][0], peers[2][0]
+        assert all(not isinstance(r, Exception) for r in out.values()), out
+        assert out[fooled].digests[liar] != out[other].digests[liar] == out[liar].digests[liar]
+        assert not np.array_equal(out[fooled].applied, out[other].applied)
+        assert np.array_equal(out[other].applied, out[liar].applied)
+
+
 def _absent(peers, ms, key, group=None):
     """The first two of ``peers`` run a round of ``group`` (all of ``peers``); the others run no round (they may
     have offered something)."""
