@@ -211,10 +211,21 @@ DEFAULT = "sparse-k128r-a2.5-4.5-b0.9-cc"
 def daemon_flags(m: Method) -> list[str]:
     """dilocox-node flags that configure a node like method ``m``; ValueError for an ablation the daemon
     does not offer (no error feedback, dense embeddings, warm-up, power iterations, refresh, start proxies)."""
-    if (not m.error_feedback or m.dense_embeddings or m.resparsify or m.shared or m.warmup_rounds
-            or m.power_iterations != 1 or m.refresh_every or m.proxy != "none" or m.tau is not None
-            or m.merge != "rebase"):
+    # the daemon's shared rounds (--compression shared) are the union with the reducer's feedback (-rf rows)
+    daemon_shared = m.shared is not None and m.shared.selection.value == "union" and m.reducer_feedback \
+        and not m.reducer_proposes
+    if (not m.error_feedback or m.dense_embeddings or m.resparsify or (m.shared and not daemon_shared)
+            or m.warmup_rounds or m.power_iterations != 1 or m.refresh_every or m.proxy != "none"
+            or m.tau is not None or m.merge != "rebase"):
         raise ValueError(f"{m.name} is an ablation of the benchmark only")
+    if daemon_shared:
+        c = m.shared
+        return ["--compression", "shared", "--overlap", m.overlap, "--outer-lr", str(m.outer_lr),
+                "--outer-lr-final", str(m.outer_lr_final or m.outer_lr), "--outer-momentum", str(m.outer_momentum),
+                "--nesterov" if m.nesterov else "--no-nesterov", "--sparse-chunk", str(c.chunk),
+                "--shared-topk", str(c.topk), "--sparse-bits", str(c.bits), "--shared-result-bits",
+                str(c.result_bits), "--sparse-beta", str(c.beta), "--aggregation", m.aggregation,
+                "--norm-bound", str(m.norm_bound)]
     flags = ["--compression", m.codec, "--overlap", m.overlap,
              "--outer-lr", str(m.outer_lr), "--outer-lr-final", str(m.outer_lr_final or m.outer_lr),
              "--outer-momentum", str(m.outer_momentum),

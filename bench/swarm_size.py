@@ -256,13 +256,18 @@ def slopes(results: list[dict]) -> dict:
 
 
 def default_payload_bytes(workload: str) -> int:
-    """The default codec's payload (``--compression sparse``: top-128 of 4096, 2-bit, Rice) for the workload's
-    parameters: one denominator for every compression, since a shared round's own payload (its values on P and
-    its proposal) is about half of it."""
-    from dilocox.sparse import SparseConfig, payload_bytes
+    """The default codec's payload (the daemon's ``--compression sparse`` defaults: top-128 of 4096, 2-bit, Rice)
+    for the workload's parameters, as encoded: one denominator for every compression, since a shared round's
+    own payload (its values on P and its proposal) is about three quarters of it."""
+    import torch
+    from dilocox.daemon.config import NodeConfig
+
+    from dilocox.sparse import SparseCodec
     from dilocox.synthetic import parse_spec, shapes_for
 
-    return payload_bytes(shapes_for(parse_spec(workload)[0]), SparseConfig(rice=True))
+    shapes = shapes_for(parse_spec(workload)[0])
+    codec = SparseCodec(shapes, NodeConfig().sparse_config())
+    return len(codec.encode([torch.randn(s, generator=torch.Generator().manual_seed(0)) for s in shapes]))
 
 
 def table(results: list[dict], a) -> str:

@@ -48,7 +48,7 @@ def test_outer_optimizer_defaults_follow_the_compression_and_explicit_values_win
 def test_shared_compression_takes_its_measured_outer_lr_and_refuses_what_it_cannot_run():
     shared = load_config(parse(["--compression", "shared"]), {})
     assert (shared.outer_lr, shared.outer_lr_final, shared.aggregation, shared.norm_bound) == \
-        (3.125, 5.625, "centered-clip", 2.0)
+        (3.1, 5.6, "centered-clip", 2.0)
     c = shared.shared_config()
     assert (c.topk, c.bits, c.result_bits, c.selection.value) == (256, 2, 4, "union")
     assert "codes=shared(chunk=4096,topk=256,bits=2,result_bits=4" in shared.swarm_settings()

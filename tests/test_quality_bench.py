@@ -3,6 +3,8 @@ sizes, and give the same curve for the same seed (identical data order and init)
 
 from __future__ import annotations
 
+import pytest
+
 from bench.quality import METHODS, run
 
 SMALL = dict(replicas=2, inner_steps=3, outer_steps=3, model="tiny", eval_every=1, eval_batches=2,
@@ -40,6 +42,23 @@ def test_the_default_row_is_the_daemons_default_configuration():
     add_flags(parser)
     explicit = load_config(vars(parser.parse_args(daemon_flags(METHODS[DEFAULT]))), environ={})
     assert explicit == load_config({}, environ={})
+
+
+def test_the_measured_shared_row_is_the_daemons_shared_configuration():
+    """--compression shared's defaults are the union row measured with the reducer's feedback at 8 replicas
+    (shared-union-k256-r4-a3.1-5.6-rf), so bench.quality_swarm can confirm it on real nodes."""
+    import argparse
+
+    from dilocox.daemon.config import add_flags, load_config
+
+    from bench.quality import daemon_flags
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    explicit = load_config(vars(parser.parse_args(daemon_flags(METHODS["shared-union-k256-r4-a3.1-5.6-rf"]))), {})
+    assert explicit == load_config({"compression": "shared"}, environ={})
+    with pytest.raises(ValueError, match="ablation of the benchmark only"):
+        daemon_flags(METHODS["shared-union-k256-r4-a3.1-5.6-rfp"])
 
 
 def test_a_resparsified_aggregate_trains_and_its_upload_does_not_grow_with_the_group():

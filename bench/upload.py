@@ -1,0 +1,136 @@
+"""``make bench-upload``: a node's upload per round on its network interface, all-gather against reduce-scatter,
+on an EMULATED workload.
+
+k hosts in network namespaces (bench/netsim.py) joined at ``--rate`` Mbit/s each way run real ``dilocox-node``
+processes on ``--workload synthetic:PARAMS:STEP_S`` (sleep-based compute: true payload sizes, no quality) for
+``--outer-steps`` rounds, started together, once per scheme:
+
+- ``sparse``: the default, each member's contribution all-gathered ((k - 1) payloads up per member);
+- ``shared``: ``--compression shared``, one index set per round and the values reduce-scattered on it
+  (peers/reducescatter.py).
+
+Reported per k and scheme: the bytes each host's interface sent per node and round (everything: libp2p framing,
+the DHT, matchmaking, the first round's start-up), in units of the default codec's payload for the workload (the
+same denominator for both schemes; a shared member's own payload, its values on P and its proposal, is about
+half of it), beside the transport's own count (``bytes_sent`` in metrics.jsonl, median over node-rounds after
+the first) and whether every node ended with one theta.
+
+    python -m bench.upload --nodes 8 16 --outer-steps 5
+
+Results: runs/bench/upload.{json,png} and a printed table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.compare import run_swarm
+from bench.localswarm import REPO
+from bench.netsim import NetSim
+from bench.swarm_size import default_payload_bytes
+
+SCHEMES = {"sparse": ["--compression", "sparse"], "shared": ["--compression", "shared"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    p.add_argument("--workload", default="synthetic:4M:0.25")
+    p.add_argument("--rate", type=float, default=1000.0, help="Mbit/s each way per host")
+    p.add_argument("--inner-steps", type=int, default=20)
+    p.add_argument("--outer-steps", type=int, default=5)
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
+    a = p.parse_args(argv)
+    a.inner_lr = "1e-3"
+    ok, why = NetSim.available()
+    if not ok:
+        print(f"make bench-upload needs network namespaces: {why}", file=sys.stderr)
+        return 2
+    payload = default_payload_bytes(a.workload)
+    rows = []
+    for k in a.nodes:
+        with NetSim(k, a.rate, prefix="dlxu") as net:
+            for scheme in a.schemes:
+                began = time.monotonic()
+                res = run_swarm(net, a, f"upload_{k}_{scheme}", SCHEMES[scheme], a.out / "upload" / f"k{k}", k,
+                                a.workload)
+                transport = _transport_sent(a.out / "upload" / f"k{k}" / f"upload_{k}_{scheme}")
+                rows.append(dict(nodes=k, scheme=scheme, workload=a.workload, rate_mbit=a.rate,
+                                 default_payload_bytes=payload, tx_bytes_per_node_round=res["tx_bytes_per_node_round"],
+                                 rx_bytes_per_node_round=res["rx_bytes_per_node_round"],
+                                 transport_sent_bytes=transport, round_s=res["round_s"],
+                                 group_sizes=res["group_sizes"], outcomes=res["outcomes"],
+                                 digests_agree=res["digests_agree"], bench_s=time.monotonic() - began))
+                print(_line(rows[-1]), flush=True)
+                _write(rows, a)
+    print(table(rows))
+    return 0
+
+
+def _transport_sent(folder: Path) -> float:
+    """The median ``bytes_sent`` of the nodes' rounds after their first (metrics.jsonl under ``folder``)."""
+    sent = []
+    for f in folder.glob("h*/**/metrics.jsonl"):
+        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        sent += [r["bytes_sent"] for r in rows[1:]]
+    return statistics.median(sent) if sent else float("nan")
+
+
+def _line(r: dict) -> str:
+    p = r["default_payload_bytes"]
+    return (f"k={r['nodes']:>3} {r['scheme']:>6}: tx {r['tx_bytes_per_node_round'] / 1e6:.2f} MB/node/round "
+            f"({r['tx_bytes_per_node_round'] / p:.2f}x the default payload), transport "
+            f"{r['transport_sent_bytes'] / p:.2f}x, round {r['round_s']:.1f}s, groups {r['group_sizes']}, "
+            f"digests agree {r['digests_agree']}")
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"EMULATED workload ({rows[0]['workload'] if rows else ''}); hosts in network namespaces at "
+             f"{rows[0]['rate_mbit'] if rows else 0:g} Mbit/s; x = per node and round / the default codec's payload "
+             f"({rows[0]['default_payload_bytes'] if rows else 0} bytes).", "",
+             "| k | scheme | interface tx / round | x payload | transport sent (x payload) | round s | groups "
+             "| one theta |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["default_payload_bytes"]
+        groups = ", ".join(f"{g}" for g in sorted(set(r["group_sizes"])))
+        lines.append(f"| {r['nodes']} | {r['scheme']} | {r['tx_bytes_per_node_round'] / 1e6:.3f} MB | "
+                     f"{r['tx_bytes_per_node_round'] / p:.2f} | {r['transport_sent_bytes'] / p:.2f} | "
+                     f"{r['round_s']:.1f} | {groups} | {r['digests_agree']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write(rows: list[dict], a) -> None:
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "upload.json").write_text(json.dumps(dict(rows=rows, emulated=True,
+                                                       args={k: str(v) for k, v in vars(a).items()}), indent=1))
+    (a.out / "upload.md").write_text(table(rows))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for scheme, style in (("sparse", "o-"), ("shared", "s-")):
+        sel = sorted((r for r in rows if r["scheme"] == scheme), key=lambda r: r["nodes"])
+        if sel:
+            ax.plot([r["nodes"] for r in sel], [r["tx_bytes_per_node_round"] / r["default_payload_bytes"] for r in sel],
+                    style, label=f"{scheme}: interface tx")
+    ax.axhline(3, ls="--", c="gray", label="3 x payload (issue 29's target)")
+    ax.set(xlabel="nodes (one group)", ylabel="upload per node and round / payload",
+           title="Upload on the interfaces, EMULATED workload")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(a.out / "upload.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
