@@ -111,9 +111,9 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     matchmaking). ``feedback``: our reducer's buffer (kept across rounds; None: the result's quantization
     error is dropped). ``timeout_s``: seconds for each of the four fetches. The server must keep at least
     2k offers (``keep``). A range whose union or result could not be fetched or read gets no update
-    (``RangeResults.missing``; without a result, what we sent there goes back to our buffer). Raises RoundFailed
-    when no other member's range could be had, ValueError for a group without us, a member without a weight, fewer chunks than members or a server
-    that keeps too few offers."""
+    (``RangeResults.missing``; without a result, what we sent there goes back to our buffer). Raises
+    RoundFailed when no other member's range could be had, ValueError for a group without us, a member
+    without a weight, fewer chunks than members or a server that keeps too few offers."""
     cfg: SharedIndexConfig = member.cfg
     group = sorted(set(group))
     if me not in group:
@@ -315,4 +315,15 @@ def exchange_reduced(averager: PseudoGradientAverager, server: ContributionServe
                        out.received_bytes + res.bytes_received, res.allreduce_s + time.monotonic() - started,
                        int(2 * (len(group) - 1) / max(len(group), 1) * 4 * n), dropped=dropped,
                        download_deadline_s=fetch_timeout_s, link_bps=server.link.snapshot().bps,
+                       inputs=_inputs(metas, group),
                        phases=dict(out.phases, matchmaking=started - called, gather=sum(out.phases.values())))
+
+
+def _inputs(metas: Mapping[str, RoundGather], group: Sequence[str]) -> Dict[str, str]:
+    """The round's contributors as membership records list them (``RoundResult.inputs``): peer_id -> a digest of
+    its gathered start and weight, the same on every member of the group (no member holds another's whole
+    contribution here). What counts a group's contributions when a split round's groups unite
+    (daemon/majority.py): without it each member counted the holders of a result it had seen so far, and the
+    groups of one round united with different weights (five thetas at outer step 2 of a 32-node run)."""
+    return {p: hashlib.sha256(f"{metas[p].start_digest}/{metas[p].weight!r}".encode()).hexdigest()[:16]
+            for p in group}

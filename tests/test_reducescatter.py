@@ -12,8 +12,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from dilocox.peers.averaging import RoundFailed
-from dilocox.peers.reducescatter import exchange_shared
+from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather
+from dilocox.peers.reducescatter import exchange_reduced, exchange_shared
 
 from dilocox.shared_index import (
     ReducerFeedback,
@@ -30,6 +30,7 @@ from dilocox.shared_index import (
     value_range,
     values_bytes,
 )
+from dilocox.shared_round import SharedCompressor
 from tests.helpers import peers_on_loopback
 
 CFG = SharedIndexConfig(chunk=256, topk=32, bits=2, result_bits=4, selection="union")
@@ -157,6 +158,55 @@ def test_a_reducer_serving_different_results_to_different_members_shows_in_their
         assert out[fooled].digests[liar] != out[other].digests[liar] == out[liar].digests[liar]
         assert not np.array_equal(out[fooled].applied, out[other].applied)
         assert np.array_equal(out[other].applied, out[liar].applied)
+
+
+class _Gathered:
+    """Stands in for the averager's matchmaking and metadata all-gather (tested with real peers in
+    tests/test_partial_allreduce.py): every member gets the same gathered metadata."""
+
+    def __init__(self, gathered):
+        self.gathered = gathered
+
+    def run_phase(self, bits, codes, gather, weight, deadline_s, cancel, abandon=None, **kwargs):
+        return PhaseResult(codes, dict(self.gathered), 0.1, 0, 0)
+
+
+def test_the_daemons_round_screens_the_group_and_lists_its_contributors_alike_on_every_member():
+    """exchange_reduced (--compression shared): a member that started from other parameters is left out by
+    every member alike; the others get one mean, bit for bit, as tensors of the model's shapes, and list the
+    same contributors (what weighs their group when a split round's groups unite, daemon/majority.py)."""
+    shapes = [(40, 100), (1000,)]  # 5000 values
+    with peers_on_loopback(3, "test_reducescatter_daemon", keep=16) as peers:
+        ids = [p for p, _, _ in peers]
+        meta = RoundGather(outer_step=4, start_digest="d0", weight=20.0)
+        gathered = {p: meta.dict() for p in ids}
+        gathered["stale"] = RoundGather(outer_step=4, start_digest="other", weight=20.0).dict()
+        out = {}
+
+        def one(i, p, server):
+            g = torch.Generator().manual_seed(i)
+            rnd = SharedCompressor(shapes, CFG).begin([torch.randn(s, generator=g) for s in shapes])
+            try:
+                out[p] = (exchange_reduced(_Gathered(gathered), server, p, rnd, 5, meta, 20.0, 10.0, 10.0,
+                                           threading.Event()), rnd)
+            except Exception as e:  # noqa: BLE001 (the test reads it)
+                out[p] = (e, rnd)
+
+        threads = [threading.Thread(target=one, args=(i, p, s)) for i, (p, s, _) in enumerate(peers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        results = [out[p][0] for p in ids]
+        assert all(not isinstance(r, Exception) for r in results), results
+        first = results[0]
+        assert [tuple(t.shape) for t in first.tensors] == shapes
+        for r in results:
+            assert all(torch.equal(a, b) for a, b in zip(r.tensors, first.tensors))
+            assert "started from other parameters" in r.dropped["stale"]
+            assert r.inputs == first.inputs and set(r.inputs) == set(ids)
+        assert any(t.abs().sum() > 0 for t in first.tensors)
+        assert all(0 < out[p][1].stats.relative_error < 1 for p in ids)  # the round's figures were settled
 
 
 def _absent(peers, ms, key, group=None):
