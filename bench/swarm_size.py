@@ -310,8 +310,9 @@ def plot(results: list[dict], path: Path, a) -> None:
     ax[1].legend()
     ax[2].plot(ns, [r["sent_bytes"] / 1e6 for r in results], "o-", label="sent")
     ax[2].plot(ns, [r["received_bytes"] / 1e6 for r in results], "s-", label="received")
-    ax[2].plot(ns, [3 * r["payload_bytes"] / 1e6 for r in results], "--", c="gray", label="3 x payload")
-    ax[2].set(title="bytes per node and round (median)", xlabel="nodes", ylabel="MB")
+    ax[2].plot(ns, [3 * r["payload_bytes"] / 1e6 for r in results], "--", c="gray", label="3 x own payload")
+    ax[2].axhline(3 * default_payload_bytes(a.workload) / 1e6, ls=":", c="k", label="3 x default payload")
+    ax[2].set(title="bytes per node and round (median)", xlabel="nodes", ylabel="MB", ylim=(0, None))
     ax[2].legend()
     for x in ax:
         x.set_xscale("log", base=2)
