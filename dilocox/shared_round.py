@@ -27,6 +27,7 @@ import torch
 
 from dilocox.compression import RoundStats
 from dilocox.shared_index import ReducerFeedback, SharedIndexConfig, SharedIndexMember
+from dilocox.sparse import LocalState
 
 
 class SharedRound:
@@ -62,11 +63,11 @@ class SharedRound:
         return 0
 
 
-class SharedCompressor:
+class SharedCompressor(LocalState):
     """Shared-index compression's state (module docstring): n = the model's values, ``cfg`` the index set's
     chunk, top-k, bits, result bits and decay."""
 
-    rank = 0
+    name = "shared"
 
     def __init__(self, shapes: Sequence[Sequence[int]], cfg: SharedIndexConfig = SharedIndexConfig()):
         self.cfg, self.shapes = cfg, [tuple(s) for s in shapes]
@@ -98,18 +99,8 @@ class SharedCompressor:
         return hashlib.sha256(f"shared/{c.chunk}/{c.topk}/{c.bits}/{c.result_bits}/{c.beta}/{c.selection.value}"
                               .encode()).hexdigest()[:8]
 
-    def shared_tensors(self) -> list[torch.Tensor]:
-        return []
-
-    def shared_digest(self, rank: int, tensors: Sequence[torch.Tensor]) -> str:
-        """Digest of a downloaded shared state, which must be empty; raises ValueError otherwise."""
-        if rank != 0 or len(tensors):
-            raise ValueError(f"shared compression has no shared state; got rank {rank} and {len(tensors)} tensors")
-        return self.digest()
-
-    def load_shared(self, rank: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Adopt a peer's (empty) shared state: our buffers belonged to another trajectory."""
-        self.shared_digest(rank, tensors)
+    def reset(self) -> None:
+        """Our buffers belonged to another trajectory (LocalState.load_shared)."""
         self.member.error = torch.zeros_like(self.member.error)
         self.feedback.error = np.zeros_like(self.feedback.error)
 

@@ -925,14 +925,42 @@ class SparseRound:
         return 0
 
 
-class SparseCompressor:
+class LocalState:
+    """The shared-state surface of dilocox.compression.Compressor for compressors whose buffers are all local (no
+    state is shared between replicas but the config, which ``digest`` covers): nothing to serve a joiner, and a
+    downloaded state, which must be empty, resets our buffers (``reset``)."""
+
+    name = "sparse"
+    rank = 0
+
+    def digest(self) -> str:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def shared_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def shared_digest(self, rank: int, tensors: Sequence[torch.Tensor]) -> str:
+        """Digest of a downloaded shared state, which must be empty; raises ValueError otherwise."""
+        if rank != 0 or len(tensors):
+            raise ValueError(f"{self.name} compression has no shared state; got rank {rank} and {len(tensors)} "
+                             f"tensors")
+        return self.digest()
+
+    def load_shared(self, rank: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Adopt a peer's (empty) shared state: our buffers belonged to another trajectory."""
+        self.shared_digest(rank, tensors)
+        self.reset()
+
+
+class SparseCompressor(LocalState):
     """The daemon's sparse pseudo-gradient compression (``--compression sparse``): a SparseCodec with
     the state surface of dilocox.compression.Compressor (shared state, digest, checkpoint).
 
     Nothing is shared between replicas but the config: the error feedback is local, so a round's
     start digest covers only the config, and joiners download no compression tensors."""
-
-    rank = 0
 
     def __init__(self, shapes: Sequence[Sequence[int]], cfg: SparseConfig = SparseConfig()):
         self.codec = SparseCodec(shapes, cfg)
@@ -956,18 +984,8 @@ class SparseCompressor:
         c = self.cfg
         return hashlib.sha256(f"sparse/{c.chunk}/{c.topk}/{c.bits}/{c.beta}".encode()).hexdigest()[:8]
 
-    def shared_tensors(self) -> list[torch.Tensor]:
-        return []
-
-    def shared_digest(self, rank: int, tensors: Sequence[torch.Tensor]) -> str:
-        """Digest of a downloaded shared state, which must be empty; raises ValueError otherwise."""
-        if rank != 0 or len(tensors):
-            raise ValueError(f"sparse compression has no shared state; got rank {rank} and {len(tensors)} tensors")
-        return self.digest()
-
-    def load_shared(self, rank: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Adopt a peer's (empty) shared state: our buffers belonged to another trajectory."""
-        self.shared_digest(rank, tensors)
+    def reset(self) -> None:
+        """Our buffers belonged to another trajectory (LocalState.load_shared)."""
         self.codec.reset()
 
     def state_dict(self) -> dict:
