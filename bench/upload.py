@@ -91,17 +91,16 @@ def _line(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"EMULATED workload ({rows[0]['workload'] if rows else ''}); hosts in network namespaces at "
-             f"{rows[0]['rate_mbit'] if rows else 0:g} Mbit/s; x = per node and round / the default codec's payload "
-             f"({rows[0]['default_payload_bytes'] if rows else 0} bytes).", "",
-             "| k | scheme | interface tx / round | x payload | transport sent (x payload) | round s | groups "
-             "| one theta |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["EMULATED workload (sleep-based compute, true payload sizes); hosts in network namespaces; x = per node "
+             "and round / the default codec's payload for the workload's values.", "",
+             "| k | values | scheme | interface tx / round | x payload | transport sent (x payload) | round s | groups "
+             "| one theta |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r["default_payload_bytes"]
         groups = ", ".join(f"{g}" for g in sorted(set(r["group_sizes"])))
-        lines.append(f"| {r['nodes']} | {r['scheme']} | {r['tx_bytes_per_node_round'] / 1e6:.3f} MB | "
-                     f"{r['tx_bytes_per_node_round'] / p:.2f} | {r['transport_sent_bytes'] / p:.2f} | "
-                     f"{r['round_s']:.1f} | {groups} | {r['digests_agree']} |")
+        lines.append(f"| {r['nodes']} | {r['workload'].split(':')[1]} | {r['scheme']} | "
+                     f"{r['tx_bytes_per_node_round'] / 1e6:.3f} MB | {r['tx_bytes_per_node_round'] / p:.2f} | "
+                     f"{r['transport_sent_bytes'] / p:.2f} | {r['round_s']:.1f} | {groups} | {r['digests_agree']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -110,25 +109,33 @@ def _write(rows: list[dict], a) -> None:
     (a.out / "upload.json").write_text(json.dumps(dict(rows=rows, emulated=True,
                                                        args={k: str(v) for k, v in vars(a).items()}), indent=1))
     (a.out / "upload.md").write_text(table(rows))
+    plot(rows, a.out / "upload.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Interface tx per node and round / the default payload against k, a line per scheme and workload."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for scheme, style in (("sparse", "o-"), ("shared", "s-")):
-        sel = sorted((r for r in rows if r["scheme"] == scheme), key=lambda r: r["nodes"])
-        if sel:
-            ax.plot([r["nodes"] for r in sel], [r["tx_bytes_per_node_round"] / r["default_payload_bytes"] for r in sel],
-                    style, label=f"{scheme}: interface tx")
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for n, (workload, scheme) in enumerate(dict.fromkeys((r["workload"], r["scheme"]) for r in rows)):
+        sel = sorted((r for r in rows if (r["workload"], r["scheme"]) == (workload, scheme)), key=lambda r: r["nodes"])
+        ks = [r["nodes"] for r in sel]
+        style = "o-" if scheme == "sparse" else "s-"
+        ax.plot(ks, [r["tx_bytes_per_node_round"] / r["default_payload_bytes"] for r in sel], style, c=f"C{n}",
+                label=f"{scheme}, {workload.split(':')[1]} values: interface")
+        ax.plot(ks, [r["transport_sent_bytes"] / r["default_payload_bytes"] for r in sel], style[0] + ":",
+                c=f"C{n}", alpha=0.5, label=f"{scheme}, {workload.split(':')[1]} values: transport")
     ax.axhline(3, ls="--", c="gray", label="3 x payload (issue 29's target)")
-    ax.set(xlabel="nodes (one group)", ylabel="upload per node and round / payload",
-           title="Upload on the interfaces, EMULATED workload")
+    ax.set(xlabel="nodes (one group)", ylabel="sent per node and round / default payload",
+           title="Upload, EMULATED workload, hosts in network namespaces")
     ax.set_xscale("log", base=2)
-    ax.legend()
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(a.out / "upload.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
