@@ -435,8 +435,9 @@ class NodeConfig(BaseModel):
         if self.revocations is not None and self.authority is None:
             raise ValueError("revocations need an authority")
         if (self.aggregation != "mean" or self.norm_bound) and not self.gathers:
-            raise ValueError(f"aggregation={self.aggregation} / norm_bound={self.norm_bound} need compression=sparse or "
-                             f"shared: a butterfly all-reduce sums parts on reducers, which a robust rule cannot trust")
+            raise ValueError(f"aggregation={self.aggregation} / norm_bound={self.norm_bound} need compression=sparse "
+                             f"or shared: a butterfly all-reduce sums parts on reducers, which a robust rule cannot "
+                             f"trust")
         if self.scaffold_reset_quiet and (self.outer_algorithm != "scaffold" or not self.norm_bound):
             raise ValueError("scaffold_reset_quiet needs outer_algorithm=scaffold and a norm bound (compression="
                              "sparse, norm_bound > 0): a round is outsized when the bound scales a contribution")
