@@ -89,7 +89,7 @@ def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path, nodes: 
               "--run-id", name.replace("_", "-"), *extra]
     before = [(tx_bytes(net, i), rx_bytes(net, i)) for i in range(nodes)]
     procs = []
-    memory = PeakMemory()
+    memory, links = PeakMemory(), LinkSampler(net)
     try:
         for i in range(nodes):
             a = common + ["--listen", f"/ip4/{net.address(i)}/tcp/0", "--data-seed", str(i)]
@@ -100,6 +100,7 @@ def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path, nodes: 
         codes = [n.proc.wait(args.outer_steps * 600) for n in procs]
     finally:
         memory.stop()
+        links.stop()
         for n in procs:
             n.terminate()
     if codes != [0] * nodes:
@@ -121,6 +122,7 @@ def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path, nodes: 
                                                                   or n.metrics())) for n in procs],
                 bytes_per_token=sent / all_tokens,
                 tx_bytes_per_node_round=sent / nodes / len(rows), rx_bytes_per_node_round=received / nodes / len(rows),
+                steady_tx_bytes_per_node_round=links.steady_per_round([n.metrics() for n in procs]),
                 round_s=span / len(steady), compute_s=statistics.median(r["compute_s"] for r in steady),
                 val_loss=rows[-1]["val_loss"], ranks=[r["rank"] for r in rows],
                 compression_ratio=statistics.median(r["compression_ratio"] for r in rows[1:] or rows),
@@ -128,6 +130,54 @@ def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path, nodes: 
                 outcomes=[r["outcome"] for r in rows], group_sizes=[r["group_size"] for r in rows],
                 digests_agree=all(len({r["digest"] for r in step}) == 1 for step in zip(*(n.metrics() for n in procs))),
                 val_losses=[r["val_loss"] for r in rows], phases=phases, peak_memory_bytes=memory.peaks())
+
+
+class LinkSampler:
+    """Samples every host's interface tx counter (``NetSim.sent_bytes``) every 0.5 s on a thread, so the bytes
+    of steady rounds can be told from start-up's (the DHT join, the wait for the other replicas)."""
+
+    def __init__(self, net: NetSim):
+        self._net, self._samples, self._stop = net, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._samples.append((time.time(), self._net.sent_bytes()))
+            except Exception:  # the namespaces are going away
+                return
+            if self._stop.wait(0.5):
+                return
+
+    def steady_per_round(self, metrics: list[list[dict]]) -> float:
+        """``steady_bytes_per_round`` of the samples taken so far."""
+        return steady_bytes_per_round(list(self._samples), metrics)
+
+
+def sent_at(samples: list[tuple[float, dict[int, int]]], host: int, t: float) -> float:
+    """Host ``host``'s tx counter at wall time ``t`` (seconds since the epoch), linearly interpolated between
+    ``samples`` ((time, host -> bytes), in time order). Raises ValueError outside them."""
+    pts = [(ts, sent[host]) for ts, sent in samples if host in sent]
+    if not pts or not pts[0][0] <= t <= pts[-1][0]:
+        raise ValueError(f"no samples around t={t:.1f} for host {host}")
+    for (t0, b0), (t1, b1) in zip(pts, pts[1:]):
+        if t0 <= t <= t1:
+            return b0 + (b1 - b0) * (t - t0) / max(t1 - t0, 1e-9)
+    return pts[-1][1]
+
+
+def steady_bytes_per_round(samples: list[tuple[float, dict[int, int]]], metrics: list[list[dict]]) -> float:
+    """Bytes each host sent per round from the end of its first round to the end of its last (``metrics``: each
+    host's metrics.jsonl rows, in host order; their ``time`` is a round's end), averaged over hosts; NaN if no
+    host ran 2 rounds."""
+    per_host = [(sent_at(samples, host, rows[-1]["time"]) - sent_at(samples, host, rows[0]["time"])) / (len(rows) - 1)
+                for host, rows in enumerate(metrics) if len(rows) >= 2]
+    return statistics.fmean(per_host) if per_host else float("nan")
 
 
 class PeakMemory:

@@ -40,6 +40,7 @@ Everything is deleted on ``close`` (also on exceptions, via the context manager)
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -287,6 +288,13 @@ class NetSim:
         proc = subprocess.Popen(["ip", "netns", "exec", self.hosts[i], *argv], start_new_session=True, **kwargs)
         self._procs.append(proc)
         return proc
+
+    def sent_bytes(self) -> dict[int, int]:
+        """host -> bytes its interface has sent, for every host on the bridge (not behind a NAT router), in one
+        read: the bridge-side end of a host's veth pair receives exactly what the host's end sends."""
+        links = json.loads(_ip("-n", self.bridge_ns, "-s", "-j", "link", "show").stdout)
+        by_name = {link["ifname"]: link["stats64"]["rx"]["bytes"] for link in links}
+        return {i: by_name[f"dlxb{i}"] for i in range(len(self.hosts)) if f"dlxb{i}" in by_name}
 
     def run(self, i: int, argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", "netns", "exec", self.hosts[i], *argv], capture_output=True, text=True,

@@ -10,7 +10,9 @@ processes on ``--workload synthetic:PARAMS:STEP_S`` (sleep-based compute: true p
   (peers/reducescatter.py).
 
 Reported per k and scheme: the bytes each host's interface sent per node and round (everything: libp2p framing,
-the DHT, matchmaking, the first round's start-up), in units of the default codec's payload for the workload (the
+the DHT, matchmaking), in steady rounds (from the end of a node's first round to the end of its last, from tx
+counters sampled every 0.5 s) and over the whole run (start-up included: the DHT join and the wait for all
+replicas, some seconds of membership reads), in units of the default codec's payload for the workload (the
 same denominator for both schemes; a shared member's own payload, its values on P and its proposal, is about
 half of it), beside the transport's own count (``bytes_sent`` in metrics.jsonl, median over node-rounds after
 the first) and whether every node ended with one theta.
@@ -63,6 +65,7 @@ def main(argv=None) -> int:
                 transport = _transport_sent(a.out / "upload" / f"k{k}" / f"upload_{k}_{scheme}")
                 rows.append(dict(nodes=k, scheme=scheme, workload=a.workload, rate_mbit=a.rate,
                                  default_payload_bytes=payload, tx_bytes_per_node_round=res["tx_bytes_per_node_round"],
+                                 steady_tx_bytes_per_node_round=res["steady_tx_bytes_per_node_round"],
                                  rx_bytes_per_node_round=res["rx_bytes_per_node_round"],
                                  transport_sent_bytes=transport, round_s=res["round_s"],
                                  group_sizes=res["group_sizes"], outcomes=res["outcomes"],
@@ -84,8 +87,9 @@ def _transport_sent(folder: Path) -> float:
 
 def _line(r: dict) -> str:
     p = r["default_payload_bytes"]
-    return (f"k={r['nodes']:>3} {r['scheme']:>6}: tx {r['tx_bytes_per_node_round'] / 1e6:.2f} MB/node/round "
-            f"({r['tx_bytes_per_node_round'] / p:.2f}x the default payload), transport "
+    return (f"k={r['nodes']:>3} {r['scheme']:>6}: tx {r['steady_tx_bytes_per_node_round'] / 1e6:.2f} MB/node/round "
+            f"in steady rounds ({r['steady_tx_bytes_per_node_round'] / p:.2f}x the default payload; "
+            f"{r['tx_bytes_per_node_round'] / p:.2f}x with start-up), transport "
             f"{r['transport_sent_bytes'] / p:.2f}x, round {r['round_s']:.1f}s, groups {r['group_sizes']}, "
             f"digests agree {r['digests_agree']}")
 
@@ -93,13 +97,15 @@ def _line(r: dict) -> str:
 def table(rows: list[dict]) -> str:
     lines = ["EMULATED workload (sleep-based compute, true payload sizes); hosts in network namespaces; x = per node "
              "and round / the default codec's payload for the workload's values.", "",
-             "| k | values | scheme | interface tx / round | x payload | transport sent (x payload) | round s | groups "
-             "| one theta |", "|---|---|---|---|---|---|---|---|---|"]
+             "| k | values | scheme | interface tx / steady round | x payload | x payload, start-up included "
+             "| transport sent (x payload) | round s | groups | one theta |", "|---" * 10 + "|"]
     for r in rows:
         p = r["default_payload_bytes"]
         groups = ", ".join(f"{g}" for g in sorted(set(r["group_sizes"])))
+        steady = r["steady_tx_bytes_per_node_round"]
         lines.append(f"| {r['nodes']} | {r['workload'].split(':')[1]} | {r['scheme']} | "
-                     f"{r['tx_bytes_per_node_round'] / 1e6:.3f} MB | {r['tx_bytes_per_node_round'] / p:.2f} | "
+                     f"{steady / 1e6:.3f} MB | {steady / p:.2f} | "
+                     f"{r['tx_bytes_per_node_round'] / p:.2f} | "
                      f"{r['transport_sent_bytes'] / p:.2f} | {r['round_s']:.1f} | {groups} | {r['digests_agree']} |")
     return "\n".join(lines) + "\n"
 
@@ -124,8 +130,8 @@ def plot(rows: list[dict], path: Path) -> None:
         sel = sorted((r for r in rows if (r["workload"], r["scheme"]) == (workload, scheme)), key=lambda r: r["nodes"])
         ks = [r["nodes"] for r in sel]
         style = "o-" if scheme == "sparse" else "s-"
-        ax.plot(ks, [r["tx_bytes_per_node_round"] / r["default_payload_bytes"] for r in sel], style, c=f"C{n}",
-                label=f"{scheme}, {workload.split(':')[1]} values: interface")
+        ax.plot(ks, [r["steady_tx_bytes_per_node_round"] / r["default_payload_bytes"] for r in sel], style,
+                c=f"C{n}", label=f"{scheme}, {workload.split(':')[1]} values: interface, steady rounds")
         ax.plot(ks, [r["transport_sent_bytes"] / r["default_payload_bytes"] for r in sel], style[0] + ":",
                 c=f"C{n}", alpha=0.5, label=f"{scheme}, {workload.split(':')[1]} values: transport")
     ax.axhline(3, ls="--", c="gray", label="3 x payload (issue 29's target)")

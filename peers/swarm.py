@@ -33,6 +33,11 @@ from hivemind.utils.multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
 OWNER_RE = re.compile(rb"\[owner:(.+?)\]")  # hivemind's RSASignatureValidator subkey marker
+# Every DHT peer a publish or read asks answers with the whole members dictionary (every member's signed record,
+# 1.6 KB each at 8 nodes, more with more contributors in ``inputs``), so asking all N peers, as hivemind's beam of
+# 20 does in a small swarm, costs O(N^2) bytes: 60-75% of what a node sent per round at 8 nodes (bench.upload).
+MEMBER_REPLICAS = 5  # a record is stored on the 5 DHT peers nearest the key (hivemind's num_replicas)...
+MEMBER_READ_BEAM = 3  # ...and a read asks the 3 nearest, which hold every record stored there
 GROUP_READ_INTERVAL_S = 0.5  # matchmaking reads a group key at most this often (SupervisedDHT)
 
 
@@ -235,6 +240,7 @@ class Swarm:
             force_reachability="private" if auto_relay else None,
             startup_timeout=startup_timeout_s,
             check_if_identity_free=check_identity,
+            num_replicas=MEMBER_REPLICAS,
         )
         where = ", ".join(initial_peers) or "new swarm"
         tried = []
@@ -277,18 +283,22 @@ class Swarm:
     def publish(self, record: MemberRecord) -> bool:
         with self._lock:
             self._read_at = -math.inf  # the next read sees our own new record
+            # the search for the nearest peers (hivemind's find_nearest_nodes, whose kwargs these are) asks
+            # MEMBER_REPLICAS of them, not every one
             return bool(self.dht.store(self.key, subkey=self.public_key, value=record.dict(),
-                                       expiration_time=get_dht_time() + self.ttl_s))
+                                       expiration_time=get_dht_time() + self.ttl_s,
+                                       beam_size=MEMBER_REPLICAS, num_workers=MEMBER_REPLICAS))
 
     def members(self, max_age_s: float = 1.0) -> List[tuple[MemberRecord, float]]:
         """Live members (ours included) with seconds until their record expires; invalid records are skipped.
 
-        A read asks the DHT's peers for every record of the run (about a kilobyte each, signatures
-        included), so reads are shared: one made less than ``max_age_s`` seconds ago is reused."""
+        A read asks MEMBER_READ_BEAM of the DHT's peers (hivemind's ``get_many_by_id`` beam_size and num_workers)
+        for every record of the run (1.6 KB each, signatures included), so reads are shared: one made less than
+        ``max_age_s`` seconds ago is reused."""
         with self._lock:
             now_m = time.monotonic()
             if now_m - self._read_at >= max_age_s:
-                found = self.dht.get(self.key, latest=True)
+                found = self.dht.get(self.key, latest=True, beam_size=MEMBER_READ_BEAM, num_workers=MEMBER_READ_BEAM)
                 self._read_at = now_m
                 # A read can miss records that have not expired (it merges the subkeys of the DHT peers it
                 # reached, and those need not hold every record, e.g. a peer that has just joined). A record

@@ -20,7 +20,7 @@ class PartialReads:
     def __init__(self, dht):
         self.dht, self.hide = dht, False
 
-    def get(self, key, latest=False):
+    def get(self, key, latest=False, **kwargs):
         found = self.dht.get(key, latest=latest)
         if self.hide and found is not None:
             found.value.clear()
