@@ -173,10 +173,11 @@ def sent_at(samples: list[tuple[float, dict[int, int]]], host: int, t: float) ->
 
 def steady_bytes_per_round(samples: list[tuple[float, dict[int, int]]], metrics: list[list[dict]]) -> float:
     """Bytes each host sent per round from the end of its first round to the end of its last (``metrics``: each
-    host's metrics.jsonl rows, in host order; their ``time`` is a round's end), averaged over hosts; NaN if no
-    host ran 2 rounds."""
+    host's metrics.jsonl rows, in host order; their ``time`` is a round's end), averaged over the hosts sampled
+    (a host behind a NAT router is not); NaN if none ran 2 rounds."""
+    sampled = set().union(*(sent for _, sent in samples)) if samples else set()
     per_host = [(sent_at(samples, host, rows[-1]["time"]) - sent_at(samples, host, rows[0]["time"])) / (len(rows) - 1)
-                for host, rows in enumerate(metrics) if len(rows) >= 2]
+                for host, rows in enumerate(metrics) if len(rows) >= 2 and host in sampled]
     return statistics.fmean(per_host) if per_host else float("nan")
 
 

@@ -25,3 +25,10 @@ def test_start_up_is_left_out_and_hosts_are_averaged():
     rounds1 = [{"time": t} for t in (21.0, 41.0)]  # 1 steady round of 20 s: 1000 B
     assert steady_bytes_per_round(SAMPLES, [rounds0, rounds1]) == pytest.approx(1000.0)
     assert math.isnan(steady_bytes_per_round(SAMPLES, [rounds0[:1]]))
+
+
+def test_hosts_without_samples_are_left_out():
+    rounds = [{"time": t} for t in (20.0, 30.0)]
+    assert steady_bytes_per_round(SAMPLES, [rounds, rounds, rounds]) == pytest.approx(
+        steady_bytes_per_round(SAMPLES, [rounds, rounds]))
+    assert math.isnan(steady_bytes_per_round([], [rounds]))
