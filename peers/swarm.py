@@ -9,6 +9,7 @@ A record expires ``ttl_s`` after it was stored; a node that stops refreshing dro
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
@@ -23,6 +24,7 @@ import pydantic.v1 as pydantic
 from dilocox.peers import lifecycle
 from dilocox.peers.admission import Admission, AdmissionError, peer_id_of_public_key
 from dilocox.peers.bootstrap import JoinAbandoned, keep_trying
+from dilocox.peers.nearstore import store_near
 from dilocox.peers.validation import CachedSchemaValidator, CachedSignatureValidator
 from hivemind.averaging.key_manager import is_valid_group
 from hivemind.dht.schema import BytesWithPublicKey
@@ -38,6 +40,10 @@ OWNER_RE = re.compile(rb"\[owner:(.+?)\]")  # hivemind's RSASignatureValidator s
 # 20 does in a small swarm, costs O(N^2) bytes: 60-75% of what a node sent per round at 8 nodes (bench.upload).
 MEMBER_REPLICAS = 5  # a record is stored on the 5 DHT peers nearest the key (hivemind's num_replicas)...
 MEMBER_READ_BEAM = 3  # ...and a read asks the 3 nearest, which hold every record stored there
+# A publish goes straight to the nearest peers the routing table knows (peers/nearstore.py); hivemind's store, whose
+# search asks MEMBER_REPLICAS peers for the whole dictionary first, runs when the last one is this old, or after a
+# direct store that a peer refused or missed
+MEMBER_SEARCH_S = 30.0
 GROUP_READ_INTERVAL_S = 0.5  # matchmaking reads a group key at most this often (SupervisedDHT)
 
 
@@ -265,6 +271,7 @@ class Swarm:
         self.peer_id = self.dht.peer_id.to_base58()
         self._lock = threading.Lock()  # one DHT pipe shared by our threads
         self._read_at = -math.inf  # monotonic time of the last DHT read of the records
+        self._searched_at = -math.inf  # monotonic time of the last publish that searched for the nearest peers
         self._seen: Dict[bytes, object] = {}  # subkey -> the newest unexpired ValueWithExpiration read
 
     async def replicate_p2p(self):
@@ -281,13 +288,27 @@ class Swarm:
             return [str(m) for m in self.dht.get_visible_maddrs(latest=latest)]
 
     def publish(self, record: MemberRecord) -> bool:
+        """Store our signed record (True: at least one DHT peer, or our own storage, holds it).
+
+        Directly on the MEMBER_REPLICAS nearest peers our routing table knows (peers/nearstore.py), or with
+        hivemind's search first (``DHT.store``, asking MEMBER_REPLICAS peers: its ``find_nearest_nodes`` kwargs)
+        when the last search is MEMBER_SEARCH_S old or a direct store was refused or missed. The search also
+        teaches the routing table the peers nearest the key."""
+        expiration = get_dht_time() + self.ttl_s
         with self._lock:
             self._read_at = -math.inf  # the next read sees our own new record
-            # the search for the nearest peers (hivemind's find_nearest_nodes, whose kwargs these are) asks
-            # MEMBER_REPLICAS of them, not every one
+            if time.monotonic() - self._searched_at < MEMBER_SEARCH_S:
+                accepted, tried = self.dht.run_coroutine(functools.partial(
+                    store_near, key=self.key, subkey=self.public_key, value=record.dict(),
+                    expiration_time=expiration, replicas=MEMBER_REPLICAS))
+                if accepted == tried and tried > 0:
+                    return True
+            self._searched_at = time.monotonic()
+            # a later expiration: a peer that took the direct store would refuse the same one again
+            expiration = max(expiration + 1e-3, get_dht_time() + self.ttl_s)
             return bool(self.dht.store(self.key, subkey=self.public_key, value=record.dict(),
-                                       expiration_time=get_dht_time() + self.ttl_s,
-                                       beam_size=MEMBER_REPLICAS, num_workers=MEMBER_REPLICAS))
+                                       expiration_time=expiration, beam_size=MEMBER_REPLICAS,
+                                       num_workers=MEMBER_REPLICAS))
 
     def members(self, max_age_s: float = 1.0) -> List[tuple[MemberRecord, float]]:
         """Live members (ours included) with seconds until their record expires; invalid records are skipped.

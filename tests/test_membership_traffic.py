@@ -4,14 +4,17 @@ MEMBER_READ_BEAM), and a read still finds every record.
 Every DHT peer asked answers with the whole members dictionary (every member's signed record), so a read or
 a publish that asks all N peers costs O(N^2) bytes: hivemind's defaults (beam 20, that is every peer of a
 small swarm, for both) made these answers 60-75% of what a node sent per round at 8 nodes in network
-namespaces (bench.upload, issue 29). Real parts: two Swarms (a DHT process each) among eight plain hivemind
-DHTNodes on loopback; the test counts how often each plain node looked the members key up to answer a find.
+namespaces (bench.upload, issue 29). A publish soon after another asks none: it stores straight on the
+nearest peers the routing table knows (peers/nearstore.py), and searches again when one of them is gone.
+Real parts: two Swarms (a DHT process each) among eight plain hivemind DHTNodes on loopback; the test counts
+how often each plain node looked the members key up to answer a find.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from dilocox.peers.identity import load_or_create_identity
@@ -36,34 +39,50 @@ def plain_nodes():
     maddrs = [str(m) for m in run(first.p2p.get_visible_maddrs())]
     nodes = [first] + [run(DHTNode.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
                        for _ in range(PLAIN - 1)]
-    yield nodes, maddrs
+    stopped = set()
+
+    def stop(node):
+        stopped.add(id(node))
+        run(node.shutdown())
+    yield nodes, maddrs, stop
     for n in nodes:
-        run(n.shutdown())
+        if id(n) not in stopped:
+            run(n.shutdown())
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
 
 
-def _count_finds(nodes, key: str) -> list[int]:
-    """Spy on each node's storage: its ``rpc_find`` is the only caller of ``storage.get`` (hivemind's protocol)."""
-    key_id, hits = DHTID.generate(key), [0] * len(nodes)
+def _count_finds(nodes, key: str) -> tuple[list[int], list[int]]:
+    """Spy on each node's storage: finds (hivemind's ``rpc_find`` calls ``storage.get``) and stores (``rpc_store``
+    calls ``storage.store_subkey``, which itself calls ``get``: not counted as a find)."""
+    key_id, finds, stores = DHTID.generate(key), [0] * len(nodes), [0] * len(nodes)
     for i, node in enumerate(nodes):
-        original = node.protocol.storage.get
+        storage, storing = node.protocol.storage, [False]
+        get, store_subkey = storage.get, storage.store_subkey
 
-        def counted(k, i=i, original=original):
-            if k == key_id:
-                hits[i] += 1
-            return original(k)
-        node.protocol.storage.get = counted
-    return hits
+        def counted_get(k, i=i, get=get, storing=storing):
+            if k == key_id and not storing[0]:
+                finds[i] += 1
+            return get(k)
+
+        def counted_store(k, *args, i=i, store_subkey=store_subkey, storing=storing):
+            stores[i] += k == key_id
+            storing[0] = True
+            try:
+                return store_subkey(k, *args)
+            finally:
+                storing[0] = False
+        storage.get, storage.store_subkey = counted_get, counted_store
+    return finds, stores
 
 
-def _record(swarm: Swarm) -> MemberRecord:
-    return MemberRecord(peer_id=swarm.peer_id, run_id="traffic", state="TRAINING", outer_step=3, inner_step=0,
+def _record(swarm: Swarm, outer_step: int = 3) -> MemberRecord:
+    return MemberRecord(peer_id=swarm.peer_id, run_id="traffic", state="TRAINING", outer_step=outer_step, inner_step=0,
                         inner_steps=4, tokens_per_second=1.0, loss=1.0, global_params_digest="ab")
 
 
 def test_a_publish_and_a_read_ask_a_few_dht_peers_and_the_read_finds_the_record(plain_nodes, tmp_path):
-    nodes, maddrs = plain_nodes
+    nodes, maddrs, plain_stop = plain_nodes
     swarms = []
     try:
         for name in ("a", "b"):
@@ -72,16 +91,35 @@ def test_a_publish_and_a_read_ask_a_few_dht_peers_and_the_read_finds_the_record(
                                 announce_maddrs=[], identity_path=str(tmp_path / f"{name}.key"), ttl_s=30.0))
         a, b = swarms
         assert b.publish(_record(b))
-        hits = _count_finds(nodes, "traffic_members")
+        hits, stores = _count_finds(nodes, "traffic_members")
         assert a.publish(_record(a))
         publish_asked = sum(h > 0 for h in hits)
         hits[:] = [0] * len(hits)
         seen = {r.peer_id for r, _ in b.members(max_age_s=0.0)}
         read_asked = sum(h > 0 for h in hits)
+        # a publish soon after goes straight to the nearest peers (peers/nearstore.py): no find at all
+        hits[:], stores[:] = [0] * len(hits), [0] * len(stores)
+        assert a.publish(_record(a, outer_step=4))
+        direct_asked, direct_stored = sum(hits), sum(stores)
+        steps = {r.peer_id: r.outer_step for r, _ in b.members(max_age_s=0.0)}
+        # a direct store that misses (its nearest peers are gone) falls back to hivemind's store with a search
+        holders = [i for i, n in enumerate(stores) if n]
+        for i in holders:
+            plain_stop(nodes[i])
+        hits[:] = [0] * len(hits)
+        t0 = time.monotonic()
+        assert a.publish(_record(a, outer_step=5))
+        fallback_s, fallback_asked = time.monotonic() - t0, sum(hits)
+        after = {r.peer_id: r.outer_step for r, _ in b.members(max_age_s=0.0)}
     finally:
         for s in swarms:
             s.shutdown()
     assert seen == {a.peer_id, b.peer_id}
+    assert direct_asked == 0, hits
+    assert 1 <= direct_stored <= MEMBER_REPLICAS, stores
+    assert steps == {a.peer_id: 4, b.peer_id: 3}
+    assert fallback_asked >= 1 and fallback_s < 20, (hits, fallback_s)
+    assert after[a.peer_id] == 5
     # hivemind's defaults ask all 9 other peers each time; the bounds allow a traversal's extra hop
     assert publish_asked <= MEMBER_REPLICAS + 1, hits
     assert read_asked <= MEMBER_READ_BEAM + 1, hits
