@@ -118,7 +118,7 @@ class MajorityUpdate:
             reported = {m.peer_id: m.result_digest for m in others if m.result_step == index and m.result_digest}
             pending = [m for m in in_round(others, index, self.delayed)
                        if m.peer_id not in reported and m.outer_step < index]
-            sizes = {m.peer_id: len(m.inputs) for m in others if m.peer_id in reported}
+            sizes = {m.peer_id: m.num_inputs for m in others if m.peer_id in reported}
             standing, digest = group_standing(holders, len(group) + len(reported) + len(pending), reported,
                                               len(pending), sizes)
             late = time.monotonic() >= deadline or self.cancelled()
@@ -298,7 +298,7 @@ class MajorityUpdate:
         while True:
             everyone = self._others(index, parent_digest)
             reported = {m.peer_id: m.result_digest for m in everyone if m.result_step == index and m.result_digest}
-            valid = set(union_groups(reported, {m.peer_id: len(m.inputs) for m in everyone}))
+            valid = set(union_groups(reported, {m.peer_id: m.num_inputs for m in everyone}))
             proposals = {m.peer_id: tuple(m.union) for m in everyone if m.result_step == index and m.union}
             proposals[self.progress.peer_id] = proposal
             waiting = [p for p, d in reported.items() if d in valid and p not in proposals]
@@ -313,7 +313,7 @@ class MajorityUpdate:
         held: dict[str, list[int]] = {}
         for m in records:
             if m.result_step == index and m.result_digest:
-                held.setdefault(m.result_digest, []).append(len(m.inputs))
+                held.setdefault(m.result_digest, []).append(m.num_inputs)
         return {d: max(sizes) or len(sizes) for d, sizes in held.items()}
 
     def _fetch_applied(self, index: int, theta: str, parent_digest: str, others) -> tuple[Optional[AppliedUpdate],

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-from dilocox.peers.swarm import MemberRecord, Swarm
+from dilocox.peers.swarm import InputsRecord, MemberRecord, Swarm, inputs_digest
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +58,7 @@ class ProgressTracker:
         if self._thread is not None:
             self._thread.join(timeout=self.announce_period_s + 5)
         try:
-            step, digest = self._result
-            self.swarm.publish(MemberRecord(**{**self._describe(), "state": "STOPPED"}, result_step=step,
-                                            result_digest=digest, inputs=self._inputs, union=self._union))
+            self.swarm.publish(MemberRecord(**{**self._describe(), "state": "STOPPED"}, **self._result_fields()))
         except Exception as e:  # leaving must not fail because the DHT is already gone
             logger.warning("could not publish our last membership record: %s", e)
 
@@ -69,9 +67,12 @@ class ProgressTracker:
         self._poke.set()
 
     def publish(self) -> None:
+        self.swarm.publish(MemberRecord(**self._describe(), **self._result_fields()))
+
+    def _result_fields(self) -> dict:
         step, digest = self._result
-        self.swarm.publish(MemberRecord(**self._describe(), result_step=step, result_digest=digest,
-                                        inputs=self._inputs, union=self._union))
+        return dict(result_step=step, result_digest=digest, inputs_digest=inputs_digest(self._inputs),
+                    num_inputs=len(self._inputs), union=self._union)
 
     def _heartbeat(self) -> None:
         beats = 0
@@ -134,17 +135,31 @@ class ProgressTracker:
             self._union = sorted(digests)
             self.publish()
 
-    def input_conflicts(self, result_step: int, inputs: Dict[str, str]) -> Dict[str, str]:
+    def input_conflicts(self, result_step: int, inputs: Dict[str, str], timeout_s: float) -> Dict[str, str]:
         """Contributors of round ``result_step`` that another member used with other bytes than we did
-        (``inputs``: peer_id -> payload digest): peer_id -> the member whose record shows it. Only the
-        contributor can have caused that, by serving different bytes to different peers."""
+        (``inputs``: peer_id -> payload digest): peer_id -> the member whose inputs show it. Only the
+        contributor can have caused that, by serving different bytes to different peers.
+
+        Records carry only a digest of the inputs (``inputs_digest``). Where a member's differs from ours,
+        both publish the map itself (``Swarm.publish_inputs``: each sees the other's digest differ) and
+        this waits up to ``timeout_s`` for theirs; nothing is published or read when all agree."""
+        ours = inputs_digest(inputs)
+        differing = {m.peer_id for m in self.others(max_age_s=0.2) if m.result_step == result_step
+                     and m.inputs_digest and m.inputs_digest != ours}
+        if not differing or not inputs:
+            return {}
+        self.swarm.publish_inputs(InputsRecord(peer_id=self.peer_id, result_step=result_step, inputs=inputs))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = {p: d for p, d in self.swarm.inputs_of(result_step).items() if p in differing}
+            if set(found) >= differing or time.monotonic() >= deadline:
+                break
+            time.sleep(self.poll_s)
         conflicts: Dict[str, str] = {}
-        for m in self.others(max_age_s=0.2):
-            if m.result_step != result_step:
-                continue
-            for peer, d in m.inputs.items():
-                if peer in inputs and inputs[peer] != d and peer != m.peer_id:
-                    conflicts.setdefault(peer, m.peer_id)
+        for member, theirs in sorted(found.items()):
+            for peer, d in theirs.items():
+                if peer in inputs and inputs[peer] != d and peer != member:
+                    conflicts.setdefault(peer, member)
         return conflicts
 
     def wait(self, predicate: Callable[[List[MemberRecord]], bool], timeout_s: float,

@@ -292,7 +292,7 @@ class OuterRounds:
         differed, so the round itself is skipped or re-synced by the verdict rules)."""
         if not inputs:
             return
-        for peer, witness in self.progress.input_conflicts(r, inputs).items():
+        for peer, witness in self.progress.input_conflicts(r, inputs, self.cfg.request_timeout).items():
             if self.excluded.get(peer, 0) < r + EXCLUDE_ROUNDS:
                 logger.warning("round %d: %s served different bytes to %s than to us: its contributions are "
                                "dropped until round %d", r, peer, witness, r + EXCLUDE_ROUNDS)

@@ -1,0 +1,78 @@
+"""Equivocation through the inputs' digests (daemon/progress.py ``input_conflicts``, docs/protocol.md).
+
+Records carry one digest of the contributions a member used; the map itself goes to the DHT only when a
+group-mate's digest differs, and then both members find the contributor that served them different bytes.
+Real parts: two Swarms (a DHT process each) on loopback and the node's ProgressTracker.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from dilocox.daemon.progress import ProgressTracker
+from dilocox.peers.identity import load_or_create_identity
+from dilocox.peers.swarm import MemberRecord, Swarm, inputs_digest
+
+pytestmark = pytest.mark.integration
+
+
+def _tracker(swarm: Swarm) -> ProgressTracker:
+    def describe():
+        return dict(peer_id=swarm.peer_id, run_id="eq", state="TRAINING", outer_step=0, round=1, inner_step=4,
+                    inner_steps=4, tokens_per_second=1.0, loss=1.0, global_params_digest="ab")
+    return ProgressTracker(swarm, describe, stage_index=0, num_stages=1, announce_period_s=0.5)
+
+
+def test_members_whose_inputs_differ_find_the_contributor_and_agreeing_ones_publish_no_map(tmp_path):
+    swarms = []
+    try:
+        for name in ("a", "b"):
+            _, key = load_or_create_identity(tmp_path / f"{name}.key")
+            join = swarms[0].visible_maddrs() if swarms else []
+            swarms.append(Swarm("eq", key, initial_peers=join, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                announce_maddrs=[], identity_path=str(tmp_path / f"{name}.key"), ttl_s=30.0))
+        a, b = (_tracker(s) for s in swarms)
+        peers = {a.peer_id, b.peer_id}
+        same = {"c": "1" * 16, a.peer_id: "2" * 16, b.peer_id: "3" * 16}
+
+        # round 1: the same contributions everywhere; the records' digests agree, no map is published
+        for t in (a, b):
+            t.exchange_result_digests(1, "r1", peers, timeout_s=10.0, inputs=same)
+        assert a.collect_result_digests(1, peers, timeout_s=10.0) == {a.peer_id: "r1", b.peer_id: "r1"}
+        assert a.input_conflicts(1, same, timeout_s=5.0) == {}
+        assert swarms[0].inputs_of(1) == {}
+        record = next(m for m in a.others(max_age_s=0.0) if m.peer_id == b.peer_id)
+        assert record.inputs_digest == inputs_digest(same) and record.num_inputs == 3
+
+        # round 2: contributor c served b other bytes than a
+        theirs = {**same, "c": "9" * 16}
+        a.exchange_result_digests(2, "ra", peers, timeout_s=10.0, inputs=same)
+        b.exchange_result_digests(2, "rb", peers, timeout_s=10.0, inputs=theirs)
+        for t in (a, b):
+            t.collect_result_digests(2, peers, timeout_s=10.0)
+        found = {}
+        threads = [threading.Thread(target=lambda t=t, i=i: found.__setitem__(t.peer_id, t.input_conflicts(
+            2, i, timeout_s=15.0))) for t, i in ((a, same), (b, theirs))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+    finally:
+        for s in swarms:
+            s.shutdown()
+    assert found == {a.peer_id: {"c": b.peer_id}, b.peer_id: {"c": a.peer_id}}
+
+
+def test_a_record_no_longer_grows_with_the_contributors():
+    """The record's size does not depend on the round's contributors (it held all of them before: 75% of a
+    record at 32 members)."""
+    base = dict(peer_id="p", run_id="r", state="TRAINING", outer_step=1, inner_step=0, inner_steps=4,
+                tokens_per_second=1.0, loss=1.0, global_params_digest="ab", result_step=1)
+    small = {f"peer{i}": "0" * 16 for i in range(10)}
+    large = {f"peer{i}": "0" * 16 for i in range(32)}
+    sizes = {len(str(MemberRecord(**base, inputs_digest=inputs_digest(m), num_inputs=len(m)).dict()))
+             for m in (small, large)}
+    assert len(sizes) == 1
+    with pytest.raises(ValueError, match="inputs"):
+        MemberRecord(**base, inputs=large)
