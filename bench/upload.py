@@ -62,14 +62,16 @@ def main(argv=None) -> int:
                 began = time.monotonic()
                 res = run_swarm(net, a, f"upload_{k}_{scheme}", SCHEMES[scheme], a.out / "upload" / f"k{k}", k,
                                 a.workload)
-                transport = _transport_sent(a.out / "upload" / f"k{k}" / f"upload_{k}_{scheme}")
+                folder = a.out / "upload" / f"k{k}" / f"upload_{k}_{scheme}"
+                transport = _transport_sent(folder)
                 rows.append(dict(nodes=k, scheme=scheme, workload=a.workload, rate_mbit=a.rate,
                                  default_payload_bytes=payload, tx_bytes_per_node_round=res["tx_bytes_per_node_round"],
                                  steady_tx_bytes_per_node_round=res["steady_tx_bytes_per_node_round"],
                                  rx_bytes_per_node_round=res["rx_bytes_per_node_round"],
                                  transport_sent_bytes=transport, round_s=res["round_s"],
                                  group_sizes=res["group_sizes"], outcomes=res["outcomes"],
-                                 digests_agree=res["digests_agree"], bench_s=time.monotonic() - began))
+                                 digests_agree=res["digests_agree"], membership=membership_ops(folder),
+                                 bench_s=time.monotonic() - began))
                 print(_line(rows[-1]), flush=True)
                 _write(rows, a)
     print(table(rows))
@@ -85,20 +87,40 @@ def _transport_sent(folder: Path) -> float:
     return statistics.median(sent) if sent else float("nan")
 
 
+def membership_ops(folder: Path) -> dict:
+    """Mean DHT operations on the membership keys per node-round after each node's first round (the cumulative
+    ``membership`` counts of metrics.jsonl rows, peers/swarm.py ``Swarm.traffic``); {} without them."""
+    total, rounds = {}, 0
+    for f in folder.glob("h*/**/metrics.jsonl"):
+        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        counts = [r["membership"] for r in rows[1:] if "membership" in r]
+        for before, after in zip(counts, counts[1:]):
+            rounds += 1
+            for name, n in after.items():
+                total[name] = total.get(name, 0) + n - before.get(name, 0)
+    return {name: n / rounds for name, n in total.items()} if rounds else {}
+
+
+def _ops(r: dict) -> str:
+    m = r.get("membership") or {}
+    return f"{m['reads']:.1f} / {m['publishes']:.1f} ({m['searches']:.2f})" if m else "-"
+
+
 def _line(r: dict) -> str:
     p = r["default_payload_bytes"]
     return (f"k={r['nodes']:>3} {r['scheme']:>6}: tx {r['steady_tx_bytes_per_node_round'] / 1e6:.2f} MB/node/round "
             f"in steady rounds ({r['steady_tx_bytes_per_node_round'] / p:.2f}x the default payload; "
             f"{r['tx_bytes_per_node_round'] / p:.2f}x with start-up), transport "
             f"{r['transport_sent_bytes'] / p:.2f}x, round {r['round_s']:.1f}s, groups {r['group_sizes']}, "
-            f"digests agree {r['digests_agree']}")
+            f"digests agree {r['digests_agree']}, membership reads / publishes (searches) per node-round {_ops(r)}")
 
 
 def table(rows: list[dict]) -> str:
     lines = ["EMULATED workload (sleep-based compute, true payload sizes); hosts in network namespaces; x = per node "
              "and round / the default codec's payload for the workload's values.", "",
              "| k | values | scheme | interface tx / steady round | x payload | x payload, start-up included "
-             "| transport sent (x payload) | round s | groups | one theta |", "|---" * 10 + "|"]
+             "| transport sent (x payload) | round s | groups | one theta | membership reads / publishes (searches) "
+             "per node-round |", "|---" * 11 + "|"]
     for r in rows:
         p = r["default_payload_bytes"]
         groups = ", ".join(f"{g}" for g in sorted(set(r["group_sizes"])))
@@ -106,7 +128,8 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['nodes']} | {r['workload'].split(':')[1]} | {r['scheme']} | "
                      f"{steady / 1e6:.3f} MB | {steady / p:.2f} | "
                      f"{r['tx_bytes_per_node_round'] / p:.2f} | "
-                     f"{r['transport_sent_bytes'] / p:.2f} | {r['round_s']:.1f} | {groups} | {r['digests_agree']} |")
+                     f"{r['transport_sent_bytes'] / p:.2f} | {r['round_s']:.1f} | {groups} | {r['digests_agree']} | "
+                     f"{_ops(r)} |")
     return "\n".join(lines) + "\n"
 
 

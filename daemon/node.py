@@ -705,6 +705,7 @@ class Node:
                       loss=sum(losses) / len(losses), tokens_total=s.tokens_total,
                       tokens_per_second=s.tokens_per_second, overlap=self.cfg.overlap,
                       compute_utilization=utilization, device_peak_bytes=_device_peak_bytes(), time=time.time(),
+                      membership=self.swarm.traffic(),
                       **(self.audits.summary() if self.audits else {}))
         logger.info("round %s", json.dumps(record, sort_keys=True))
         if self._metrics:

@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional
 from dilocox.peers.swarm import InputsRecord, MemberRecord, Swarm, inputs_digest
 
 logger = logging.getLogger(__name__)
+DIGEST_POLL_S = (0.25, 1.0)  # waits between reads for the group's result digests: first, and at most
 
 
 class ProgressTracker:
@@ -120,13 +121,17 @@ class ProgressTracker:
         ``exchange_result_digests``), waiting at most ``timeout_s`` for the missing ones; publishes nothing."""
         found = {self.peer_id: self._result[1]} if self._result[0] == result_step else {}
         deadline = time.monotonic() + timeout_s
+        pause = DIGEST_POLL_S[0]
         while True:
             for m in self.others(max_age_s=0.2):  # the whole group waits for the slowest digest: read afresh
                 if m.peer_id in peers and m.result_step == result_step:
                     found[m.peer_id] = m.result_digest
             if set(found) >= peers or time.monotonic() >= deadline:
                 return found
-            time.sleep(0.25)  # a short wait: the whole group waits for the slowest digest
+            # short waits first (the group waits for the slowest digest), then longer: each read costs every
+            # member's record from each DHT peer asked, and this was a third of a node's reads per round
+            time.sleep(pause)
+            pause = min(2 * pause, DIGEST_POLL_S[1])
 
     def propose_union(self, result_step: int, digests: List[str]) -> None:
         """Publish the group results of round ``result_step`` (our last result's round) whose union we propose

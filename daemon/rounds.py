@@ -69,6 +69,9 @@ from dilocox.sparse import SparseRound
 
 logger = logging.getLogger(__name__)
 FRESH_S = 0.2  # once-a-round decisions read the membership records (nearly) afresh: stale ones split rounds
+# the give-up rule, polled every second while matchmaking, reuses a read this old: a quarter of a node's reads per
+# round otherwise (Swarm.traffic at 8 nodes), and reacting up to 3 s later costs a round nothing it had
+ABANDON_READ_S = 3.0
 EXCLUDE_ROUNDS = 10  # rounds an equivocating contributor's contributions are dropped
 EXCHANGE_WINDOW = 3  # adaptive overlap: rounds whose exchange times predict the next one's (their maximum)
 
@@ -283,7 +286,7 @@ class OuterRounds:
     def _abandon(self, r: int):
         """The exchange's give-up rule for round r (matchmaking, and downloads after their grace): the round left
         us behind (dilocox.consensus.left_behind, read from the membership records at each call)."""
-        return lambda: left_behind(self.progress.others(), r, self.delayed)
+        return lambda: left_behind(self.progress.others(ABANDON_READ_S), r, self.delayed)
 
     # ------------------------------------------------------------------ equivocation
     def _exclude_equivocators(self, r: int, inputs: dict) -> None:

@@ -45,6 +45,7 @@ MEMBER_READ_BEAM = 3  # ...and a read asks the 3 nearest, which hold every recor
 # search asks MEMBER_REPLICAS peers for the whole dictionary first, runs when the last one is this old, or after a
 # direct store that a peer refused or missed
 MEMBER_SEARCH_S = 30.0
+TRAFFIC_COUNTS = ("reads", "publishes", "searches", "inputs_published", "inputs_reads")  # Swarm.traffic()
 GROUP_READ_INTERVAL_S = 0.5  # matchmaking reads a group key at most this often (SupervisedDHT)
 
 
@@ -305,6 +306,7 @@ class Swarm:
         self._lock = threading.Lock()  # one DHT pipe shared by our threads
         self._read_at = -math.inf  # monotonic time of the last DHT read of the records
         self._searched_at = -math.inf  # monotonic time of the last publish that searched for the nearest peers
+        self._traffic: Dict[str, int] = dict.fromkeys(TRAFFIC_COUNTS, 0)
         self._seen: Dict[bytes, object] = {}  # subkey -> the newest unexpired ValueWithExpiration read
 
     async def replicate_p2p(self):
@@ -320,6 +322,14 @@ class Swarm:
         with self._lock:
             return [str(m) for m in self.dht.get_visible_maddrs(latest=latest)]
 
+    def traffic(self) -> Dict[str, int]:
+        """DHT operations on the run's keys since start (TRAFFIC_COUNTS): ``reads`` of the records, ``publishes``
+        of ours, of which ``searches`` used hivemind's store with its search (the rest went straight to the
+        nearest peers), ``inputs_published`` and ``inputs_reads`` (InputsRecord). Each read or search costs
+        every record from each DHT peer asked (MEMBER_READ_BEAM, MEMBER_REPLICAS)."""
+        with self._lock:
+            return dict(self._traffic)
+
     def publish(self, record: MemberRecord) -> bool:
         """Store our signed record (True: at least one DHT peer, or our own storage, holds it).
 
@@ -330,6 +340,7 @@ class Swarm:
         expiration = get_dht_time() + self.ttl_s
         with self._lock:
             self._read_at = -math.inf  # the next read sees our own new record
+            self._traffic["publishes"] += 1
             if time.monotonic() - self._searched_at < MEMBER_SEARCH_S:
                 accepted, tried = self.dht.run_coroutine(functools.partial(
                     store_near, key=self.key, subkey=self.public_key, value=record.dict(),
@@ -337,6 +348,7 @@ class Swarm:
                 if accepted == tried and tried > 0:
                     return True
             self._searched_at = time.monotonic()
+            self._traffic["searches"] += 1
             # a later expiration: a peer that took the direct store would refuse the same one again
             expiration = max(expiration + 1e-3, get_dht_time() + self.ttl_s)
             return bool(self.dht.store(self.key, subkey=self.public_key, value=record.dict(),
@@ -354,6 +366,7 @@ class Swarm:
             if now_m - self._read_at >= max_age_s:
                 found = self.dht.get(self.key, latest=True, beam_size=MEMBER_READ_BEAM, num_workers=MEMBER_READ_BEAM)
                 self._read_at = now_m
+                self._traffic["reads"] += 1
                 # A read can miss records that have not expired (it merges the subkeys of the DHT peers it
                 # reached, and those need not hold every record, e.g. a peer that has just joined). A record
                 # seen once counts until its expiration, as the DHT itself keeps it.
@@ -408,6 +421,7 @@ class Swarm:
     def publish_inputs(self, record: InputsRecord) -> bool:
         """Store the contributions we used in a round (InputsRecord) under our subkey of ``{run_id}_inputs``."""
         with self._lock:
+            self._traffic["inputs_published"] += 1
             return bool(self.dht.store(self.inputs_key, subkey=self.public_key, value=record.dict(),
                                        expiration_time=get_dht_time() + self.ttl_s, beam_size=MEMBER_REPLICAS,
                                        num_workers=MEMBER_REPLICAS))
@@ -416,6 +430,7 @@ class Swarm:
         """peer_id -> the inputs it published for round ``result_step`` (InputsRecord), from one DHT read; records
         not signed by their peer_id's key are left out (callers look only at counted members' ones)."""
         with self._lock:
+            self._traffic["inputs_reads"] += 1
             found = self.dht.get(self.inputs_key, latest=True, beam_size=MEMBER_READ_BEAM,
                                  num_workers=MEMBER_READ_BEAM)
         out: Dict[str, Dict[str, str]] = {}
