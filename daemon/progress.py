@@ -145,12 +145,15 @@ class ProgressTracker:
         (``inputs``: peer_id -> payload digest): peer_id -> the member whose inputs show it. Only the
         contributor can have caused that, by serving different bytes to different peers.
 
-        Records carry only a digest of the inputs (``inputs_digest``). Where a member's differs from ours,
-        both publish the map itself (``Swarm.publish_inputs``: each sees the other's digest differ) and
-        this waits up to ``timeout_s`` for theirs; nothing is published or read when all agree."""
+        Records carry only a digest of the inputs (``inputs_digest``). Where a member's differs from ours and so
+        does its result, both publish the map itself (``Swarm.publish_inputs``: each sees the other's digests
+        differ) and this waits up to ``timeout_s`` for theirs; nothing is published or read when all agree. A
+        member with our result but another inputs digest is not asked: the same result came from the same
+        contributions, and a lie there must not make every round wait."""
         ours = inputs_digest(inputs)
+        our_result = self._result[1] if self._result[0] == result_step else None
         differing = {m.peer_id for m in self.others(max_age_s=0.2) if m.result_step == result_step
-                     and m.inputs_digest and m.inputs_digest != ours}
+                     and m.inputs_digest and m.inputs_digest != ours and m.result_digest != our_result}
         if not differing or not inputs:
             return {}
         self.swarm.publish_inputs(InputsRecord(peer_id=self.peer_id, result_step=result_step, inputs=inputs))

@@ -8,6 +8,7 @@ Real parts: two Swarms (a DHT process each) on loopback and the node's ProgressT
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from dilocox.daemon.progress import ProgressTracker
@@ -58,10 +59,20 @@ def test_members_whose_inputs_differ_find_the_contributor_and_agreeing_ones_publ
             th.start()
         for th in threads:
             th.join(30)
+
+        # round 3: b claims other inputs but publishes our result: the same result came from the same
+        # contributions, so nobody waits for a map (a lie there must not make every round wait)
+        a.exchange_result_digests(3, "r3", peers, timeout_s=10.0, inputs=same)
+        b.exchange_result_digests(3, "r3", peers, timeout_s=10.0, inputs=theirs)
+        a.collect_result_digests(3, peers, timeout_s=10.0)
+        t0 = time.monotonic()
+        lied = a.input_conflicts(3, same, timeout_s=15.0)
+        lied_s = time.monotonic() - t0
     finally:
         for s in swarms:
             s.shutdown()
     assert found == {a.peer_id: {"c": b.peer_id}, b.peer_id: {"c": a.peer_id}}
+    assert lied == {} and lied_s < 5.0, lied_s
 
 
 def test_a_record_no_longer_grows_with_the_contributors():
