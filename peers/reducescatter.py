@@ -49,7 +49,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
-from dilocox.peers.allgather import ContributionServer, screen_gathered
+from dilocox.peers.allgather import ABANDON_GRACE_S, ContributionServer, after, screen_gathered
 from dilocox.peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
 
 from dilocox.shared_index import (
@@ -102,7 +102,8 @@ class RangeResults:
 
 def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], key: str, member: SharedIndexMember,
                     m: torch.Tensor, weights: Mapping[str, float], timeout_s: float, rule: str = "mean",
-                    norm_bound: float = 0.0, feedback: Optional[ReducerFeedback] = None) -> RangeResults:
+                    norm_bound: float = 0.0, feedback: Optional[ReducerFeedback] = None,
+                    stop: Optional[Callable[[], bool]] = None) -> RangeResults:
     """Run one reduce-scatter round (module docstring) with ``group`` (peer_ids, ours included; their order
     does not matter), under the round's ``key``; blocking.
 
@@ -111,9 +112,11 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     matchmaking). ``feedback``: our reducer's buffer (kept across rounds; None: the result's quantization
     error is dropped). ``timeout_s``: seconds for each of the four fetches. The server must keep at least
     2k offers (``keep``). A range whose union or result could not be fetched or read gets no update
-    (``RangeResults.missing``; without a result, what we sent there goes back to our buffer). Raises
-    RoundFailed when no other member's range could be had, ValueError for a group without us, a member
-    without a weight, fewer chunks than members or a server that keeps too few offers."""
+    (``RangeResults.missing``; without a result, what we sent there goes back to our buffer). ``stop()``,
+    polled about once a second during each fetch (``ContributionServer.fetch``), gives the round up: the
+    round went on without us. Raises RoundFailed when ``stop()`` held or no other member's range could be had,
+    ValueError for a group without us, a member without a weight, fewer chunks than members or a server that
+    keeps too few offers."""
     cfg: SharedIndexConfig = member.cfg
     group = sorted(set(group))
     if me not in group:
@@ -134,7 +137,7 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
         if j != rank:
             server.offer(f"{key}/p{j}", encode_proposal(mine, a, b, cfg, k))
     got, unproposed = server.fetch({p: (None, proposal_bytes(lo, hi, cfg, k)) for p in others}, f"{key}/p{rank}",
-                                   timeout_s)
+                                   timeout_s, stop=stop)
     received = sum(map(len, got.values()))
     proposals = [mine[(mine >= lo) & (mine < hi)]]
     for p, payload in got.items():
@@ -146,7 +149,7 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     server.offer(f"{key}/u", encode_union(union, lo, hi))
     most = [k * proposal_config(cfg, k).topk * -(-(b - a) // cfg.chunk) for a, b in ranges]  # k proposals' worth
     got, missing = server.fetch({group[j]: (None, union_bytes_bound(*ranges[j], most[j])) for j in range(k)
-                                 if j != rank}, f"{key}/u", timeout_s)
+                                 if j != rank}, f"{key}/u", timeout_s, stop=stop)
     received += sum(map(len, got.values()))
     parts = []
     for j, (a, b) in enumerate(ranges):
@@ -175,14 +178,14 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     phases = dict(propose=time.monotonic() - t0)
     try:
         return _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, weights, timeout_s, rule,
-                                  norm_bound, feedback, received, phases, unproposed, missing)
+                                  norm_bound, feedback, received, phases, unproposed, missing, stop)
     except BaseException:
         member.error = before  # a failed round changes nothing: the caller decides what becomes of m
         raise
 
 
 def _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, weights, timeout_s, rule, norm_bound,
-                       feedback, received, phases, unproposed, missing) -> RangeResults:
+                       feedback, received, phases, unproposed, missing, stop) -> RangeResults:
     """Steps 2 and 3 of the module docstring, once P is known."""
     k, rank, n = len(group), group.index(me), m.numel()
     slices = range_slices(positions, n, cfg.chunk, k)
@@ -193,7 +196,7 @@ def _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, 
     t0 = time.monotonic()
     mine = slices[rank]
     size = values_bytes(positions[mine], n, cfg)
-    got, dropped = server.fetch({p: (None, size) for p in group if p != me}, f"{key}/v{rank}", timeout_s)
+    got, dropped = server.fetch({p: (None, size) for p in group if p != me}, f"{key}/v{rank}", timeout_s, stop=stop)
     dropped.update({p: f"no proposal for our range: {why}" for p, why in unproposed.items() if p not in dropped})
     received += sum(map(len, got.values()))
     rows = {me: sent[mine]}
@@ -210,7 +213,7 @@ def _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, 
     t0 = time.monotonic()
     wanted = {group[j]: (None, values_bytes(positions[sl], n, cfg, cfg.result_bits))
               for j, sl in enumerate(slices) if j != rank and sl.stop > sl.start}  # (an empty range has no result)
-    got, failed = server.fetch(wanted, f"{key}/r", timeout_s)
+    got, failed = server.fetch(wanted, f"{key}/r", timeout_s, stop=stop)
     received += sum(map(len, got.values()))
     applied = np.zeros(len(positions), dtype=np.float32)
     applied[mine] = red.applied
@@ -296,8 +299,12 @@ def exchange_reduced(averager: PseudoGradientAverager, server: ContributionServe
                            res.allreduce_s, 0, dropped=dropped, phases=dict(matchmaking=started - called))
     for peer, why in sorted(dropped.items()):
         logger.warning("round %d: left %s out of the reduce-scatter: %s", round_index, peer, why)
+    # as the all-gather's downloads: after ABANDON_GRACE_S the give-up rule may end the fetches (the round went on
+    # without us; waiting out four fetch timeouts on members that moved on would only delay our re-sync)
+    stop = None if abandon is None else after(abandon, ABANDON_GRACE_S)
     out = exchange_shared(server, me, group, round_key(round_index), rnd.member, rnd.m,
-                          {p: metas[p].weight for p in group}, fetch_timeout_s, rule, norm_bound, rnd.feedback)
+                          {p: metas[p].weight for p in group}, fetch_timeout_s, rule, norm_bound, rnd.feedback,
+                          stop=stop)
     for peer, why in sorted(out.dropped.items()):
         logger.warning("round %d: as reducer of our range, dropped %s: %s", round_index, peer, why)
     n, cfg = rnd.m.numel(), rnd.cfg

@@ -246,3 +246,20 @@ def test_bad_calls_are_refused():
         with pytest.raises(ValueError, match="a chunk per reducer"):
             exchange_shared(s, p, [p, "a"], "k", SharedIndexMember(200, CFG), torch.zeros(200), {p: 1.0, "a": 1.0},
                             1.0)
+
+
+def test_a_round_that_went_on_without_us_ends_the_fetches_and_changes_nothing():
+    """``stop`` (the daemon's give-up rule after its grace, peers/reducescatter.py ``exchange_reduced``) ends a
+    reduce-scatter whose group-mates never serve, about a second after it holds, not after four fetch timeouts;
+    the round fails and our buffer is as it was."""
+    import time
+
+    with peers_on_loopback(3, "test_reducescatter_stop", keep=8) as peers:
+        (me, server, _), group = peers[0], [p for p, _, _ in peers]
+        member = SharedIndexMember(N, CFG)
+        began = time.monotonic()
+        with pytest.raises(RoundFailed, match="abandoned"):
+            exchange_shared(server, me, group, "rs/9", member, _ms(3)[0], {p: 1.0 for p in group}, 30.0,
+                            stop=lambda: time.monotonic() - began > 1.0)
+        assert time.monotonic() - began < 10.0
+        assert not member.error.any()
