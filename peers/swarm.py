@@ -49,7 +49,21 @@ TRAFFIC_COUNTS = ("reads", "publishes", "searches", "inputs_published", "inputs_
 GROUP_READ_INTERVAL_S = 0.5  # matchmaking reads a group key at most this often (SupervisedDHT)
 
 
-class MemberRecord(pydantic.BaseModel):
+MAX_PEERS = 1024  # peers a record's lists and maps may name
+
+
+def _at_most_max_peers(cls, value):
+    if len(value) > MAX_PEERS:
+        raise ValueError(f"{len(value)} peers: at most {MAX_PEERS}")
+    return value
+
+
+class _Record(pydantic.BaseModel):
+    class Config:
+        extra = pydantic.Extra.forbid  # hivemind's SchemaValidator then refuses unknown fields
+
+
+class MemberRecord(_Record):
     """What a node tells the swarm about itself (refreshed every few seconds)."""
 
     peer_id: pydantic.StrictStr
@@ -89,17 +103,10 @@ class MemberRecord(pydantic.BaseModel):
     # audits (daemon/audits.py): peer_id -> the round whose recomputation showed that peer lied
     accusations: Dict[pydantic.constr(strict=True, max_length=64), pydantic.conint(ge=1)] = {}
 
-    @pydantic.validator("undialable", "accusations", "union")
-    def _few_peers(cls, value):
-        if len(value) > 1024:
-            raise ValueError(f"{len(value)} peers: at most 1024")
-        return value
-
-    class Config:
-        extra = pydantic.Extra.forbid
+    _few_peers = pydantic.validator("undialable", "accusations", "union", allow_reuse=True)(_at_most_max_peers)
 
 
-class InputsRecord(pydantic.BaseModel):
+class InputsRecord(_Record):
     """The contributions a member used in round ``result_step``: contributor peer_id -> the first 16 hex digits of
     the SHA-256 of its payload, so members can see a contributor that served different bytes to different
     peers. Published (under ``{run_id}_inputs``) only when a group-mate's ``inputs_digest`` differs from ours:
@@ -109,14 +116,7 @@ class InputsRecord(pydantic.BaseModel):
     result_step: pydantic.conint(ge=0)
     inputs: Dict[pydantic.constr(strict=True, max_length=64), pydantic.constr(strict=True, max_length=16)]
 
-    @pydantic.validator("inputs")
-    def _few_peers(cls, value):
-        if len(value) > 1024:
-            raise ValueError(f"{len(value)} peers: at most 1024")
-        return value
-
-    class Config:
-        extra = pydantic.Extra.forbid
+    _few_peers = pydantic.validator("inputs", allow_reuse=True)(_at_most_max_peers)
 
 
 def inputs_digest(inputs: Dict[str, str]) -> str:
