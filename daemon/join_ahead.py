@@ -120,11 +120,18 @@ class JoinAhead:
             return None
         return update
 
+    def forked(self) -> bool:
+        """Does the update we miss continue another theta than ours (our state came from a lineage that forked)?
+        Then no source can help: only a re-sync can."""
+        return self.behind() and self._forked_at == self.state.outer_step + 1
+
     def wait(self, timeout_s: float, cancelled: Callable[[], bool]) -> bool:
-        """``merge`` until it succeeds, ``timeout_s`` passes or ``cancelled()``; True when no longer behind."""
+        """``merge`` until it succeeds, ``timeout_s`` passes, ``cancelled()`` or we are ``forked()``; True when no
+        longer behind. (Waiting on a fork held a joiner at 32 nodes for the whole 300 s outer_round_deadline
+        before its re-sync.)"""
         deadline = time.monotonic() + timeout_s
         while not self.merge():
-            if time.monotonic() >= deadline or cancelled():
+            if self.forked() or time.monotonic() >= deadline or cancelled():
                 return False
             time.sleep(0.1)
         return True

@@ -59,6 +59,9 @@ def test_a_forged_or_unvouched_update_is_not_merged(tmp_path):
     assert not ahead.merge(now=0.0) and (joiner.outer_step, joiner.digest) == (2, theta2)
     fetched = len(t.updates.fetched)  # the members' theta_2 is not ours: no source can help, so no more asks
     assert not ahead.merge(now=10.0) and len(t.updates.fetched) == fetched
+    # and the round's end does not wait for it (it waited the whole outer_round_deadline at 32 nodes): re-sync now
+    began = time.monotonic()
+    assert ahead.forked() and not ahead.wait(300.0, lambda: False) and time.monotonic() - began < 1.0
 
     class Unvouched(SimProgress):  # the records hold another theta at outer step 3 than the update leads to
         def others(self, max_age_s: float = 1.0):
