@@ -78,11 +78,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def _node_rows(folder: Path) -> list[list[dict]]:
+    """Each node's metrics.jsonl rows under ``folder`` (one list per node, in round order)."""
+    return [[json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+            for f in folder.glob("h*/**/metrics.jsonl")]
+
+
 def _transport_sent(folder: Path) -> float:
     """The median ``bytes_sent`` of the nodes' rounds after their first (metrics.jsonl under ``folder``)."""
     sent = []
-    for f in folder.glob("h*/**/metrics.jsonl"):
-        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    for rows in _node_rows(folder):
         sent += [r["bytes_sent"] for r in rows[1:]]
     return statistics.median(sent) if sent else float("nan")
 
@@ -91,8 +96,7 @@ def membership_ops(folder: Path) -> dict:
     """Mean DHT operations on the membership keys per node-round after each node's first round (the cumulative
     ``membership`` counts of metrics.jsonl rows, peers/swarm.py ``Swarm.traffic``); {} without them."""
     total, rounds = {}, 0
-    for f in folder.glob("h*/**/metrics.jsonl"):
-        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    for rows in _node_rows(folder):
         counts = [r["membership"] for r in rows[1:] if "membership" in r]
         for before, after in zip(counts, counts[1:]):
             rounds += 1
