@@ -285,7 +285,7 @@ class OuterRounds:
 
     def _abandon(self, r: int):
         """The exchange's give-up rule for round r (matchmaking, and downloads after their grace): the round left
-        us behind (dilocox.consensus.left_behind, read from the membership records at each call)."""
+        us behind (dilocox.consensus.left_behind, from a read of the membership records at most ABANDON_READ_S old)."""
         return lambda: left_behind(self.progress.others(ABANDON_READ_S), r, self.delayed)
 
     # ------------------------------------------------------------------ equivocation
