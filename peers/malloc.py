@@ -1,0 +1,44 @@
+"""glibc malloc settings for a long-running node (docs/operations.md, "Memory per node").
+
+glibc raises its mmap threshold each time a large mmapped block is freed, up to 32 MB on 64-bit
+(mallopt(3), "M_MMAP_THRESHOLD": the dynamic threshold). A node allocates and frees buffers of a
+tensor's size every round (decoded contributions, aggregates, encoded payloads), so after the first
+rounds those buffers come from the heap and arenas instead of their own mappings, and what they
+leave behind when freed stays in the process (fragmented, untrimmed). Setting the threshold by hand
+turns the dynamic adjustment off: every block of at least ``MMAP_THRESHOLD`` bytes is its own
+mapping again and goes back to the kernel when freed.
+
+``tune()`` is called once, early in the main process; hivemind's DHT and averager processes are
+forked from it and inherit the setting (malloc's state is process memory). An operator's own
+``MALLOC_MMAP_THRESHOLD_`` (glibc's environment variable) or ``GLIBC_TUNABLES`` wins: then nothing is
+changed. Elsewhere than glibc (musl, macOS) this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+MMAP_THRESHOLD = 128 * 1024  # glibc's initial value, kept fixed
+
+
+def tune(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes; True if it was set. Returns False without change when
+    the operator set ``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``, or the C library is not glibc."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "GLIBC_TUNABLES" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    ok = mallopt(M_MMAP_THRESHOLD, int(threshold)) == 1  # mallopt returns 1 on success
+    if not ok:
+        logger.debug("mallopt(M_MMAP_THRESHOLD, %d) refused", threshold)
+    return ok
