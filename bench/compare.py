@@ -75,9 +75,11 @@ def run_ddp(net: NetSim, args, steps: int, max_seconds: float) -> dict:
 
 
 def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path, nodes: int = 2,
-              workload: str = "") -> dict:
+              workload: str = "", forked: bool = False) -> dict:
     """One swarm of ``nodes`` real dilocox-node processes, host i in namespace i, until max_outer_steps.
     ``workload``: an emulated one (--workload synthetic:PARAMS:STEP_S) instead of the ``small`` model.
+    ``forked``: the nodes are forked from one shared image (bench/forked.py) into their namespaces instead of
+    each started as an interpreter under ``ip netns exec`` (same daemon and bytes, a fraction of the memory).
     Returns utilization, bytes on the hosts' interfaces (tx and rx, per node and round), the median time
     of each round phase (PHASES), the delay overlapped rounds ran with, and each node's peak memory."""
     model = ["--workload", workload] if workload else ["--model", "small"]
@@ -95,7 +97,8 @@ def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path, nodes: 
             a = common + ["--listen", f"/ip4/{net.address(i)}/tcp/0", "--data-seed", str(i)]
             if procs:
                 a += ["--join", procs[0].join_maddr]
-            procs.append(LocalNode(f"h{i}", out / name / f"h{i}", a, wrapper=net.wrapper(i)).wait_started())
+            where = dict(forked=True, netns=net.namespace(i)) if forked else dict(wrapper=net.wrapper(i))
+            procs.append(LocalNode(f"h{i}", out / name / f"h{i}", a, **where).wait_started())
             memory.watch(procs[-1].proc.pid)
         codes = [n.proc.wait(args.outer_steps * 600) for n in procs]
     finally:

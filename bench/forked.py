@@ -15,11 +15,14 @@ same ``node_main``. What it does not measure is a volunteer's own start-up, one 
 machine; benchmarks say which launch they used.
 
 ``ForkedProcess`` wraps the ``multiprocessing.Process`` in the part of ``subprocess.Popen``'s interface
-that bench/localswarm.py uses (pid, poll, wait, send_signal, returncode).
+that bench/localswarm.py uses (pid, poll, wait, send_signal, returncode). With ``netns`` the node enters a
+network namespace of bench/netsim.py's first, as ``ip netns exec`` would put an interpreter there, so many
+hosts in namespaces share one image too (bench/upload.py at 32 hosts).
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import subprocess
@@ -30,6 +33,7 @@ from pathlib import Path
 import psutil
 
 IMAGE = "bench.node_image"
+CLONE_NEWNET = 0x40000000  # linux/sched.h
 REPO = Path(__file__).resolve().parents[1]
 _CONTEXT = None
 
@@ -55,8 +59,21 @@ def _context():
     return _CONTEXT
 
 
-def _node(argv: list[str], cwd: str, env: dict, stdout: str, stderr: str, threads: int) -> None:
-    """The forked node's body: a session of its own, its own files and environment, then ``node_main``."""
+def enter_netns(name: str) -> None:
+    """Move this process into the network namespace ``name`` (``ip netns add``'s /run/netns/NAME) with setns(2),
+    as ``ip netns exec`` does; call it while the process has one thread: threads and programs it starts later
+    (p2pd) are in the namespace too. Raises OSError naming the namespace."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/run/netns/{name}") as f:
+        if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot enter network namespace {name}: {os.strerror(err)}")
+
+
+def _node(argv: list[str], cwd: str, env: dict, stdout: str, stderr: str, threads: int,
+          netns: str | None = None) -> None:
+    """The forked node's body: a session of its own, its own files and environment (and network namespace, with
+    ``netns``), then ``node_main``."""
     if IMAGE not in sys.modules:
         problem = f"the forkserver did not import {IMAGE}: run from the repository, or see its log"
         Path(stderr).write_text(f"{problem}\n")  # where the benchmarks read a node's last words
@@ -75,6 +92,8 @@ def _node(argv: list[str], cwd: str, env: dict, stdout: str, stderr: str, thread
     # the inherited TextIOWrappers buffer for a pipe; the benchmarks read these files while the node runs
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+    if netns:
+        enter_netns(netns)  # after the files: a failure is in the node's stderr
     import numpy as np
     import torch
 
@@ -88,11 +107,12 @@ def _node(argv: list[str], cwd: str, env: dict, stdout: str, stderr: str, thread
 class ForkedProcess:
     """A ``dilocox-node`` forked from the shared image; ``Popen``-like (see the module docstring)."""
 
-    def __init__(self, argv: list[str], cwd: str, env: dict, stdout: str, stderr: str, threads: int = 1):
+    def __init__(self, argv: list[str], cwd: str, env: dict, stdout: str, stderr: str, threads: int = 1,
+                 netns: str | None = None):
         for path in (stdout, stderr):  # there before start() returns, as with Popen, for readers that poll them
             open(path, "w").close()
         # not a daemonic process: those may not have children, and hivemind forks the DHT and averagers
-        self._process = _context().Process(target=_node, args=(argv, cwd, env, stdout, stderr, threads),
+        self._process = _context().Process(target=_node, args=(argv, cwd, env, stdout, stderr, threads, netns),
                                            daemon=False)
         self._process.start()
         self.pid = self._process.pid

@@ -38,9 +38,10 @@ class LocalNode:
     """A dilocox-node subprocess; stdout, stderr and checkpoints live under ``workdir``."""
 
     def __init__(self, name: str, workdir: Path, args: list[str], threads: int = 1, wrapper: list[str] = (),
-                 forked: bool = False):
+                 forked: bool = False, netns: str | None = None):
         """``wrapper`` prefixes the command, e.g. ``ip netns exec HOST`` (bench/netsim.py). ``forked``: fork the
-        node from the image shared by all forked nodes (bench/forked.py) instead of starting an interpreter."""
+        node from the image shared by all forked nodes (bench/forked.py) instead of starting an interpreter;
+        ``netns``: the network namespace a forked node enters (a host of bench/netsim.py), in place of a wrapper."""
         self.name, self.workdir = name, workdir
         self.started_at = time.time()  # wall clock, as the metrics rows' "time"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -48,11 +49,13 @@ class LocalNode:
         argv = [*args, "--checkpoint-dir", str(workdir / "ckpt")]
         if forked:
             if wrapper:
-                raise ValueError("a forked node cannot run under a wrapper command")
+                raise ValueError("a forked node cannot run under a wrapper command (netns= puts it in a namespace)")
             from bench.forked import ForkedProcess
 
             self.proc = ForkedProcess(argv, str(REPO), node_env(threads), str(self.out_path), str(self.err_path),
-                                      threads)
+                                      threads, netns)
+        elif netns:
+            raise ValueError("netns= is for forked nodes; an interpreter runs under wrapper=NetSim.wrapper(i)")
         else:
             self.proc = subprocess.Popen(
                 [*wrapper, sys.executable, "-m", "dilocox.daemon.cli", *argv],

@@ -279,6 +279,10 @@ class NetSim:
                     pipe.close()
         self._delay_procs.clear()
 
+    def namespace(self, i: int) -> str:
+        """Host i's network namespace: where a forked node enters (``LocalNode(..., forked=True, netns=...)``)."""
+        return self.hosts[i]
+
     def wrapper(self, i: int) -> list[str]:
         """Command prefix that runs a program inside host i."""
         return ["ip", "netns", "exec", self.hosts[i]]

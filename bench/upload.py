@@ -19,6 +19,10 @@ the first) and whether every node ended with one theta.
 
     python -m bench.upload --nodes 8 16 --outer-steps 5
 
+Nodes are forked from one shared image into their namespaces (``--launch forked``, bench/forked.py: the same
+daemon, so the same bytes; a fraction of the memory, which lets 32 hosts fit in 24 GB) or started as
+one interpreter each under ``ip netns exec`` (``--launch interpreter``, the runs before 2026-12-01).
+
 Results: runs/bench/upload.{json,png} and a printed table.
 """
 
@@ -47,6 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=float, default=1000.0, help="Mbit/s each way per host")
     p.add_argument("--inner-steps", type=int, default=20)
     p.add_argument("--outer-steps", type=int, default=5)
+    p.add_argument("--launch", choices=("forked", "interpreter"), default="forked",
+                   help="forked: every node forked from one shared image into its namespace (bench/forked.py)")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     a = p.parse_args(argv)
     a.inner_lr = "1e-3"
@@ -61,7 +67,7 @@ def main(argv=None) -> int:
             for scheme in a.schemes:
                 began = time.monotonic()
                 res = run_swarm(net, a, f"upload_{k}_{scheme}", SCHEMES[scheme], a.out / "upload" / f"k{k}", k,
-                                a.workload)
+                                a.workload, forked=a.launch == "forked")
                 folder = a.out / "upload" / f"k{k}" / f"upload_{k}_{scheme}"
                 transport = _transport_sent(folder)
                 rows.append(dict(nodes=k, scheme=scheme, workload=a.workload, rate_mbit=a.rate,
@@ -71,6 +77,7 @@ def main(argv=None) -> int:
                                  transport_sent_bytes=transport, round_s=res["round_s"],
                                  group_sizes=res["group_sizes"], outcomes=res["outcomes"],
                                  digests_agree=res["digests_agree"], membership=membership_ops(folder),
+                                 launch=a.launch, peak_memory_bytes=res["peak_memory_bytes"],
                                  bench_s=time.monotonic() - began))
                 print(_line(rows[-1]), flush=True)
                 _write(rows, a)

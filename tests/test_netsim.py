@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from bench.netsim import NetSim
@@ -207,3 +208,42 @@ def test_nated_hosts_reach_public_hosts_only_and_appear_as_their_router():
         assert seen[pair][0] == "failed", (pair, seen[pair])
     assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                 if ns.startswith("dlxq-")]
+
+
+def test_forked_nodes_enter_their_hosts_namespaces_and_train_across_the_bridge(tmp_path):
+    """bench/forked.py's ``netns``: a node forked from the shared image lives in its host's namespace (and so does
+    its p2pd), listens on the host's address and trains with a node on another host; the bytes cross the
+    veths that NetSim counts."""
+    from bench.localswarm import JOINT, LocalNode, wait_all
+
+    args = ["--workload", "synthetic:200k:0.05", "--inner-steps", "20", "--status-addr", "127.0.0.1:0",
+            "--min-replicas", "2", "--run-id", "forked-netns", "--request-timeout", "2"]
+    with NetSim(2, 1000, prefix="dlxtf") as net:
+        before = net.sent_bytes()
+        nodes = [LocalNode("a", tmp_path / "a", args + ["--listen", f"/ip4/{net.address(0)}/tcp/0"], forked=True,
+                           netns=net.namespace(0)).wait_started()]
+        try:
+            assert f"/ip4/{net.address(0)}/" in nodes[0].join_maddr
+            nodes.append(LocalNode("b", tmp_path / "b", args + ["--listen", f"/ip4/{net.address(1)}/tcp/0",
+                                                                "--join", nodes[0].join_maddr],
+                                   forked=True, netns=net.namespace(1)))
+            wait_all(nodes, lambda: all(sum(r["outcome"] in JOINT for r in n.metrics()) >= 1 for n in nodes), 120,
+                     "a joint round on both nodes")
+            for i, n in enumerate(nodes):
+                inside = os.stat(f"/run/netns/{net.namespace(i)}").st_ino
+                tree = [n.proc.pid] + [c.pid for c in psutil.Process(n.proc.pid).children(recursive=True)]
+                assert {os.stat(f"/proc/{pid}/ns/net").st_ino for pid in tree} == {inside}, tree
+                assert any("p2pd" in psutil.Process(pid).name() for pid in tree)
+            after = net.sent_bytes()
+            assert all(after[i] - before[i] > 100_000 for i in (0, 1)), (before, after)  # > half a 200k payload
+        finally:
+            codes = [n.terminate() for n in nodes]
+    assert codes == [0] * len(nodes), codes
+
+
+def test_a_forked_node_names_a_namespace_it_cannot_enter(tmp_path):
+    from bench.localswarm import LocalNode
+
+    node = LocalNode("x", tmp_path / "x", ["--listen", "/ip4/127.0.0.1/tcp/0"], forked=True, netns="dlx-no-such-ns")
+    assert node.proc.wait(60) != 0
+    assert "dlx-no-such-ns" in (tmp_path / "x" / "stderr").read_text()
