@@ -117,6 +117,7 @@ class Node:
         self.ahead: Optional[JoinAhead] = None  # merges the update a node that joined ahead misses
         self._reachability = reachability.Reachability.REACHABLE  # the last verdict (peers/reachability.py)
         self.skip_steps = 0  # inner steps of the next round the swarm has already done (joiners)
+        self._applied_alone_at = -1  # the outer step our last APPLIED_ALONE round reached (-1: none)
         self.resumed_from = 0  # outer step of the checkpoint we resumed from (0: none)
         self.round_log: list[tuple[float, float]] = []  # (monotonic time a round was recorded, its compute_s)
         self.settings_digest = cfg.settings_digest()  # published in our membership record
@@ -479,7 +480,7 @@ class Node:
             self._resync(f"round {r} needs the parameters of outer step {r - 1}", keep_round=True)
             if self.state.outer_step != r - 1:
                 return
-        lineage = None if self.staged else self._lineage(r - 1)
+        lineage = None if self.staged else self._lineage(r - 1, alone=self._applied_alone_at == r - 1)
         if lineage is not None:  # a split round left us in a minority lineage of theta: join the prevailing one
             self._resync(f"round {r}: the live replicas' prevailing theta at outer step {r - 1} is {lineage} (a "
                          f"strict majority's, or the largest lineage's), ours is {self.state.digest}", keep_round=True)
@@ -497,14 +498,14 @@ class Node:
             round_compute_s = compute_s * self.H / max(1, self.H - skip)
             self.rounds.wait_briefly(self.rounds.overlap_budget_s(round_compute_s, self.cfg.overlap_wait))
 
-    def _lineage(self, step: int) -> Optional[str]:
+    def _lineage(self, step: int, alone: bool = False) -> Optional[str]:
         """The theta digest the live replicas converge on at outer step ``step`` (a strict majority's, or with every
         replica at the step the largest lineage's) when it is not ours (dilocox.consensus.lineage_standing), waiting
-        up to averaging_timeout while the replicas behind us may still make another theta the majority; None: ours
-        stands."""
+        up to averaging_timeout while the replicas behind us may still make another theta the majority (``alone``:
+        we applied ``step`` alone, so also while most of them are still behind it); None: ours stands."""
         deadline = time.monotonic() + self.cfg.averaging_timeout
         while True:
-            standing, digest = lineage_standing(self.progress.others(), step, self.state.digest)
+            standing, digest = lineage_standing(self.progress.others(), step, self.state.digest, alone)
             if standing != Lineage.WAIT or time.monotonic() >= deadline or self.leave_requested.is_set():
                 return digest
             time.sleep(0.5)
@@ -565,6 +566,8 @@ class Node:
         """Act on a round's outcome: record it, or re-sync (and record a re-sync that fetched it)."""
         if finished is None:
             return
+        # the next round's lineage check waits for the swarm after a round applied alone (consensus.lineage_standing)
+        self._applied_alone_at = self.state.outer_step if finished.outcome == RoundOutcome.APPLIED_ALONE else -1
         if finished.outcome == RoundOutcome.RESYNC:
             self._resync(finished.reason)
             if finished.info is not None and self.state.outer_step == finished.index:

@@ -180,7 +180,8 @@ class Lineage(str, Enum):
     WAIT = "wait"  # another theta, held by as many as ours, may still reach a majority with the replicas behind
 
 
-def lineage_standing(others: Sequence[PeerProgress], step: int, our_digest: str) -> Tuple[Lineage, Optional[str]]:
+def lineage_standing(others: Sequence[PeerProgress], step: int, our_digest: str,
+                     alone: bool = False) -> Tuple[Lineage, Optional[str]]:
     """Our theta (``our_digest`` at outer step ``step``) against the other replicas' (``others``: their records;
     active ones count), ourselves included. A split round whose groups applied different updates leaves two
     lineages of theta; the next round's start digests reconcile only members that meet in one group, and a
@@ -193,7 +194,14 @@ def lineage_standing(others: Sequence[PeerProgress], step: int, our_digest: str)
     majority and every live replica is at ``step`` (two equal halves, or three lineages), JOIN the one
     ``prevailing_theta`` names: the most holders, ties to the smallest digest. STAY otherwise. At most one theta
     can hold a strict majority, so the majority's members never JOIN, and a read that misses a record can only
-    delay a JOIN to it; among equal lineages such a read costs a re-sync, never a fork."""
+    delay a JOIN to it; among equal lineages such a read costs a re-sync, never a fork.
+
+    ``alone``: we applied outer step ``step`` alone (our all-reduce failed while nobody had applied the round:
+    ``failure_action``). Then WAIT also while a strict majority of the live replicas is still behind ``step``:
+    they are still in that round and will apply their own update, and a lone applier that went on would stay a
+    round ahead of them for good, its matchmaking for each next round running out before they reach it, so that
+    it applied every round alone (seen at 32 hosts in network namespaces, `make bench-upload`: one node applied
+    rounds 2-5 alone while the other 31 united each). Once they hold another theta there, it JOINs theirs."""
     active = [m for m in others if m.state in ACTIVE_STATES]
     # the plurality case needs nobody behind, so it never meets the wait below: one call decides both JOINs
     digest = prevailing_theta(active, step, ours=1, our_digest=our_digest)
@@ -203,6 +211,8 @@ def lineage_standing(others: Sequence[PeerProgress], step: int, our_digest: str)
     ours = 1 + held.pop(our_digest, 0)
     behind = sum(m.outer_step < step for m in active)
     if held and max(held.values()) >= ours and 2 * (max(held.values()) + behind) > 1 + len(active):
+        return Lineage.WAIT, None
+    if alone and 2 * behind > 1 + len(active):
         return Lineage.WAIT, None
     return Lineage.STAY, None
 

@@ -434,3 +434,27 @@ def test_the_prevailing_theta_is_the_majoritys_else_with_every_replica_at_the_st
     assert prevailing_theta(three + peers("n", 1, "N", step=9), 8) is None
     # re-syncing members hold no vote and are not live replicas
     assert prevailing_theta(three + peers("s", 3, "B", state="SYNCING"), 8) == "C"
+
+
+def test_a_lone_applier_ahead_of_most_replicas_waits_for_them_then_joins_their_theta():
+    """A member whose all-reduce failed applied outer step 2 alone while the other replicas were still in that
+    round (seen at 32 hosts: it then ran a round ahead of them for good, applying every round alone). At its
+    next round's lineage check it waits while most replicas are behind step 2, and joins the theta they apply."""
+    from dilocox.consensus import Lineage, lineage_standing
+
+    def peer(name, step, digest, state="TRAINING"):
+        return Peer(peer_id=name, state=state, outer_step=step, round=step + 1, global_params_digest=digest)
+
+    behind = [peer(f"w{i}", 1, "P") for i in range(31)]
+    assert lineage_standing(behind, 2, "L") == (Lineage.STAY, None)  # as before for any other member ahead
+    assert lineage_standing(behind, 2, "L", alone=True) == (Lineage.WAIT, None)
+    # they applied step 2 (one theta, the union of their groups): a strict majority holds it, ours is alone
+    done = [peer(f"w{i}", 2, "S") for i in range(31)]
+    assert lineage_standing(done, 2, "L", alone=True) == (Lineage.JOIN, "S")
+    # 15 of them applied S, 16 are still behind: S may yet become the majority, so still wait
+    assert lineage_standing(done[:15] + behind[15:], 2, "L", alone=True) == (Lineage.WAIT, None)
+    # not a majority behind us (most went on with us or left): nothing to wait for, ours stands
+    assert lineage_standing(behind[:3] + [peer(f"o{i}", 2, "L") for i in range(7)], 2, "L", alone=True) == \
+        (Lineage.STAY, None)
+    assert lineage_standing(behind[:1], 2, "L", alone=True) == (Lineage.STAY, None)  # a pair: half is not most
+    assert lineage_standing([peer("s", 1, "P", state="SYNCING")] * 5, 2, "L", alone=True) == (Lineage.STAY, None)
