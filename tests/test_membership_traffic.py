@@ -122,3 +122,36 @@ def test_a_publish_and_a_read_ask_a_few_dht_peers_and_the_read_finds_the_record(
     # hivemind's defaults ask all 9 other peers each time; the bounds allow a traversal's extra hop
     assert publish_asked <= MEMBER_REPLICAS + 1, hits
     assert read_asked <= MEMBER_READ_BEAM + 1, hits
+
+
+def test_matchmaking_and_state_sharing_keys_ask_a_few_dht_peers(plain_nodes, tmp_path):
+    """hivemind's averagers store and read a group key (matchmaking) and ``{prefix}.all_averagers`` (who serves
+    state) through our DHT: each peer asked answers with every averager's entry, so these go to as few peers as
+    the membership records do (peers/swarm.py, SupervisedDHT). hivemind's default beam would ask all 9."""
+    from hivemind.utils import get_dht_time
+
+    nodes, maddrs, _ = plain_nodes
+    _, key = load_or_create_identity(tmp_path / "m.key")
+    swarm = Swarm("mm", key, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
+                  identity_path=str(tmp_path / "m.key"))
+    asked = {}
+    try:
+        for name in ("mm_pseudo_gradient_sparse1.0b0110", "mm_pseudo_gradient_sparse1.all_averagers"):
+            hits, _ = _count_finds(nodes, name)
+            assert swarm.dht.store(name, subkey=b"me", value=True, expiration_time=get_dht_time() + 30)
+            stored = sum(h > 0 for h in hits)
+            hits[:] = [0] * len(hits)
+
+            async def read(name=name):  # as hivemind's GroupKeyManager and load_state_from_peers call it
+                return await swarm.dht.get(name, latest=True, return_future=True)
+            found = asyncio.run(read())
+            asked[name] = (stored, sum(h > 0 for h in hits), found is not None and b"me" in found.value)
+        hits, _ = _count_finds(nodes, "mm_other")  # any other key is hivemind's own: the default beam
+        assert swarm.dht.store("mm_other", value=1, expiration_time=get_dht_time() + 30)
+        other = sum(h > 0 for h in hits)
+    finally:
+        swarm.shutdown()
+    for name, (stored, read, found) in asked.items():
+        assert found, name
+        assert 1 <= stored <= MEMBER_REPLICAS + 1 and 1 <= read <= MEMBER_READ_BEAM + 1, (name, stored, read)
+    assert other > MEMBER_REPLICAS + 1, other  # shows the bound is ours: hivemind asks every peer it finds
