@@ -155,3 +155,42 @@ def test_matchmaking_and_state_sharing_keys_ask_a_few_dht_peers(plain_nodes, tmp
         assert found, name
         assert 1 <= stored <= MEMBER_REPLICAS + 1 and 1 <= read <= MEMBER_READ_BEAM + 1, (name, stored, read)
     assert other > MEMBER_REPLICAS + 1, other  # shows the bound is ours: hivemind asks every peer it finds
+
+
+def test_a_read_pushes_nothing_on_and_refreshes_nothing(plain_nodes, tmp_path):
+    """hivemind's Kademlia caching is off for our DHT (peers/swarm.py): a read that found the members dictionary
+    does not store it on a nearest peer (``cache_nearest``), and nothing re-reads it before it expires
+    (``cache_refresh_before_expiry``): both moved whole dictionaries for nothing."""
+    nodes, maddrs, _ = plain_nodes
+    key_id = DHTID.generate("traffic_members")
+    cached = [0] * len(nodes)
+    for i, node in enumerate(nodes):
+        cache = node.protocol.cache
+
+        def counted(k, *args, i=i, store=cache.store):
+            cached[i] += k == key_id
+            return store(k, *args)
+
+        def counted_subkey(k, *args, i=i, store=cache.store_subkey):  # a dictionary arrives subkey by subkey
+            cached[i] += k == key_id
+            return store(k, *args)
+        cache.store, cache.store_subkey = counted, counted_subkey
+    swarms = []
+    try:
+        for name in ("a", "b"):
+            _, key = load_or_create_identity(tmp_path / f"{name}.key")
+            swarms.append(Swarm("traffic", key, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                announce_maddrs=[], identity_path=str(tmp_path / f"{name}.key"), ttl_s=8.0))
+        a, b = swarms
+        assert a.publish(_record(a))
+        finds, _ = _count_finds(nodes, "traffic_members")
+        seen = {r.peer_id for r, _ in b.members(max_age_s=0.0)}
+        read_finds = sum(finds)
+        time.sleep(5.0)  # a refresh would come 5 s before the record's 8 s expire
+        refreshed = sum(finds) - read_finds
+    finally:
+        for s in swarms:
+            s.shutdown()
+    assert seen == {a.peer_id}
+    assert sum(cached) == 0, cached  # hivemind's default (cache_nearest=1) stores the found value on a peer
+    assert refreshed == 0, finds
