@@ -76,6 +76,13 @@ def _count_finds(nodes, key: str) -> tuple[list[int], list[int]]:
     return finds, stores
 
 
+def _swarm(tmp_path, name: str, maddrs: list[str], run_id: str = "traffic", ttl_s: float = 15.0) -> Swarm:
+    """A Swarm (its own DHT process) joined to the plain nodes at ``maddrs``, with a key of its own."""
+    _, key = load_or_create_identity(tmp_path / f"{name}.key")
+    return Swarm(run_id, key, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
+                 identity_path=str(tmp_path / f"{name}.key"), ttl_s=ttl_s)
+
+
 def _record(swarm: Swarm, outer_step: int = 3) -> MemberRecord:
     return MemberRecord(peer_id=swarm.peer_id, run_id="traffic", state="TRAINING", outer_step=outer_step, inner_step=0,
                         inner_steps=4, tokens_per_second=1.0, loss=1.0, global_params_digest="ab")
@@ -86,9 +93,7 @@ def test_a_publish_and_a_read_ask_a_few_dht_peers_and_the_read_finds_the_record(
     swarms = []
     try:
         for name in ("a", "b"):
-            _, key = load_or_create_identity(tmp_path / f"{name}.key")
-            swarms.append(Swarm("traffic", key, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                announce_maddrs=[], identity_path=str(tmp_path / f"{name}.key"), ttl_s=30.0))
+            swarms.append(_swarm(tmp_path, name, maddrs, ttl_s=30.0))
         a, b = swarms
         assert b.publish(_record(b))
         hits, stores = _count_finds(nodes, "traffic_members")
@@ -131,9 +136,7 @@ def test_matchmaking_and_state_sharing_keys_ask_a_few_dht_peers(plain_nodes, tmp
     from hivemind.utils import get_dht_time
 
     nodes, maddrs, _ = plain_nodes
-    _, key = load_or_create_identity(tmp_path / "m.key")
-    swarm = Swarm("mm", key, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
-                  identity_path=str(tmp_path / "m.key"))
+    swarm = _swarm(tmp_path, "m", maddrs, run_id="mm")
     asked = {}
     try:
         for name in ("mm_pseudo_gradient_sparse1.0b0110", "mm_pseudo_gradient_sparse1.all_averagers"):
@@ -178,9 +181,7 @@ def test_a_read_pushes_nothing_on_and_refreshes_nothing(plain_nodes, tmp_path):
     swarms = []
     try:
         for name in ("a", "b"):
-            _, key = load_or_create_identity(tmp_path / f"{name}.key")
-            swarms.append(Swarm("traffic", key, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                announce_maddrs=[], identity_path=str(tmp_path / f"{name}.key"), ttl_s=8.0))
+            swarms.append(_swarm(tmp_path, name, maddrs, ttl_s=8.0))
         a, b = swarms
         assert a.publish(_record(a))
         finds, _ = _count_finds(nodes, "traffic_members")
