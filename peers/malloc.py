@@ -5,8 +5,10 @@ glibc raises its mmap threshold each time a large mmapped block is freed, up to 
 tensor's size every round (decoded contributions, aggregates, encoded payloads), so after the first
 rounds those buffers come from the heap and arenas instead of their own mappings, and what they
 leave behind when freed stays in the process (fragmented, untrimmed). Setting the threshold by hand
-turns the dynamic adjustment off: every block of at least ``MMAP_THRESHOLD`` bytes is its own
-mapping again and goes back to the kernel when freed.
+turns the dynamic adjustment off: every block of at least ``MMAP_THRESHOLD`` bytes (1 MiB) is its own
+mapping again and goes back to the kernel when freed. Not glibc's initial 128 KB: with it every
+activation of the tiny model's inner steps became a fresh mapping, and the rounds' timing changed enough
+that adaptive overlap no longer landed its synchronous rounds (tests/test_overlap_swarm.py failed).
 
 ``tune()`` is called once, early in the main process; hivemind's DHT and averager processes are
 forked from it and inherit the setting (malloc's state is process memory). An operator's own
@@ -24,7 +26,7 @@ import os
 logger = logging.getLogger(__name__)
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-MMAP_THRESHOLD = 128 * 1024  # glibc's initial value, kept fixed
+MMAP_THRESHOLD = 1 << 20  # 1 MiB: tensor-sized buffers get mappings of their own, small ones stay on the heap
 
 
 def tune(threshold: int = MMAP_THRESHOLD) -> bool:
