@@ -36,8 +36,9 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-# unit tests, the fuzzers (100 cases each) and the swarm tests of the defaults, admission, SCAFFOLD and
-# process ends (~12 min on 2 cores); test-swarm: the slower multi-process swarm tests (~10 min)
+# unit tests, the fuzzers (100 cases each) and the swarm tests of the defaults, admission, SCAFFOLD, the
+# 12-node start and process ends (~11.5 min on 2 cores); test-swarm: the slower multi-process swarm tests,
+# audits, shared rounds, tokenizer joins and forked launches among them (~20 min)
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "not swarm" tests
 

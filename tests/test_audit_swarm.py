@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import FAST, start
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.swarm]  # 47 s: test-swarm (make test's budget)
 
 
 def test_a_small_norm_liar_is_caught_and_excluded_by_every_honest_member(tmp_path):

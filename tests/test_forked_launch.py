@@ -19,6 +19,7 @@ ARGS = ["--workload", "synthetic:200k:0.05", "--inner-steps", "20", "--listen", 
         "--status-addr", "127.0.0.1:0", "--min-replicas", "2", "--run-id", "forked"]
 
 
+@pytest.mark.swarm  # 29 s: test-swarm (make test's budget)
 def test_two_forked_nodes_train_together_share_the_image_and_leave_on_sigterm(tmp_path):
     a = LocalNode("a", tmp_path / "a", ARGS, forked=True).wait_started()
     b = LocalNode("b", tmp_path / "b", ARGS + ["--join", a.join_maddr], forked=True)

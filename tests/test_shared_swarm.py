@@ -12,7 +12,7 @@ import pytest
 from bench.localswarm import JOINT, LocalNode, wait_all
 from tests.helpers import FAST, start
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.swarm]  # 34 s: test-swarm (make test's budget)
 
 K = 4
 ARGS = FAST + ["--run-id", "shared", "--min-replicas", str(K), "--compression", "shared", "--inner-steps", "40"]

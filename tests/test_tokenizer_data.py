@@ -209,6 +209,7 @@ def test_the_tokenizer_joins_the_swarm_settings(bpe, tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.swarm  # 44 s: test-swarm (make test's budget)
 def test_a_joiner_with_another_tokenizer_refuses_and_one_with_ours_trains_along(bpe, tmp_path):
     prepare(iter(_docs(300)), bpe, tmp_path / "data")
     other = train_bpe(_docs(100, seed=3), 300, tmp_path / "other.json")
