@@ -29,7 +29,7 @@ from dilocox.peers.nearstore import store_near
 from dilocox.peers.validation import CachedSchemaValidator, CachedSignatureValidator
 from hivemind.averaging.key_manager import is_valid_group
 from hivemind.dht.schema import BytesWithPublicKey
-from hivemind.utils import get_dht_time
+from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
@@ -368,8 +368,10 @@ class Swarm:
         teaches the routing table the peers nearest the key."""
         expiration = get_dht_time() + self.ttl_s
         with self._lock:
-            self._read_at = -math.inf  # the next read sees our own new record
             self._traffic["publishes"] += 1
+            # our own reads see our new record at once, without a DHT read (before 2026-12-01 each publish made
+            # the next read go to the DHT: reads at least as many as publishes, each every member's record)
+            self._seen[self.public_key] = ValueWithExpiration(record.dict(), expiration)
             if time.monotonic() - self._searched_at < MEMBER_SEARCH_S:
                 accepted, tried = self.dht.run_coroutine(functools.partial(
                     store_near, key=self.key, subkey=self.public_key, value=record.dict(),
@@ -380,6 +382,7 @@ class Swarm:
             self._traffic["searches"] += 1
             # a later expiration: a peer that took the direct store would refuse the same one again
             expiration = max(expiration + 1e-3, get_dht_time() + self.ttl_s)
+            self._seen[self.public_key] = ValueWithExpiration(record.dict(), expiration)
             return bool(self.dht.store(self.key, subkey=self.public_key, value=record.dict(),
                                        expiration_time=expiration, beam_size=MEMBER_REPLICAS,
                                        num_workers=MEMBER_REPLICAS))
