@@ -70,10 +70,21 @@ from dilocox.sparse import SparseRound
 logger = logging.getLogger(__name__)
 FRESH_S = 0.2  # once-a-round decisions read the membership records (nearly) afresh: stale ones split rounds
 # the give-up rule, polled every second while matchmaking, reuses a read this old: a quarter of a node's reads per
-# round otherwise (Swarm.traffic at 8 nodes), and reacting up to 3 s later costs a round nothing it had
+# round otherwise (Swarm.traffic at 8 nodes), and reacting up to 3 s later costs a round nothing it had.
+# A read costs every member's record, so beyond ABANDON_READ_PEERS members the age grows with their number
+# (abandon_read_age_s): the poll's bytes per node and second stay flat in N
 ABANDON_READ_S = 3.0
+ABANDON_READ_PEERS = 8
 EXCLUDE_ROUNDS = 10  # rounds an equivocating contributor's contributions are dropped
 EXCHANGE_WINDOW = 3  # adaptive overlap: rounds whose exchange times predict the next one's (their maximum)
+
+
+def abandon_read_age_s(num_others: int) -> float:
+    """Seconds the give-up rule may reuse a read of the membership records, with ``num_others`` other members
+    seen: ABANDON_READ_S up to ABANDON_READ_PEERS, then in proportion (12 s at 32). Each read costs every
+    member's record from each DHT peer asked (peers/swarm.py), and at 32 nodes on 2 cores this poll made about
+    20 reads per node and round of 70 s, most of the members key's traffic (bench.upload, docs/algorithms.md)."""
+    return ABANDON_READ_S * max(1.0, num_others / ABANDON_READ_PEERS)
 
 
 class RoundOutcome(str, Enum):
@@ -285,8 +296,15 @@ class OuterRounds:
 
     def _abandon(self, r: int):
         """The exchange's give-up rule for round r (matchmaking, and downloads after their grace): the round left
-        us behind (dilocox.consensus.left_behind, from a read of the membership records at most ABANDON_READ_S old)."""
-        return lambda: left_behind(self.progress.others(ABANDON_READ_S), r, self.delayed)
+        us behind (dilocox.consensus.left_behind, from a read of the membership records at most
+        ``abandon_read_age_s`` old: ABANDON_READ_S, longer in a swarm of more than ABANDON_READ_PEERS)."""
+        seen = [ABANDON_READ_PEERS]  # the number of other members the last poll read
+
+        def check() -> bool:
+            others = self.progress.others(abandon_read_age_s(seen[0]))
+            seen[0] = len(others)
+            return left_behind(others, r, self.delayed)
+        return check
 
     # ------------------------------------------------------------------ equivocation
     def _exclude_equivocators(self, r: int, inputs: dict) -> None:

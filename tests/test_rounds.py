@@ -731,3 +731,31 @@ def test_an_outsized_contribution_restarts_scaffolds_c_the_quiet_rounds_later(tm
     assert any(float(c.abs().sum()) > 0 for c in state.control.c)
     state.apply_outer(averaged, 2)
     assert any(float(c.abs().sum()) > 0 for c in state.control.c) != restarts
+
+
+class AgeRecordingProgress(FakeProgress):
+    """FakeProgress that notes the read age each ``others()`` call allowed."""
+
+    def __init__(self, others=()):
+        super().__init__(others)
+        self.ages = []
+
+    def others(self, max_age_s: float = 1.0):
+        self.ages.append(max_age_s)
+        return self._others
+
+
+def test_the_give_up_poll_reuses_reads_longer_in_a_larger_swarm(state):
+    """The give-up rule polled while matchmaking (OuterRounds' abandon check) reuses a membership read up to
+    ABANDON_READ_S old among up to 8 other members, and in proportion beyond (each read costs every record):
+    12 s once 32 others were seen; the first poll, before any read, assumes 8."""
+    from dilocox.daemon.rounds import ABANDON_READ_S, abandon_read_age_s
+
+    assert abandon_read_age_s(0) == abandon_read_age_s(8) == ABANDON_READ_S == 3.0
+    assert abandon_read_age_s(16) == 6.0 and abandon_read_age_s(32) == 12.0
+    peers = [Peer(f"p{i}", state="AVERAGING", outer_step=0, round=1, global_params_digest="d0") for i in range(32)]
+    for others, second in ((peers[:4], 3.0), (peers, 12.0)):
+        progress = AgeRecordingProgress(others)
+        check = rounds_for(state, progress)._abandon(1)
+        assert not check() and not check()  # everyone is still in round 1: nobody left us behind
+        assert progress.ages == [3.0, second], progress.ages
