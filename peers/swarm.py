@@ -367,14 +367,16 @@ class Swarm:
         when the last search is MEMBER_SEARCH_S old or a direct store was refused or missed. The search also
         teaches the routing table the peers nearest the key."""
         expiration = get_dht_time() + self.ttl_s
+        # every field goes, defaults too: hivemind's SchemaValidator refuses a value its parse would change
+        value = record.dict()
         with self._lock:
             self._traffic["publishes"] += 1
             # our own reads see our new record at once, without a DHT read (before 2026-12-01 each publish made
             # the next read go to the DHT: reads at least as many as publishes, each every member's record)
-            self._seen[self.public_key] = ValueWithExpiration(record.dict(), expiration)
+            self._seen[self.public_key] = ValueWithExpiration(value, expiration)
             if time.monotonic() - self._searched_at < MEMBER_SEARCH_S:
                 accepted, tried = self.dht.run_coroutine(functools.partial(
-                    store_near, key=self.key, subkey=self.public_key, value=record.dict(),
+                    store_near, key=self.key, subkey=self.public_key, value=value,
                     expiration_time=expiration, replicas=MEMBER_REPLICAS))
                 if accepted == tried and tried > 0:
                     return True
@@ -382,8 +384,8 @@ class Swarm:
             self._traffic["searches"] += 1
             # a later expiration: a peer that took the direct store would refuse the same one again
             expiration = max(expiration + 1e-3, get_dht_time() + self.ttl_s)
-            self._seen[self.public_key] = ValueWithExpiration(record.dict(), expiration)
-            return bool(self.dht.store(self.key, subkey=self.public_key, value=record.dict(),
+            self._seen[self.public_key] = ValueWithExpiration(value, expiration)
+            return bool(self.dht.store(self.key, subkey=self.public_key, value=value,
                                        expiration_time=expiration, beam_size=MEMBER_REPLICAS,
                                        num_workers=MEMBER_REPLICAS))
 
