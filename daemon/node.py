@@ -36,7 +36,7 @@ from dilocox.daemon.rounds import Finished, OuterRounds, RoundOutcome
 from dilocox.daemon.staging import PipelineReplica, stage_tag
 from dilocox.daemon.status import RoundInfo, State, StatusBoard
 from dilocox.daemon.transfer import StateTransfer, result_key, update_key
-from dilocox.peers import deadlines, reachability
+from dilocox.peers import deadlines, malloc, reachability
 from dilocox.peers.admission import Admission
 from dilocox.peers.allgather import ContributionServer
 from dilocox.peers.averaging import PseudoGradientAverager
@@ -580,6 +580,7 @@ class Node:
             if finished.result is not None:
                 self.audits.observe(finished.index, finished.result)
             self.audits.review(self.progress.others())
+        malloc.trim()  # the round's freed buffers: their pages back to the kernel (peers/malloc.py)
 
     def _rejoin(self, index: int) -> None:
         """Round ``index`` went on without us and we applied the update most of the swarm applied: skip to the

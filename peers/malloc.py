@@ -10,6 +10,9 @@ mapping again and goes back to the kernel when freed. Not glibc's initial 128 KB
 activation of the tiny model's inner steps became a fresh mapping, and the rounds' timing changed enough
 that adaptive overlap no longer landed its synchronous rounds (tests/test_overlap_swarm.py failed).
 
+``trim()`` (glibc's ``malloc_trim(0)``) hands the free pages inside the heap and arenas back to the kernel;
+the node calls it once a round, after settling it, when that round's buffers are gone.
+
 ``tune()`` is called once, early in the main process; hivemind's DHT and averager processes are
 forked from it and inherit the setting (malloc's state is process memory). An operator's own
 ``MALLOC_MMAP_THRESHOLD_`` (glibc's environment variable) or ``GLIBC_TUNABLES`` wins: then nothing is
@@ -44,3 +47,20 @@ def tune(threshold: int = MMAP_THRESHOLD) -> bool:
     if not ok:
         logger.debug("mallopt(M_MMAP_THRESHOLD, %d) refused", threshold)
     return ok
+
+
+def trim() -> bool:
+    """glibc's ``malloc_trim(0)``: return the free pages of every arena to the kernel (madvise), not only the
+    heap's top (malloc_trim(3), glibc 2.8 and later); True if memory was released. False elsewhere than glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+        else:
+            _malloc_trim.argtypes, _malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return bool(_malloc_trim and _malloc_trim(0) == 1)
+
+
+_malloc_trim = None  # the C function, once looked up (False: not glibc)

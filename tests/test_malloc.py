@@ -70,3 +70,44 @@ def test_an_operators_own_setting_wins(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536")
     assert malloc.tune() is False
+
+
+TRIM_PROBE = r"""
+import ctypes, ctypes.util, json, os, sys
+from dilocox.peers import malloc
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+libc.memset.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)
+malloc.tune()
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+blocks, keep = [], []
+for _ in range(800):  # 50 MB of 64 KB buffers (on the heap: under the 1 MiB threshold), each followed by a
+    b = libc.malloc(64 << 10)  # small block that stays, so the freed space is not at the heap's top
+    libc.memset(b, 1, 64 << 10)
+    blocks.append(b)
+    keep.append(libc.malloc(64))
+for b in blocks:
+    libc.free(b)
+before = rss()
+trimmed = malloc.trim() if sys.argv[1] == "trim" else False
+print(json.dumps(dict(trimmed=trimmed, released=before - rss())))
+"""
+
+
+def test_trim_hands_a_rounds_freed_heap_pages_back():
+    """malloc.trim (called once a round) gives back freed heap pages that are not at the heap's top: glibc keeps
+    them in the process otherwise."""
+    out = {}
+    for mode in ("plain", "trim"):
+        run = subprocess.run([sys.executable, "-c", TRIM_PROBE, mode], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        out[mode] = json.loads(run.stdout)
+    assert out["trim"]["trimmed"] is True
+    assert out["trim"]["released"] >= 40 << 20, out  # of the 50 MB freed
+    assert out["plain"]["released"] < 5 << 20, out
