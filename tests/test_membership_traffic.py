@@ -83,6 +83,14 @@ def _swarm(tmp_path, name: str, maddrs: list[str], run_id: str = "traffic", ttl_
                  identity_path=str(tmp_path / f"{name}.key"), ttl_s=ttl_s)
 
 
+def _pair(tmp_path, maddrs: list[str], swarms: list[Swarm], ttl_s: float) -> list[Swarm]:
+    """Swarms "a" and "b" joined to the plain nodes, appended to ``swarms`` as each starts (the caller shuts
+    down whatever started)."""
+    for name in ("a", "b"):
+        swarms.append(_swarm(tmp_path, name, maddrs, ttl_s=ttl_s))
+    return swarms[-2:]
+
+
 def _record(swarm: Swarm, outer_step: int = 3) -> MemberRecord:
     return MemberRecord(peer_id=swarm.peer_id, run_id="traffic", state="TRAINING", outer_step=outer_step, inner_step=0,
                         inner_steps=4, tokens_per_second=1.0, loss=1.0, global_params_digest="ab")
@@ -92,9 +100,7 @@ def test_a_publish_and_a_read_ask_a_few_dht_peers_and_the_read_finds_the_record(
     nodes, maddrs, plain_stop = plain_nodes
     swarms = []
     try:
-        for name in ("a", "b"):
-            swarms.append(_swarm(tmp_path, name, maddrs, ttl_s=30.0))
-        a, b = swarms
+        a, b = _pair(tmp_path, maddrs, swarms, ttl_s=30.0)
         assert b.publish(_record(b))
         hits, stores = _count_finds(nodes, "traffic_members")
         assert a.publish(_record(a))
@@ -180,9 +186,7 @@ def test_a_read_pushes_nothing_on_and_refreshes_nothing(plain_nodes, tmp_path):
         cache.store, cache.store_subkey = counted, counted_subkey
     swarms = []
     try:
-        for name in ("a", "b"):
-            swarms.append(_swarm(tmp_path, name, maddrs, ttl_s=8.0))
-        a, b = swarms
+        a, b = _pair(tmp_path, maddrs, swarms, ttl_s=8.0)
         assert a.publish(_record(a))
         finds, _ = _count_finds(nodes, "traffic_members")
         seen = {r.peer_id for r, _ in b.members(max_age_s=0.0)}
@@ -204,9 +208,7 @@ def test_our_own_publish_is_seen_by_our_reads_without_a_dht_read(plain_nodes, tm
     nodes, maddrs, _ = plain_nodes
     swarms = []
     try:
-        for name in ("a", "b"):
-            swarms.append(_swarm(tmp_path, name, maddrs, ttl_s=30.0))
-        a, b = swarms
+        a, b = _pair(tmp_path, maddrs, swarms, ttl_s=30.0)
         assert b.publish(_record(b))
         assert wait_for(lambda: any(r.peer_id == b.peer_id for r, _ in a.members(max_age_s=0.0)), 10.0)
         assert a.publish(_record(a, outer_step=3))
