@@ -21,7 +21,6 @@ membership records), which catches hivemind's partial results. The rules are dil
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -80,14 +79,12 @@ EXCLUDE_ROUNDS = 10  # rounds an equivocating contributor's contributions are dr
 EXCHANGE_WINDOW = 3  # adaptive overlap: rounds whose exchange times predict the next one's (their maximum)
 
 
-def abandon_read_age_s(num_others: int, since_s: float = math.inf) -> float:
+def abandon_read_age_s(num_others: int) -> float:
     """Seconds the give-up rule may reuse a read of the membership records, with ``num_others`` other members
     seen: ABANDON_READ_S up to ABANDON_READ_PEERS, then in proportion (12 s at 32). Each read costs every
     member's record from each DHT peer asked (peers/swarm.py), and at 32 nodes on 2 cores this poll made about
-    20 reads per node and round of 70 s, most of the members key's traffic (bench.upload, docs/algorithms.md).
-    Never a read from before the round's exchange began ``since_s`` seconds ago: one made while the others had
-    not yet entered the round says nobody is in it (3-node swarms in CI gave their first round up that way)."""
-    return min(since_s, ABANDON_READ_S * max(1.0, num_others / ABANDON_READ_PEERS))
+    20 reads per node and round of 70 s, most of the members key's traffic (bench.upload, docs/algorithms.md)."""
+    return ABANDON_READ_S * max(1.0, num_others / ABANDON_READ_PEERS)
 
 
 class RoundOutcome(str, Enum):
@@ -301,10 +298,14 @@ class OuterRounds:
         """The exchange's give-up rule for round r (matchmaking, and downloads after their grace): the round left
         us behind (dilocox.consensus.left_behind, from a read of the membership records at most
         ``abandon_read_age_s`` old: ABANDON_READ_S, longer in a swarm of more than ABANDON_READ_PEERS)."""
-        seen, began = [ABANDON_READ_PEERS], time.monotonic()  # other members the last poll read; the exchange's start
+        seen = [None]  # the number of other members the last poll read (None: no poll yet)
 
         def check() -> bool:
-            others = self.progress.others(abandon_read_age_s(seen[0], time.monotonic() - began))
+            # the first poll reads afresh: a read from moments before (e.g. the round start's) can show a replica
+            # still SYNCING that has entered the round since, and "nobody is in it" gave 3-node CI swarms' first
+            # round up; later polls reuse reads made after it
+            age = 0.0 if seen[0] is None else abandon_read_age_s(seen[0])
+            others = self.progress.others(age)
             seen[0] = len(others)
             return left_behind(others, r, self.delayed)
         return check
