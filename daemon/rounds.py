@@ -298,15 +298,15 @@ class OuterRounds:
         """The exchange's give-up rule for round r (matchmaking, and downloads after their grace): the round left
         us behind (dilocox.consensus.left_behind, from a read of the membership records at most
         ``abandon_read_age_s`` old: ABANDON_READ_S, longer in a swarm of more than ABANDON_READ_PEERS)."""
-        seen = [None]  # the number of other members the last poll read (None: no poll yet)
+        seen: Optional[int] = None  # the number of other members the last poll read (None: no poll yet)
 
         def check() -> bool:
+            nonlocal seen
             # the first poll reads afresh: a read from moments before (e.g. the round start's) can show a replica
             # still SYNCING that has entered the round since, and "nobody is in it" gave 3-node CI swarms' first
             # round up; later polls reuse reads made after it
-            age = 0.0 if seen[0] is None else abandon_read_age_s(seen[0])
-            others = self.progress.others(age)
-            seen[0] = len(others)
+            others = self.progress.others(0.0 if seen is None else abandon_read_age_s(seen))
+            seen = len(others)
             return left_behind(others, r, self.delayed)
         return check
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 
@@ -32,17 +33,25 @@ M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 MMAP_THRESHOLD = 1 << 20  # 1 MiB: tensor-sized buffers get mappings of their own, small ones stay on the heap
 
 
+@functools.lru_cache(maxsize=None)
+def _glibc_function(name: str, argtypes: tuple, restype):
+    """The C library's function ``name`` with its signature set, looked up once; None elsewhere than glibc."""
+    try:
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes, function.restype = argtypes, restype
+    return function
+
+
 def tune(threshold: int = MMAP_THRESHOLD) -> bool:
     """Fix glibc's mmap threshold at ``threshold`` bytes; True if it was set. Returns False without change when
     the operator set ``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``, or the C library is not glibc."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "GLIBC_TUNABLES" in os.environ:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     ok = mallopt(M_MMAP_THRESHOLD, int(threshold)) == 1  # mallopt returns 1 on success
     if not ok:
         logger.debug("mallopt(M_MMAP_THRESHOLD, %d) refused", threshold)
@@ -52,15 +61,5 @@ def tune(threshold: int = MMAP_THRESHOLD) -> bool:
 def trim() -> bool:
     """glibc's ``malloc_trim(0)``: return the free pages of every arena to the kernel (madvise), not only the
     heap's top (malloc_trim(3), glibc 2.8 and later); True if memory was released. False elsewhere than glibc."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-        else:
-            _malloc_trim.argtypes, _malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    return bool(_malloc_trim and _malloc_trim(0) == 1)
-
-
-_malloc_trim = None  # the C function, once looked up (False: not glibc)
+    malloc_trim = _glibc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
+    return malloc_trim is not None and malloc_trim(0) == 1
