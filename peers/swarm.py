@@ -1,9 +1,11 @@
 """DHT membership: join a swarm, publish this node's signed, expiring record, list live members.
 
-Records live under the DHT key ``{run_id}_members``, one subkey per node holding the node's RSA
-public key marker, so ``RSASignatureValidator`` lets only the owner write it, and
-``SchemaValidator`` rejects values that do not parse as ``MemberRecord`` (hivemind/dht/schema.py).
-A record expires ``ttl_s`` after it was stored; a node that stops refreshing drops out.
+Records live under the DHT key ``{run_id}_members``, one subkey per node holding the node's Ed25519
+public key marker, so ``Ed25519SignatureValidator`` lets only the owner write it (peers/signing.py:
+its key is bound to the node's RSA peer_id under ``{run_id}_keys``, which ``RSASignatureValidator``
+protects), and ``SchemaValidator`` rejects values that do not parse as ``MemberRecord``
+(hivemind/dht/schema.py). A record expires ``ttl_s`` after it was stored; a node that stops
+refreshing drops out.
 """
 
 from __future__ import annotations
@@ -26,9 +28,16 @@ from dilocox.peers import lifecycle
 from dilocox.peers.admission import Admission, AdmissionError, peer_id_of_public_key
 from dilocox.peers.bootstrap import JoinAbandoned, keep_trying
 from dilocox.peers.nearstore import store_near
+from dilocox.peers.signing import (
+    PUBLIC_KEY_REGEX,
+    Ed25519SignatureValidator,
+    derive_signing_key,
+    make_binding,
+    verify_binding,
+)
 from dilocox.peers.validation import CachedSchemaValidator, CachedSignatureValidator
 from hivemind.averaging.key_manager import is_valid_group
-from hivemind.dht.schema import BytesWithPublicKey
+from hivemind.dht.schema import BytesWithPublicKey, conbytes
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
@@ -45,8 +54,12 @@ MEMBER_READ_BEAM = 3  # ...and a read asks the 3 nearest, which hold every recor
 # search asks MEMBER_REPLICAS peers for the whole dictionary first, runs when the last one is this old, or after a
 # direct store that a peer refused or missed
 MEMBER_SEARCH_S = 30.0
-TRAFFIC_COUNTS = ("reads", "publishes", "searches", "inputs_published", "inputs_reads")  # Swarm.traffic()
+TRAFFIC_COUNTS = ("reads", "publishes", "searches", "inputs_published", "inputs_reads", "binding_reads")
 GROUP_READ_INTERVAL_S = 0.5  # matchmaking reads a group key at most this often (SupervisedDHT)
+# key bindings (peers/signing.py): stored for BINDING_TTL_S, stored again every BINDING_REFRESH_S; a record signed by
+# a key we have no binding for makes us read the bindings, at most every BINDING_READ_S
+BINDING_TTL_S, BINDING_REFRESH_S, BINDING_READ_S, BINDING_BACKOFF_MAX_S = 900.0, 120.0, 1.0, 60.0
+MAX_BINDINGS = 4096  # bindings a node remembers (the oldest go first)
 
 
 MAX_PEERS = 1024  # peers a record's lists and maps may name
@@ -119,6 +132,16 @@ class InputsRecord(_Record):
     _few_peers = pydantic.validator("inputs", allow_reuse=True)(_at_most_max_peers)
 
 
+@functools.lru_cache(maxsize=MAX_PEERS)
+def _rsa_owner(subkey) -> Optional[str]:
+    """The peer id of the RSA key in a subkey (hivemind's ``[owner:...]`` marker), or None."""
+    found = OWNER_RE.search(subkey) if isinstance(subkey, bytes) else None
+    try:
+        return peer_id_of_public_key(found.group(1)) if found else None
+    except AdmissionError:
+        return None
+
+
 def inputs_digest(inputs: Dict[str, str]) -> str:
     """16 hex digits of the SHA-256 of a round's inputs (peer_id -> payload digest), in peer_id order; "" if none.
     Members that used the same contributions publish the same digest."""
@@ -128,9 +151,23 @@ def inputs_digest(inputs: Dict[str, str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+class KeyBinding(_Record):
+    """A node's Ed25519 record-signing key bound to its peer_id (peers/signing.py, ``make_binding``), stored under
+    its RSA subkey of ``{run_id}_keys``: ``key`` the base64 public key, ``proof`` its base64 signature of the run
+    and peer_id."""
+
+    peer_id: pydantic.constr(strict=True, max_length=64)
+    key: pydantic.constr(strict=True, max_length=64)
+    proof: pydantic.constr(strict=True, max_length=128)
+
+
+SubkeyWithEd25519Key = conbytes(regex=b".*" + PUBLIC_KEY_REGEX + b".*")
+
+
 class SwarmSchema(pydantic.BaseModel):
-    members: Dict[BytesWithPublicKey, Optional[MemberRecord]]
-    inputs: Dict[BytesWithPublicKey, Optional[InputsRecord]]
+    members: Dict[SubkeyWithEd25519Key, Optional[MemberRecord]]
+    inputs: Dict[SubkeyWithEd25519Key, Optional[InputsRecord]]
+    keys: Dict[BytesWithPublicKey, Optional[KeyBinding]]
     # the authority's signed revocation lists, one subkey per serial (peers/admission.py verifies them)
     revocations: Dict[pydantic.conint(ge=0), pydantic.constr(strict=True, max_length=1 << 20)]
 
@@ -280,10 +317,13 @@ class Swarm:
         self.key = f"{run_id}_members"
         self.revocations_key = f"{run_id}_revocations"
         self.inputs_key = f"{run_id}_inputs"
-        self._owners: Dict[bytes, Optional[str]] = {}  # DHT subkey -> the peer id of its RSA key
+        self.keys_key = f"{run_id}_keys"
         self._refused: Dict[str, str] = {}  # peer_id -> why its record is ignored (logged once per reason)
         signer = CachedSignatureValidator(private_key)
-        self.public_key = signer.local_public_key
+        self.rsa_public_key = signer.local_public_key  # our subkey of the bindings
+        self._signing_key = derive_signing_key(private_key)
+        compact = Ed25519SignatureValidator(self._signing_key)
+        self.public_key = compact.local_public_key  # our subkey of the members and inputs records
         parse_multiaddrs(initial_peers, "--join")
         parse_multiaddrs(host_maddrs, "--listen")
         parse_multiaddrs(announce_maddrs, "--announce")
@@ -293,7 +333,7 @@ class Swarm:
             announce_maddrs=announce_maddrs or None,
             identity_path=identity_path,
             # both remember verdicts: a read returns the same signed records many times (peers/validation.py)
-            record_validators=[CachedSchemaValidator(SwarmSchema, prefix=run_id), signer],
+            record_validators=[CachedSchemaValidator(SwarmSchema, prefix=run_id), signer, compact],
             nat_port_map=False,  # UPnP discovery would multicast off the machine
             client_mode=client_mode,
             use_auto_relay=auto_relay,
@@ -337,6 +377,11 @@ class Swarm:
         self._searched_at = -math.inf  # monotonic time of the last publish that searched for the nearest peers
         self._traffic: Dict[str, int] = dict.fromkeys(TRAFFIC_COUNTS, 0)
         self._seen: Dict[bytes, object] = {}  # subkey -> the newest unexpired ValueWithExpiration read
+        self._bound: Dict[bytes, str] = {self.public_key: self.peer_id}  # Ed25519 subkey -> its checked peer_id
+        self._binding = make_binding(self._signing_key, run_id, self.peer_id)
+        self._bound_at = -math.inf  # monotonic time we last stored our binding
+        self._bindings_read_at = -math.inf
+        self._unbound: Dict[bytes, tuple[int, float]] = {}  # subkey bound to no peer_id -> (reads tried, next read)
 
     async def replicate_p2p(self):
         """A P2P client on this node's p2pd (hivemind's public ``DHT.replicate_p2p``), for RPC handlers of
@@ -370,6 +415,7 @@ class Swarm:
         # every field goes, defaults too: hivemind's SchemaValidator refuses a value its parse would change
         value = record.dict()
         with self._lock:
+            self._store_binding()
             self._traffic["publishes"] += 1
             # our own reads see our new record at once, without a DHT read (before 2026-12-01 each publish made
             # the next read go to the DHT: reads at least as many as publishes, each every member's record)
@@ -388,6 +434,57 @@ class Swarm:
             return bool(self.dht.store(self.key, subkey=self.public_key, value=value,
                                        expiration_time=expiration, beam_size=MEMBER_REPLICAS,
                                        num_workers=MEMBER_REPLICAS))
+
+    def _store_binding(self) -> None:
+        """Store our key binding (peers/signing.py) if it was never stored or is BINDING_REFRESH_S old; before our
+        first record, so readers that see the record find the binding. Under ``_lock``."""
+        if time.monotonic() - self._bound_at < BINDING_REFRESH_S:
+            return
+        if self.dht.store(self.keys_key, subkey=self.rsa_public_key, value=self._binding,
+                          expiration_time=get_dht_time() + BINDING_TTL_S, beam_size=MEMBER_REPLICAS,
+                          num_workers=MEMBER_REPLICAS):
+            self._bound_at = time.monotonic()
+        else:
+            logger.warning("could not store our record-signing key's binding; trying again with the next publish")
+
+    def _learn_bindings(self) -> None:
+        """Read the bindings when a record we hold is signed by a key we know no binding of, each such key with
+        backoff (1, 2, 4 ... BINDING_BACKOFF_MAX_S between reads for it): a record nobody binds costs a few reads,
+        not one a second. Under ``_lock``."""
+        now = time.monotonic()
+        unknown = [k for k in self._seen if k not in self._bound]
+        self._unbound = {k: v for k, v in self._unbound.items() if k in unknown}
+        if not any(self._unbound.get(k, (0, 0.0))[1] <= now for k in unknown):
+            return
+        self._read_bindings()
+        for k in unknown:
+            if k not in self._bound:
+                tries = self._unbound.get(k, (0, 0.0))[0] + 1
+                self._unbound[k] = (tries, now + min(BINDING_BACKOFF_MAX_S, 2.0 ** (tries - 1)))
+
+    def _read_bindings(self) -> None:
+        """Learn the bindings of ``{run_id}_keys`` whose RSA subkey is their peer_id's and whose proof holds. Under
+        ``_lock``; at most every BINDING_READ_S."""
+        if time.monotonic() - self._bindings_read_at < BINDING_READ_S:
+            return
+        self._bindings_read_at = time.monotonic()
+        self._traffic["binding_reads"] += 1
+        found = self.dht.get(self.keys_key, latest=True, beam_size=MEMBER_READ_BEAM, num_workers=MEMBER_READ_BEAM)
+        if found is None or not isinstance(found.value, dict):
+            return
+        for subkey, item in found.value.items():
+            try:
+                binding = KeyBinding.parse_obj(getattr(item, "value", None))
+            except pydantic.ValidationError:
+                continue
+            if _rsa_owner(subkey) != binding.peer_id:
+                continue  # a binding for another peer_id than the RSA key that signed it
+            marker = verify_binding(self.run_id, binding.peer_id, binding.key, binding.proof)
+            if marker is not None and marker not in self._bound:
+                self._bound[marker] = binding.peer_id
+        while len(self._bound) > MAX_BINDINGS:
+            oldest = next(k for k in self._bound if k != self.public_key)
+            del self._bound[oldest]
 
     def members(self, max_age_s: float = 1.0) -> List[tuple[MemberRecord, float]]:
         """Live members (ours included) with seconds until their record expires; invalid records are skipped.
@@ -411,6 +508,7 @@ class Swarm:
                             self._seen[subkey] = item
             now = get_dht_time()
             self._seen = {k: v for k, v in self._seen.items() if v.expiration_time > now}
+            self._learn_bindings()
             seen = dict(self._seen)
         out = []
         for subkey, item in seen.items():
@@ -421,6 +519,8 @@ class Swarm:
                 continue
             if record.run_id != self.run_id:
                 continue
+            if self._owner(subkey) is None:
+                continue  # a key whose binding we have not read (yet): a joiner's first records, or nobody's
             reason = self.refusal(subkey, record)
             if reason is not None:
                 if self._refused.get(record.peer_id) != reason:
@@ -432,25 +532,20 @@ class Swarm:
         return out
 
     def refusal(self, subkey: bytes, record: MemberRecord) -> Optional[str]:
-        """Why a record is not counted, or None. Its subkey holds the RSA key that signed it (hivemind's
-        RSASignatureValidator checked the signature), so the record's peer_id must be that key's: no
-        peer can speak for another. With a swarm authority the certificate must admit that peer_id."""
+        """Why a record is not counted, or None. Its subkey holds the Ed25519 key that signed it (the DHT's
+        ``Ed25519SignatureValidator`` checked the signature), and that key must be bound to the record's peer_id
+        (peers/signing.py: a binding stored under peer_id's RSA key, with the Ed25519 key's proof): no peer can speak
+        for another. With a swarm authority the certificate must admit that peer_id."""
         owner = self._owner(subkey)
         if owner != record.peer_id:
-            return f"it claims peer_id {record.peer_id} but is signed by {owner or 'an unreadable key'}"
+            return f"it claims peer_id {record.peer_id} but is signed by {owner or 'a key bound to no peer_id'}"
         if self.admission is not None:
             return self.admission.check(record.peer_id, record.certificate)
         return None
 
     def _owner(self, subkey) -> Optional[str]:
-        """The peer id of the RSA key in a subkey (hivemind's owner marker), or None."""
-        if subkey not in self._owners:
-            found = OWNER_RE.search(subkey) if isinstance(subkey, bytes) else None
-            try:
-                self._owners[subkey] = peer_id_of_public_key(found.group(1)) if found else None
-            except AdmissionError:
-                self._owners[subkey] = None
-        return self._owners[subkey]
+        """The peer id an Ed25519 subkey is bound to (``_read_bindings``), or None."""
+        return self._bound.get(subkey) if isinstance(subkey, bytes) else None
 
     def publish_inputs(self, record: InputsRecord) -> bool:
         """Store the contributions we used in a round (InputsRecord) under our subkey of ``{run_id}_inputs``."""

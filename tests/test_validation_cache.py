@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from dilocox.peers.swarm import MemberRecord, SwarmSchema
+from dilocox.peers.swarm import KeyBinding, MemberRecord, SwarmSchema
 from dilocox.peers.validation import CachedSchemaValidator, CachedSignatureValidator, VerdictCache
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
@@ -18,10 +18,10 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 def _member_record(validators: CompositeValidator, signer: RSASignatureValidator, outer_step: int,
                    expiration_time: float = 2e9) -> DHTRecord:
-    """A membership record as hivemind's DHT stores it: key id, serialized subkey and value, then signed."""
-    value = MemberRecord(peer_id="QmPeer", run_id="run", state="TRAINING", outer_step=outer_step, inner_step=1,
-                         inner_steps=20, tokens_per_second=1.0, loss=2.0, global_params_digest="d").dict()
-    record = DHTRecord(key=DHTID.generate(source="run_members").to_bytes(),
+    """An RSA-signed record as hivemind's DHT stores it (a key binding, the swarm's RSA-protected record: key id,
+    serialized subkey and value, then signed); ``outer_step`` tells versions apart."""
+    value = KeyBinding(peer_id="QmPeer", key="a" * 44, proof=f"step{outer_step}").dict()
+    record = DHTRecord(key=DHTID.generate(source="run_keys").to_bytes(),
                        subkey=MSGPackSerializer.dumps(signer.local_public_key),
                        value=MSGPackSerializer.dumps(value), expiration_time=expiration_time)
     return dataclasses.replace(record, value=validators.sign_value(record))
@@ -40,8 +40,8 @@ def test_cached_validators_give_hivemind_verdicts_once_per_record():
     assert (schema.verdicts.misses, schema.verdicts.hits) == (1, 5)
 
     # a forged copy: the signature of step 3 over the value of step 4
-    forged_value = MSGPackSerializer.dumps(MemberRecord(**{**MSGPackSerializer.loads(
-        RSASignatureValidator().strip_value(record)), "outer_step": 4}).dict())
+    forged_value = MSGPackSerializer.dumps(KeyBinding(**{**MSGPackSerializer.loads(
+        RSASignatureValidator().strip_value(record)), "proof": "step4"}).dict())
     signature = record.value[len(RSASignatureValidator().strip_value(record)):]
     forged = dataclasses.replace(record, value=forged_value + signature)
     assert not plain.validate(forged)
