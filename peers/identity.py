@@ -2,8 +2,8 @@
 
 The file is libp2p's protobuf ``PrivateKey`` (type RSA, DER body), exactly what
 ``hivemind.P2P.generate_identity`` writes and p2pd reads, so ``--identity PATH`` pins the
-peer_id across restarts and the same key signs membership records
-(``hivemind.dht.crypto.RSASignatureValidator``).
+peer_id across restarts and the same key signs the key binding of the Ed25519 key derived from it
+(``hivemind.dht.crypto.RSASignatureValidator``; peers/signing.py), which signs the membership records.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from dilocox.peers.signing import (
 )
 from dilocox.peers.validation import CachedSchemaValidator, CachedSignatureValidator
 from hivemind.averaging.key_manager import is_valid_group
-from hivemind.dht.schema import BytesWithPublicKey, conbytes
+from hivemind.dht.schema import conbytes
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
@@ -56,9 +56,10 @@ MEMBER_READ_BEAM = 3  # ...and a read asks the 3 nearest, which hold every recor
 MEMBER_SEARCH_S = 30.0
 TRAFFIC_COUNTS = ("reads", "publishes", "searches", "inputs_published", "inputs_reads", "binding_reads")
 GROUP_READ_INTERVAL_S = 0.5  # matchmaking reads a group key at most this often (SupervisedDHT)
-# key bindings (peers/signing.py): stored for BINDING_TTL_S, stored again every BINDING_REFRESH_S; a record signed by
-# a key we have no binding for makes us read the bindings, at most every BINDING_READ_S
-BINDING_TTL_S, BINDING_REFRESH_S, BINDING_READ_S, BINDING_BACKOFF_MAX_S = 900.0, 120.0, 1.0, 60.0
+# key bindings (peers/signing.py), one DHT key each (``Swarm.binding_key``): stored for BINDING_TTL_S, stored again
+# every BINDING_REFRESH_S; a record signed by a key we have no binding for makes us read that key's binding, again
+# after 1, 2, 4 ... BINDING_BACKOFF_MAX_S while it has none
+BINDING_TTL_S, BINDING_REFRESH_S, BINDING_BACKOFF_MAX_S = 900.0, 120.0, 8.0
 MAX_BINDINGS = 4096  # bindings a node remembers (the oldest go first)
 
 
@@ -132,6 +133,12 @@ class InputsRecord(_Record):
     _few_peers = pydantic.validator("inputs", allow_reuse=True)(_at_most_max_peers)
 
 
+async def _get_many(_dht, node, keys: List[str], beam: int) -> dict:
+    """Runs in the DHT process (``DHT.run_coroutine``): hivemind's ``DHTNode.get_many`` of ``keys``, latest values,
+    asking ``beam`` peers per key."""
+    return await node.get_many(keys, sufficient_expiration_time=float("inf"), beam_size=beam, num_workers=beam)
+
+
 @functools.lru_cache(maxsize=MAX_PEERS)
 def _rsa_owner(subkey) -> Optional[str]:
     """The peer id of the RSA key in a subkey (hivemind's ``[owner:...]`` marker), or None."""
@@ -167,7 +174,6 @@ SubkeyWithEd25519Key = conbytes(regex=b".*" + PUBLIC_KEY_REGEX + b".*")
 class SwarmSchema(pydantic.BaseModel):
     members: Dict[SubkeyWithEd25519Key, Optional[MemberRecord]]
     inputs: Dict[SubkeyWithEd25519Key, Optional[InputsRecord]]
-    keys: Dict[BytesWithPublicKey, Optional[KeyBinding]]
     # the authority's signed revocation lists, one subkey per serial (peers/admission.py verifies them)
     revocations: Dict[pydantic.conint(ge=0), pydantic.constr(strict=True, max_length=1 << 20)]
 
@@ -317,7 +323,6 @@ class Swarm:
         self.key = f"{run_id}_members"
         self.revocations_key = f"{run_id}_revocations"
         self.inputs_key = f"{run_id}_inputs"
-        self.keys_key = f"{run_id}_keys"
         self._refused: Dict[str, str] = {}  # peer_id -> why its record is ignored (logged once per reason)
         signer = CachedSignatureValidator(private_key)
         self.rsa_public_key = signer.local_public_key  # our subkey of the bindings
@@ -380,7 +385,6 @@ class Swarm:
         self._bound: Dict[bytes, str] = {self.public_key: self.peer_id}  # Ed25519 subkey -> its checked peer_id
         self._binding = make_binding(self._signing_key, run_id, self.peer_id)
         self._bound_at = -math.inf  # monotonic time we last stored our binding
-        self._bindings_read_at = -math.inf
         self._unbound: Dict[bytes, tuple[int, float]] = {}  # subkey bound to no peer_id -> (reads tried, next read)
 
     async def replicate_p2p(self):
@@ -435,12 +439,20 @@ class Swarm:
                                        expiration_time=expiration, beam_size=MEMBER_REPLICAS,
                                        num_workers=MEMBER_REPLICAS))
 
+    def binding_key(self, subkey: bytes) -> str:
+        """The DHT key of the binding of the Ed25519 key in a members subkey: ``{run_id}_key.{base64 key}``. Each
+        binding under its own key, in the binder's RSA subkey, so a reader fetches the one it lacks: under one key
+        for all, each read returned every member's binding (1.2 KB each), and at 32 nodes starting together a node
+        made 20-30 such reads. (Keys outside the schema's fields pass hivemind's ``SchemaValidator``; readers parse
+        ``KeyBinding`` themselves.)"""
+        return f"{self.run_id}_key.{subkey[len(b'[ed25519:'):-1].decode()}"
+
     def _store_binding(self) -> None:
         """Store our key binding (peers/signing.py) if it was never stored or is BINDING_REFRESH_S old; before our
         first record, so readers that see the record find the binding. Under ``_lock``."""
         if time.monotonic() - self._bound_at < BINDING_REFRESH_S:
             return
-        if self.dht.store(self.keys_key, subkey=self.rsa_public_key, value=self._binding,
+        if self.dht.store(self.binding_key(self.public_key), subkey=self.rsa_public_key, value=self._binding,
                           expiration_time=get_dht_time() + BINDING_TTL_S, beam_size=MEMBER_REPLICAS,
                           num_workers=MEMBER_REPLICAS):
             self._bound_at = time.monotonic()
@@ -448,40 +460,39 @@ class Swarm:
             logger.warning("could not store our record-signing key's binding; trying again with the next publish")
 
     def _learn_bindings(self) -> None:
-        """Read the bindings when a record we hold is signed by a key we know no binding of, each such key with
-        backoff (1, 2, 4 ... BINDING_BACKOFF_MAX_S between reads for it): a record nobody binds costs a few reads,
-        not one a second. Under ``_lock``."""
+        """Read the binding of each key that signs a record we hold and that we know no binding of, with backoff
+        per key (1, 2, 4 ... BINDING_BACKOFF_MAX_S between reads while it has none). Under ``_lock``."""
         now = time.monotonic()
         unknown = [k for k in self._seen if k not in self._bound]
         self._unbound = {k: v for k, v in self._unbound.items() if k in unknown}
-        if not any(self._unbound.get(k, (0, 0.0))[1] <= now for k in unknown):
+        due = [k for k in unknown if self._unbound.get(k, (0, 0.0))[1] <= now]
+        if not due:
             return
-        self._read_bindings()
-        for k in unknown:
+        self._read_bindings(due)
+        for k in due:
             if k not in self._bound:
                 tries = self._unbound.get(k, (0, 0.0))[0] + 1
                 self._unbound[k] = (tries, now + min(BINDING_BACKOFF_MAX_S, 2.0 ** (tries - 1)))
 
-    def _read_bindings(self) -> None:
-        """Learn the bindings of ``{run_id}_keys`` whose RSA subkey is their peer_id's and whose proof holds. Under
-        ``_lock``; at most every BINDING_READ_S."""
-        if time.monotonic() - self._bindings_read_at < BINDING_READ_S:
-            return
-        self._bindings_read_at = time.monotonic()
+    def _read_bindings(self, subkeys: List[bytes]) -> None:
+        """Read the bindings of these members subkeys' keys (one DHT read for all: hivemind's ``get_many``) and learn
+        each whose RSA subkey is its peer_id's, whose key is the one its DHT key names and whose proof holds.
+        Under ``_lock``."""
         self._traffic["binding_reads"] += 1
-        found = self.dht.get(self.keys_key, latest=True, beam_size=MEMBER_READ_BEAM, num_workers=MEMBER_READ_BEAM)
-        if found is None or not isinstance(found.value, dict):
-            return
-        for subkey, item in found.value.items():
-            try:
-                binding = KeyBinding.parse_obj(getattr(item, "value", None))
-            except pydantic.ValidationError:
+        keys = {self.binding_key(k): k for k in subkeys}
+        found = self.dht.run_coroutine(functools.partial(_get_many, keys=list(keys), beam=MEMBER_READ_BEAM))
+        for key, item in found.items():
+            if item is None or not hasattr(item.value, "items"):
                 continue
-            if _rsa_owner(subkey) != binding.peer_id:
-                continue  # a binding for another peer_id than the RSA key that signed it
-            marker = verify_binding(self.run_id, binding.peer_id, binding.key, binding.proof)
-            if marker is not None and marker not in self._bound:
-                self._bound[marker] = binding.peer_id
+            for subkey, entry in item.value.items():
+                try:
+                    binding = KeyBinding.parse_obj(getattr(entry, "value", None))
+                except pydantic.ValidationError:
+                    continue
+                if _rsa_owner(subkey) != binding.peer_id:
+                    continue  # a binding for another peer_id than the RSA key that signed it
+                if verify_binding(self.run_id, binding.peer_id, binding.key, binding.proof) == keys[key]:
+                    self._bound[keys[key]] = binding.peer_id
         while len(self._bound) > MAX_BINDINGS:
             oldest = next(k for k in self._bound if k != self.public_key)
             del self._bound[oldest]

@@ -155,11 +155,13 @@ def test_a_binding_without_its_keys_proof_or_under_another_rsa_key_binds_nothing
     a, b, d = swarms("a"), swarms("b"), swarms("d")
     d_key = derive_signing_key(load_or_create_identity(tmp_path / "d.key")[1])  # d's own Ed25519 key
     assert d.publish(_record(d.peer_id, outer_step=1))  # stores d's binding, then its record
-    # d replaces its binding by one of b's key to d, with a proof made by d's key, not b's
+    # d replaces its binding by one of b's key to d, with a proof made by d's key, not b's, and stores the same
+    # where b's binding goes
     key_of_b = b.public_key[len(b"[ed25519:"):-1].decode()
     expires = get_dht_time() + 1000  # later than d's own binding's, so it takes its place
     forged = {"peer_id": d.peer_id, "key": key_of_b, "proof": make_binding(d_key, RUN, d.peer_id)["proof"]}
-    assert d.dht.store(d.keys_key, subkey=d.rsa_public_key, value=forged, expiration_time=expires)
+    for where in (d.binding_key(d.public_key), d.binding_key(b.public_key)):
+        assert d.dht.store(where, subkey=d.rsa_public_key, value=forged, expiration_time=expires)
     seen = _wait_for_members(a, {d.peer_id}, timeout_s=4.0)
     assert d.peer_id not in seen, seen  # d's record: its key is bound by nothing that holds
     assert b.publish(_record(b.peer_id, outer_step=3))
@@ -167,7 +169,7 @@ def test_a_binding_without_its_keys_proof_or_under_another_rsa_key_binds_nothing
     # under its own RSA key, d binds its own key, with a true proof, to b's peer_id, and speaks for b
     as_b = make_binding(d_key, RUN, b.peer_id)
     assert verify_binding(RUN, b.peer_id, as_b["key"], as_b["proof"]) is not None
-    assert d.dht.store(d.keys_key, subkey=d.rsa_public_key, value=as_b, expiration_time=expires + 1)
+    assert d.dht.store(d.binding_key(d.public_key), subkey=d.rsa_public_key, value=as_b, expiration_time=expires + 1)
     assert d.publish(_record(b.peer_id, outer_step=9))
     e = swarms("e")  # a reader that learns every binding afresh
     seen = _wait_for_members(e, {b.peer_id})

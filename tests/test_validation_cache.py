@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from dilocox.peers.signing import Ed25519SignatureValidator, derive_signing_key
 from dilocox.peers.swarm import KeyBinding, MemberRecord, SwarmSchema
 from dilocox.peers.validation import CachedSchemaValidator, CachedSignatureValidator, VerdictCache
 from hivemind.dht.crypto import RSASignatureValidator
@@ -18,10 +19,11 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 def _member_record(validators: CompositeValidator, signer: RSASignatureValidator, outer_step: int,
                    expiration_time: float = 2e9) -> DHTRecord:
-    """An RSA-signed record as hivemind's DHT stores it (a key binding, the swarm's RSA-protected record: key id,
-    serialized subkey and value, then signed); ``outer_step`` tells versions apart."""
+    """An RSA-signed record as hivemind's DHT stores it (a key binding, the swarm's RSA-protected record, under a key
+    the schema has no field for: key id, serialized subkey and value, then signed); ``outer_step`` tells versions
+    apart."""
     value = KeyBinding(peer_id="QmPeer", key="a" * 44, proof=f"step{outer_step}").dict()
-    record = DHTRecord(key=DHTID.generate(source="run_keys").to_bytes(),
+    record = DHTRecord(key=DHTID.generate(source="run_key.aaaa").to_bytes(),
                        subkey=MSGPackSerializer.dumps(signer.local_public_key),
                        value=MSGPackSerializer.dumps(value), expiration_time=expiration_time)
     return dataclasses.replace(record, value=validators.sign_value(record))
@@ -54,14 +56,21 @@ def test_cached_validators_give_hivemind_verdicts_once_per_record():
 
 
 def test_a_malformed_value_is_refused_by_the_cached_schema_validator():
-    signer, schema = CachedSignatureValidator(RSAPrivateKey()), CachedSchemaValidator(SwarmSchema, prefix="run")
+    signer = Ed25519SignatureValidator(derive_signing_key(RSAPrivateKey()))
+    schema = CachedSchemaValidator(SwarmSchema, prefix="run")
     ours = CompositeValidator([schema, signer])
-    record = _member_record(ours, signer, outer_step=3)
+    value = MemberRecord(peer_id="QmPeer", run_id="run", state="TRAINING", outer_step=3, inner_step=1,
+                         inner_steps=20, tokens_per_second=1.0, loss=2.0, global_params_digest="d").dict()
+    record = DHTRecord(key=DHTID.generate(source="run_members").to_bytes(),
+                       subkey=MSGPackSerializer.dumps(signer.local_public_key),
+                       value=MSGPackSerializer.dumps(value), expiration_time=2e9)
+    record = dataclasses.replace(record, value=ours.sign_value(record))
+    assert ours.validate(record)
     stripped = signer.strip_value(record)
     bad = dataclasses.replace(record, value=MSGPackSerializer.dumps({"peer_id": 5}))
     assert schema.validate(dataclasses.replace(record, value=stripped))
     assert not schema.validate(bad) and not schema.validate(bad)
-    assert (schema.verdicts.misses, schema.verdicts.hits) == (2, 1)
+    assert (schema.verdicts.misses, schema.verdicts.hits) == (2, 2)
 
 
 def test_merging_a_schema_empties_the_cache_and_the_cache_stays_bounded():
