@@ -27,7 +27,7 @@ import pydantic.v1 as pydantic
 from dilocox.peers import lifecycle
 from dilocox.peers.admission import Admission, AdmissionError, peer_id_of_public_key
 from dilocox.peers.bootstrap import JoinAbandoned, keep_trying
-from dilocox.peers.nearstore import store_near
+from dilocox.peers.nearstore import read_near, store_near
 from dilocox.peers.signing import (
     PUBLIC_KEY_REGEX,
     Ed25519SignatureValidator,
@@ -54,7 +54,8 @@ MEMBER_READ_BEAM = 3  # ...and a read asks the 3 nearest, which hold every recor
 # search asks MEMBER_REPLICAS peers for the whole dictionary first, runs when the last one is this old, or after a
 # direct store that a peer refused or missed
 MEMBER_SEARCH_S = 30.0
-TRAFFIC_COUNTS = ("reads", "publishes", "searches", "inputs_published", "inputs_reads", "binding_reads")
+TRAFFIC_COUNTS = ("reads", "read_searches", "publishes", "searches", "inputs_published", "inputs_reads",
+                  "binding_reads")
 GROUP_READ_INTERVAL_S = 0.5  # matchmaking reads a group key at most this often (SupervisedDHT)
 # key bindings (peers/signing.py), one DHT key each (``Swarm.binding_key``): stored for BINDING_TTL_S, stored again
 # every BINDING_REFRESH_S; a record signed by a key we have no binding for makes us read that key's binding, again
@@ -380,6 +381,7 @@ class Swarm:
         self._lock = threading.Lock()  # one DHT pipe shared by our threads
         self._read_at = -math.inf  # monotonic time of the last DHT read of the records
         self._searched_at = -math.inf  # monotonic time of the last publish that searched for the nearest peers
+        self._read_searched_at: Dict[str, float] = {}  # DHT key -> monotonic time of the last read that searched
         self._traffic: Dict[str, int] = dict.fromkeys(TRAFFIC_COUNTS, 0)
         self._seen: Dict[bytes, object] = {}  # subkey -> the newest unexpired ValueWithExpiration read
         self._bound: Dict[bytes, str] = {self.public_key: self.peer_id}  # Ed25519 subkey -> its checked peer_id
@@ -401,10 +403,11 @@ class Swarm:
             return [str(m) for m in self.dht.get_visible_maddrs(latest=latest)]
 
     def traffic(self) -> Dict[str, int]:
-        """DHT operations on the run's keys since start (TRAFFIC_COUNTS): ``reads`` of the records, ``publishes``
-        of ours, of which ``searches`` used hivemind's store with its search (the rest went straight to the
-        nearest peers), ``inputs_published`` and ``inputs_reads`` (InputsRecord). Each read or search costs
-        every record from each DHT peer asked (MEMBER_READ_BEAM, MEMBER_REPLICAS)."""
+        """DHT operations on the run's keys since start (TRAFFIC_COUNTS): ``reads`` of the records, of which
+        ``read_searches`` used hivemind's get with its search (the rest asked the nearest peers straight), ``publishes``
+        of ours, of which ``searches`` used hivemind's store with its search, ``inputs_published`` and
+        ``inputs_reads`` (InputsRecord), ``binding_reads`` (peers/signing.py). Each read or search costs every record
+        from each DHT peer asked (MEMBER_READ_BEAM, MEMBER_REPLICAS)."""
         with self._lock:
             return dict(self._traffic)
 
@@ -497,6 +500,20 @@ class Swarm:
             oldest = next(k for k in self._bound if k != self.public_key)
             del self._bound[oldest]
 
+    def _read_dictionary(self, key: str):
+        """The dictionary under ``key`` (the records, or the inputs): straight from the MEMBER_READ_BEAM nearest peers
+        the routing table knows (peers/nearstore.py, ``read_near``), or with hivemind's search (``DHT.get``, beam
+        MEMBER_READ_BEAM) when the last search of that key is MEMBER_SEARCH_S old or no peer asked directly answered;
+        the search also teaches the routing table the peers nearest the key. Under ``_lock``."""
+        if time.monotonic() - self._read_searched_at.get(key, -math.inf) < MEMBER_SEARCH_S:
+            found, answers = self.dht.run_coroutine(functools.partial(read_near, key=key, replicas=MEMBER_READ_BEAM))
+            if answers > 0:
+                return found
+        self._read_searched_at[key] = time.monotonic()
+        if key == self.key:
+            self._traffic["read_searches"] += 1
+        return self.dht.get(key, latest=True, beam_size=MEMBER_READ_BEAM, num_workers=MEMBER_READ_BEAM)
+
     def members(self, max_age_s: float = 1.0) -> List[tuple[MemberRecord, float]]:
         """Live members (ours included) with seconds until their record expires; invalid records are skipped.
 
@@ -506,7 +523,7 @@ class Swarm:
         with self._lock:
             now_m = time.monotonic()
             if now_m - self._read_at >= max_age_s:
-                found = self.dht.get(self.key, latest=True, beam_size=MEMBER_READ_BEAM, num_workers=MEMBER_READ_BEAM)
+                found = self._read_dictionary(self.key)
                 self._read_at = now_m
                 self._traffic["reads"] += 1
                 # A read can miss records that have not expired (it merges the subkeys of the DHT peers it
@@ -571,8 +588,7 @@ class Swarm:
         not signed by their peer_id's key are left out (callers look only at counted members' ones)."""
         with self._lock:
             self._traffic["inputs_reads"] += 1
-            found = self.dht.get(self.inputs_key, latest=True, beam_size=MEMBER_READ_BEAM,
-                                 num_workers=MEMBER_READ_BEAM)
+            found = self._read_dictionary(self.inputs_key)
         out: Dict[str, Dict[str, str]] = {}
         if found is None or not isinstance(found.value, dict):
             return out

@@ -15,7 +15,7 @@ from dilocox.peers.swarm import MemberRecord, Swarm
 
 
 class PartialReads:
-    """The real DHT, except that reads answer an empty dictionary while ``hide`` is set."""
+    """The real DHT, except that reads (searching, and direct) answer an empty dictionary while ``hide`` is set."""
 
     def __init__(self, dht):
         self.dht, self.hide = dht, False
@@ -25,6 +25,12 @@ class PartialReads:
         if self.hide and found is not None:
             found.value.clear()
         return found
+
+    def run_coroutine(self, coro, **kwargs):  # the direct reads (peers/nearstore.py, read_near) come this way
+        result = self.dht.run_coroutine(coro, **kwargs)
+        if self.hide and isinstance(result, tuple) and len(result) == 2 and result[0] is not None:
+            result[0].value.clear()
+        return result
 
     def __getattr__(self, name):
         return getattr(self.dht, name)

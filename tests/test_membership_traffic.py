@@ -224,3 +224,32 @@ def test_our_own_publish_is_seen_by_our_reads_without_a_dht_read(plain_nodes, tm
     assert steps == {a.peer_id: 4, b.peer_id: 3}, steps
     assert after["reads"] == before["reads"], (before, after)
     assert sum(finds) == 0, (finds, before, after)
+
+
+def test_reads_after_the_first_ask_the_nearest_peers_straight_and_find_every_record(plain_nodes, tmp_path):
+    """A read within MEMBER_SEARCH_S of the last searching one asks the MEMBER_READ_BEAM nearest peers the routing
+    table knows, once each (peers/nearstore.py, ``read_near``), and still finds every record; hivemind's get walked
+    towards the key and every holder on the way answered with the whole dictionary (about 8 answers per read at 32
+    nodes)."""
+    nodes, maddrs, plain_stop = plain_nodes
+    swarms = []
+    try:
+        a, b = _pair(tmp_path, maddrs, swarms, ttl_s=30.0)
+        assert a.publish(_record(a)) and b.publish(_record(b))
+        assert {r.peer_id for r, _ in b.members(max_age_s=0.0)} == {a.peer_id, b.peer_id}  # the searching read
+        first = dict(b.traffic())
+        finds, _ = _count_finds(nodes, "traffic_members")
+        counts = []
+        for step in (4, 5, 6):
+            assert a.publish(_record(a, outer_step=step))
+            finds[:] = [0] * len(finds)
+            seen = {r.peer_id: r.outer_step for r, _ in b.members(max_age_s=0.0)}
+            counts.append((list(finds), seen))
+        after = dict(b.traffic())
+    finally:
+        for s in swarms:
+            s.shutdown()
+    assert after["reads"] - first["reads"] == 3 and after["read_searches"] == first["read_searches"], (first, after)
+    for (asked, seen), step in zip(counts, (4, 5, 6)):
+        assert seen == {a.peer_id: step, b.peer_id: 3}, seen
+        assert max(asked) <= 1 and sum(asked) <= MEMBER_READ_BEAM, asked  # each nearest peer once, no walk
