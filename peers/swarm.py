@@ -46,8 +46,8 @@ from hivemind.utils.multiaddr import Multiaddr
 logger = logging.getLogger(__name__)
 OWNER_RE = re.compile(rb"\[owner:(.+?)\]")  # hivemind's RSASignatureValidator subkey marker
 # Every DHT peer a publish or read asks answers with the whole members dictionary (every member's signed record,
-# about 1.5 KB each on the wire), so asking all N peers, as hivemind's beam of 20 does in a small swarm, costs
-# O(N^2) bytes: 60-75% of what a node sent per round at 8 nodes (bench.upload).
+# about 0.65 KB each on the wire with Ed25519 signatures, 1.5 KB with RSA ones), so asking all N peers, as hivemind's
+# beam of 20 does in a small swarm, costs O(N^2) bytes: 60-75% of what a node sent per round at 8 nodes (bench.upload).
 MEMBER_REPLICAS = 5  # a record is stored on the 5 DHT peers nearest the key (hivemind's num_replicas)...
 MEMBER_READ_BEAM = 3  # ...and a read asks the 3 nearest, which hold every record stored there
 # A publish goes straight to the nearest peers the routing table knows (peers/nearstore.py); hivemind's store, whose
@@ -517,9 +517,9 @@ class Swarm:
     def members(self, max_age_s: float = 1.0) -> List[tuple[MemberRecord, float]]:
         """Live members (ours included) with seconds until their record expires; invalid records are skipped.
 
-        A read asks MEMBER_READ_BEAM of the DHT's peers (hivemind's ``get_many_by_id`` beam_size and num_workers)
-        for every record of the run (about 1.5 KB each, signatures included), so reads are shared: one made less than
-        ``max_age_s`` seconds ago is reused."""
+        A read asks the MEMBER_READ_BEAM DHT peers nearest the key (``_read_dictionary``) for every record of the run
+        (about 0.65 KB each, signatures included), so reads are shared: one made less than ``max_age_s`` seconds ago
+        is reused."""
         with self._lock:
             now_m = time.monotonic()
             if now_m - self._read_at >= max_age_s:
