@@ -2,7 +2,7 @@
 
 Records live under the DHT key ``{run_id}_members``, one subkey per node holding the node's Ed25519
 public key marker, so ``Ed25519SignatureValidator`` lets only the owner write it (peers/signing.py:
-its key is bound to the node's RSA peer_id under ``{run_id}_keys``, which ``RSASignatureValidator``
+its key is bound to the node's RSA peer_id under ``{run_id}_key.{its key}``, which ``RSASignatureValidator``
 protects), and ``SchemaValidator`` rejects values that do not parse as ``MemberRecord``
 (hivemind/dht/schema.py). A record expires ``ttl_s`` after it was stored; a node that stops
 refreshing drops out.
@@ -161,8 +161,8 @@ def inputs_digest(inputs: Dict[str, str]) -> str:
 
 class KeyBinding(_Record):
     """A node's Ed25519 record-signing key bound to its peer_id (peers/signing.py, ``make_binding``), stored under
-    its RSA subkey of ``{run_id}_keys``: ``key`` the base64 public key, ``proof`` its base64 signature of the run
-    and peer_id."""
+    its RSA subkey of ``{run_id}_key.{key}`` (``Swarm.binding_key``): ``key`` the base64 public key, ``proof`` its
+    base64 signature of the run and peer_id."""
 
     peer_id: pydantic.constr(strict=True, max_length=64)
     key: pydantic.constr(strict=True, max_length=64)
