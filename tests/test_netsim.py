@@ -234,8 +234,11 @@ def test_forked_nodes_enter_their_hosts_namespaces_and_train_across_the_bridge(t
                 tree = [n.proc.pid] + [c.pid for c in psutil.Process(n.proc.pid).children(recursive=True)]
                 assert {os.stat(f"/proc/{pid}/ns/net").st_ino for pid in tree} == {inside}, tree
                 assert any("p2pd" in psutil.Process(pid).name() for pid in tree)
+            # what each node says it sent to its peer (the round's payload and metadata) crossed its veth; the
+            # count also holds the DHT's and libp2p's traffic, tens of KB, which shrinks as records do
+            said = [sum(r["bytes_sent"] for r in n.metrics()) for n in nodes]
             after = net.sent_bytes()
-            assert all(after[i] - before[i] > 100_000 for i in (0, 1)), (before, after)  # > half a 200k payload
+            assert all(after[i] - before[i] > max(said[i], 20_000) for i in (0, 1)), (before, after, said)
         finally:
             codes = [n.terminate() for n in nodes]
     assert codes == [0] * len(nodes), codes
