@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import math
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -102,6 +103,7 @@ class Node:
         self.H = cfg.inner_steps
         self.attack = load_attack(cfg.attack, cfg)  # AttackError on a bad spec
         self.swarm: Optional[Swarm] = None
+        self._temporary_identity: Optional[Path] = None  # no --identity: a key for this run only, removed at exit
         self.state: Optional[ReplicaState] = None
         self.progress: Optional[ProgressTracker] = None
         self.transfer: Optional[StateTransfer] = None
@@ -168,6 +170,8 @@ class Node:
         # holding it would start a second p2pd and dial the swarm for nothing (peers/swarm.py)
         fresh = is_new_identity(self.cfg.identity)
         identity_path, key = load_or_create_identity(self.cfg.identity)
+        if self.cfg.identity is None:
+            self._temporary_identity = Path(identity_path).parent
         self.admission = load_admission(self.cfg, identity_path)
         self.board.update(admission=describe_admission(self.admission))
         self.swarm = Swarm(self.cfg.run_id, key, initial_peers=self.cfg.join, host_maddrs=self.cfg.listen,
@@ -323,6 +327,8 @@ class Node:
                 logger.warning("shutdown of %s: %s", type(closer).__name__, e)
         if self._metrics:
             self._metrics.close()
+        if self._temporary_identity is not None:  # nobody uses it again: a restart without --identity makes another
+            shutil.rmtree(self._temporary_identity, ignore_errors=True)
         self._set_state(State.STOPPED)
         logger.info("stopped (exit code %d)", self.exit_code)
 

@@ -31,7 +31,8 @@ def is_new_identity(path: str | os.PathLike | None) -> bool:
 def load_or_create_identity(path: str | os.PathLike | None) -> tuple[str, RSAPrivateKey]:
     """Return (identity file path, signing key); create the file (mode 0400) if it does not exist.
 
-    With ``path=None`` a fresh identity is written to a private temporary directory.
+    With ``path=None`` a fresh identity is written to a private temporary directory (``dilocox-id-*``, mode 0700),
+    which the caller removes when done with it (the node does at exit: daemon/node.py).
     """
     if path is None:
         path = Path(tempfile.mkdtemp(prefix="dilocox-id-")) / "identity.key"

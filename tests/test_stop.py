@@ -86,6 +86,13 @@ def _check_no_leftovers(node, procs: list[psutil.Process], how: str) -> None:
     assert not left_shm, f"{how}: {SHM_MANAGER} still running {ORPHAN_BOUND_S}s after the exit"
 
 
+def _identity_files(procs: list[psutil.Process]) -> list[Path]:
+    """The key files the node's p2pd runs with (hivemind passes ``-id=PATH``): without --identity, the node's
+    temporary key, which it must remove when it exits."""
+    return [Path(arg[len("-id="):]) for p in procs if _name(p) == "p2pd"
+            for arg in p.cmdline() if arg.startswith("-id=")]
+
+
 def _cleanup(node, procs: list[psutil.Process]) -> None:
     """Whatever a failed case left running. Not torch_shm_manager: killed, it would leave its files in
     /dev/shm; it exits by itself once the node's processes are gone."""
@@ -125,6 +132,8 @@ def test_stop_drains_and_exits(tmp_path, how):
     node, procs = _trained(tmp_path, "node"), []
     try:
         procs = _descendants(node.proc.pid)
+        keys = _identity_files(procs)
+        assert keys and all(k.exists() and k.parent.name.startswith("dilocox-id-") for k in keys), keys
         STOPS[how](node)
         code, waited = _wait_exit(node, EXIT_BOUND_S + 30)
         print(f"{how}: exit code {code} after {waited:.1f}s")
@@ -133,6 +142,7 @@ def test_stop_drains_and_exits(tmp_path, how):
         assert "stopped (exit code 0)" in node.err_path.read_text()
         _checkpoint_after_leave(node)
         _check_no_leftovers(node, procs, how)
+        assert not any(k.parent.exists() for k in keys), f"{how}: the temporary identity was left: {keys}"
     finally:
         _cleanup(node, procs)
 
