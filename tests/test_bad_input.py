@@ -6,23 +6,33 @@ import re
 import signal
 import socket
 import subprocess
-import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
+from bench.forked import ForkedProcess
 from tests.helpers import FAST, LocalNode, node_env, start
 
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_node(args, env_extra=None, timeout=90):
+    """(exit code, stderr, seconds) of ``dilocox-node ARGS``: the daemon's own ``node_main`` in a process forked
+    from the shared image (bench/forked.py), as a fresh interpreter would run it minus the imports (5-8 s a case
+    on 2 cores, most of this file's time when each case was its own interpreter)."""
     env = node_env()
     env.update(env_extra or {})
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "dilocox.daemon.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=REPO)
-    return proc.returncode, proc.stderr, time.monotonic() - start
+    with tempfile.TemporaryDirectory(prefix="dlx-bad-input-") as d:
+        proc = ForkedProcess(list(args), str(REPO), env, f"{d}/stdout", f"{d}/stderr")
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            raise
+        return code, Path(d, "stderr").read_text(), time.monotonic() - start
 
 
 def test_missing_data_path(tmp_path):
