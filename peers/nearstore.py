@@ -52,11 +52,17 @@ async def store_near(_dht, node, key: str, subkey, value, expiration_time: float
     return sum(results), len(targets)
 
 
-async def read_near(_dht, node, key: str, replicas: int):
-    """Runs in the DHT process (``DHT.run_coroutine``): read ``key``'s dictionary from the ``replicas`` nodes nearest
-    it among the routing table and this node (unless in client mode), one ``DHTProtocol.call_find`` each (its own
-    validation of every record; this node: its local storage), without hivemind's beam search. Returns
+async def read_near(_dht, node, key: str, replicas: int, turn: int = 0):
+    """Runs in the DHT process (``DHT.run_coroutine``): read ``key``'s dictionary from one of the ``replicas`` nodes
+    nearest it among the routing table and this node (unless in client mode), the ``turn % replicas``-th nearest
+    (this node: its local storage, no bytes), and only when that one answers with no dictionary from the others, one
+    ``DHTProtocol.call_find`` each (its own validation of every record), without hivemind's beam search. Returns
     (ValueWithExpiration of {subkey: ValueWithExpiration of the value, signatures stripped} or None, answers).
+
+    Every holder answers with the whole dictionary, so asking all ``replicas`` at once cost that many copies of every
+    record per read: at 16 nodes the members key's answers were as many bytes as the contributions themselves
+    (bench.upload with per-RPC byte counts, 2026-12-02). A caller that turns ``turn`` from read to read sees each
+    holder in turn; a record a holder missed is seen at the next (``Swarm.members`` keeps the newest of each).
 
     hivemind's ``DHTNode.get`` walks the DHT towards the key and every peer on the way that holds the key answers with
     the whole dictionary: with a beam of 3 a members read got about 8 such answers at 32 nodes (20.8 KB each, 1.8 MB a
@@ -74,9 +80,15 @@ async def read_near(_dht, node, key: str, replicas: int):
         found = await protocol.call_find(peer_id, [key_id])
         return None if not found or key_id not in found else found[key_id][0]
 
+    if not targets:
+        return None, 0
+    first = targets[turn % len(targets)]
+    items = [await one(first[1])]
+    if items[0] is None or not isinstance(items[0].value, DictionaryDHTValue):
+        items += await asyncio.gather(*(one(peer_id) for node_id, peer_id in targets if node_id != first[0]))
     merged: dict = {}
     answers = 0
-    for item in await asyncio.gather(*(one(peer_id) for _, peer_id in targets)):
+    for item in items:
         if item is None or not isinstance(item.value, DictionaryDHTValue):
             continue
         answers += 1
