@@ -68,20 +68,46 @@ async def read_near(_dht, node, key: str, replicas: int, turn: int = 0):
     the whole dictionary: with a beam of 3 a members read got about 8 such answers at 32 nodes (20.8 KB each, 1.8 MB a
     node and round on the interfaces, bench.upload with per-RPC byte counts) and 4.4 at 8. Subkeys are merged as
     hivemind's search merges them (the newest expiration of each), then stripped and deserialized as it does."""
+    found, answers, _ = await _read_near(node, key, replicas, turn)
+    return found, answers
+
+
+async def read_latest(_dht, node, key: str, replicas: int, turn: int, beam_size: int):
+    """Runs in the DHT process (``DHT.run_coroutine``): what ``DHTNode.get(key, latest=True)`` returns (a
+    ValueWithExpiration of {subkey: ValueWithExpiration}, or None), read as ``read_near`` reads: one of the
+    ``replicas`` nearest holders in turn. None when a holder asked answered that it holds nothing under ``key``;
+    hivemind's search (beam ``beam_size``) only when none of them answered at all.
+
+    For hivemind's matchmaking keys (``SupervisedDHT``), which every waiting averager reads every
+    GROUP_READ_INTERVAL_S: with hivemind's search each read asked 3 peers, each answering with every declaration."""
+    found, answers, responded = await _read_near(node, key, replicas, turn)
+    if answers or responded:
+        return found
+    return await node.get(key, latest=True, beam_size=beam_size, num_workers=beam_size)
+
+
+async def _read_near(node, key: str, replicas: int, turn: int):
+    """(the merged dictionary or None, holders that answered with one, peers that answered at all)."""
     protocol = node.protocol
     key_id = DHTID.generate(source=key)
     known = protocol.routing_table.get_nearest_neighbors(key_id, k=replicas, exclude=node.node_id)
     ours = [] if protocol.client_mode else [(node.node_id, None)]
     targets = sorted([*known, *ours], key=lambda item: key_id.xor_distance(item[0]))[:replicas]
+    responded = 0
 
     async def one(peer_id):
+        nonlocal responded
         if peer_id is None:
+            responded += 1
             return protocol.storage.get(key_id)
         found = await protocol.call_find(peer_id, [key_id])
-        return None if not found or key_id not in found else found[key_id][0]
+        if not found or key_id not in found:
+            return None
+        responded += 1
+        return found[key_id][0]
 
     if not targets:
-        return None, 0
+        return None, 0, 0
     first = targets[turn % len(targets)]
     items = [await one(first[1])]
     if items[0] is None or not isinstance(items[0].value, DictionaryDHTValue):
@@ -96,7 +122,7 @@ async def read_near(_dht, node, key: str, replicas: int, turn: int = 0):
             if subkey not in merged or expiration > merged[subkey][1]:
                 merged[subkey] = (value_bytes, expiration)
     if not merged:
-        return None, answers
+        return None, answers, responded
     out = {}
     for subkey, (value_bytes, expiration) in merged.items():
         if protocol.record_validator is not None:
@@ -106,4 +132,4 @@ async def read_near(_dht, node, key: str, replicas: int, turn: int = 0):
             out[subkey] = ValueWithExpiration(protocol.serializer.loads(value_bytes), expiration)
         except Exception:  # a value that does not deserialize: skipped, as a reader skips one it cannot parse
             continue
-    return ValueWithExpiration(out, max(e for _, e in merged.values())), answers
+    return ValueWithExpiration(out, max(e for _, e in merged.values())), answers, responded

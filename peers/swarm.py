@@ -28,7 +28,7 @@ import pydantic.v1 as pydantic
 from dilocox.peers import lifecycle
 from dilocox.peers.admission import Admission, AdmissionError, peer_id_of_public_key
 from dilocox.peers.bootstrap import JoinAbandoned, keep_trying
-from dilocox.peers.nearstore import read_near, store_near
+from dilocox.peers.nearstore import read_latest, read_near, store_near
 from dilocox.peers.signing import (
     PUBLIC_KEY_REGEX,
     Ed25519SignatureValidator,
@@ -242,6 +242,14 @@ def _averagers_key(key) -> bool:
     return isinstance(key, str) and (is_valid_group(key) or key.endswith(".all_averagers"))
 
 
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class SupervisedDHT(hivemind.DHT):
     """hivemind's DHT process, supervised (peers/lifecycle.py): in a process group of its own (with the
     p2pd it launches), SIGTERM only from the main process, and it ends p2pd and itself if that dies.
@@ -253,6 +261,10 @@ class SupervisedDHT(hivemind.DHT):
     of a group key (hivemind's ``is_valid_group``) from an event loop are therefore spaced at least
     ``GROUP_READ_INTERVAL_S`` apart, per key and process; the averager awaits the task returned in
     place of the MPFuture, as it awaits the MPFuture. A new leader is seen at most that much later.
+    The first read or declaration of a group key searches (hivemind's get or store); for MEMBER_SEARCH_S
+    after it, reads ask one of the MEMBER_READ_BEAM nearest holders in turn (peers/nearstore.py,
+    ``read_latest``) and declarations go straight to the MEMBER_REPLICAS nearest (``store_near``), as the
+    members records do: each search asked 3 or 5 peers, each answering with every declaration.
 
     Its ``get`` and ``store`` also bound how many DHT peers hivemind asks about the averagers' keys (a group key,
     and ``{prefix}.all_averagers``, where each averager declares it serves state): a read asks MEMBER_READ_BEAM
@@ -265,26 +277,45 @@ class SupervisedDHT(hivemind.DHT):
 
     def __init__(self, *args, **kwargs):
         self._next_group_read: Dict[str, float] = {}  # group key -> monotonic time its next read may start
+        self._group_searched_at: Dict[str, float] = {}  # group key -> monotonic time of its last searching read
+        self._group_turn = random.randrange(MEMBER_READ_BEAM)  # which nearest holder the next direct read asks
         super().__init__(*args, **kwargs)
 
     def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
         if _averagers_key(key):
             kwargs.setdefault("beam_size", MEMBER_READ_BEAM)
             kwargs.setdefault("num_workers", MEMBER_READ_BEAM)
-        if return_future and latest and isinstance(key, str) and is_valid_group(key):
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                pass
-            else:
-                return asyncio.ensure_future(self._paced_group_read(key, kwargs))
+        if return_future and latest and isinstance(key, str) and is_valid_group(key) and _in_event_loop():
+            return asyncio.ensure_future(self._paced_group_read(key, kwargs))
         return super().get(key, latest=latest, return_future=return_future, **kwargs)
 
     def store(self, key, value, expiration_time, subkey=None, return_future: bool = False, **kwargs):
         if _averagers_key(key):
             kwargs.setdefault("beam_size", MEMBER_REPLICAS)
             kwargs.setdefault("num_workers", MEMBER_REPLICAS)
+            if return_future and subkey is not None and _in_event_loop() and \
+                    time.monotonic() - self._group_searched_at.get(key, -math.inf) < MEMBER_SEARCH_S:
+                return asyncio.ensure_future(self._store_near(key, value, expiration_time, subkey, kwargs))
+            self._searched(key)
         return super().store(key, value, expiration_time, subkey=subkey, return_future=return_future, **kwargs)
+
+    async def _store_near(self, key: str, value, expiration_time: float, subkey, kwargs: dict) -> bool:
+        """A declaration straight on the MEMBER_REPLICAS nearest peers (peers/nearstore.py, as ``Swarm.publish``
+        stores); hivemind's store, with its search, when one refused or missed."""
+        accepted, tried = await self.run_coroutine(functools.partial(
+            store_near, key=key, subkey=subkey, value=value, expiration_time=expiration_time,
+            replicas=MEMBER_REPLICAS), return_future=True)
+        if tried > 0 and accepted == tried:
+            return True
+        self._searched(key)
+        return await super().store(key, value, expiration_time, subkey=subkey, return_future=True, **kwargs)
+
+    def _searched(self, key: str) -> None:
+        """Note a search of an averagers' key now (the direct reads and stores after it trust the routing table)."""
+        self._group_searched_at.pop(key, None)
+        self._group_searched_at[key] = time.monotonic()
+        while len(self._group_searched_at) > 64:  # a key per round and phase: keep the recent ones
+            self._group_searched_at.pop(next(iter(self._group_searched_at)))
 
     async def _paced_group_read(self, key: str, kwargs: dict):
         now = time.monotonic()
@@ -294,6 +325,12 @@ class SupervisedDHT(hivemind.DHT):
             self._next_group_read.pop(next(iter(self._next_group_read)))
         if start > now:
             await asyncio.sleep(start - now)
+        if time.monotonic() - self._group_searched_at.get(key, -math.inf) < MEMBER_SEARCH_S:
+            self._group_turn += 1
+            return await self.run_coroutine(functools.partial(
+                read_latest, key=key, replicas=MEMBER_READ_BEAM, turn=self._group_turn, beam_size=MEMBER_READ_BEAM),
+                return_future=True)
+        self._searched(key)
         return await super().get(key, latest=True, return_future=True, **kwargs)
 
     def run(self) -> None:

@@ -166,6 +166,52 @@ def test_matchmaking_and_state_sharing_keys_ask_a_few_dht_peers(plain_nodes, tmp
     assert other > MEMBER_REPLICAS + 1, other  # shows the bound is ours: hivemind asks every peer it finds
 
 
+def test_matchmaking_reads_and_declarations_after_the_first_go_straight_to_the_nearest(plain_nodes, tmp_path):
+    """After the first search of a group key, hivemind's matchmaking reads of it ask one of the MEMBER_READ_BEAM
+    nearest holders in turn and its declarations store straight on the nearest (peers/swarm.py, SupervisedDHT;
+    peers/nearstore.py, ``read_latest``, ``store_near``), and a read still sees every declaration: a search asked 3
+    (read) or 5 (store) peers, each answering with every averager's entry, every GROUP_READ_INTERVAL_S."""
+    from hivemind.utils import get_dht_time
+
+    nodes, maddrs, _ = plain_nodes
+    swarm = _swarm(tmp_path, "g", maddrs, run_id="gg")
+    key, empty = "gg_pseudo_gradient_sparse1.0b01", "gg_pseudo_gradient_sparse1.0b10"
+
+    async def declare(subkey: bytes):  # as hivemind's GroupKeyManager.declare_averager calls it
+        return await swarm.dht.store(key, subkey=subkey, value=True, expiration_time=get_dht_time() + 30,
+                                     return_future=True)
+
+    async def read(name=key):  # as GroupKeyManager.get_averagers calls it
+        return await swarm.dht.get(name, latest=True, return_future=True)
+
+    try:
+        hits, stores = _count_finds(nodes, key)
+        assert asyncio.run(declare(b"first"))  # searches
+        first = asyncio.run(read())  # searches
+        searched = sum(hits)
+        hits[:], stores[:] = [0] * len(hits), [0] * len(stores)
+        assert asyncio.run(declare(b"second"))
+        declared = (sum(hits), sum(stores))
+        reads = []
+        for _ in range(2 * MEMBER_READ_BEAM):
+            hits[:] = [0] * len(hits)
+            found = asyncio.run(read())
+            reads.append((list(hits), set(found.value) if found is not None else set()))
+        empty_hits, _ = _count_finds(nodes, empty)
+        assert asyncio.run(read(empty)) is None  # searches: nobody declared
+        empty_hits[:] = [0] * len(empty_hits)
+        again = asyncio.run(read(empty))
+    finally:
+        swarm.shutdown()
+    assert first is not None and b"first" in first.value and searched >= 2, (first, searched)
+    assert declared[0] == 0 and 1 <= declared[1] <= MEMBER_REPLICAS, declared  # no search, straight stores
+    for asked, seen in reads:
+        assert seen == {b"first", b"second"}, reads
+        assert sum(asked) <= 1, reads  # one holder (none when it is our own storage)
+    assert sum(sum(asked) for asked, _ in reads) >= 2, reads  # holders in turn, not only our own storage
+    assert again is None and sum(empty_hits) <= MEMBER_READ_BEAM, empty_hits  # an empty answer is trusted
+
+
 def test_a_read_pushes_nothing_on_and_refreshes_nothing(plain_nodes, tmp_path):
     """hivemind's Kademlia caching is off for our DHT (peers/swarm.py): a read that found the members dictionary
     does not store it on a nearest peer (``cache_nearest``), and nothing re-reads it before it expires
