@@ -126,6 +126,7 @@ def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path, nodes: 
                 bytes_per_token=sent / all_tokens,
                 tx_bytes_per_node_round=sent / nodes / len(rows), rx_bytes_per_node_round=received / nodes / len(rows),
                 steady_tx_bytes_per_node_round=links.steady_per_round([n.metrics() for n in procs]),
+                steady_max_tx_bytes_per_node_round=links.steady_per_round([n.metrics() for n in procs], max),
                 round_s=span / len(steady), compute_s=statistics.median(r["compute_s"] for r in steady),
                 val_loss=rows[-1]["val_loss"], ranks=[r["rank"] for r in rows],
                 compression_ratio=statistics.median(r["compression_ratio"] for r in rows[1:] or rows),
@@ -157,9 +158,9 @@ class LinkSampler:
             if self._stop.wait(0.5):
                 return
 
-    def steady_per_round(self, metrics: list[list[dict]]) -> float:
+    def steady_per_round(self, metrics: list[list[dict]], reduce=statistics.fmean) -> float:
         """``steady_bytes_per_round`` of the samples taken so far."""
-        return steady_bytes_per_round(list(self._samples), metrics)
+        return steady_bytes_per_round(list(self._samples), metrics, reduce)
 
 
 def sent_at(samples: list[tuple[float, dict[int, int]]], host: int, t: float) -> float:
@@ -174,14 +175,16 @@ def sent_at(samples: list[tuple[float, dict[int, int]]], host: int, t: float) ->
     return pts[-1][1]
 
 
-def steady_bytes_per_round(samples: list[tuple[float, dict[int, int]]], metrics: list[list[dict]]) -> float:
+def steady_bytes_per_round(samples: list[tuple[float, dict[int, int]]], metrics: list[list[dict]],
+                           reduce=statistics.fmean) -> float:
     """Bytes each host sent per round from the end of its first round to the end of its last (``metrics``: each
-    host's metrics.jsonl rows, in host order; their ``time`` is a round's end), averaged over the hosts sampled
-    (a host behind a NAT router is not); NaN if none ran 2 rounds."""
+    host's metrics.jsonl rows, in host order; their ``time`` is a round's end), over the hosts sampled (a host
+    behind a NAT router is not), reduced by ``reduce`` (the mean; ``max``: the busiest host); NaN if none ran 2
+    rounds."""
     sampled = set().union(*(sent for _, sent in samples)) if samples else set()
     per_host = [(sent_at(samples, host, rows[-1]["time"]) - sent_at(samples, host, rows[0]["time"])) / (len(rows) - 1)
                 for host, rows in enumerate(metrics) if len(rows) >= 2 and host in sampled]
-    return statistics.fmean(per_host) if per_host else float("nan")
+    return reduce(per_host) if per_host else float("nan")
 
 
 class PeakMemory:

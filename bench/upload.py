@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -73,6 +74,7 @@ def main(argv=None) -> int:
                 rows.append(dict(nodes=k, scheme=scheme, workload=a.workload, rate_mbit=a.rate,
                                  default_payload_bytes=payload, tx_bytes_per_node_round=res["tx_bytes_per_node_round"],
                                  steady_tx_bytes_per_node_round=res["steady_tx_bytes_per_node_round"],
+                                 steady_max_tx_bytes_per_node_round=res["steady_max_tx_bytes_per_node_round"],
                                  rx_bytes_per_node_round=res["rx_bytes_per_node_round"],
                                  transport_sent_bytes=transport, round_s=res["round_s"],
                                  group_sizes=res["group_sizes"], outcomes=res["outcomes"],
@@ -120,7 +122,8 @@ def _ops(r: dict) -> str:
 def _line(r: dict) -> str:
     p = r["default_payload_bytes"]
     return (f"k={r['nodes']:>3} {r['scheme']:>6}: tx {r['steady_tx_bytes_per_node_round'] / 1e6:.2f} MB/node/round "
-            f"in steady rounds ({r['steady_tx_bytes_per_node_round'] / p:.2f}x the default payload; "
+            f"in steady rounds ({r['steady_tx_bytes_per_node_round'] / p:.2f}x the default payload, the busiest "
+            f"node {r.get('steady_max_tx_bytes_per_node_round', math.nan) / p:.2f}x; "
             f"{r['tx_bytes_per_node_round'] / p:.2f}x with start-up), transport "
             f"{r['transport_sent_bytes'] / p:.2f}x, round {r['round_s']:.1f}s, groups {r['group_sizes']}, "
             f"digests agree {r['digests_agree']}, membership reads / publishes (searches) per node-round {_ops(r)}")
@@ -129,15 +132,16 @@ def _line(r: dict) -> str:
 def table(rows: list[dict]) -> str:
     lines = ["EMULATED workload (sleep-based compute, true payload sizes); hosts in network namespaces; x = per node "
              "and round / the default codec's payload for the workload's values.", "",
-             "| k | values | scheme | interface tx / steady round | x payload | x payload, start-up included "
-             "| transport sent (x payload) | round s | groups | one theta | membership reads / publishes (searches) "
-             "per node-round |", "|---" * 11 + "|"]
+             "| k | values | scheme | interface tx / steady round | x payload | busiest node (x) "
+             "| x payload, start-up included | transport sent (x payload) | round s | groups | one theta "
+             "| membership reads / publishes (searches) per node-round |", "|---" * 12 + "|"]
     for r in rows:
         p = r["default_payload_bytes"]
         groups = ", ".join(f"{g}" for g in sorted(set(r["group_sizes"])))
         steady = r["steady_tx_bytes_per_node_round"]
         lines.append(f"| {r['nodes']} | {r['workload'].split(':')[1]} | {r['scheme']} | "
                      f"{steady / 1e6:.3f} MB | {steady / p:.2f} | "
+                     f"{r.get('steady_max_tx_bytes_per_node_round', math.nan) / p:.2f} | "
                      f"{r['tx_bytes_per_node_round'] / p:.2f} | "
                      f"{r['transport_sent_bytes'] / p:.2f} | {r['round_s']:.1f} | {groups} | {r['digests_agree']} | "
                      f"{_ops(r)} |")

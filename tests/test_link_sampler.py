@@ -27,6 +27,13 @@ def test_start_up_is_left_out_and_hosts_are_averaged():
     assert math.isnan(steady_bytes_per_round(SAMPLES, [rounds0[:1]]))
 
 
+def test_the_busiest_host_is_the_max_over_hosts():
+    rounds0 = [{"time": t} for t in (20.0, 30.0)]  # 1000 B in its round
+    rounds1 = [{"time": t} for t in (20.0, 30.0)]  # 500 B
+    assert steady_bytes_per_round(SAMPLES, [rounds0, rounds1], max) == pytest.approx(1000.0)
+    assert steady_bytes_per_round(SAMPLES, [rounds0, rounds1]) == pytest.approx(750.0)
+
+
 def test_hosts_without_samples_are_left_out():
     rounds = [{"time": t} for t in (20.0, 30.0)]
     assert steady_bytes_per_round(SAMPLES, [rounds, rounds, rounds]) == pytest.approx(

@@ -23,6 +23,8 @@ def test_membership_operations_are_counted_per_node_round_after_the_first_round(
     assert ops == dict(reads=6.0, publishes=4.0, searches=0.5)  # (4 + 8) / 2, (4 + 4) / 2, (1 + 0) / 2
     assert membership_ops(tmp_path / "nothing") == {}
     row = dict(nodes=2, workload="synthetic:4M:0.25", scheme="shared", default_payload_bytes=100,
-               steady_tx_bytes_per_node_round=300, tx_bytes_per_node_round=350, transport_sent_bytes=200,
+               steady_tx_bytes_per_node_round=300, steady_max_tx_bytes_per_node_round=450,
+               tx_bytes_per_node_round=350, transport_sent_bytes=200,
                round_s=7.5, group_sizes=[2], digests_agree=True, membership=ops)
     assert "| 6.0 / 4.0 (0.50) |" in table([row])
+    assert "| 3.00 | 4.50 | 3.50 |" in table([row])  # mean, busiest node, start-up included
