@@ -50,7 +50,7 @@ OWNER_RE = re.compile(rb"\[owner:(.+?)\]")  # hivemind's RSASignatureValidator s
 # about 0.65 KB each on the wire with Ed25519 signatures, 1.5 KB with RSA ones), so asking all N peers, as hivemind's
 # beam of 20 does in a small swarm, costs O(N^2) bytes: 60-75% of what a node sent per round at 8 nodes (bench.upload).
 MEMBER_REPLICAS = 5  # a record is stored on the 5 DHT peers nearest the key (hivemind's num_replicas)...
-MEMBER_READ_BEAM = 3  # ...and a read asks one of the 3 nearest in turn (each holds every record stored there)
+MEMBER_READ_BEAM = 3  # ...a search reads from the 3 nearest; a direct read asks one of the 5 in turn (read_near)
 # A publish goes straight to the nearest peers the routing table knows (peers/nearstore.py); hivemind's store, whose
 # search asks MEMBER_REPLICAS peers for the whole dictionary first, runs when the last one is this old, or after a
 # direct store that a peer refused or missed
@@ -262,7 +262,7 @@ class SupervisedDHT(hivemind.DHT):
     ``GROUP_READ_INTERVAL_S`` apart, per key and process; the averager awaits the task returned in
     place of the MPFuture, as it awaits the MPFuture. A new leader is seen at most that much later.
     The first read or declaration of a group key searches (hivemind's get or store); for MEMBER_SEARCH_S
-    after it, reads ask one of the MEMBER_READ_BEAM nearest holders in turn (peers/nearstore.py,
+    after it, reads ask one of the MEMBER_REPLICAS nearest holders in turn (peers/nearstore.py,
     ``read_latest``) and declarations go straight to the MEMBER_REPLICAS nearest (``store_near``), as the
     members records do: each search asked 3 or 5 peers, each answering with every declaration.
 
@@ -278,7 +278,7 @@ class SupervisedDHT(hivemind.DHT):
     def __init__(self, *args, **kwargs):
         self._next_group_read: Dict[str, float] = {}  # group key -> monotonic time its next read may start
         self._group_searched_at: Dict[str, float] = {}  # group key -> monotonic time of its last searching read
-        self._group_turn = random.randrange(MEMBER_READ_BEAM)  # which nearest holder the next direct read asks
+        self._group_turn = random.randrange(MEMBER_REPLICAS)  # which nearest holder the next direct read asks
         super().__init__(*args, **kwargs)
 
     def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
@@ -328,7 +328,7 @@ class SupervisedDHT(hivemind.DHT):
         if time.monotonic() - self._group_searched_at.get(key, -math.inf) < MEMBER_SEARCH_S:
             self._group_turn += 1
             return await self.run_coroutine(functools.partial(
-                read_latest, key=key, replicas=MEMBER_READ_BEAM, turn=self._group_turn, beam_size=MEMBER_READ_BEAM),
+                read_latest, key=key, replicas=MEMBER_REPLICAS, turn=self._group_turn, beam_size=MEMBER_READ_BEAM),
                 return_future=True)
         self._searched(key)
         return await super().get(key, latest=True, return_future=True, **kwargs)
@@ -420,7 +420,7 @@ class Swarm:
         self._read_at = -math.inf  # monotonic time of the last DHT read of the records
         self._searched_at = -math.inf  # monotonic time of the last publish that searched for the nearest peers
         self._read_searched_at: Dict[str, float] = {}  # DHT key -> monotonic time of the last read that searched
-        self._read_turn = random.randrange(MEMBER_READ_BEAM)  # which nearest holder the next direct read asks
+        self._read_turn = random.randrange(MEMBER_REPLICAS)  # which nearest holder the next direct read asks
         self._traffic: Dict[str, int] = dict.fromkeys(TRAFFIC_COUNTS, 0)
         self._seen: Dict[bytes, object] = {}  # subkey -> the newest unexpired ValueWithExpiration read
         self._bound: Dict[bytes, str] = {self.public_key: self.peer_id}  # Ed25519 subkey -> its checked peer_id
@@ -540,14 +540,14 @@ class Swarm:
             del self._bound[oldest]
 
     def _read_dictionary(self, key: str):
-        """The dictionary under ``key`` (the records, or the inputs): straight from one of the MEMBER_READ_BEAM nearest
+        """The dictionary under ``key`` (the records, or the inputs): straight from one of the MEMBER_REPLICAS nearest
         peers the routing table knows, each in turn (peers/nearstore.py, ``read_near``), or with hivemind's search
         (``DHT.get``, beam MEMBER_READ_BEAM) when the last search of that key is MEMBER_SEARCH_S old or no peer asked
         directly answered; the search also teaches the routing table the peers nearest the key. Under ``_lock``."""
         if time.monotonic() - self._read_searched_at.get(key, -math.inf) < MEMBER_SEARCH_S:
             self._read_turn += 1  # holders in turn: each answers with the whole dictionary (read_near)
             found, answers = self.dht.run_coroutine(functools.partial(
-                read_near, key=key, replicas=MEMBER_READ_BEAM, turn=self._read_turn))
+                read_near, key=key, replicas=MEMBER_REPLICAS, turn=self._read_turn))
             if answers > 0:
                 return found
         self._read_searched_at[key] = time.monotonic()

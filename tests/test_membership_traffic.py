@@ -167,7 +167,7 @@ def test_matchmaking_and_state_sharing_keys_ask_a_few_dht_peers(plain_nodes, tmp
 
 
 def test_matchmaking_reads_and_declarations_after_the_first_go_straight_to_the_nearest(plain_nodes, tmp_path):
-    """After the first search of a group key, hivemind's matchmaking reads of it ask one of the MEMBER_READ_BEAM
+    """After the first search of a group key, hivemind's matchmaking reads of it ask one of the MEMBER_REPLICAS
     nearest holders in turn and its declarations store straight on the nearest (peers/swarm.py, SupervisedDHT;
     peers/nearstore.py, ``read_latest``, ``store_near``), and a read still sees every declaration: a search asked 3
     (read) or 5 (store) peers, each answering with every averager's entry, every GROUP_READ_INTERVAL_S."""
@@ -193,7 +193,7 @@ def test_matchmaking_reads_and_declarations_after_the_first_go_straight_to_the_n
         assert asyncio.run(declare(b"second"))
         declared = (sum(hits), sum(stores))
         reads = []
-        for _ in range(2 * MEMBER_READ_BEAM):
+        for _ in range(2 * MEMBER_REPLICAS):
             hits[:] = [0] * len(hits)
             found = asyncio.run(read())
             reads.append((list(hits), set(found.value) if found is not None else set()))
@@ -209,7 +209,7 @@ def test_matchmaking_reads_and_declarations_after_the_first_go_straight_to_the_n
         assert seen == {b"first", b"second"}, reads
         assert sum(asked) <= 1, reads  # one holder (none when it is our own storage)
     assert sum(sum(asked) for asked, _ in reads) >= 2, reads  # holders in turn, not only our own storage
-    assert again is None and sum(empty_hits) <= MEMBER_READ_BEAM, empty_hits  # an empty answer is trusted
+    assert again is None and sum(empty_hits) <= MEMBER_REPLICAS, empty_hits  # an empty answer is trusted
 
 
 def test_a_read_pushes_nothing_on_and_refreshes_nothing(plain_nodes, tmp_path):
@@ -273,10 +273,11 @@ def test_our_own_publish_is_seen_by_our_reads_without_a_dht_read(plain_nodes, tm
 
 
 def test_reads_after_the_first_ask_one_nearest_peer_in_turn_and_find_every_record(plain_nodes, tmp_path):
-    """A read within MEMBER_SEARCH_S of the last searching one asks one of the MEMBER_READ_BEAM nearest peers the
-    routing table knows, the next one at the next read (peers/nearstore.py, ``read_near``), and still finds every
-    record; hivemind's get walked towards the key and every holder on the way answered with the whole dictionary
-    (about 8 answers per read at 32 nodes), and asking all three nearest at once made each read three copies."""
+    """A read within MEMBER_SEARCH_S of the last searching one asks one of the MEMBER_REPLICAS nearest peers the
+    routing table knows (each holds every record stored there), the next one at the next read (peers/nearstore.py,
+    ``read_near``), and still finds every record; hivemind's get walked towards the key and every holder on the way
+    answered with the whole dictionary (about 8 answers per read at 32 nodes), and asking the three nearest at once
+    made each read three copies."""
     nodes, maddrs, plain_stop = plain_nodes
     swarms = []
     try:
@@ -286,7 +287,7 @@ def test_reads_after_the_first_ask_one_nearest_peer_in_turn_and_find_every_recor
         first = dict(b.traffic())
         finds, _ = _count_finds(nodes, "traffic_members")
         counts = []
-        for step in (4, 5, 6, 7, 8, 9):
+        for step in range(4, 4 + 2 * MEMBER_REPLICAS):
             assert a.publish(_record(a, outer_step=step))
             finds[:] = [0] * len(finds)
             seen = {r.peer_id: r.outer_step for r, _ in b.members(max_age_s=0.0)}
@@ -295,12 +296,13 @@ def test_reads_after_the_first_ask_one_nearest_peer_in_turn_and_find_every_recor
     finally:
         for s in swarms:
             s.shutdown()
-    assert after["reads"] - first["reads"] == 6 and after["read_searches"] == first["read_searches"], (first, after)
-    for (asked, seen), step in zip(counts, (4, 5, 6, 7, 8, 9)):
+    assert after["reads"] - first["reads"] == 2 * MEMBER_REPLICAS, (first, after)
+    assert after["read_searches"] == first["read_searches"], (first, after)
+    for (asked, seen), step in zip(counts, range(4, 4 + 2 * MEMBER_REPLICAS)):
         assert seen == {a.peer_id: step, b.peer_id: 3}, seen
         assert sum(asked) <= 1, asked  # one holder (none when it is b itself or a), no walk
-    # in turn: the same holder again after MEMBER_READ_BEAM reads, and not before
+    # in turn: the same holder again after MEMBER_REPLICAS reads, and not before
     holders = [asked.index(1) if 1 in asked else None for asked, _ in counts]
-    assert holders[:3] == holders[3:], holders
-    plain = [h for h in holders[:3] if h is not None]
+    assert holders[:MEMBER_REPLICAS] == holders[MEMBER_REPLICAS:], holders
+    plain = [h for h in holders[:MEMBER_REPLICAS] if h is not None]
     assert len(set(plain)) == len(plain) >= 1, holders
