@@ -14,11 +14,47 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
+import random
+import time
+from typing import Dict
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import ValueWithExpiration
+
+
+class SearchSchedule:
+    """When a DHT key's next read or store may go straight to the nearest holders (``read_near``, ``read_latest``,
+    ``store_near``) and when it must use hivemind's search: straight for ``window_s`` seconds after the key's last
+    search, which also teaches the routing table the peers nearest the key. One rule for the members records
+    (``Swarm``) and hivemind's matchmaking keys (``SupervisedDHT``); the caller notes a search with ``searched``,
+    also after a direct call that missed, and turns the holder it asks with ``turn``.
+
+    Remembers the ``keep`` most recently searched keys (a key per round and phase for matchmaking); not thread-safe
+    (each user calls it under its own lock or from one event loop)."""
+
+    def __init__(self, window_s: float, replicas: int, keep: int = 64):
+        self.window_s, self.keep = window_s, keep
+        self._searched_at: Dict[str, float] = {}  # key -> monotonic time of its last search, oldest first
+        self._turn = random.randrange(replicas)  # a random first holder: nodes starting together spread their reads
+
+    def direct(self, key: str) -> bool:
+        """True while ``key``'s last search is under ``window_s`` seconds old."""
+        return time.monotonic() - self._searched_at.get(key, -math.inf) < self.window_s
+
+    def searched(self, key: str) -> None:
+        """Note a search of ``key`` now."""
+        self._searched_at.pop(key, None)
+        self._searched_at[key] = time.monotonic()
+        while len(self._searched_at) > self.keep:
+            self._searched_at.pop(next(iter(self._searched_at)))
+
+    def turn(self) -> int:
+        """The ``turn`` for the next direct read (``read_near``): each call the next holder."""
+        self._turn += 1
+        return self._turn
 
 
 async def store_near(_dht, node, key: str, subkey, value, expiration_time: float, replicas: int) -> tuple[int, int]:
@@ -93,28 +129,26 @@ async def _read_near(node, key: str, replicas: int, turn: int):
     known = protocol.routing_table.get_nearest_neighbors(key_id, k=replicas, exclude=node.node_id)
     ours = [] if protocol.client_mode else [(node.node_id, None)]
     targets = sorted([*known, *ours], key=lambda item: key_id.xor_distance(item[0]))[:replicas]
-    responded = 0
 
-    async def one(peer_id):
-        nonlocal responded
+    async def one(peer_id) -> tuple[bool, object]:
+        """(whether the peer answered at all, what it holds under the key or None)."""
         if peer_id is None:
-            responded += 1
-            return protocol.storage.get(key_id)
+            return True, protocol.storage.get(key_id)
         found = await protocol.call_find(peer_id, [key_id])
         if not found or key_id not in found:
-            return None
-        responded += 1
-        return found[key_id][0]
+            return False, None
+        return True, found[key_id][0]
 
     if not targets:
         return None, 0, 0
     first = targets[turn % len(targets)]
-    items = [await one(first[1])]
-    if items[0] is None or not isinstance(items[0].value, DictionaryDHTValue):
-        items += await asyncio.gather(*(one(peer_id) for node_id, peer_id in targets if node_id != first[0]))
+    replies = [await one(first[1])]
+    if replies[0][1] is None or not isinstance(replies[0][1].value, DictionaryDHTValue):
+        replies += await asyncio.gather(*(one(peer_id) for node_id, peer_id in targets if node_id != first[0]))
+    responded = sum(answered for answered, _ in replies)
     merged: dict = {}
     answers = 0
-    for item in items:
+    for _, item in replies:
         if item is None or not isinstance(item.value, DictionaryDHTValue):
             continue
         answers += 1

@@ -16,7 +16,6 @@ import hashlib
 import logging
 import math
 import os
-import random
 import re
 import signal
 import threading
@@ -28,7 +27,7 @@ import pydantic.v1 as pydantic
 from dilocox.peers import lifecycle
 from dilocox.peers.admission import Admission, AdmissionError, peer_id_of_public_key
 from dilocox.peers.bootstrap import JoinAbandoned, keep_trying
-from dilocox.peers.nearstore import read_latest, read_near, store_near
+from dilocox.peers.nearstore import SearchSchedule, read_latest, read_near, store_near
 from dilocox.peers.signing import (
     PUBLIC_KEY_REGEX,
     Ed25519SignatureValidator,
@@ -277,8 +276,7 @@ class SupervisedDHT(hivemind.DHT):
 
     def __init__(self, *args, **kwargs):
         self._next_group_read: Dict[str, float] = {}  # group key -> monotonic time its next read may start
-        self._group_searched_at: Dict[str, float] = {}  # group key -> monotonic time of its last searching read
-        self._group_turn = random.randrange(MEMBER_REPLICAS)  # which nearest holder the next direct read asks
+        self._schedule = SearchSchedule(MEMBER_SEARCH_S, MEMBER_REPLICAS)  # averagers' keys: direct or searched
         super().__init__(*args, **kwargs)
 
     def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
@@ -293,10 +291,9 @@ class SupervisedDHT(hivemind.DHT):
         if _averagers_key(key):
             kwargs.setdefault("beam_size", MEMBER_REPLICAS)
             kwargs.setdefault("num_workers", MEMBER_REPLICAS)
-            if return_future and subkey is not None and _in_event_loop() and \
-                    time.monotonic() - self._group_searched_at.get(key, -math.inf) < MEMBER_SEARCH_S:
+            if return_future and subkey is not None and _in_event_loop() and self._schedule.direct(key):
                 return asyncio.ensure_future(self._store_near(key, value, expiration_time, subkey, kwargs))
-            self._searched(key)
+            self._schedule.searched(key)
         return super().store(key, value, expiration_time, subkey=subkey, return_future=return_future, **kwargs)
 
     async def _store_near(self, key: str, value, expiration_time: float, subkey, kwargs: dict) -> bool:
@@ -307,15 +304,8 @@ class SupervisedDHT(hivemind.DHT):
             replicas=MEMBER_REPLICAS), return_future=True)
         if tried > 0 and accepted == tried:
             return True
-        self._searched(key)
+        self._schedule.searched(key)
         return await super().store(key, value, expiration_time, subkey=subkey, return_future=True, **kwargs)
-
-    def _searched(self, key: str) -> None:
-        """Note a search of an averagers' key now (the direct reads and stores after it trust the routing table)."""
-        self._group_searched_at.pop(key, None)
-        self._group_searched_at[key] = time.monotonic()
-        while len(self._group_searched_at) > 64:  # a key per round and phase: keep the recent ones
-            self._group_searched_at.pop(next(iter(self._group_searched_at)))
 
     async def _paced_group_read(self, key: str, kwargs: dict):
         now = time.monotonic()
@@ -325,12 +315,11 @@ class SupervisedDHT(hivemind.DHT):
             self._next_group_read.pop(next(iter(self._next_group_read)))
         if start > now:
             await asyncio.sleep(start - now)
-        if time.monotonic() - self._group_searched_at.get(key, -math.inf) < MEMBER_SEARCH_S:
-            self._group_turn += 1
+        if self._schedule.direct(key):
             return await self.run_coroutine(functools.partial(
-                read_latest, key=key, replicas=MEMBER_REPLICAS, turn=self._group_turn, beam_size=MEMBER_READ_BEAM),
-                return_future=True)
-        self._searched(key)
+                read_latest, key=key, replicas=MEMBER_REPLICAS, turn=self._schedule.turn(),
+                beam_size=MEMBER_READ_BEAM), return_future=True)
+        self._schedule.searched(key)
         return await super().get(key, latest=True, return_future=True, **kwargs)
 
     def run(self) -> None:
@@ -418,9 +407,9 @@ class Swarm:
         self.peer_id = self.dht.peer_id.to_base58()
         self._lock = threading.Lock()  # one DHT pipe shared by our threads
         self._read_at = -math.inf  # monotonic time of the last DHT read of the records
-        self._searched_at = -math.inf  # monotonic time of the last publish that searched for the nearest peers
-        self._read_searched_at: Dict[str, float] = {}  # DHT key -> monotonic time of the last read that searched
-        self._read_turn = random.randrange(MEMBER_REPLICAS)  # which nearest holder the next direct read asks
+        # publishes and reads of a key search apart: a publish's search asks MEMBER_REPLICAS peers, a read's fewer
+        self._publish_schedule = SearchSchedule(MEMBER_SEARCH_S, MEMBER_REPLICAS)
+        self._read_schedule = SearchSchedule(MEMBER_SEARCH_S, MEMBER_REPLICAS)
         self._traffic: Dict[str, int] = dict.fromkeys(TRAFFIC_COUNTS, 0)
         self._seen: Dict[bytes, object] = {}  # subkey -> the newest unexpired ValueWithExpiration read
         self._bound: Dict[bytes, str] = {self.public_key: self.peer_id}  # Ed25519 subkey -> its checked peer_id
@@ -466,13 +455,13 @@ class Swarm:
             # our own reads see our new record at once, without a DHT read (before 2026-12-01 each publish made
             # the next read go to the DHT: reads at least as many as publishes, each every member's record)
             self._seen[self.public_key] = ValueWithExpiration(value, expiration)
-            if time.monotonic() - self._searched_at < MEMBER_SEARCH_S:
+            if self._publish_schedule.direct(self.key):
                 accepted, tried = self.dht.run_coroutine(functools.partial(
                     store_near, key=self.key, subkey=self.public_key, value=value,
                     expiration_time=expiration, replicas=MEMBER_REPLICAS))
                 if accepted == tried and tried > 0:
                     return True
-            self._searched_at = time.monotonic()
+            self._publish_schedule.searched(self.key)
             self._traffic["searches"] += 1
             # a later expiration: a peer that took the direct store would refuse the same one again
             expiration = max(expiration + 1e-3, get_dht_time() + self.ttl_s)
@@ -544,13 +533,13 @@ class Swarm:
         peers the routing table knows, each in turn (peers/nearstore.py, ``read_near``), or with hivemind's search
         (``DHT.get``, beam MEMBER_READ_BEAM) when the last search of that key is MEMBER_SEARCH_S old or no peer asked
         directly answered; the search also teaches the routing table the peers nearest the key. Under ``_lock``."""
-        if time.monotonic() - self._read_searched_at.get(key, -math.inf) < MEMBER_SEARCH_S:
-            self._read_turn += 1  # holders in turn: each answers with the whole dictionary (read_near)
+        if self._read_schedule.direct(key):
+            # holders in turn: each answers with the whole dictionary (read_near)
             found, answers = self.dht.run_coroutine(functools.partial(
-                read_near, key=key, replicas=MEMBER_REPLICAS, turn=self._read_turn))
+                read_near, key=key, replicas=MEMBER_REPLICAS, turn=self._read_schedule.turn()))
             if answers > 0:
                 return found
-        self._read_searched_at[key] = time.monotonic()
+        self._read_schedule.searched(key)
         if key == self.key:
             self._traffic["read_searches"] += 1
         return self.dht.get(key, latest=True, beam_size=MEMBER_READ_BEAM, num_workers=MEMBER_READ_BEAM)

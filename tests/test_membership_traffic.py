@@ -306,3 +306,25 @@ def test_reads_after_the_first_ask_one_nearest_peer_in_turn_and_find_every_recor
     assert holders[:MEMBER_REPLICAS] == holders[MEMBER_REPLICAS:], holders
     plain = [h for h in holders[:MEMBER_REPLICAS] if h is not None]
     assert len(set(plain)) == len(plain) >= 1, holders
+
+
+def test_search_schedule_goes_direct_only_inside_the_window_after_a_search_and_forgets_old_keys(monkeypatch):
+    """The one rule for members and matchmaking keys (peers/nearstore.py): never searched or searched window_s ago ->
+    search; searched under window_s ago -> direct; each key on its own; only the ``keep`` newest remembered."""
+    from dilocox.peers import nearstore
+
+    now = [1000.0]
+    monkeypatch.setattr(nearstore.time, "monotonic", lambda: now[0])
+    schedule = nearstore.SearchSchedule(window_s=30.0, replicas=5, keep=2)
+    assert not schedule.direct("a")
+    schedule.searched("a")
+    now[0] += 29.9
+    assert schedule.direct("a") and not schedule.direct("b")
+    now[0] += 0.2
+    assert not schedule.direct("a")
+    schedule.searched("a")
+    schedule.searched("b")
+    schedule.searched("c")  # "a" is the oldest of three: forgotten, so searched again
+    assert not schedule.direct("a") and schedule.direct("b") and schedule.direct("c")
+    turns = [schedule.turn() % 5 for _ in range(5)]
+    assert sorted(turns) == [0, 1, 2, 3, 4]  # every holder once in five direct reads
