@@ -1,7 +1,8 @@
 """ProgressTracker: this node's view of the swarm's progress, like hivemind's ``ProgressTracker``.
 
-A heartbeat thread publishes this node's signed membership record (peers/swarm.py) every
-``announce_period`` seconds, or at once when poked (a state change others wait for). The record's
+A heartbeat thread publishes this node's signed membership record (peers/swarm.py) when
+``announce_period`` seconds have passed since its last publish of any kind, or at once when poked (a
+state change others wait for). The record's
 contents come from a callback the node supplies; the tracker adds the last all-reduce result
 digest, which it also collects from the other members of a group (docs/protocol.md, verdicts).
 """
@@ -38,6 +39,7 @@ class ProgressTracker:
         self._inputs: Dict[str, str] = {}  # that round's contributions we used: peer_id -> payload digest
         self._union: List[str] = []  # that round's group results we propose to unite (daemon/majority.py)
         self._poke = threading.Event()
+        self._published_at = -float("inf")  # monotonic time of our last publish (heartbeat or direct)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -68,6 +70,7 @@ class ProgressTracker:
         self._poke.set()
 
     def publish(self) -> None:
+        self._published_at = time.monotonic()
         self.swarm.publish(MemberRecord(**self._describe(), **self._result_fields()))
 
     def _result_fields(self) -> dict:
@@ -88,8 +91,19 @@ class ProgressTracker:
                 self._on_beat()
             except Exception as e:
                 logger.warning("membership refresh failed: %s", e)
-            self._poke.wait(self.announce_period_s)
-            self._poke.clear()
+            self._wait_for_beat()
+
+    def _wait_for_beat(self) -> None:
+        """Until a poke, a stop, or ``announce_period_s`` after our last publish. A direct publish (a round's
+        result digest, a union proposal) refreshes the record too: beating on a fixed clock after it was a
+        store on MEMBER_REPLICAS DHT peers (about 9 KB sent) with nothing new, one or two per round."""
+        while not self._stop.is_set():
+            left = self._published_at + self.announce_period_s - time.monotonic()
+            if self._poke.wait(max(0.0, left)):
+                self._poke.clear()
+                return
+            if time.monotonic() - self._published_at >= self.announce_period_s:
+                return
 
     def members(self, max_age_s: float = 1.0) -> List[MemberRecord]:
         """Every live member of the run (ours included), from a DHT read at most ``max_age_s`` old."""

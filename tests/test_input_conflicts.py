@@ -13,7 +13,7 @@ import time
 import pytest
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.peers.identity import load_or_create_identity
-from dilocox.peers.swarm import MemberRecord, Swarm, inputs_digest
+from dilocox.peers.swarm import MemberRecord, Swarm, inputs_digest, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -88,3 +88,36 @@ def test_a_record_no_longer_grows_with_the_contributors():
     assert len(sizes) == 1
     with pytest.raises(ValueError, match="inputs"):
         MemberRecord(**base, inputs=large)
+
+
+class _CountingSwarm:
+    """Counts publishes (a rule test of the heartbeat's clock: the DHT itself is exercised above)."""
+
+    peer_id = "QmCounting"
+
+    def __init__(self):
+        self.published = 0
+
+    def publish(self, record) -> bool:
+        self.published += 1
+        return True
+
+    def members(self, max_age_s: float = 1.0):
+        return []
+
+
+def test_the_heartbeat_does_not_beat_after_a_direct_publish_refreshed_the_record_but_a_poke_still_publishes():
+    swarm = _CountingSwarm()
+    tracker = _tracker(swarm)  # announce_period_s=0.5
+    tracker.start()
+    try:
+        assert wait_for(lambda: swarm.published == 1, 2.0, poll_s=0.01)  # the first beat
+        for _ in range(14):  # direct publishes every 0.15 s for 2.1 s: each one pushes the next beat back
+            tracker.publish()
+            time.sleep(0.15)
+        assert swarm.published == 1 + 14, swarm.published  # no beat in between (a fixed clock: 4 more)
+        assert wait_for(lambda: swarm.published == 16, 2.0, poll_s=0.01)  # a beat once the record is 0.5 s old
+        tracker.poke()
+        assert wait_for(lambda: swarm.published == 17, 0.3, poll_s=0.01)  # a poke: at once, not 0.5 s later
+    finally:
+        tracker.stop()
