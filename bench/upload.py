@@ -23,7 +23,8 @@ Nodes are forked from one shared image into their namespaces (``--launch forked`
 daemon, so the same bytes; a fraction of the memory, which lets 32 hosts fit in 24 GB) or started as
 one interpreter each under ``ip netns exec`` (``--launch interpreter``, the runs before 2026-12-01).
 
-Results: runs/bench/upload.{json,png} and a printed table.
+Results: runs/bench/upload.{json,png} and a printed table. ``--plot-from A/upload.json B/upload.json`` runs
+nothing and draws one table and PNG from earlier runs (docs/img/upload.png).
 """
 
 from __future__ import annotations
@@ -55,8 +56,19 @@ def main(argv=None) -> int:
     p.add_argument("--launch", choices=("forked", "interpreter"), default="forked",
                    help="forked: every node forked from one shared image into its namespace (bench/forked.py)")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
+    p.add_argument("--plot-from", type=Path, nargs="+", metavar="UPLOAD_JSON",
+                   help="run nothing: one table and PNG under --out from the rows of earlier runs' upload.json")
     a = p.parse_args(argv)
     a.inner_lr = "1e-3"
+    if a.plot_from:
+        try:
+            rows = merged_rows(a.plot_from)
+        except ValueError as e:
+            print(f"--plot-from: {e}", file=sys.stderr)
+            return 2
+        _write(rows, a)
+        print(table(rows))
+        return 0
     ok, why = NetSim.available()
     if not ok:
         print(f"make bench-upload needs network namespaces: {why}", file=sys.stderr)
@@ -85,6 +97,23 @@ def main(argv=None) -> int:
                 _write(rows, a)
     print(table(rows))
     return 0
+
+
+def merged_rows(paths: list[Path]) -> list[dict]:
+    """The rows of several runs' upload.json, in order; a later run's row for the same (k, workload, scheme)
+    replaces an earlier one. Raises ValueError naming a file that is not an upload.json of emulated runs."""
+    rows: dict = {}
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+            found = data["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a bench.upload result ({e})") from None
+        if not data.get("emulated"):
+            raise ValueError(f"{path}: not marked as an emulated workload")
+        for r in found:
+            rows[(r["nodes"], r["workload"], r["scheme"])] = r
+    return sorted(rows.values(), key=lambda r: (r["workload"], r["scheme"], r["nodes"]))
 
 
 def _node_rows(folder: Path) -> list[list[dict]]:

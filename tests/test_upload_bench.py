@@ -28,3 +28,32 @@ def test_membership_operations_are_counted_per_node_round_after_the_first_round(
                round_s=7.5, group_sizes=[2], digests_agree=True, membership=ops)
     assert "| 6.0 / 4.0 (0.50) |" in table([row])
     assert "| 3.00 | 4.50 | 3.50 |" in table([row])  # mean, busiest node, start-up included
+
+
+def test_earlier_runs_merge_into_one_table_and_plot_a_later_row_replacing_an_earlier_and_bad_files_refused(tmp_path):
+    import pytest
+
+    from bench.upload import main, merged_rows
+
+    def row(k, workload, tx):
+        return dict(nodes=k, workload=workload, scheme="shared", default_payload_bytes=100,
+                    steady_tx_bytes_per_node_round=tx, steady_max_tx_bytes_per_node_round=tx,
+                    tx_bytes_per_node_round=tx, transport_sent_bytes=200, round_s=7.5, group_sizes=[k],
+                    digests_agree=True, membership={})
+
+    (tmp_path / "a.json").write_text(json.dumps(dict(emulated=True, rows=[row(8, "synthetic:4M:0.25", 500),
+                                                                           row(16, "synthetic:4M:0.25", 900)])))
+    (tmp_path / "b.json").write_text(json.dumps(dict(emulated=True, rows=[row(16, "synthetic:4M:0.25", 700),
+                                                                           row(8, "synthetic:25M:0.5", 280)])))
+    rows = merged_rows([tmp_path / "a.json", tmp_path / "b.json"])
+    assert [(r["nodes"], r["workload"], r["steady_tx_bytes_per_node_round"]) for r in rows] == [
+        (8, "synthetic:25M:0.5", 280), (8, "synthetic:4M:0.25", 500), (16, "synthetic:4M:0.25", 700)]
+    assert main(["--plot-from", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "upload.png").stat().st_size > 1000
+    assert "| 16 | 4M | shared | 0.001 MB | 7.00 |" in (tmp_path / "o" / "upload.md").read_text()
+    (tmp_path / "c.json").write_text(json.dumps(dict(rows=[])))
+    with pytest.raises(ValueError, match="c.json: not marked as an emulated workload"):
+        merged_rows([tmp_path / "c.json"])
+    (tmp_path / "d.json").write_text("{")
+    with pytest.raises(ValueError, match="d.json: not a bench.upload result"):
+        merged_rows([tmp_path / "d.json"])
