@@ -7,7 +7,9 @@ For the members key that value is every member's signed record, so each publish 
 N records: with a publish every few seconds, about 60% of the membership bytes a node caused per round at 8
 nodes (bench.upload, issue 29). A node's routing table already knows the nearest peers of a small or settled
 swarm, so most publishes can go straight to them (``DHTProtocol.call_store``, the RPC ``store_many`` ends
-with); ``Swarm.publish`` still searches now and then and whenever a direct store was refused or missed.
+with); ``Swarm.publish`` still learns the nearest peers again now and then and whenever a direct store was
+refused or missed (``SearchSchedule``), by a walk that asks for a neighbour of the key, so that no peer answers
+with the value (``learn_nearest``).
 """
 
 from __future__ import annotations
@@ -57,19 +59,37 @@ class SearchSchedule:
         return self._turn
 
 
-async def store_near(_dht, node, key: str, subkey, value, expiration_time: float, replicas: int) -> tuple[int, int]:
+async def learn_nearest(node, key: str, replicas: int, beam_size: int) -> int:
+    """Walk the DHT towards ``key`` without fetching its value, so the routing table learns the peers nearest it;
+    returns how many of the ``replicas`` nearest the walk found. Runs in the DHT process.
+
+    hivemind's searching ``get`` and ``store`` walk with ``rpc_find`` on the key itself, and every peer asked that
+    holds the key answers with its whole dictionary: for the members key, every member's signed record (11 KB at 16
+    nodes, 21 KB at 32), and a search got about 4 such answers (bench.upload with per-RPC byte counts, 2026-12-02:
+    at 16 nodes, 25 M values, about half of the members key's find bytes came from searches). This walk asks for the
+    key id with its lowest bit flipped (``DHTNode.find_nearest_nodes``, hivemind's public traversal): no peer holds a
+    value there, and the peers nearest that id are the ones nearest the key (XOR distances to the two differ by at
+    most 1, so only an exact tie in the other 159 bits can order two peers differently). Peers that answer join the
+    routing table (``DHTProtocol.call_find`` adds every responder)."""
+    probe = DHTID(int(DHTID.generate(source=key)) ^ 1)
+    found = await node.find_nearest_nodes([probe], k_nearest=replicas, beam_size=beam_size, num_workers=beam_size)
+    return len(found.get(probe, {}))
+
+
+async def store_near(_dht, node, key: str, subkey, value, expiration_time: float, replicas: int,
+                     search: bool = False) -> tuple[int, int]:
     """Runs in the DHT process (hivemind's documented ``DHT.run_coroutine`` hook, ``node`` its DHTNode).
 
-    Signs ``value`` as ``store_many`` does (the node's record validators), stores it on the ``replicas`` nodes
-    nearest ``key`` among the routing table and this node (unless in client mode), through
-    ``DHTProtocol.call_store`` (this node: its local storage after validation) and returns (stores accepted,
-    stores tried). Tried < replicas means the
-    routing table knows fewer peers; accepted < tried means a peer refused (e.g. a newer value) or missed."""
+    With ``search``, first ``learn_nearest`` (beam ``replicas``). Signs ``value`` as ``store_many`` does (the
+    node's record validators), stores it on the ``replicas`` nodes nearest ``key`` among the routing table and this
+    node (unless in client mode), through ``DHTProtocol.call_store`` (this node: its local storage after
+    validation) and returns (stores accepted, stores tried). Tried < replicas means the routing table knows fewer
+    peers; accepted < tried means a peer refused (e.g. a newer value) or missed."""
     protocol = node.protocol
     key_id = DHTID.generate(source=key)
-    known = protocol.routing_table.get_nearest_neighbors(key_id, k=replicas, exclude=node.node_id)
-    ours = [] if protocol.client_mode else [(node.node_id, None)]  # nobody can read a client-mode node's storage
-    targets = sorted([*known, *ours], key=lambda item: key_id.xor_distance(item[0]))[:replicas]
+    if search:
+        await learn_nearest(node, key, replicas, beam_size=replicas)
+    targets = _nearest_targets(node, key_id, replicas)
     record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
                        expiration_time)
     if protocol.record_validator is not None:
@@ -88,8 +108,19 @@ async def store_near(_dht, node, key: str, subkey, value, expiration_time: float
     return sum(results), len(targets)
 
 
-async def read_near(_dht, node, key: str, replicas: int, turn: int = 0):
-    """Runs in the DHT process (``DHT.run_coroutine``): read ``key``'s dictionary from one of the ``replicas`` nodes
+def _nearest_targets(node, key_id, replicas: int) -> list:
+    """The ``replicas`` nodes nearest ``key_id`` among the routing table and this node (not in client mode: nobody
+    can read a client-mode node's storage), nearest first, as (node_id, peer_id or None for this node)."""
+    protocol = node.protocol
+    known = protocol.routing_table.get_nearest_neighbors(key_id, k=replicas, exclude=node.node_id)
+    ours = [] if protocol.client_mode else [(node.node_id, None)]
+    return sorted([*known, *ours], key=lambda item: key_id.xor_distance(item[0]))[:replicas]
+
+
+async def read_near(_dht, node, key: str, replicas: int, turn: int = 0, search: bool = False,
+                    beam_size: int = 3):
+    """Runs in the DHT process (``DHT.run_coroutine``): with ``search``, first ``learn_nearest`` (``beam_size``);
+    then read ``key``'s dictionary from one of the ``replicas`` nodes
     nearest it among the routing table and this node (unless in client mode), the ``turn % replicas``-th nearest
     (this node: its local storage, no bytes), and only when that one answers with no dictionary from the others, one
     ``DHTProtocol.call_find`` each (its own validation of every record), without hivemind's beam search. Returns
@@ -104,6 +135,8 @@ async def read_near(_dht, node, key: str, replicas: int, turn: int = 0):
     the whole dictionary: with a beam of 3 a members read got about 8 such answers at 32 nodes (20.8 KB each, 1.8 MB a
     node and round on the interfaces, bench.upload with per-RPC byte counts) and 4.4 at 8. Subkeys are merged as
     hivemind's search merges them (the newest expiration of each), then stripped and deserialized as it does."""
+    if search:
+        await learn_nearest(node, key, replicas, beam_size=beam_size)
     found, answers, _ = await _read_near(node, key, replicas, turn)
     return found, answers
 
@@ -126,9 +159,7 @@ async def _read_near(node, key: str, replicas: int, turn: int):
     """(the merged dictionary or None, holders that answered with one, peers that answered at all)."""
     protocol = node.protocol
     key_id = DHTID.generate(source=key)
-    known = protocol.routing_table.get_nearest_neighbors(key_id, k=replicas, exclude=node.node_id)
-    ours = [] if protocol.client_mode else [(node.node_id, None)]
-    targets = sorted([*known, *ours], key=lambda item: key_id.xor_distance(item[0]))[:replicas]
+    targets = _nearest_targets(node, key_id, replicas)
 
     async def one(peer_id) -> tuple[bool, object]:
         """(whether the peer answered at all, what it holds under the key or None)."""

@@ -407,9 +407,8 @@ class Swarm:
         self.peer_id = self.dht.peer_id.to_base58()
         self._lock = threading.Lock()  # one DHT pipe shared by our threads
         self._read_at = -math.inf  # monotonic time of the last DHT read of the records
-        # publishes and reads of a key search apart: a publish's search asks MEMBER_REPLICAS peers, a read's fewer
-        self._publish_schedule = SearchSchedule(MEMBER_SEARCH_S, MEMBER_REPLICAS)
-        self._read_schedule = SearchSchedule(MEMBER_SEARCH_S, MEMBER_REPLICAS)
+        # one walk towards a key serves its publishes and reads alike: both go to the peers nearest it
+        self._schedule = SearchSchedule(MEMBER_SEARCH_S, MEMBER_REPLICAS)
         self._traffic: Dict[str, int] = dict.fromkeys(TRAFFIC_COUNTS, 0)
         self._seen: Dict[bytes, object] = {}  # subkey -> the newest unexpired ValueWithExpiration read
         self._bound: Dict[bytes, str] = {self.public_key: self.peer_id}  # Ed25519 subkey -> its checked peer_id
@@ -432,20 +431,21 @@ class Swarm:
 
     def traffic(self) -> Dict[str, int]:
         """DHT operations on the run's keys since start (TRAFFIC_COUNTS): ``reads`` of the records, of which
-        ``read_searches`` used hivemind's get with its search (the rest asked the nearest peers straight), ``publishes``
-        of ours, of which ``searches`` used hivemind's store with its search, ``inputs_published`` and
-        ``inputs_reads`` (InputsRecord), ``binding_reads`` (peers/signing.py). Each read or search costs every record
-        from each DHT peer asked (MEMBER_READ_BEAM, MEMBER_REPLICAS)."""
+        ``read_searches`` walked towards the key first (peers/nearstore.py, ``learn_nearest``; the rest asked the
+        nearest peers straight), ``publishes`` of ours, of which ``searches`` walked first, ``inputs_published`` and
+        ``inputs_reads`` (InputsRecord), ``binding_reads`` (peers/signing.py). A read costs every record from each
+        holder asked (one in turn, all MEMBER_REPLICAS when it holds none)."""
         with self._lock:
             return dict(self._traffic)
 
     def publish(self, record: MemberRecord) -> bool:
         """Store our signed record (True: at least one DHT peer, or our own storage, holds it).
 
-        Directly on the MEMBER_REPLICAS nearest peers our routing table knows (peers/nearstore.py), or with
-        hivemind's search first (``DHT.store``, asking MEMBER_REPLICAS peers: its ``find_nearest_nodes`` kwargs)
-        when the last search is MEMBER_SEARCH_S old or a direct store was refused or missed. The search also
-        teaches the routing table the peers nearest the key."""
+        Directly on the MEMBER_REPLICAS nearest peers our routing table knows (peers/nearstore.py, ``store_near``),
+        after a walk towards the key that teaches the routing table its nearest peers (``learn_nearest``: no peer
+        answers with the records) when the key's last walk is MEMBER_SEARCH_S old or a direct store was refused or
+        missed; with hivemind's search (``DHT.store``, beam MEMBER_REPLICAS) only when the stores after a walk
+        were refused or missed too."""
         expiration = get_dht_time() + self.ttl_s
         # every field goes, defaults too: hivemind's SchemaValidator refuses a value its parse would change
         value = record.dict()
@@ -455,17 +455,18 @@ class Swarm:
             # our own reads see our new record at once, without a DHT read (before 2026-12-01 each publish made
             # the next read go to the DHT: reads at least as many as publishes, each every member's record)
             self._seen[self.public_key] = ValueWithExpiration(value, expiration)
-            if self._publish_schedule.direct(self.key):
+            for search in (False, True) if self._schedule.direct(self.key) else (True,):
+                if search:
+                    self._schedule.searched(self.key)
+                    self._traffic["searches"] += 1
                 accepted, tried = self.dht.run_coroutine(functools.partial(
                     store_near, key=self.key, subkey=self.public_key, value=value,
-                    expiration_time=expiration, replicas=MEMBER_REPLICAS))
+                    expiration_time=expiration, replicas=MEMBER_REPLICAS, search=search))
                 if accepted == tried and tried > 0:
                     return True
-            self._publish_schedule.searched(self.key)
-            self._traffic["searches"] += 1
-            # a later expiration: a peer that took the direct store would refuse the same one again
-            expiration = max(expiration + 1e-3, get_dht_time() + self.ttl_s)
-            self._seen[self.public_key] = ValueWithExpiration(value, expiration)
+                # a later expiration: a peer that took the store would refuse the same one again
+                expiration = max(expiration + 1e-3, get_dht_time() + self.ttl_s)
+                self._seen[self.public_key] = ValueWithExpiration(value, expiration)
             return bool(self.dht.store(self.key, subkey=self.public_key, value=value,
                                        expiration_time=expiration, beam_size=MEMBER_REPLICAS,
                                        num_workers=MEMBER_REPLICAS))
@@ -530,18 +531,21 @@ class Swarm:
 
     def _read_dictionary(self, key: str):
         """The dictionary under ``key`` (the records, or the inputs): straight from one of the MEMBER_REPLICAS nearest
-        peers the routing table knows, each in turn (peers/nearstore.py, ``read_near``), or with hivemind's search
-        (``DHT.get``, beam MEMBER_READ_BEAM) when the last search of that key is MEMBER_SEARCH_S old or no peer asked
-        directly answered; the search also teaches the routing table the peers nearest the key. Under ``_lock``."""
-        if self._read_schedule.direct(key):
+        peers the routing table knows, each in turn (peers/nearstore.py, ``read_near``), after a walk towards the key
+        (``learn_nearest``, beam MEMBER_READ_BEAM: no peer answers with the dictionary) when the key's last walk is
+        MEMBER_SEARCH_S old or no peer asked answered with it; with hivemind's search (``DHT.get``) only when no
+        holder answered after a walk either (an empty key, or one held beyond the nearest peers). Under ``_lock``."""
+        for search in (False, True) if self._schedule.direct(key) else (True,):
+            if search:
+                self._schedule.searched(key)
+                if key == self.key:
+                    self._traffic["read_searches"] += 1
             # holders in turn: each answers with the whole dictionary (read_near)
             found, answers = self.dht.run_coroutine(functools.partial(
-                read_near, key=key, replicas=MEMBER_REPLICAS, turn=self._read_schedule.turn()))
+                read_near, key=key, replicas=MEMBER_REPLICAS, turn=self._schedule.turn(), search=search,
+                beam_size=MEMBER_READ_BEAM))
             if answers > 0:
                 return found
-        self._read_schedule.searched(key)
-        if key == self.key:
-            self._traffic["read_searches"] += 1
         return self.dht.get(key, latest=True, beam_size=MEMBER_READ_BEAM, num_workers=MEMBER_READ_BEAM)
 
     def members(self, max_age_s: float = 1.0) -> List[tuple[MemberRecord, float]]:
