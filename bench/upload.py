@@ -24,7 +24,7 @@ daemon, so the same bytes; a fraction of the memory, which lets 32 hosts fit in 
 one interpreter each under ``ip netns exec`` (``--launch interpreter``, the runs before 2026-12-01).
 
 Results: runs/bench/upload.{json,png} and a printed table. ``--plot-from A/upload.json B/upload.json`` runs
-nothing and draws one table and PNG from earlier runs (docs/img/upload.png).
+nothing and draws one table and PNG from earlier runs (docs/img/upload-shared.png).
 """
 
 from __future__ import annotations

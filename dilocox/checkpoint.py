@@ -13,7 +13,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Callable, Optional
 
 import torch
 
@@ -24,10 +24,11 @@ KEEP = 3
 CHUNK = 16 << 20  # bytes hashed at a time
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
+def _fsync_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write(file)`` into a temporary file beside ``path``, fsync, rename onto ``path``."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
-        f.write(data)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -51,15 +52,10 @@ def save_checkpoint(directory: Path, outer_step: int, state: dict[str, Any]) -> 
     values on one machine ran out of memory writing their final checkpoints together)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step-{outer_step:08d}.pt"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    checksum = _sha256_file(tmp)
     # payload first, checksum last: a crash in between leaves a file without a checksum, which is skipped
-    os.replace(tmp, path)
-    _fsync_write(path.with_name(path.name + ".sha256"), checksum.encode())
+    _fsync_write(path, lambda f: torch.save(state, f))
+    checksum = _sha256_file(path).encode()
+    _fsync_write(path.with_name(path.name + ".sha256"), lambda f: f.write(checksum))
     for torn in directory.glob(".step-*.tmp-*"):  # left by a writer killed mid-write
         if not torn.name.endswith(f".tmp-{os.getpid()}"):
             torn.unlink(missing_ok=True)

@@ -29,10 +29,11 @@ from hivemind.utils import ValueWithExpiration
 
 class SearchSchedule:
     """When a DHT key's next read or store may go straight to the nearest holders (``read_near``, ``read_latest``,
-    ``store_near``) and when it must use hivemind's search: straight for ``window_s`` seconds after the key's last
-    search, which also teaches the routing table the peers nearest the key. One rule for the members records
-    (``Swarm``) and hivemind's matchmaking keys (``SupervisedDHT``); the caller notes a search with ``searched``,
-    also after a direct call that missed, and turns the holder it asks with ``turn``.
+    ``store_near``) and when it must search first (for the members records a walk, ``learn_nearest``; for
+    hivemind's matchmaking keys hivemind's search): straight for ``window_s`` seconds after the key's last search,
+    which also teaches the routing table the peers nearest the key. One rule for ``Swarm`` and ``SupervisedDHT``;
+    the caller notes a search with ``searched`` (or lets ``attempts`` note it), also after a direct call that
+    missed, and turns the holder it asks with ``turn``.
 
     Remembers the ``keep`` most recently searched keys (a key per round and phase for matchmaking); not thread-safe
     (each user calls it under its own lock or from one event loop)."""
@@ -52,6 +53,15 @@ class SearchSchedule:
         self._searched_at[key] = time.monotonic()
         while len(self._searched_at) > self.keep:
             self._searched_at.pop(next(iter(self._searched_at)))
+
+    def attempts(self, key: str):
+        """The tries of one read or store of ``key``, as whether each searches first: a direct try while the window
+        is open, then one that searches (noted as a search when it is reached). The caller stops at the first
+        that succeeds."""
+        if self.direct(key):
+            yield False
+        self.searched(key)
+        yield True
 
     def turn(self) -> int:
         """The ``turn`` for the next direct read (``read_near``): each call the next holder."""

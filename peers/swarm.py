@@ -455,10 +455,8 @@ class Swarm:
             # our own reads see our new record at once, without a DHT read (before 2026-12-01 each publish made
             # the next read go to the DHT: reads at least as many as publishes, each every member's record)
             self._seen[self.public_key] = ValueWithExpiration(value, expiration)
-            for search in (False, True) if self._schedule.direct(self.key) else (True,):
-                if search:
-                    self._schedule.searched(self.key)
-                    self._traffic["searches"] += 1
+            for search in self._schedule.attempts(self.key):
+                self._traffic["searches"] += search
                 accepted, tried = self.dht.run_coroutine(functools.partial(
                     store_near, key=self.key, subkey=self.public_key, value=value,
                     expiration_time=expiration, replicas=MEMBER_REPLICAS, search=search))
@@ -535,11 +533,8 @@ class Swarm:
         (``learn_nearest``, beam MEMBER_READ_BEAM: no peer answers with the dictionary) when the key's last walk is
         MEMBER_SEARCH_S old or no peer asked answered with it; with hivemind's search (``DHT.get``) only when no
         holder answered after a walk either (an empty key, or one held beyond the nearest peers). Under ``_lock``."""
-        for search in (False, True) if self._schedule.direct(key) else (True,):
-            if search:
-                self._schedule.searched(key)
-                if key == self.key:
-                    self._traffic["read_searches"] += 1
+        for search in self._schedule.attempts(key):
+            self._traffic["read_searches"] += search and key == self.key
             # holders in turn: each answers with the whole dictionary (read_near)
             found, answers = self.dht.run_coroutine(functools.partial(
                 read_near, key=key, replicas=MEMBER_REPLICAS, turn=self._schedule.turn(), search=search,
