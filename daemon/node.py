@@ -55,7 +55,7 @@ from dilocox.tokenizer import load_tokenizer
 from dilocox.workload import make_workload
 
 logger = logging.getLogger(__name__)
-SHARED_KEEP = 256  # offers kept by a shared-compression node: 2k keys a round, two rounds of up to 64 members
+SHARED_KEEP = 8  # offers kept by a shared-compression node: its union and result, four rounds of them
 RESULT_ROUNDS = 2  # rounds whose group result we serve: a slow group may still be uniting the last one
 _RECORDED = (RoundOutcome.APPLIED, RoundOutcome.ADOPTED, RoundOutcome.UNITED, RoundOutcome.SOLO,
              RoundOutcome.APPLIED_ALONE, RoundOutcome.SKIPPED)
@@ -233,7 +233,6 @@ class Node:
         if not self.averagers:
             self._make_averagers(prefix, sizes)
         if cfg.gathers:
-            # a shared round offers 2k keys (proposals, union, values, result): two rounds of up to 64 members
             self.contributions = ContributionServer(self.swarm.replicate_p2p, prefix,
                                                     keep=SHARED_KEEP if cfg.compression == "shared" else 4,
                                                     startup_timeout_s=cfg.startup_timeout,

@@ -46,6 +46,7 @@ from dilocox.peers.averaging import (
 )
 from dilocox.peers.deadlines import LinkEstimate, LinkSnapshot, group_download_deadline
 from dilocox.peers.reachability import DialLog
+from dilocox.peers.uploads import Uploads
 from dilocox.proto.dilocox.v1.swarm_pb2 import ContributionChunk, ContributionRequest
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
@@ -64,6 +65,9 @@ EMPTY_RETRIES = 2      # an empty stream without an error is asked for again thi
 # a member asked for its own contribution before offering it waits this long for the offer: group-mates whose
 # compute ended first, or an early round's all-gather, can ask while it still encodes (seconds at 100M values)
 OFFER_WAIT_S = 60.0
+PUSHED_NAMES = 4096  # upload names whose pushed bytes are counted (served_bytes)
+UPLOAD_KEYS = 4  # keys a requester's uploads are kept under: two rounds' proposals and values
+MAX_UPLOAD_BYTES = 256 << 20  # the most a group-mate may push with one request (rpc_exchange)
 # The downloads after the all-gather are given up once they have lasted this long and nobody else is in the round.
 # A group waits its download deadline, up to --averaging-timeout, for a payload that may never come: in run P
 # (docs/protocol.md) a joiner's group, with no measured link, waited 60 s on a group-mate that had left the
@@ -111,6 +115,9 @@ class ContributionServer(ServicerBase):
         self.dials = DialLog()
         self.link = LinkEstimate()  # our download rate and latency, measured on every round's downloads
         self._served: Dict[str, int] = {}
+        self._pushed: "OrderedDict[str, int]" = OrderedDict()  # upload name -> bytes pushed (fetch(uploads=...))
+        self.uploads = Uploads(UPLOAD_KEYS)  # what group-mates pushed with their requests (rpc_exchange)
+        self.max_upload_bytes = MAX_UPLOAD_BYTES
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="contributions", daemon=True)
@@ -139,20 +146,28 @@ class ContributionServer(ServicerBase):
                 self._served.pop(old, None)
 
     def served_bytes(self, key: str) -> int:
-        """Bytes of our payload sent under ``key`` so far (all requesters)."""
+        """Bytes of our payload sent under ``key`` so far (all requesters), or pushed under that name with a
+        fetch (``fetch(uploads=...)``)."""
         with self._lock:
-            return self._served.get(key, 0)
+            return self._served.get(key, 0) + self._pushed.get(key, 0)
+
+    def offered(self, key: str) -> bool:
+        """Whether we serve a payload under ``key`` (``offer``; the oldest are dropped, see ``keep``)."""
+        with self._lock:
+            return key in self._offers
+
+    def _count(self, key: str, n: int) -> None:
+        with self._lock:
+            if key in self._served:
+                self._served[key] += n
 
     async def rpc_contribution(self, request: ContributionRequest,
                                context: P2PContext) -> AsyncIterator[ContributionChunk]:
         """A group-mate asks for our contribution under ``request.key``: the payload in order, in
         pieces of CHUNK_BYTES, or one message with ``error`` set."""
         requester = context.remote_id.to_base58()  # authenticated by libp2p
-        refusal = self.admitted(requester) if self.admitted is not None else None
+        refusal = self._refusal(requester)
         if refusal is not None:
-            if self._refused.get(requester) != refusal:
-                logger.warning("refused our contribution to %s: %s", requester, refusal)
-                self._refused[requester] = refusal
             yield ContributionChunk(error=f"not admitted: {refusal}")
             return
         if request.owner and request.owner != self.peer_id:
@@ -160,24 +175,72 @@ class ContributionServer(ServicerBase):
             if payload is None:
                 yield ContributionChunk(error=f"{NOT_HELD}: no copy of {request.owner[:16]}'s contribution")
                 return
-        else:
-            payload = await self._own(request.key)
-            if payload is None:
-                yield ContributionChunk(error=f"no contribution under key {request.key[:40]!r}")
+            async for chunk in self._pieces(payload, request.key):
+                yield chunk
+            return
+        async for chunk in self._serve_own(request.key, requester):
+            yield chunk
+
+    async def rpc_exchange(self, requests: AsyncIterator[ContributionRequest],
+                           context: P2PContext) -> AsyncIterator[ContributionChunk]:
+        """A group-mate pushes an upload (``upload`` of the request stream's messages, in order; the first names
+        the ``key``) and asks for our contribution under that key: a reduce-scatter round's proposal with the
+        request for our union, its values with the request for our result (peers/uploads.py). The upload is kept
+        for ``uploads.collect``; the answer is ``rpc_contribution``'s. Refused with ``error`` set: a requester
+        not admitted, an upload over ``max_upload_bytes``, a different second upload under the same key."""
+        requester = context.remote_id.to_base58()
+        refusal = self._refusal(requester)
+        if refusal is not None:
+            yield ContributionChunk(error=f"not admitted: {refusal}")
+            return
+        key, upload = None, bytearray()
+        async for request in requests:
+            key = request.key if key is None else key
+            upload += request.upload
+            if len(upload) > self.max_upload_bytes:
+                yield ContributionChunk(error=f"upload over {self.max_upload_bytes} bytes")
                 return
-            if self.tamper is not None:
-                payload = self.tamper(payload, requester, request.key)
+        if key is None:
+            yield ContributionChunk(error="an exchange without a request")
+            return
+        why = self.uploads.put(key, requester, bytes(upload))
+        if why is not None:
+            logger.warning("refused an upload of %s under %r: %s", requester[:16], key[:40], why)
+            yield ContributionChunk(error=f"upload refused: {why}")
+            return
+        # our union or result exists only once every member's upload is in (or our collect gave up): wait for it as
+        # long as the requester does, whatever offer_wait_s says (that is for payloads that may never come)
+        async for chunk in self._serve_own(key, requester, max(self.offer_wait_s, OFFER_WAIT_S)):
+            yield chunk
+
+    def _refusal(self, requester: str) -> Optional[str]:
+        refusal = self.admitted(requester) if self.admitted is not None else None
+        if refusal is not None and self._refused.get(requester) != refusal:
+            logger.warning("refused our contribution to %s: %s", requester, refusal)
+            self._refused[requester] = refusal
+        return refusal
+
+    async def _serve_own(self, key: str, requester: str,
+                         wait_s: Optional[float] = None) -> AsyncIterator[ContributionChunk]:
+        payload = await self._own(key, wait_s)
+        if payload is None:
+            yield ContributionChunk(error=f"no contribution under key {key[:40]!r}")
+            return
+        if self.tamper is not None:
+            payload = self.tamper(payload, requester, key)
+        async for chunk in self._pieces(payload, key):
+            yield chunk
+
+    async def _pieces(self, payload: bytes, key: str) -> AsyncIterator[ContributionChunk]:
         for i in range(0, max(len(payload), 1), CHUNK_BYTES):
             piece = payload[i:i + CHUNK_BYTES]
-            with self._lock:  # counted as handed to the stream: a stream cut early counts what it carried
-                if request.key in self._served:
-                    self._served[request.key] += len(piece)
+            self._count(key, len(piece))  # counted as handed to the stream: a stream cut early counts what it carried
             yield ContributionChunk(data=piece, total_bytes=len(payload) if i == 0 else 0)
 
-    async def _own(self, key: str) -> Optional[bytes]:
-        """Our contribution under ``key``, waiting up to ``offer_wait_s`` for ``offer`` (the requester's own
-        deadline usually ends the wait first, by cancelling the call)."""
-        deadline = time.monotonic() + self.offer_wait_s
+    async def _own(self, key: str, wait_s: Optional[float] = None) -> Optional[bytes]:
+        """Our contribution under ``key``, waiting up to ``wait_s`` (default ``offer_wait_s``) for ``offer`` (the
+        requester's own deadline usually ends the wait first, by cancelling the call)."""
+        deadline = time.monotonic() + (self.offer_wait_s if wait_s is None else wait_s)
         while True:
             with self._lock:
                 payload = self._offers.get(key)
@@ -206,51 +269,40 @@ class ContributionServer(ServicerBase):
     def fetch(self, wanted: Dict[str, Tuple[Optional[str], int]], key: str, timeout_s: float,
               relays: Tuple[str, ...] = (),
               no_direct: frozenset = frozenset(), stop: Optional[Callable[[], bool]] = None,
-              check_every_s: float = 1.0) -> Tuple[Dict[str, bytes], Dict[str, str]]:
+              check_every_s: float = 1.0,
+              uploads: Optional[Dict[str, Tuple[str, bytes]]] = None) -> Tuple[Dict[str, bytes], Dict[str, str]]:
         """Download the payloads of ``wanted`` (peer_id -> (sha256 hex, exact length in bytes), or (None,
         the largest valid length) when nothing was announced) under ``key``, all at once, within
         ``timeout_s`` seconds. A peer is dialed directly unless it is in ``no_direct`` or a dial to it
         failed recently (``dials``); else, or when that fails, its contribution is asked of ``relays``
         (members that may hold a copy), in order. Returns (peer_id -> payload whose length and digest
-        match, peer_id -> why it was not accepted).
+        match, peer_id -> why it was not accepted). A wanted length of 0 accepts an empty payload.
 
+        ``uploads``: peer_id -> (name, bytes) pushed to that peer with the request (``rpc_exchange``: the peer
+        ``collect``s it; directly only, never through a relay), counted in ``served_bytes(name)`` once offered
+        under that name and passed through ``tamper`` with it.
         ``stop()``, polled every ``check_every_s`` seconds, ends the wait early: the downloads in flight are
         cancelled and RoundFailed is raised (the round went on without us; waiting on a group-mate that
         left it would only delay our re-sync)."""
-        if not wanted:
-            return {}, {}
-        future = asyncio.run_coroutine_threadsafe(self._fetch_all(wanted, key, timeout_s, tuple(relays), no_direct),
-                                                  self._loop)
-        began, give_up = time.monotonic(), time.monotonic() + timeout_s + 5.0
-        try:
-            while True:
-                try:
-                    results = future.result(max(0.0, min(check_every_s, give_up - time.monotonic())))
-                    break
-                except FutureTimeout:
-                    if time.monotonic() >= give_up:
-                        raise
-                    if stop is not None and stop():
-                        future.cancel()
-                        raise RoundFailed(f"abandoned after {time.monotonic() - began:.1f}s of downloads under "
-                                          f"{key!r}: {LEFT_BEHIND}") from None
-        except FutureTimeout:  # our event loop is starved (32 nodes on 2 cores): a failed fetch
-            future.cancel()  # the caller asks again or elsewhere; an exception here ended a node (seen at 32)
-            return {}, {peer: f"not received within {timeout_s + 5.0:.0f}s (our transport did not answer in time)"
-                        for peer in wanted}
-        got, failed = {}, {}
-        for peer, outcome in results.items():
-            if isinstance(outcome, bytes):
-                got[peer] = outcome
-            else:
-                failed[peer] = outcome
-        return got, failed
+        return self.start_fetch(wanted, key, timeout_s, relays, no_direct, uploads).result(stop, check_every_s)
 
-    async def _fetch_all(self, wanted, key, timeout_s, relays, no_direct) -> Dict[str, object]:
+    def start_fetch(self, wanted: Dict[str, Tuple[Optional[str], int]], key: str, timeout_s: float,
+                    relays: Tuple[str, ...] = (), no_direct: frozenset = frozenset(),
+                    uploads: Optional[Dict[str, Tuple[str, bytes]]] = None) -> "PendingFetch":
+        """``fetch`` without waiting: the downloads run on our loop while the caller does something else (a
+        reducer collects the uploads its group-mates push while its own go out); ``PendingFetch.result``
+        waits for them."""
+        if not wanted:
+            return PendingFetch(None, {}, key, timeout_s)
+        future = asyncio.run_coroutine_threadsafe(
+            self._fetch_all(wanted, key, timeout_s, tuple(relays), no_direct, dict(uploads or {})), self._loop)
+        return PendingFetch(future, wanted, key, timeout_s)
+
+    async def _fetch_all(self, wanted, key, timeout_s, relays, no_direct, uploads) -> Dict[str, object]:
         peers, timings = sorted(wanted), []
         started = time.monotonic()
         outcomes = await asyncio.gather(*[asyncio.wait_for(self._fetch_one(p, *wanted[p], key, relays, no_direct,
-                                                                           timings), timeout_s)
+                                                                           timings, uploads.get(p)), timeout_s)
                                           for p in peers], return_exceptions=True)
         if timings:  # the direct downloads that succeeded measure our link (peers/deadlines.py); waits on a
             # dead peer or a relay's copy are no measure of it
@@ -267,17 +319,19 @@ class ContributionServer(ServicerBase):
         return out
 
     async def _fetch_one(self, peer: str, sha256: Optional[str], size: int, key: str, relays: Tuple[str, ...],
-                         no_direct: frozenset, timings: list) -> bytes:
-        """``peer``'s payload, from itself or from a relay (module docstring). Raises ContributionError if
-        the peer itself served bad bytes or no source could serve it."""
+                         no_direct: frozenset, timings: list, upload: Optional[Tuple[str, bytes]] = None) -> bytes:
+        """``peer``'s payload, from itself or from a relay (module docstring); ``upload`` (name, bytes) goes to
+        the peer itself with the request. Raises ContributionError if the peer itself served bad bytes or no
+        source could serve it."""
         sources = [peer] if peer not in no_direct and self.dials.worth_dialing(peer) else []
-        sources += [r for r in relays if r not in (peer, self.peer_id)]
+        if upload is None:
+            sources += [r for r in relays if r not in (peer, self.peer_id)]
         errors: Dict[str, str] = {}
         empty = 0
         while sources:
             for src in list(sources):
                 try:
-                    payload = await self._download(src, peer, sha256, size, key, timings)
+                    payload = await self._download(src, peer, sha256, size, key, timings, upload)
                 except _NotHeld:
                     continue  # the relay has no copy yet: ask again after a pause
                 except _Empty as e:
@@ -320,15 +374,19 @@ class ContributionServer(ServicerBase):
                                 ("; ".join(f"{s[:12]}: {e}" for s, e in errors.items()) or "no relay") + ")")
 
     async def _download(self, src: str, peer: str, sha256: Optional[str], size: int, key: str,
-                        timings: list) -> bytes:
-        """One payload from ``src`` (``peer``'s own, or a relay's copy). A direct download that succeeds
-        appends (bytes, monotonic time of its first byte, of its last) to ``timings``."""
+                        timings: list, upload: Optional[Tuple[str, bytes]] = None) -> bytes:
+        """One payload from ``src`` (``peer``'s own, or a relay's copy), pushing ``upload`` with the request. A
+        direct download that succeeds appends (bytes, monotonic time of its first byte, of its last) to
+        ``timings``."""
         first = None
         stub = self.get_stub(self._p2p, PeerID.from_base58(src), namespace=self.namespace)
         buf = bytearray()
         total = 0  # the length the server stated (0: an older server stated none)
-        request = ContributionRequest(key=key, owner="" if src == peer else peer)
-        async for chunk in await stub.rpc_contribution(request):
+        if upload is None:
+            answer = await stub.rpc_contribution(ContributionRequest(key=key, owner="" if src == peer else peer))
+        else:
+            answer = await stub.rpc_exchange(self._upload_stream(key, src, *upload))
+        async for chunk in answer:
             if chunk.error:
                 if chunk.error.startswith(NOT_HELD):
                     raise _NotHeld(chunk.error)
@@ -338,6 +396,8 @@ class ContributionServer(ServicerBase):
             buf += chunk.data
             if len(buf) > size:
                 raise ContributionError(f"oversized payload: more than the {size} bytes expected")
+        if not buf and size == 0:
+            return b""
         if not buf:  # never a valid payload: hivemind ends a stream cut before a response as an empty one
             raise _Empty("the stream ended before its first byte")
         if total and len(buf) < total:  # ... and one cut part-way as a short one
@@ -350,6 +410,19 @@ class ContributionServer(ServicerBase):
         if src == peer and first is not None:
             timings.append((len(buf), first, time.monotonic()))
         return bytes(buf)
+
+    async def _upload_stream(self, key: str, dest: str, name: str,
+                             payload: bytes) -> AsyncIterator[ContributionRequest]:
+        if self.tamper is not None:
+            payload = self.tamper(payload, dest, name)
+        for i in range(0, max(len(payload), 1), CHUNK_BYTES):
+            piece = payload[i:i + CHUNK_BYTES]
+            with self._lock:
+                self._pushed[name] = self._pushed.get(name, 0) + len(piece)
+                self._pushed.move_to_end(name)
+                while len(self._pushed) > PUSHED_NAMES:
+                    self._pushed.popitem(last=False)
+            yield ContributionRequest(key=key if i == 0 else "", upload=piece)
 
     def shutdown(self) -> None:
         """Stop serving; the P2P replica's connection to p2pd is closed with the loop."""
@@ -368,6 +441,50 @@ class ContributionServer(ServicerBase):
         finally:
             await self._p2p.shutdown()  # a replica owns no p2pd: this closes our connections to it
             await asyncio.sleep(0.05)  # let the transports finish closing on this loop
+
+
+class PendingFetch:
+    """Downloads in flight (``ContributionServer.start_fetch``)."""
+
+    def __init__(self, future: Optional[Future], wanted: Dict[str, Tuple[Optional[str], int]], key: str,
+                 timeout_s: float):
+        self._future, self._wanted, self._key, self._timeout_s = future, wanted, key, timeout_s
+        self._give_up = time.monotonic() + timeout_s + 5.0
+
+    def cancel(self) -> None:
+        if self._future is not None:
+            self._future.cancel()
+
+    def result(self, stop: Optional[Callable[[], bool]] = None,
+               check_every_s: float = 1.0) -> Tuple[Dict[str, bytes], Dict[str, str]]:
+        """(peer_id -> payload, peer_id -> why not), as ``ContributionServer.fetch`` returns; blocking. ``stop()``
+        is polled every ``check_every_s`` seconds: True cancels the downloads and raises RoundFailed."""
+        if self._future is None:
+            return {}, {}
+        began = time.monotonic()
+        try:
+            while True:
+                try:
+                    results = self._future.result(max(0.0, min(check_every_s, self._give_up - time.monotonic())))
+                    break
+                except FutureTimeout:
+                    if time.monotonic() >= self._give_up:
+                        raise
+                    if stop is not None and stop():
+                        self._future.cancel()
+                        raise RoundFailed(f"abandoned after {time.monotonic() - began:.1f}s of downloads under "
+                                          f"{self._key!r}: {LEFT_BEHIND}") from None
+        except FutureTimeout:  # our event loop is starved (32 nodes on 2 cores): a failed fetch
+            self._future.cancel()  # the caller asks again or elsewhere; an exception here ended a node (seen at 32)
+            return {}, {peer: f"not received within {self._timeout_s + 5.0:.0f}s (our transport did not answer in "
+                              "time)" for peer in self._wanted}
+        got, failed = {}, {}
+        for peer, outcome in results.items():
+            if isinstance(outcome, bytes):
+                got[peer] = outcome
+            else:
+                failed[peer] = outcome
+        return got, failed
 
 
 class _NotHeld(Exception):

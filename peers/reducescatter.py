@@ -5,21 +5,24 @@ group-mates, (k - 1) x payload per round. Here the members first agree on one in
 of their proposals, dilocox/shared_index.py), so every member's values live on the same positions and
 can be summed range by range:
 
-1. **proposals** (keys ``{key}/p{j}``, then ``{key}/u``): each member takes its ceil(topk / k) largest
-   |beta e + delta| per chunk (``proposal_positions``) and sends the part in range j to reducer j, an
-   index set alone, Rice-coded as a contribution's indices (``encode_proposal``); reducer j serves the
-   union of what it got (``encode_union``: one Rice-coded set over the range), and every member fetches
-   every range's union. P is their concatenation, the same on every member. A proposal a reducer cannot
-   fetch or read is left out of its union (and reported); a range whose union a member cannot fetch or
-   read is left out of its P (a reducer that left: every member misses it alike, so all still hold one P).
-2. **values** (key ``{key}/v{j}``): P's chunks are split into k fixed ranges (``chunk_ranges``); member
-   j (sorted peer-id order) reduces range j, and fetches from every other member its values there
-   (``pack_values`` at cfg.bits: the receiver holds P, so no index is sent).
-3. **results** (key ``{key}/r``): reducer j runs the robust rule on its range (``reduce``; norm bound and
-   centered-clip on the range's norms, as BTARD's butterfly clipping), quantizes it at cfg.result_bits
-   keeping what that drops (``ReducerFeedback``, DoubleSqueeze), and serves it; every member fetches
-   every other range's result and applies P's values. A range whose result cannot be had gets no update,
-   and each member puts back in its buffer what it sent there (its reducer left mid-round).
+1. **proposals and unions** (key ``{key}/u``): each member takes its ceil(topk / k) largest |beta e + delta| per
+   chunk (``proposal_positions``) and pushes the part in range j to reducer j with its request for j's union (an
+   index set alone, Rice-coded as a contribution's indices, ``encode_proposal``; ``ContributionServer.rpc_exchange``,
+   peers/uploads.py). Reducer j collects the proposals of its range, serves their union (``encode_union``: one
+   Rice-coded set over the range) as the answer, and every member so has every range's union. P is their
+   concatenation, the same on every member. A proposal that does not come in time or does not read is left out of
+   its union (and reported); a range whose union a member cannot fetch or read is left out of its P (a reducer
+   that left: every member misses it alike, so all still hold one P).
+2. **values and results** (key ``{key}/r``): P's chunks are split into k fixed ranges (``chunk_ranges``); member
+   j (sorted peer-id order) reduces range j. Every member pushes its values there (``pack_values`` at cfg.bits:
+   the receiver holds P, so no index is sent) to reducer j with its request for j's result. Reducer j runs the
+   robust rule on its range (``reduce``; norm bound and centered-clip on the range's norms, as BTARD's butterfly
+   clipping), quantizes it at cfg.result_bits keeping what that drops (``ReducerFeedback``, DoubleSqueeze), and
+   answers with it; every member applies P's values. A range whose result cannot be had gets no update, and each
+   member puts back in its buffer what it sent there (its reducer left mid-round).
+
+So each pair of members makes two libp2p calls a round (one per step), where pulling each payload made four:
+a call costs about 1 KB of framing on the wire whatever it carries.
 
 Upload per member and round, with V its values, R the result, I its proposal (topk / k indices per
 chunk) and U the union coded once (up to topk per chunk, about 6 bits per index at 256 of 4096): each
@@ -110,8 +113,10 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     ``m``: our beta e + delta (flat fp32, ``member.accumulate``); ``member``'s buffer becomes m minus what we
     sent, or stays as it was if the round fails. ``weights``: every member's weight (from
     matchmaking). ``feedback``: our reducer's buffer (kept across rounds; None: the result's quantization
-    error is dropped). ``timeout_s``: seconds for each of the four fetches. The server must keep at least
-    2k offers (``keep``). A range whose union or result could not be fetched or read gets no update
+    error is dropped). ``timeout_s``: seconds a reducer waits for its group-mates' proposals, and again
+    for their values; a member waits twice that for each union and each result (the reducer's wait, then its
+    answer). The server must keep at least 2 offers (``keep``). A range whose union or result could not be
+    fetched or read gets no update
     (``RangeResults.missing``; without a result, what we sent there goes back to our buffer). ``stop()``,
     polled about once a second during each fetch (``ContributionServer.fetch``), gives the round up: the
     round went on without us. Raises RoundFailed when ``stop()`` held or no other member's range could be had,
@@ -122,8 +127,8 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     if me not in group:
         raise ValueError(f"we ({me[:16]}) are not in the group")
     k, n = len(group), m.numel()
-    if server.keep < 2 * k:
-        raise ValueError(f"the contribution server keeps {server.keep} offers; a round of {k} needs {2 * k}")
+    if server.keep < 2:
+        raise ValueError(f"the contribution server keeps {server.keep} offers; a round needs 2 (union, result)")
     if -(-n // cfg.chunk) < k:
         raise ValueError(f"{n} values make {-(-n // cfg.chunk)} chunks; a round of {k} needs a chunk per reducer")
     if set(group) - set(weights):
@@ -133,11 +138,18 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     t0 = time.monotonic()
     lo, hi = ranges[rank]
     mine = proposal_positions(m, cfg, k)
-    for j, (a, b) in enumerate(ranges):
-        if j != rank:
-            server.offer(f"{key}/p{j}", encode_proposal(mine, a, b, cfg, k))
-    got, unproposed = server.fetch({p: (None, proposal_bytes(lo, hi, cfg, k)) for p in others}, f"{key}/p{rank}",
-                                   timeout_s, stop=stop)
+    most = [k * proposal_config(cfg, k).topk * -(-(b - a) // cfg.chunk) for a, b in ranges]  # k proposals' worth
+    # our proposal for each range goes to its reducer with our request for the range's union
+    pending = server.start_fetch(
+        {group[j]: (None, union_bytes_bound(*ranges[j], most[j])) for j in range(k) if j != rank}, f"{key}/u",
+        2 * timeout_s, uploads={group[j]: (f"{key}/p{j}", encode_proposal(mine, *ranges[j], cfg, k))
+                                for j in range(k) if j != rank})
+    try:
+        got, unproposed = server.uploads.collect(f"{key}/u", {p: proposal_bytes(lo, hi, cfg, k) for p in others},
+                                                 timeout_s, stop=stop)
+    except BaseException:
+        pending.cancel()
+        raise
     received = sum(map(len, got.values()))
     proposals = [mine[(mine >= lo) & (mine < hi)]]
     for p, payload in got.items():
@@ -147,9 +159,7 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
             unproposed[p] = f"its proposal does not read: {e}"
     union = np.unique(np.concatenate(proposals))
     server.offer(f"{key}/u", encode_union(union, lo, hi))
-    most = [k * proposal_config(cfg, k).topk * -(-(b - a) // cfg.chunk) for a, b in ranges]  # k proposals' worth
-    got, missing = server.fetch({group[j]: (None, union_bytes_bound(*ranges[j], most[j])) for j in range(k)
-                                 if j != rank}, f"{key}/u", timeout_s, stop=stop)
+    got, missing = pending.result(stop=stop)
     received += sum(map(len, got.values()))
     parts = []
     for j, (a, b) in enumerate(ranges):
@@ -186,17 +196,25 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
 
 def _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, weights, timeout_s, rule, norm_bound,
                        feedback, received, phases, unproposed, missing, stop) -> RangeResults:
-    """Steps 2 and 3 of the module docstring, once P is known."""
+    """Steps 2 and 3 of the module docstring, once P is known: our values on each range go to its reducer with
+    our request for its result, while we collect our range's values and serve its result."""
     k, rank, n = len(group), group.index(me), m.numel()
     slices = range_slices(positions, n, cfg.chunk, k)
     ours = m[torch.from_numpy(positions)].numpy()
-    for j, sl in enumerate(slices):
-        if j != rank:
-            server.offer(f"{key}/v{j}", pack_values(ours[sl], positions[sl], n, cfg.chunk, cfg.bits)[0])
     t0 = time.monotonic()
+    # every other reducer is asked, an empty range too (its result is empty): each waits for every member's values
+    pending = server.start_fetch(
+        {group[j]: (None, values_bytes(positions[sl], n, cfg, cfg.result_bits)) for j, sl in enumerate(slices)
+         if j != rank}, f"{key}/r", 2 * timeout_s,
+        uploads={group[j]: (f"{key}/v{j}", pack_values(ours[sl], positions[sl], n, cfg.chunk, cfg.bits)[0])
+                 for j, sl in enumerate(slices) if j != rank})
     mine = slices[rank]
     size = values_bytes(positions[mine], n, cfg)
-    got, dropped = server.fetch({p: (None, size) for p in group if p != me}, f"{key}/v{rank}", timeout_s, stop=stop)
+    try:
+        got, dropped = server.uploads.collect(f"{key}/r", {p: size for p in group if p != me}, timeout_s, stop=stop)
+    except BaseException:
+        pending.cancel()
+        raise
     dropped.update({p: f"no proposal for our range: {why}" for p, why in unproposed.items() if p not in dropped})
     received += sum(map(len, got.values()))
     rows = {me: sent[mine]}
@@ -211,15 +229,13 @@ def _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, 
     server.offer(f"{key}/r", red.payload)
     phases["reduce"] = time.monotonic() - t0
     t0 = time.monotonic()
-    wanted = {group[j]: (None, values_bytes(positions[sl], n, cfg, cfg.result_bits))
-              for j, sl in enumerate(slices) if j != rank and sl.stop > sl.start}  # (an empty range has no result)
-    got, failed = server.fetch(wanted, f"{key}/r", timeout_s, stop=stop)
+    got, failed = pending.result(stop=stop)
     received += sum(map(len, got.values()))
     applied = np.zeros(len(positions), dtype=np.float32)
     applied[mine] = red.applied
     digests = {me: hashlib.sha256(red.payload).hexdigest()}
     for j, sl in enumerate(slices):
-        if group[j] not in wanted:
+        if j == rank or sl.stop == sl.start:  # (an empty range has no update)
             continue
         try:
             if group[j] in failed:
@@ -300,7 +316,7 @@ def exchange_reduced(averager: PseudoGradientAverager, server: ContributionServe
     for peer, why in sorted(dropped.items()):
         logger.warning("round %d: left %s out of the reduce-scatter: %s", round_index, peer, why)
     # as the all-gather's downloads: after ABANDON_GRACE_S the give-up rule may end the fetches (the round went on
-    # without us; waiting out four fetch timeouts on members that moved on would only delay our re-sync)
+    # without us; waiting out the fetch timeouts on members that moved on would only delay our re-sync)
     stop = None if abandon is None else after(abandon, ABANDON_GRACE_S)
     out = exchange_shared(server, me, group, round_key(round_index), rnd.member, rnd.m,
                           {p: metas[p].weight for p in group}, fetch_timeout_s, rule, norm_bound, rnd.feedback,

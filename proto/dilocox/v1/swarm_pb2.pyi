@@ -5,12 +5,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ContributionRequest(_message.Message):
-    __slots__ = ("key", "owner")
+    __slots__ = ("key", "owner", "upload")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_FIELD_NUMBER: _ClassVar[int]
     key: str
     owner: str
-    def __init__(self, key: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    upload: bytes
+    def __init__(self, key: _Optional[str] = ..., owner: _Optional[str] = ..., upload: _Optional[bytes] = ...) -> None: ...
 
 class ContributionChunk(_message.Message):
     __slots__ = ("data", "error", "total_bytes")
