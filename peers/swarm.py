@@ -74,8 +74,20 @@ def _at_most_max_peers(cls, value):
 
 
 class _Record(pydantic.BaseModel):
+    """A DHT record: on the wire (``wire()``) each field goes under its short name from the subclass's
+    ``Config.fields`` aliases (a record's field names were 260 of its 536 bytes, and every read carries every
+    member's record); in code, and when parsing, fields keep their own names. hivemind's SchemaValidator compares
+    a value with its parse's ``dict(by_alias=True)``, so a record with the long names (a node from before
+    2026-12-02) is refused as a type conversion."""
+
     class Config:
         extra = pydantic.Extra.forbid  # hivemind's SchemaValidator then refuses unknown fields
+        allow_population_by_field_name = True
+
+    def wire(self) -> dict:
+        """The value to store: every field, defaults too (the SchemaValidator refuses a value its parse would
+        change), under its short name."""
+        return self.dict(by_alias=True)
 
 
 class MemberRecord(_Record):
@@ -120,6 +132,14 @@ class MemberRecord(_Record):
 
     _few_peers = pydantic.validator("undialable", "accusations", "union", allow_reuse=True)(_at_most_max_peers)
 
+    class Config:
+        fields = {name: {"alias": short} for name, short in dict(
+            peer_id="p", run_id="r", state="s", outer_step="o", round="rd", inner_step="i", inner_steps="H",
+            tokens_per_second="t", loss="l", global_params_digest="g", result_step="rs", result_digest="rg",
+            maddrs="m", stage_index="si", num_stages="ns", replica_id="ri", rendezvous="rv", replica_members="rm",
+            certificate="c", inputs_digest="id", num_inputs="ni", union="u", client_mode="cm", undialable="ud",
+            settings="st", accusations="ac").items()}
+
 
 class InputsRecord(_Record):
     """The contributions a member used in round ``result_step``: contributor peer_id -> the first 16 hex digits of
@@ -132,6 +152,9 @@ class InputsRecord(_Record):
     inputs: Dict[pydantic.constr(strict=True, max_length=64), pydantic.constr(strict=True, max_length=16)]
 
     _few_peers = pydantic.validator("inputs", allow_reuse=True)(_at_most_max_peers)
+
+    class Config:
+        fields = {"peer_id": {"alias": "p"}, "result_step": {"alias": "rs"}, "inputs": {"alias": "in"}}
 
 
 async def _get_many(_dht, node, keys: List[str], beam: int) -> dict:
@@ -447,8 +470,7 @@ class Swarm:
         missed; with hivemind's search (``DHT.store``, beam MEMBER_REPLICAS) only when the stores after a walk
         were refused or missed too."""
         expiration = get_dht_time() + self.ttl_s
-        # every field goes, defaults too: hivemind's SchemaValidator refuses a value its parse would change
-        value = record.dict()
+        value = record.wire()
         with self._lock:
             self._store_binding()
             self._traffic["publishes"] += 1
@@ -608,7 +630,7 @@ class Swarm:
         """Store the contributions we used in a round (InputsRecord) under our subkey of ``{run_id}_inputs``."""
         with self._lock:
             self._traffic["inputs_published"] += 1
-            return bool(self.dht.store(self.inputs_key, subkey=self.public_key, value=record.dict(),
+            return bool(self.dht.store(self.inputs_key, subkey=self.public_key, value=record.wire(),
                                        expiration_time=get_dht_time() + self.ttl_s, beam_size=MEMBER_REPLICAS,
                                        num_workers=MEMBER_REPLICAS))
 

@@ -51,17 +51,17 @@ def _validators(rsa: RSAPrivateKey) -> tuple[CompositeValidator, Ed25519Signatur
 
 def test_a_signed_record_validates_and_a_tampered_or_foreign_one_does_not():
     ours, compact = _validators(RSAPrivateKey())
-    record = _signed(ours, compact.local_public_key, _record().dict())
+    record = _signed(ours, compact.local_public_key, _record().wire())
     assert ours.validate(record)
     assert ours.validate(dataclasses.replace(record))  # the same record again: the cached verdict
     # the value of step 4 under the signature of step 3
     stripped = compact.strip_value(record)
-    forged = MSGPackSerializer.dumps(_record(outer_step=4).dict()) + record.value[len(stripped):]
+    forged = MSGPackSerializer.dumps(_record(outer_step=4).wire()) + record.value[len(stripped):]
     assert not ours.validate(dataclasses.replace(record, value=forged))
     # another node's key signs a record under our subkey
     theirs, _ = _validators(RSAPrivateKey())
     other = Ed25519SignatureValidator(derive_signing_key(RSAPrivateKey()))
-    foreign = _signed(CompositeValidator([other]), other.local_public_key, _record().dict())
+    foreign = _signed(CompositeValidator([other]), other.local_public_key, _record().wire())
     assert not theirs.validate(dataclasses.replace(foreign, subkey=record.subkey))
     # unsigned, twice signed, two keys in one subkey, a subkey that is no Ed25519 key: refused
     unsigned = dataclasses.replace(record, value=stripped)
@@ -71,21 +71,21 @@ def test_a_signed_record_validates_and_a_tampered_or_foreign_one_does_not():
     assert not ours.validate(dataclasses.replace(record, subkey=both))
     assert not ours.validate(dataclasses.replace(record, subkey=MSGPackSerializer.dumps(b"[ed25519:AAAA]")))
     # a republication (new expiration time) is checked afresh and holds
-    assert ours.validate(_signed(ours, compact.local_public_key, _record().dict(), expiration_time=2e9 + 1))
+    assert ours.validate(_signed(ours, compact.local_public_key, _record().wire(), expiration_time=2e9 + 1))
 
 
 def test_a_compact_record_is_about_half_the_bytes_of_an_rsa_signed_one():
     rsa = RSAPrivateKey()
     ours, compact = _validators(rsa)
     signer = CachedSignatureValidator(rsa)
-    record = _signed(ours, compact.local_public_key, _record().dict())
+    record = _signed(ours, compact.local_public_key, _record().wire())
     # the RSA-signed record of before: the subkey held the RSA key, the value its signature
     rsa_signed = DHTRecord(record.key, MSGPackSerializer.dumps(signer.local_public_key),
-                           MSGPackSerializer.dumps(_record().dict()), record.expiration_time)
+                           MSGPackSerializer.dumps(_record().wire()), record.expiration_time)
     rsa_signed = dataclasses.replace(rsa_signed, value=signer.sign_value(rsa_signed))
     compact_bytes, rsa_bytes = len(record.subkey) + len(record.value), len(rsa_signed.subkey) + len(rsa_signed.value)
     assert compact_bytes < 0.6 * rsa_bytes, (compact_bytes, rsa_bytes)
-    assert len(record.subkey) + len(record.value) - len(MSGPackSerializer.dumps(_record().dict())) < 170
+    assert len(record.subkey) + len(record.value) - len(MSGPackSerializer.dumps(_record().wire())) < 170
 
 
 def test_the_signing_key_follows_the_identity_and_survives_pickling():
@@ -95,7 +95,7 @@ def test_the_signing_key_follows_the_identity_and_survives_pickling():
     compact = Ed25519SignatureValidator(derive_signing_key(rsa))
     copy = pickle.loads(pickle.dumps(compact))  # as the DHT process receives it
     assert copy.local_public_key == compact.local_public_key
-    record = _signed(CompositeValidator([copy]), copy.local_public_key, _record().dict())
+    record = _signed(CompositeValidator([copy]), copy.local_public_key, _record().wire())
     assert compact.validate(record)
 
 

@@ -60,7 +60,7 @@ def test_a_malformed_value_is_refused_by_the_cached_schema_validator():
     schema = CachedSchemaValidator(SwarmSchema, prefix="run")
     ours = CompositeValidator([schema, signer])
     value = MemberRecord(peer_id="QmPeer", run_id="run", state="TRAINING", outer_step=3, inner_step=1,
-                         inner_steps=20, tokens_per_second=1.0, loss=2.0, global_params_digest="d").dict()
+                         inner_steps=20, tokens_per_second=1.0, loss=2.0, global_params_digest="d").wire()
     record = DHTRecord(key=DHTID.generate(source="run_members").to_bytes(),
                        subkey=MSGPackSerializer.dumps(signer.local_public_key),
                        value=MSGPackSerializer.dumps(value), expiration_time=2e9)
@@ -71,6 +71,27 @@ def test_a_malformed_value_is_refused_by_the_cached_schema_validator():
     assert schema.validate(dataclasses.replace(record, value=stripped))
     assert not schema.validate(bad) and not schema.validate(bad)
     assert (schema.verdicts.misses, schema.verdicts.hits) == (2, 2)
+
+
+def test_records_travel_under_short_names_and_the_long_names_are_refused():
+    """MemberRecord.wire(): the fields' short names (peers/swarm.py, ``_Record``), which hivemind's SchemaValidator
+    accepts; the same record under the field names (how nodes before 2026-12-02 stored it) is refused."""
+    schema = SchemaValidator(SwarmSchema, prefix="run")
+    record = MemberRecord(peer_id="QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", run_id="run", state="AVERAGING",
+                          outer_step=12, round=13, inner_step=240, inner_steps=20, tokens_per_second=1234.5,
+                          loss=2.3, global_params_digest="0123456789abcdef", result_step=12,
+                          result_digest="0123456789abcdef", settings="0123456789abcdef",
+                          maddrs=["/ip4/10.77.0.5/tcp/41235/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"])
+
+    subkey = MSGPackSerializer.dumps(Ed25519SignatureValidator(derive_signing_key(RSAPrivateKey())).local_public_key)
+
+    def stored(value: dict) -> DHTRecord:
+        return DHTRecord(key=DHTID.generate(source="run_members").to_bytes(), subkey=subkey,
+                         value=MSGPackSerializer.dumps(value), expiration_time=2e9)
+    short, long = MSGPackSerializer.dumps(record.wire()), MSGPackSerializer.dumps(record.dict())
+    assert schema.validate(stored(record.wire())) and MemberRecord.parse_obj(record.wire()) == record
+    assert not schema.validate(stored(record.dict()))
+    assert len(short) < 0.62 * len(long), (len(short), len(long))  # 316 of 536 bytes
 
 
 def test_merging_a_schema_empties_the_cache_and_the_cache_stays_bounded():
