@@ -337,7 +337,7 @@ class Node:
         return dict(peer_id=s.peer_id, run_id=cfg.run_id, state=s.state.value, outer_step=s.outer_step,
                     round=self.state.round, inner_step=s.inner_step, inner_steps=self.H,
                     tokens_per_second=s.tokens_per_second, loss=s.loss if math.isfinite(s.loss) else -1.0,
-                    global_params_digest=s.global_params_digest, maddrs=s.listen_maddrs,
+                    global_params_digest=s.global_params_digest,
                     stage_index=cfg.stage_index, num_stages=cfg.num_stages, replica_id=s.replica_id,
                     rendezvous=self.pipeline.rendezvous_addr if self.pipeline else "",
                     replica_members=s.replica_members,

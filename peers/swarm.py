@@ -106,7 +106,6 @@ class MemberRecord(_Record):
     # digest of the averaged pseudo-gradient of round `result_step` (consistency check: docs/protocol.md)
     result_step: pydantic.conint(ge=0) = 0
     result_digest: pydantic.StrictStr = ""
-    maddrs: List[pydantic.StrictStr] = []
     # pipeline stages (peers/replica.py): our stage, the replica we are in, and (stage 0) its rendezvous
     stage_index: pydantic.conint(ge=0) = 0
     num_stages: pydantic.conint(ge=1) = 1
@@ -136,7 +135,7 @@ class MemberRecord(_Record):
         fields = {name: {"alias": short} for name, short in dict(
             peer_id="p", run_id="r", state="s", outer_step="o", round="rd", inner_step="i", inner_steps="H",
             tokens_per_second="t", loss="l", global_params_digest="g", result_step="rs", result_digest="rg",
-            maddrs="m", stage_index="si", num_stages="ns", replica_id="ri", rendezvous="rv", replica_members="rm",
+            stage_index="si", num_stages="ns", replica_id="ri", rendezvous="rv", replica_members="rm",
             certificate="c", inputs_digest="id", num_inputs="ni", union="u", client_mode="cm", undialable="ud",
             settings="st", accusations="ac").items()}
 
