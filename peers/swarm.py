@@ -77,8 +77,8 @@ class _Record(pydantic.BaseModel):
     """A DHT record: on the wire (``wire()``) each field goes under its short name from the subclass's
     ``Config.fields`` aliases (a record's field names were 260 of its 536 bytes, and every read carries every
     member's record); in code, and when parsing, fields keep their own names. hivemind's SchemaValidator compares
-    a value with its parse's ``dict(by_alias=True)``, so a record with the long names (a node from before
-    2026-12-02) is refused as a type conversion."""
+    a value with its parse's ``dict(by_alias=True)``, so a record with the long names (a node of an earlier
+    version) is refused as a type conversion."""
 
     class Config:
         extra = pydantic.Extra.forbid  # hivemind's SchemaValidator then refuses unknown fields
