@@ -86,7 +86,8 @@ def after(predicate: Callable[[], bool], delay_s: float) -> Callable[[], bool]:
 
 
 class ContributionServer(ServicerBase):
-    """Serves this node's contributions to its group-mates and fetches theirs.
+    """Serves this node's contributions to its group-mates and fetches theirs; a fetch can push an upload with
+    its request (``rpc_exchange``: a reduce-scatter round's proposals and values, kept in ``uploads``).
 
     Runs its own asyncio loop in a thread of the main process, on a replica of the DHT's P2P
     (``replicate_p2p``: the DHT's public ``replicate_p2p``, called once in that loop).

@@ -12,6 +12,7 @@ import pytest
 from dilocox.peers.allgather import CHUNK_BYTES
 from dilocox.peers.averaging import RoundFailed
 from dilocox.peers.uploads import Uploads
+
 from tests.helpers import peers_on_loopback
 
 
