@@ -116,12 +116,11 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     error is dropped). ``timeout_s``: seconds a reducer waits for its group-mates' proposals, and again
     for their values; a member waits twice that for each union and each result (the reducer's wait, then its
     answer). The server must keep at least 2 offers (``keep``). A range whose union or result could not be
-    fetched or read gets no update
-    (``RangeResults.missing``; without a result, what we sent there goes back to our buffer). ``stop()``,
-    polled about once a second during each fetch (``ContributionServer.fetch``), gives the round up: the
-    round went on without us. Raises RoundFailed when ``stop()`` held or no other member's range could be had,
-    ValueError for a group without us, a member without a weight, fewer chunks than members or a server that
-    keeps too few offers."""
+    fetched or read gets no update (``RangeResults.missing``; without a result, what we sent there goes back
+    to our buffer). ``stop()``, polled about once a second during each wait (``PendingFetch.result``,
+    ``Uploads.collect``), gives the round up: the round went on without us. Raises RoundFailed when ``stop()``
+    held or no other member's range could be had, ValueError for a group without us, a member without a weight,
+    fewer chunks than members or a server that keeps too few offers."""
     cfg: SharedIndexConfig = member.cfg
     group = sorted(set(group))
     if me not in group:
@@ -196,7 +195,7 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
 
 def _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, weights, timeout_s, rule, norm_bound,
                        feedback, received, phases, unproposed, missing, stop) -> RangeResults:
-    """Steps 2 and 3 of the module docstring, once P is known: our values on each range go to its reducer with
+    """Step 2 of the module docstring, once P is known: our values on each range go to its reducer with
     our request for its result, while we collect our range's values and serve its result."""
     k, rank, n = len(group), group.index(me), m.numel()
     slices = range_slices(positions, n, cfg.chunk, k)
