@@ -162,6 +162,13 @@ class ContributionServer(ServicerBase):
             if key in self._served:
                 self._served[key] += n
 
+    def _count_pushed(self, name: str, n: int) -> None:
+        with self._lock:
+            self._pushed[name] = self._pushed.get(name, 0) + n
+            self._pushed.move_to_end(name)
+            while len(self._pushed) > PUSHED_NAMES:
+                self._pushed.popitem(last=False)
+
     async def rpc_contribution(self, request: ContributionRequest,
                                context: P2PContext) -> AsyncIterator[ContributionChunk]:
         """A group-mate asks for our contribution under ``request.key``: the payload in order, in
@@ -280,8 +287,8 @@ class ContributionServer(ServicerBase):
         match, peer_id -> why it was not accepted). A wanted length of 0 accepts an empty payload.
 
         ``uploads``: peer_id -> (name, bytes) pushed to that peer with the request (``rpc_exchange``: the peer
-        ``collect``s it; directly only, never through a relay), counted in ``served_bytes(name)`` once offered
-        under that name and passed through ``tamper`` with it.
+        ``collect``s it; directly only, never through a relay), counted in ``served_bytes(name)`` and passed
+        through ``tamper`` with that name.
         ``stop()``, polled every ``check_every_s`` seconds, ends the wait early: the downloads in flight are
         cancelled and RoundFailed is raised (the round went on without us; waiting on a group-mate that
         left it would only delay our re-sync)."""
@@ -418,11 +425,7 @@ class ContributionServer(ServicerBase):
             payload = self.tamper(payload, dest, name)
         for i in range(0, max(len(payload), 1), CHUNK_BYTES):
             piece = payload[i:i + CHUNK_BYTES]
-            with self._lock:
-                self._pushed[name] = self._pushed.get(name, 0) + len(piece)
-                self._pushed.move_to_end(name)
-                while len(self._pushed) > PUSHED_NAMES:
-                    self._pushed.popitem(last=False)
+            self._count_pushed(name, len(piece))
             yield ContributionRequest(key=key if i == 0 else "", upload=piece)
 
     def shutdown(self) -> None:
