@@ -567,9 +567,9 @@ class Swarm:
     def members(self, max_age_s: float = 1.0) -> List[tuple[MemberRecord, float]]:
         """Live members (ours included) with seconds until their record expires; invalid records are skipped.
 
-        A read asks the MEMBER_READ_BEAM DHT peers nearest the key (``_read_dictionary``) for every record of the run
-        (about 0.65 KB each, signatures included), so reads are shared: one made less than ``max_age_s`` seconds ago
-        is reused."""
+        A read asks one of the MEMBER_REPLICAS DHT peers nearest the key in turn (``_read_dictionary``) for every
+        record of the run (about 0.4 KB each, signatures included), so reads are shared: one made less than
+        ``max_age_s`` seconds ago is reused."""
         with self._lock:
             now_m = time.monotonic()
             if now_m - self._read_at >= max_age_s:
