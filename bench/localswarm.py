@@ -245,7 +245,7 @@ def peers_on_loopback(n: int, namespace: str, tampers=(), offer_wait_s: float = 
     waits ``offer_wait_s`` for an offer asked for before it was made and keeps ``keep`` offers; yields
     [(peer_id, server, dht)]."""
     import hivemind  # here, not at the top: the node launcher above needs neither
-    from dilocox.peers.allgather import ContributionServer
+    from dilocox.peers.contributions import ContributionServer
 
     dhts, out = [], []
     try:

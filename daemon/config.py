@@ -84,7 +84,7 @@ class NodeConfig(BaseModel):
 
     @property
     def gathers(self) -> bool:
-        """Rounds exchange contributions through the nodes' contribution servers (peers/allgather.py) rather than
+        """Rounds exchange contributions through the nodes' contribution servers (peers/contributions.py) rather than
         a butterfly all-reduce: sparse (all-gathered) and shared (reduce-scattered on a shared index set)."""
         return self.compression in ("sparse", "shared")
 

@@ -39,8 +39,8 @@ from dilocox.daemon.status import RoundInfo, State, StatusBoard
 from dilocox.daemon.transfer import StateTransfer, result_key, update_key
 from dilocox.peers import deadlines, malloc, reachability
 from dilocox.peers.admission import Admission
-from dilocox.peers.allgather import ContributionServer
 from dilocox.peers.averaging import PseudoGradientAverager
+from dilocox.peers.contributions import ContributionServer
 from dilocox.peers.deadlines import RoundDeadlines
 from dilocox.peers.identity import is_new_identity, load_or_create_identity
 from dilocox.peers.swarm import Swarm

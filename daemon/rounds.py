@@ -37,7 +37,7 @@ from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.redteam import Attack
 from dilocox.daemon.replica_state import ReplicaState
 from dilocox.daemon.status import RoundInfo
-from dilocox.peers.allgather import ContributionServer, exchange_sparse
+from dilocox.peers.allgather import exchange_sparse
 from dilocox.peers.averaging import (
     PseudoGradientAverager,
     RoundCancelled,
@@ -47,6 +47,7 @@ from dilocox.peers.averaging import (
     exchange,
     group_limits,
 )
+from dilocox.peers.contributions import ContributionServer
 from dilocox.peers.deadlines import RoundDeadlines, RoundTimes
 from dilocox.peers.reducescatter import exchange_reduced
 

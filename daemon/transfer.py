@@ -23,8 +23,8 @@ import torch
 from dilocox.daemon.config import NodeConfig
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.replica_state import ReplicaState
-from dilocox.peers.allgather import ContributionServer
 from dilocox.peers.averaging import PseudoGradientAverager
+from dilocox.peers.contributions import ContributionServer
 from dilocox.peers.deadlines import LinkEstimate
 
 from dilocox.catchup import AppliedUpdate, CatchUpError, decode, max_encoded_bytes

@@ -52,8 +52,9 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
-from dilocox.peers.allgather import ABANDON_GRACE_S, ContributionServer, after, screen_gathered
+from dilocox.peers.allgather import ABANDON_GRACE_S, after, screen_gathered
 from dilocox.peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
+from dilocox.peers.contributions import ContributionServer
 
 from dilocox.shared_index import (
     ReducerFeedback,

@@ -9,8 +9,9 @@ import time
 
 import pytest
 import torch
-from dilocox.peers.allgather import EMPTY_RETRIES, ContributionServer, after, exchange_sparse, screen_gathered
+from dilocox.peers.allgather import after, exchange_sparse, screen_gathered
 from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather
+from dilocox.peers.contributions import EMPTY_RETRIES, ContributionServer
 
 from dilocox.sparse import SparseCompressor, SparseConfig
 from tests.helpers import peers_on_loopback

@@ -9,8 +9,8 @@ import threading
 import time
 
 import pytest
-from dilocox.peers.allgather import CHUNK_BYTES
 from dilocox.peers.averaging import RoundFailed
+from dilocox.peers.contributions import CHUNK_BYTES
 from dilocox.peers.uploads import Uploads
 
 from tests.helpers import peers_on_loopback
