@@ -35,7 +35,7 @@ from dilocox.daemon.redteam import load_attack
 from dilocox.daemon.replica_state import ReplicaState
 from dilocox.daemon.rounds import Finished, OuterRounds, RoundOutcome
 from dilocox.daemon.staging import PipelineReplica, stage_tag
-from dilocox.daemon.status import RoundInfo, State, StatusBoard
+from dilocox.daemon.status import GONE_STATES, RoundInfo, State, StatusBoard
 from dilocox.daemon.transfer import StateTransfer, result_key, update_key
 from dilocox.peers import deadlines, malloc, reachability
 from dilocox.peers.admission import Admission
@@ -59,7 +59,6 @@ SHARED_KEEP = 8  # offers kept by a shared-compression node: its union and resul
 RESULT_ROUNDS = 2  # rounds whose group result we serve: a slow group may still be uniting the last one
 _RECORDED = (RoundOutcome.APPLIED, RoundOutcome.ADOPTED, RoundOutcome.UNITED, RoundOutcome.SOLO,
              RoundOutcome.APPLIED_ALONE, RoundOutcome.SKIPPED)
-_GONE = (State.DRAINING.value, State.STOPPED.value)  # states of members that no longer take part
 
 
 SETTINGS_WAIT_S = 3.0  # a joiner waits this long for the records of its stage's members before it compares
@@ -361,7 +360,7 @@ class Node:
     @staticmethod
     def _live_settings(others: list) -> dict[str, str]:
         """peer_id -> settings digest of those of ``others`` (ProgressTracker.others) that still take part."""
-        return {m.peer_id: m.settings for m in others if m.state not in _GONE}
+        return {m.peer_id: m.settings for m in others if m.state not in GONE_STATES}
 
     def _settings_conflict(self, others: list) -> Optional[str]:
         """Why our swarm settings conflict with those of the other live members of our stage (None: they do
@@ -418,7 +417,7 @@ class Node:
 
     def _left(self, peer_id: str) -> bool:
         """True when ``peer_id`` has no live membership record, or one that says it is leaving or has left."""
-        return not any(m.peer_id == peer_id and m.state not in _GONE for m in self.progress.members())
+        return not any(m.peer_id == peer_id and m.state not in GONE_STATES for m in self.progress.members())
 
     def _set_state(self, state: State, **changes) -> None:
         previous = self.board.snapshot().state
@@ -433,7 +432,7 @@ class Node:
             return
         self._set_state(State.SYNCING)
         logger.info("waiting for %d replicas to be live", self.cfg.min_replicas)
-        self.progress.wait(lambda others: 1 + sum(m.state not in _GONE for m in others) >= self.cfg.min_replicas,
+        self.progress.wait(lambda others: 1 + sum(m.state not in GONE_STATES for m in others) >= self.cfg.min_replicas,
                            float("inf"), self.leave_requested.is_set)
 
     # ---------------------------------------------------------------- training

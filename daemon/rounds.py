@@ -36,7 +36,7 @@ from dilocox.daemon.majority import FetchResult, FetchUpdate, MajorityUpdate, Of
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.redteam import Attack
 from dilocox.daemon.replica_state import ReplicaState
-from dilocox.daemon.status import RoundInfo
+from dilocox.daemon.status import GONE_STATES, RoundInfo
 from dilocox.peers.allgather import exchange_sparse
 from dilocox.peers.averaging import (
     PseudoGradientAverager,
@@ -285,7 +285,8 @@ class OuterRounds:
                 exchange_reduced, self.averagers[self.state.averager_sizes()[0]], self.contributions,
                 self.progress.peer_id, compression, r, gather, float(cfg.inner_steps), group_wait_s,
                 cfg.averaging_timeout, cancel, self._abandon(r), tamper_gather=attack.gather if attack else None,
-                scheduled_in_s=scheduled_in_s, rule=cfg.aggregation, norm_bound=cfg.norm_bound, admitted=self.admitted)
+                scheduled_in_s=scheduled_in_s, rule=cfg.aggregation, norm_bound=cfg.norm_bound, admitted=self.admitted,
+                gone=self._gone())
         return self.comm.submit(
             exchange_sparse, self.averagers[self.state.averager_sizes()[0]], self.contributions, self.progress.peer_id,
             compression, r, gather, float(cfg.inner_steps), group_wait_s,
@@ -310,6 +311,20 @@ class OuterRounds:
             seen = len(others)
             return left_behind(others, r, self.delayed)
         return check
+
+    def _gone(self):
+        """For one round: the members whose membership records say they are leaving or left (GONE_STATES), from
+        a read as old as the give-up rule may reuse (``abandon_read_age_s``). A reduce-scatter's reducer stops
+        waiting for their uploads; peers/reducescatter.py asks only once a wait has lasted LEAVER_GRACE_S, so a
+        healthy round pays no read for it."""
+        seen = ABANDON_READ_PEERS  # other members the last read held
+
+        def gone() -> set[str]:
+            nonlocal seen
+            members = self.progress.members(abandon_read_age_s(seen))
+            seen = max(len(members) - 1, 0)
+            return {m.peer_id for m in members if m.state in GONE_STATES}
+        return gone
 
     # ------------------------------------------------------------------ equivocation
     def _exclude_equivocators(self, r: int, inputs: dict) -> None:

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from dilocox.daemon.config import NodeConfig
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.replica_state import ReplicaState
+from dilocox.daemon.status import GONE_STATES
 from dilocox.peers.replica import Founder, ReplicaGroup, ReplicaRendezvous
 
 logger = logging.getLogger(__name__)
-_GONE = ("DRAINING", "STOPPED")
 
 
 def stage_tag(stage_index: int, num_stages: int) -> str:
@@ -52,7 +52,7 @@ class PipelineReplica:
 
     def _founders(self) -> list[Founder]:
         members = [m for m in self.progress.members()
-                   if m.num_stages == self.cfg.num_stages and m.state not in _GONE]
+                   if m.num_stages == self.cfg.num_stages and m.state not in GONE_STATES]
         holders = {m.replica_id for m in members
                    if m.stage_index == self.cfg.stage_index and m.peer_id != self.progress.peer_id}
         return [Founder(m.peer_id, m.rendezvous, m.peer_id in holders)  # a founder's replica_id is its peer_id

@@ -25,6 +25,7 @@ class State(str, Enum):
 
 
 ACTIVE_STATES = (State.TRAINING.value, State.AVERAGING.value)  # replicas that will average this round
+GONE_STATES = (State.DRAINING.value, State.STOPPED.value)  # members that no longer take part (leaving or left)
 
 
 @dataclass

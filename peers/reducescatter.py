@@ -12,7 +12,8 @@ can be summed range by range:
    Rice-coded set over the range) as the answer, and every member so has every range's union. P is their
    concatenation, the same on every member. A proposal that does not come in time or does not read is left out of
    its union (and reported); a range whose union a member cannot fetch or read is left out of its P (a reducer
-   that left: every member misses it alike, so all still hold one P).
+   that left: every member misses it alike, so all still hold one P). A reducer does not wait for a member whose
+   membership record says it left (``gone``), nor, in step 2, for the values of one that sent it no proposal.
 2. **values and results** (key ``{key}/r``): P's chunks are split into k fixed ranges (``chunk_ranges``); member
    j (sorted peer-id order) reduces range j. Every member pushes its values there (``pack_values`` at cfg.bits:
    the receiver holds P, so no index is sent) to reducer j with its request for j's result. Reducer j runs the
@@ -48,7 +49,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -79,6 +80,9 @@ from dilocox.shared_round import SharedRound
 from dilocox.sparse import ContributionError
 
 logger = logging.getLogger(__name__)
+# a reducer's wait asks who left (a read of the membership records) only after this long: a healthy round's waits
+# end sooner and read nothing, a member that left mid-round is let go a few seconds later
+LEAVER_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,8 @@ class RangeResults:
 def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], key: str, member: SharedIndexMember,
                     m: torch.Tensor, weights: Mapping[str, float], timeout_s: float, rule: str = "mean",
                     norm_bound: float = 0.0, feedback: Optional[ReducerFeedback] = None,
-                    stop: Optional[Callable[[], bool]] = None) -> RangeResults:
+                    stop: Optional[Callable[[], bool]] = None,
+                    gone: Optional[Callable[[], Collection[str]]] = None) -> RangeResults:
     """Run one reduce-scatter round (module docstring) with ``group`` (peer_ids, ours included; their order
     does not matter), under the round's ``key``; blocking.
 
@@ -119,7 +124,10 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     answer). The server must keep at least 2 offers (``keep``). A range whose union or result could not be
     fetched or read gets no update (``RangeResults.missing``; without a result, what we sent there goes back
     to our buffer). ``stop()``, polled about once a second during each wait (``PendingFetch.result``,
-    ``Uploads.collect``), gives the round up: the round went on without us. Raises RoundFailed when ``stop()``
+    ``Uploads.collect``), gives the round up: the round went on without us. ``gone()``, polled as often while a
+    reducer waits for uploads, names members known to have left (``Uploads.collect``): their proposals and
+    values are not waited for. A member whose proposal did not come (or did not read) is not waited for again
+    for its values: our range's result leaves it out, as ``dropped`` says. Raises RoundFailed when ``stop()``
     held or no other member's range could be had, ValueError for a group without us, a member without a weight,
     fewer chunks than members or a server that keeps too few offers."""
     cfg: SharedIndexConfig = member.cfg
@@ -146,7 +154,7 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
                                 for j in range(k) if j != rank})
     try:
         got, unproposed = server.uploads.collect(f"{key}/u", {p: proposal_bytes(lo, hi, cfg, k) for p in others},
-                                                 timeout_s, stop=stop)
+                                                 timeout_s, stop=stop, gone=gone)
     except BaseException:
         pending.cancel()
         raise
@@ -188,14 +196,14 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     phases = dict(propose=time.monotonic() - t0)
     try:
         return _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, weights, timeout_s, rule,
-                                  norm_bound, feedback, received, phases, unproposed, missing, stop)
+                                  norm_bound, feedback, received, phases, unproposed, missing, stop, gone)
     except BaseException:
         member.error = before  # a failed round changes nothing: the caller decides what becomes of m
         raise
 
 
 def _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, weights, timeout_s, rule, norm_bound,
-                       feedback, received, phases, unproposed, missing, stop) -> RangeResults:
+                       feedback, received, phases, unproposed, missing, stop, gone) -> RangeResults:
     """Step 2 of the module docstring, once P is known: our values on each range go to its reducer with
     our request for its result, while we collect our range's values and serve its result."""
     k, rank, n = len(group), group.index(me), m.numel()
@@ -211,7 +219,9 @@ def _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, 
     mine = slices[rank]
     size = values_bytes(positions[mine], n, cfg)
     try:
-        got, dropped = server.uploads.collect(f"{key}/r", {p: size for p in group if p != me}, timeout_s, stop=stop)
+        # a member that sent no proposal here (late, gone, unreadable) is not waited for a second time
+        got, dropped = server.uploads.collect(f"{key}/r", {p: size for p in group if p != me and p not in unproposed},
+                                              timeout_s, stop=stop, gone=gone)
     except BaseException:
         pending.cancel()
         raise
@@ -258,6 +268,12 @@ def _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, 
                         phases, missing)
 
 
+def _after_grace(gone: Callable[[], Collection[str]], delay_s: float) -> Callable[[], Collection[str]]:
+    """``gone``, answering nobody without asking until ``delay_s`` seconds (monotonic) after it was made."""
+    start = time.monotonic()
+    return lambda: gone() if time.monotonic() - start >= delay_s else ()
+
+
 def round_key(round_index: int) -> str:
     """The contribution keys' prefix of a reduce-scatter round: one per outer step, so keys of two rounds a slow
     member still fetches never meet."""
@@ -270,7 +286,8 @@ def exchange_reduced(averager: PseudoGradientAverager, server: ContributionServe
                      abandon: Optional[Callable[[], bool]] = None,
                      tamper_gather: Optional[Callable[[dict, int], dict]] = None,
                      scheduled_in_s: Optional[float] = None, rule: str = "mean", norm_bound: float = 0.0,
-                     admitted: Optional[Callable[[str], Optional[str]]] = None) -> RoundResult:
+                     admitted: Optional[Callable[[str], Optional[str]]] = None,
+                     gone: Optional[Callable[[], Collection[str]]] = None) -> RoundResult:
     """One ``--compression shared`` round, blocking: the group forms by matchmaking and all-gathers its metadata
     (``averager.run_phase`` on a one-value buffer, as an all-gather round), every member screens it by the same
     rules (peers/allgather.py: ``screen_gathered``; no payload is announced), and the members that pass run
@@ -282,7 +299,9 @@ def exchange_reduced(averager: PseudoGradientAverager, server: ContributionServe
     P); ``dropped``: the members the screen left out (the same on every member; what a reducer dropped of its
     range is logged). A member whose start the screen left out gets zeros and the group's metadata (its
     caller's start-digest check re-syncs it). Raises RoundCancelled / RoundFailed as ``run_phase`` does, and
-    RoundFailed when no other member's range could be had."""
+    RoundFailed when no other member's range could be had. ``gone()``: the peers whose membership records say
+    they left (DRAINING, STOPPED), asked only once a wait has lasted LEAVER_GRACE_S (it may read the DHT): a
+    member that leaves mid-round then costs its group-mates seconds, not two fetch timeouts."""
     key = group_bits(round_index) + "0"
     gather = dict(meta.dict())
     if tamper_gather is not None:
@@ -320,7 +339,7 @@ def exchange_reduced(averager: PseudoGradientAverager, server: ContributionServe
     stop = None if abandon is None else after(abandon, ABANDON_GRACE_S)
     out = exchange_shared(server, me, group, round_key(round_index), rnd.member, rnd.m,
                           {p: metas[p].weight for p in group}, fetch_timeout_s, rule, norm_bound, rnd.feedback,
-                          stop=stop)
+                          stop=stop, gone=None if gone is None else _after_grace(gone, LEAVER_GRACE_S))
     for peer, why in sorted(out.dropped.items()):
         logger.warning("round %d: as reducer of our range, dropped %s: %s", round_index, peer, why)
     n, cfg = rnd.m.numel(), rnd.cfg

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Callable, Collection, Dict, Mapping, Optional, Tuple
 
 from dilocox.peers.averaging import LEFT_BEHIND, RoundFailed
 
@@ -50,33 +50,40 @@ class Uploads:
 
     def collect(self, key: str, sizes: Mapping[str, int], timeout_s: float,
                 stop: Optional[Callable[[], bool]] = None,
-                check_every_s: float = 1.0) -> Tuple[Dict[str, bytes], Dict[str, str]]:
+                check_every_s: float = 1.0,
+                gone: Optional[Callable[[], Collection[str]]] = None) -> Tuple[Dict[str, bytes], Dict[str, str]]:
         """Wait until every peer of ``sizes`` (peer_id -> the largest valid length in bytes) has uploaded under
         ``key``, at most ``timeout_s`` seconds; blocking. Returns (peer_id -> upload, peer_id -> why not: none
-        came in time, or it is longer than its size). ``stop()``, asked first and then about every
-        ``check_every_s`` seconds, ends the wait with RoundFailed (the round went on without us)."""
+        came in time, it left, or it is longer than its size). ``stop()``, asked first and then about every
+        ``check_every_s`` seconds, ends the wait with RoundFailed (the round went on without us). ``gone()``,
+        asked as often, names peers known to have left (their membership records say so): the wait stops
+        waiting for them, so a member that leaves mid-round costs its group-mates seconds, not ``timeout_s``."""
         began = time.monotonic()
         deadline, next_check = began + timeout_s, began  # stop() is asked first: a wait the round has left is not begun
+        polled, left = stop is not None or gone is not None, set()
         with self._cond:
             while True:
                 have = {p for p in sizes if key in self._by_peer.get(p, ())}
                 now = time.monotonic()
-                if len(have) == len(sizes) or now >= deadline:
+                if len(have | left) == len(sizes) or now >= deadline:
                     break
-                if stop is not None and now >= next_check:
+                if polled and now >= next_check:
                     next_check = now + check_every_s
                     self._cond.release()
-                    try:  # stop() may read the DHT: not under our lock
-                        stopped = stop()
+                    try:  # stop() and gone() may read the DHT: not under our lock
+                        stopped = stop is not None and stop()
+                        if not stopped and gone is not None:
+                            left = set(gone()) & set(sizes)
                     finally:
                         self._cond.acquire()
                     if stopped:
                         raise RoundFailed(f"abandoned after {now - began:.1f}s of waiting for uploads under "
                                           f"{key!r}: {LEFT_BEHIND}")
                     continue
-                self._cond.wait(min(deadline, next_check if stop is not None else deadline) - now)
+                self._cond.wait(min(deadline, next_check if polled else deadline) - now)
             got = {p: self._by_peer[p][key] for p in have}
-        missing = {p: f"not received within {timeout_s:.0f}s" for p in sizes if p not in got}
+        missing = {p: f"it left mid-round after {time.monotonic() - began:.1f}s (its membership record says so)"
+                   if p in left else f"not received within {timeout_s:.0f}s" for p in sizes if p not in got}
         for p in list(got):
             if len(got[p]) > sizes[p]:
                 missing[p] = f"oversized upload: {len(got.pop(p))} bytes where at most {sizes[p]} are valid"

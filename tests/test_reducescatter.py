@@ -241,6 +241,55 @@ def _quit_after_union(server, me, group, key, m, out):
         out["error"] = e
 
 
+def test_a_member_that_left_mid_round_is_not_waited_for_and_the_others_agree():
+    """A member that left (its process gone; ``gone()`` says so, as its DRAINING or STOPPED record does in the
+    daemon) costs the others seconds, not the fetch timeout (30 s here); its range is left out of P alike on both
+    and their reducers report it. Without ``gone``, a member that sent no proposal is waited for once, not again
+    for its values."""
+    import time
+
+    with peers_on_loopback(3, "test_reducescatter_left", keep=8) as peers:
+        quitter, server, dht = peers[2]
+        server.shutdown()
+        dht.shutdown()  # it has left: nobody can dial it
+        group = [p for p, _, _ in peers]
+        members = {p: SharedIndexMember(N, CFG) for p in group[:2]}
+        out, ms = {}, _ms(3, seed=4)
+
+        def one(i, p, s, timeout_s, gone):
+            began = time.monotonic()
+            try:
+                out[p] = exchange_shared(s, p, group, f"rs/{int(timeout_s)}", members[p], ms[i],
+                                         {q: 1.0 for q in group}, timeout_s, gone=gone)
+            except Exception as e:  # noqa: BLE001 (the test reads it)
+                out[p] = e
+            out[p, "s"] = time.monotonic() - began
+
+        def run(timeout_s, gone):
+            threads = [threading.Thread(target=one, args=(i, p, s, timeout_s, gone))
+                       for i, (p, s, _) in enumerate(peers[:2])]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(4 * timeout_s)
+
+        run(30.0, lambda: {quitter})
+        (a, b) = group[:2]
+        for p in (a, b):
+            r = out[p]
+            assert not isinstance(r, Exception), r
+            assert out[p, "s"] < 15.0, out[p, "s"]  # not the 30 s fetch timeout
+            assert "left mid-round" in r.dropped[quitter] and "no union" in r.missing[quitter], (r.dropped, r.missing)
+        assert np.array_equal(out[a].positions, out[b].positions) and np.array_equal(out[a].applied, out[b].applied)
+        assert out[a].applied.any()
+        out.clear()
+        run(8.0, None)  # no news of the leave: one wait of 8 s for its proposal, none for its values
+        for p in (a, b):
+            assert not isinstance(out[p], Exception), out[p]
+            assert 7.5 < out[p, "s"] < 14.0, out[p, "s"]
+            assert "no proposal for our range" in out[p].dropped[quitter]
+
+
 def test_bad_calls_are_refused():
     with peers_on_loopback(1, "test_reducescatter_bad_keep", keep=1) as peers:
         p, s, _ = peers[0]

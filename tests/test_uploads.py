@@ -47,6 +47,23 @@ def test_collect_waits_for_every_peer_refuses_oversized_uploads_and_ends_when_st
     assert time.monotonic() - began < 1.0  # stop() is asked before the wait begins
 
 
+def test_collect_stops_waiting_for_a_peer_that_left_and_still_waits_for_the_others():
+    u = Uploads(keep=4)
+    u.put("k", "a", b"x")
+    left_after = time.monotonic() + 0.5  # c's record says it left half a second in; nobody says so of b
+    threading.Timer(1.2, lambda: u.put("k", "b", b"y")).start()
+    began = time.monotonic()
+    got, missing = u.collect("k", {"a": 10, "b": 10, "c": 10}, 30.0, check_every_s=0.2,
+                             gone=lambda: {"c", "someone-else"} if time.monotonic() > left_after else set())
+    took = time.monotonic() - began
+    assert got == {"a": b"x", "b": b"y"} and list(missing) == ["c"] and "left mid-round" in missing["c"]
+    assert 1.1 < took < 3.0  # b was waited for; c was not waited for 30 s
+    # once everyone that has not left is in, the wait ends at the next check
+    began = time.monotonic()
+    got, missing = u.collect("k", {"a": 10, "d": 10}, 30.0, check_every_s=0.2, gone=lambda: {"d"})
+    assert got == {"a": b"x"} and "left mid-round" in missing["d"] and time.monotonic() - began < 1.0
+
+
 def test_an_upload_goes_with_its_request_and_bad_ones_are_refused_while_the_server_keeps_serving():
     with peers_on_loopback(2, "test_uploads") as peers:
         (a_id, a, _), (b_id, b, _) = peers
