@@ -105,6 +105,8 @@ def run_size(n: int, a, out: Path) -> dict:
             time.sleep(max(0.0, at - time.monotonic()))
             if k % 2 == 0:
                 victim = live.pop(rng.randrange(len(live)))
+                if a.leave_at == "averaging":
+                    wait_until_averaging(victim, a.leave_delay)
                 code = victim.terminate(signal.SIGTERM, timeout=60)
                 left.append(victim)
                 events.append(dict(t=round(time.monotonic() - t0, 1), event="leave", node=victim.name, exit=code))
@@ -125,6 +127,21 @@ def run_size(n: int, a, out: Path) -> dict:
     return dict(nodes=n, launch=a.launch, started_s=round(started_s, 1), first_round_s=round(first_round_s, 1),
                 exit_codes=codes, events=events, tail_s=round(tail_s, 1),
                 joins=join_latency(nodes[n:], found["round_s"]), **found)
+
+
+def wait_until_averaging(node: LocalNode, delay_s: float, timeout_s: float = 180.0) -> bool:
+    """Return ``delay_s`` seconds after ``node``'s status first says AVERAGING (polled every 0.1 s; its group
+    may be forming or formed), or after ``timeout_s`` without it (False)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if node.status(timeout=2.0).state == "AVERAGING":
+                time.sleep(delay_s)
+                return True
+        except Exception:  # noqa: BLE001 (a busy node may not answer at once: ask again)
+            pass
+        time.sleep(0.1)
+    return False
 
 
 def wait_for_joiners(nodes: list[LocalNode], joiners: list[LocalNode], tail_rounds: float) -> float:
@@ -230,6 +247,9 @@ def figures(nodes: list[LocalNode], peaks: dict[str, int]) -> dict:
         steps=max(by_step, default=0), split_steps=split, lasting_splits=len(lasting),
         group_sizes=dict(Counter(r["group_size"] for r in applied)),
         round_s=med([r["duration_s"] for r in applied]),
+        # the slowest outer step (its median node): a stall that holds the whole swarm shows here
+        slowest_round_s=max((med([r["duration_s"] for r in applied if r["outer_step"] == s])
+                             for s in {r["outer_step"] for r in applied}), default=0.0),
         overhead_s=med([r["duration_s"] - r["compute_s"] for r in applied]),
         sent_bytes=med([r["bytes_sent"] for r in applied]), received_bytes=med([r["bytes_received"] for r in applied]),
         payload_bytes=med([r["payload_bytes"] for r in applied]),
@@ -274,10 +294,12 @@ def table(results: list[dict], a) -> str:
     launch = ("nodes forked from one shared image (bench/forked.py)" if a.launch == "forked"
               else "each node its own interpreter")
     lines = [f"EMULATED workload ({a.workload}, H = {a.inner_steps}, compute is a sleep); loopback, 2 cores; "
-             f"{a.churn} leaves and {a.churn} joins in {a.duration:.0f} s per size; {launch}.", "",
-             "| N | node-rounds | joint | lost | joint of all | splits (lasting) | round s | overhead s "
-             "| sent / round | received / round | sent / payload | sent / default payload | PSS / node | groups |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{a.churn} leaves ({'each while its group forms' if a.leave_at == 'averaging' else 'at any time'}) and "
+             f"{a.churn} joins in {a.duration:.0f} s per size; {launch}.", "",
+             "| N | node-rounds | joint | lost | joint of all | splits (lasting) | round s | slowest round s "
+             "| overhead s | sent / round | received / round | sent / payload | sent / default payload | PSS / node "
+             "| groups |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     default = default_payload_bytes(a.workload)
     for r in results:
         ratio = r["sent_bytes"] / r["payload_bytes"] if r["payload_bytes"] else math.nan
@@ -286,7 +308,8 @@ def table(results: list[dict], a) -> str:
         share_all = f"{100 * r['joint_share_all']:.1f}%" if "joint_share_all" in r else "—"
         lines.append(f"| {r['nodes']} | {r['node_rounds']} | {100 * r['joint_share']:.1f}% | {lost} | {share_all} | "
                      f"{len(r['split_steps'])} "
-                     f"({r['lasting_splits']}) | {r['round_s']:.1f} | {r['overhead_s']:.1f} | "
+                     f"({r['lasting_splits']}) | {r['round_s']:.1f} | {r.get('slowest_round_s', math.nan):.1f} | "
+                     f"{r['overhead_s']:.1f} | "
                      f"{r['sent_bytes'] / 1e6:.2f} MB | {r['received_bytes'] / 1e6:.2f} MB | {ratio:.1f}x | "
                      f"{r['sent_bytes'] / default:.1f}x | "
                      f"{r['pss_bytes'] / 1e6:.0f} MB | {groups} |")
@@ -333,6 +356,10 @@ def main(argv=None) -> int:
     p.add_argument("--tail-rounds", type=float, default=4.0,
                    help="after the churn, wait up to this many rounds from the last join for every joiner's first "
                         "joint round (0: stop at --duration, as before)")
+    p.add_argument("--leave-at", choices=("any", "averaging"), default="any",
+                   help="any: each leave when its time comes; averaging: the victim is SIGTERMed --leave-delay "
+                        "seconds after its status next says AVERAGING (a leave while its group forms)")
+    p.add_argument("--leave-delay", type=float, default=2.0)
     p.add_argument("--launch", choices=("forked", "interpreter"), default="forked",
                    help="forked: every node forked from one image holding torch and hivemind (shared pages, "
                         "start in a second); interpreter: each node its own python process")

@@ -27,7 +27,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from dilocox.daemon.audits import Audits
@@ -86,6 +86,21 @@ def abandon_read_age_s(num_others: int) -> float:
     member's record from each DHT peer asked (peers/swarm.py), and at 32 nodes on 2 cores this poll made about
     20 reads per node and round of 70 s, most of the members key's traffic (bench.upload, docs/algorithms.md)."""
     return ABANDON_READ_S * max(1.0, num_others / ABANDON_READ_PEERS)
+
+
+def leavers(progress: ProgressTracker) -> Callable[[], set[str]]:
+    """For one round: a function naming the members whose membership records say they are leaving or left
+    (GONE_STATES), from a read as old as the give-up rule may reuse (``abandon_read_age_s`` of the members the
+    last read held; ABANDON_READ_PEERS before any). A reduce-scatter's reducer stops waiting for their uploads;
+    peers/reducescatter.py asks only once a wait has lasted LEAVER_GRACE_S, so a healthy round pays no read."""
+    seen = ABANDON_READ_PEERS
+
+    def gone() -> set[str]:
+        nonlocal seen
+        members = progress.members(abandon_read_age_s(seen))
+        seen = max(len(members) - 1, 0)
+        return {m.peer_id for m in members if m.state in GONE_STATES}
+    return gone
 
 
 class RoundOutcome(str, Enum):
@@ -286,7 +301,7 @@ class OuterRounds:
                 self.progress.peer_id, compression, r, gather, float(cfg.inner_steps), group_wait_s,
                 cfg.averaging_timeout, cancel, self._abandon(r), tamper_gather=attack.gather if attack else None,
                 scheduled_in_s=scheduled_in_s, rule=cfg.aggregation, norm_bound=cfg.norm_bound, admitted=self.admitted,
-                gone=self._gone())
+                gone=leavers(self.progress))
         return self.comm.submit(
             exchange_sparse, self.averagers[self.state.averager_sizes()[0]], self.contributions, self.progress.peer_id,
             compression, r, gather, float(cfg.inner_steps), group_wait_s,
@@ -311,20 +326,6 @@ class OuterRounds:
             seen = len(others)
             return left_behind(others, r, self.delayed)
         return check
-
-    def _gone(self):
-        """For one round: the members whose membership records say they are leaving or left (GONE_STATES), from
-        a read as old as the give-up rule may reuse (``abandon_read_age_s``). A reduce-scatter's reducer stops
-        waiting for their uploads; peers/reducescatter.py asks only once a wait has lasted LEAVER_GRACE_S, so a
-        healthy round pays no read for it."""
-        seen = ABANDON_READ_PEERS  # other members the last read held
-
-        def gone() -> set[str]:
-            nonlocal seen
-            members = self.progress.members(abandon_read_age_s(seen))
-            seen = max(len(members) - 1, 0)
-            return {m.peer_id for m in members if m.state in GONE_STATES}
-        return gone
 
     # ------------------------------------------------------------------ equivocation
     def _exclude_equivocators(self, r: int, inputs: dict) -> None:

@@ -760,3 +760,29 @@ def test_the_give_up_poll_reads_afresh_first_then_reuses_reads_longer_in_a_large
         check = rounds_for(state, progress)._abandon(1)
         assert not check() and not check()  # everyone is still in round 1: nobody left us behind
         assert progress.ages == [0.0, later], progress.ages
+
+
+class MembersProgress(FakeProgress):
+    """FakeProgress whose ``members()`` (ours included) notes each read's allowed age."""
+
+    def __init__(self, members):
+        super().__init__()
+        self._members, self.ages = list(members), []
+
+    def members(self, max_age_s: float = 1.0):
+        self.ages.append(max_age_s)
+        return self._members
+
+
+def test_the_reduce_scatters_leavers_are_the_members_whose_records_say_they_left():
+    """``leavers`` (what a shared round's reducers ask before waiting further for a member's upload) names the
+    DRAINING and STOPPED members, none in another state, from a read as old as the give-up poll may reuse: 3 s
+    first, 12 s once 32 others were seen."""
+    from dilocox.daemon.rounds import leavers
+
+    peers = [Peer(f"p{i}", state="AVERAGING", outer_step=0, round=1, global_params_digest="d0") for i in range(30)]
+    peers += [Peer("drain", state="DRAINING"), Peer("stop", state="STOPPED"), Peer("sync", state="SYNCING")]
+    progress = MembersProgress(peers)
+    gone = leavers(progress)
+    assert gone() == {"drain", "stop"} and gone() == {"drain", "stop"}
+    assert progress.ages == [3.0, 12.0], progress.ages
