@@ -54,6 +54,9 @@ SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 # (docs/protocol.md) a joiner's group, with no measured link, waited 60 s on a group-mate that had left the
 # round. The grace keeps a member whose mates finished first (and moved on) from losing a joint round.
 ABANDON_GRACE_S = 15.0
+# A round cancelled while its downloads run (we leave, or re-sync) still finishes them if it can within this; then
+# they end, so a leave does not wait out the download deadline (compose stop: SIGKILL 10 s after SIGTERM).
+CANCEL_GRACE_S = 5.0
 
 
 def after(predicate: Callable[[], bool], delay_s: float) -> Callable[[], bool]:
@@ -62,6 +65,28 @@ def after(predicate: Callable[[], bool], delay_s: float) -> Callable[[], bool]:
     so a download that ends within the grace never pays for one."""
     start = time.monotonic()
     return lambda: time.monotonic() - start >= delay_s and predicate()
+
+def held_for(event: threading.Event, delay_s: float) -> Callable[[], bool]:
+    """A predicate that is True once ``event`` has been seen set (at its calls) for ``delay_s`` seconds."""
+    since: list[float] = []
+
+    def check() -> bool:
+        if not event.is_set():
+            return False
+        if not since:
+            since.append(time.monotonic())
+        return time.monotonic() - since[0] >= delay_s
+    return check
+
+
+def download_stop(cancel: threading.Event, abandon: Optional[Callable[[], bool]],
+                  abandon_grace_s: float = ABANDON_GRACE_S) -> Callable[[], bool]:
+    """When a round's downloads end early: ``cancel`` held for CANCEL_GRACE_S (we leave, or the round was dropped),
+    or the give-up rule ``abandon`` holds after ``abandon_grace_s`` (the round went on without us)."""
+    cancelled = held_for(cancel, CANCEL_GRACE_S)
+    gave_up = None if abandon is None else after(abandon, abandon_grace_s)
+    return lambda: cancelled() or (gave_up is not None and gave_up())
+
 
 class SparseGather(pydantic.BaseModel):
     """What every member all-gathers in a sparse round beside its RoundGather fields. A round matched
@@ -191,7 +216,7 @@ def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer
     links = [LinkSnapshot(m.link_bps, m.link_latency_s, int(m.link_bps > 0)) for m in metas.values() if m is not None]
     fetch_s = group_download_deadline(links, sum(size for _, size in announced.values()), fetch_timeout_s,
                                       relayed=len(clients) > 1) if adaptive_deadline else fetch_timeout_s
-    stop = None if abandon is None else after(abandon, abandon_grace_s)
+    stop = download_stop(cancel, abandon, abandon_grace_s)
     got, failed = server.fetch(wanted, key, fetch_s, relays, no_direct, stop=stop)
     fetched = time.monotonic()
     dropped.update(failed)

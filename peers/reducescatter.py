@@ -53,7 +53,7 @@ from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Unio
 
 import numpy as np
 import torch
-from dilocox.peers.allgather import ABANDON_GRACE_S, after, screen_gathered
+from dilocox.peers.allgather import download_stop, screen_gathered
 from dilocox.peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
 from dilocox.peers.contributions import ContributionServer
 
@@ -335,8 +335,9 @@ def exchange_reduced(averager: PseudoGradientAverager, server: ContributionServe
     for peer, why in sorted(dropped.items()):
         logger.warning("round %d: left %s out of the reduce-scatter: %s", round_index, peer, why)
     # as the all-gather's downloads: after ABANDON_GRACE_S the give-up rule may end the fetches (the round went on
-    # without us; waiting out the fetch timeouts on members that moved on would only delay our re-sync)
-    stop = None if abandon is None else after(abandon, ABANDON_GRACE_S)
+    # without us; waiting out the fetch timeouts on members that moved on would only delay our re-sync), and so
+    # does ``cancel`` (we leave) after CANCEL_GRACE_S: a leave in a stalled round waited out both fetch timeouts
+    stop = download_stop(cancel, abandon)
     out = exchange_shared(server, me, group, round_key(round_index), rnd.member, rnd.m,
                           {p: metas[p].weight for p in group}, fetch_timeout_s, rule, norm_bound, rnd.feedback,
                           stop=stop, gone=None if gone is None else _after_grace(gone, LEAVER_GRACE_S))

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from dilocox.peers.allgather import after, exchange_sparse, screen_gathered
+from dilocox.peers.allgather import CANCEL_GRACE_S, after, download_stop, exchange_sparse, screen_gathered
 from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather
 from dilocox.peers.contributions import EMPTY_RETRIES, ContributionServer
 
@@ -157,6 +157,48 @@ def test_a_sparse_round_whose_group_mate_never_serves_is_given_up_once_the_other
         assert time.monotonic() - began < 5.0
     finally:
         a.offer_wait_s = 1.0
+
+
+def test_a_sparse_round_cancelled_while_it_downloads_ends_them_after_the_cancel_grace(servers):
+    """We leave (the round's ``cancel`` is set) while a group-mate never serves: the downloads end CANCEL_GRACE_S
+    later, not at the mate's refusal (20 s here), so the node can exit (compose stop kills 10 s after SIGTERM)."""
+    (a_id, a), (b_id, b) = servers
+    comp = SparseCompressor([(1000,)], SparseConfig())
+    rnd = comp.begin([torch.randn(1000)])
+    avg = GatheringAverager({a_id: meta(outer_step=4, start="d0", weight=20.0, sha=SHA, size=100)})
+    a.offer_wait_s = 20.0
+    cancel = threading.Event()
+    threading.Timer(1.0, cancel.set).start()  # the leave comes once the downloads are under way
+    try:
+        began = time.monotonic()
+        with pytest.raises(RoundFailed, match="abandoned after"):
+            exchange_sparse(avg, b, "me", rnd, 5, RoundGather(outer_step=4, start_digest="d0", weight=20.0), 20.0,
+                            10, 30, cancel, abandon=lambda: False, admitted=lambda peer: None)
+        took = time.monotonic() - began
+        assert 1.0 + CANCEL_GRACE_S - 0.5 < took < 1.0 + CANCEL_GRACE_S + 4.0, took
+    finally:
+        a.offer_wait_s = 1.0
+
+
+def test_download_stop_holds_once_cancel_was_seen_for_its_grace_or_the_give_up_rule_after_its_own(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    cancel, left_behind = threading.Event(), [False]
+    stop = download_stop(cancel, lambda: left_behind[0], abandon_grace_s=15.0)
+    assert not stop()
+    now[0] = 102.0
+    cancel.set()
+    assert not stop()  # first seen set now
+    now[0] = 102.0 + CANCEL_GRACE_S - 0.1
+    assert not stop()
+    now[0] = 102.0 + CANCEL_GRACE_S
+    assert stop()
+    stop = download_stop(threading.Event(), lambda: left_behind[0], abandon_grace_s=15.0)
+    left_behind[0] = True
+    assert not stop()  # the give-up rule waits its own grace
+    now[0] += 15.0
+    assert stop()
+    assert not download_stop(threading.Event(), None)()
 
 
 def test_after_asks_nothing_until_its_delay_has_passed(monkeypatch):
