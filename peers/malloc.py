@@ -34,10 +34,21 @@ MMAP_THRESHOLD = 1 << 20  # 1 MiB: tensor-sized buffers get mappings of their ow
 
 
 @functools.lru_cache(maxsize=None)
+def _libc():
+    """The C library, loaded once: glibc's soname first, since ``ctypes.util.find_library`` runs ``ldconfig -p``
+    as a child process (a node's first malloc_trim spawned one mid-round); find_library only if that fails."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        name = ctypes.util.find_library("c")
+        return ctypes.CDLL(name) if name else None
+
+
+@functools.lru_cache(maxsize=None)
 def _glibc_function(name: str, argtypes: tuple, restype):
     """The C library's function ``name`` with its signature set, looked up once; None elsewhere than glibc."""
     try:
-        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+        function = getattr(_libc(), name)
     except (OSError, AttributeError):
         return None
     function.argtypes, function.restype = argtypes, restype

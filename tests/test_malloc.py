@@ -111,3 +111,16 @@ def test_trim_hands_a_rounds_freed_heap_pages_back():
     assert out["trim"]["trimmed"] is True
     assert out["trim"]["released"] >= 40 << 20, out  # of the 50 MB freed
     assert out["plain"]["released"] < 5 << 20, out
+
+
+def test_the_c_library_is_found_without_spawning_a_process(monkeypatch):
+    """ctypes.util.find_library runs ``ldconfig -p`` as a child: a node's first malloc_trim, mid-round, spawned
+    one (a forked node's namespace test once saw it exit under its feet). glibc's soname needs none."""
+    malloc._libc.cache_clear()
+    malloc._glibc_function.cache_clear()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a process was spawned: {args}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    assert malloc.tune() and isinstance(malloc.trim(), bool)

@@ -210,6 +210,21 @@ def test_nated_hosts_reach_public_hosts_only_and_appear_as_their_router():
                 if ns.startswith("dlxq-")]
 
 
+def _net_namespace(pid: int):
+    """The inode of process ``pid``'s network namespace, or None if it has exited."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.NoSuchProcess:
+        return ""
+
+
 def test_forked_nodes_enter_their_hosts_namespaces_and_train_across_the_bridge(tmp_path):
     """bench/forked.py's ``netns``: a node forked from the shared image lives in its host's namespace (and so does
     its p2pd), listens on the host's address and trains with a node on another host; the bytes cross the
@@ -232,8 +247,11 @@ def test_forked_nodes_enter_their_hosts_namespaces_and_train_across_the_bridge(t
             for i, n in enumerate(nodes):
                 inside = os.stat(f"/run/netns/{net.namespace(i)}").st_ino
                 tree = [n.proc.pid] + [c.pid for c in psutil.Process(n.proc.pid).children(recursive=True)]
-                assert {os.stat(f"/proc/{pid}/ns/net").st_ino for pid in tree} == {inside}, tree
-                assert any("p2pd" in psutil.Process(pid).name() for pid in tree)
+                # a short-lived child (ctypes.util.find_library's ldconfig at the first malloc_trim) may exit
+                # between the listing and the look: every process still there is inside, p2pd among them
+                alive = {pid: ns for pid in tree if (ns := _net_namespace(pid)) is not None}
+                assert n.proc.pid in alive and set(alive.values()) == {inside}, (tree, alive)
+                assert any("p2pd" in _name(pid) for pid in alive)
             # what each node says it sent to its peer (the round's payload and metadata) crossed its veth; the
             # count also holds the DHT's and libp2p's traffic, tens of KB, which shrinks as records do
             said = [sum(r["bytes_sent"] for r in n.metrics()) for n in nodes]
