@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, TypeVar, Union
 
 import pydantic.v1 as pydantic
 import torch
@@ -48,6 +48,7 @@ from dilocox.sparse import SparseRound, aggregate_scaled
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 # The downloads after the all-gather are given up once they have lasted this long and nobody else is in the round.
 # A group waits its download deadline, up to --averaging-timeout, for a payload that may never come: in run P
@@ -59,12 +60,13 @@ ABANDON_GRACE_S = 15.0
 CANCEL_GRACE_S = 5.0
 
 
-def after(predicate: Callable[[], bool], delay_s: float) -> Callable[[], bool]:
-    """A predicate that is False, without calling ``predicate``, until ``delay_s`` seconds (monotonic clock)
-    after it was made, and ``predicate()`` from then on. ``abandon`` reads the membership records (a DHT read),
-    so a download that ends within the grace never pays for one."""
+def after(predicate: Callable[[], T], delay_s: float, before: T = False) -> Callable[[], T]:
+    """A predicate that answers ``before``, without calling ``predicate``, until ``delay_s`` seconds (monotonic
+    clock) after it was made, and ``predicate()`` from then on. ``abandon`` reads the membership records (a DHT
+    read), so a download that ends within the grace never pays for one."""
     start = time.monotonic()
-    return lambda: time.monotonic() - start >= delay_s and predicate()
+    return lambda: predicate() if time.monotonic() - start >= delay_s else before
+
 
 def held_for(event: threading.Event, delay_s: float) -> Callable[[], bool]:
     """A predicate that is True once ``event`` has been seen set (at its calls) for ``delay_s`` seconds."""

@@ -53,7 +53,7 @@ from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Unio
 
 import numpy as np
 import torch
-from dilocox.peers.allgather import download_stop, screen_gathered
+from dilocox.peers.allgather import after, download_stop, screen_gathered
 from dilocox.peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
 from dilocox.peers.contributions import ContributionServer
 
@@ -268,12 +268,6 @@ def _reduce_and_gather(server, me, group, key, cfg, member, m, positions, sent, 
                         phases, missing)
 
 
-def _after_grace(gone: Callable[[], Collection[str]], delay_s: float) -> Callable[[], Collection[str]]:
-    """``gone``, answering nobody without asking until ``delay_s`` seconds (monotonic) after it was made."""
-    start = time.monotonic()
-    return lambda: gone() if time.monotonic() - start >= delay_s else ()
-
-
 def round_key(round_index: int) -> str:
     """The contribution keys' prefix of a reduce-scatter round: one per outer step, so keys of two rounds a slow
     member still fetches never meet."""
@@ -340,7 +334,7 @@ def exchange_reduced(averager: PseudoGradientAverager, server: ContributionServe
     stop = download_stop(cancel, abandon)
     out = exchange_shared(server, me, group, round_key(round_index), rnd.member, rnd.m,
                           {p: metas[p].weight for p in group}, fetch_timeout_s, rule, norm_bound, rnd.feedback,
-                          stop=stop, gone=None if gone is None else _after_grace(gone, LEAVER_GRACE_S))
+                          stop=stop, gone=None if gone is None else after(gone, LEAVER_GRACE_S, before=()))
     for peer, why in sorted(out.dropped.items()):
         logger.warning("round %d: as reducer of our range, dropped %s: %s", round_index, peer, why)
     n, cfg = rnd.m.numel(), rnd.cfg
