@@ -3,7 +3,8 @@
 Every node runs ``--workload synthetic:PARAMS:STEP_S`` (dilocox/synthetic.py: true payload sizes, compute
 is a sleep), so 32 nodes fit on 2 cores; no quality is claimed from it. Per size N the benchmark starts
 N nodes at once (the first is the bootstrap peer every other ``--join``s), waits for the first outer
-step, then for ``--duration`` seconds makes ``--churn`` leaves (SIGTERM to a random non-bootstrap node)
+step, then for ``--duration`` seconds makes ``--churn`` leaves (SIGTERM to a random non-bootstrap node;
+SIGKILL to its process group with ``--leave-signal KILL``, a crash)
 and as many joins (a fresh node), evenly spaced, then waits for each joiner's first joint round (at most
 ``--tail-rounds`` rounds after the last join, no churn meanwhile), and finally asks every node to leave. From the nodes'
 metrics.jsonl and /proc it reports:
@@ -107,7 +108,7 @@ def run_size(n: int, a, out: Path) -> dict:
                 victim = live.pop(rng.randrange(len(live)))
                 if a.leave_at == "averaging":
                     wait_until_averaging(victim, a.leave_delay)
-                code = victim.terminate(signal.SIGTERM, timeout=60)
+                code = victim.terminate(getattr(signal, f"SIG{a.leave_signal}"), timeout=60)
                 left.append(victim)
                 events.append(dict(t=round(time.monotonic() - t0, 1), event="leave", node=victim.name, exit=code))
             else:
@@ -294,7 +295,8 @@ def table(results: list[dict], a) -> str:
     launch = ("nodes forked from one shared image (bench/forked.py)" if a.launch == "forked"
               else "each node its own interpreter")
     lines = [f"EMULATED workload ({a.workload}, H = {a.inner_steps}, compute is a sleep); loopback, 2 cores; "
-             f"{a.churn} leaves ({'each while its group forms' if a.leave_at == 'averaging' else 'at any time'}) and "
+             f"{a.churn} {'crashes (SIGKILL)' if a.leave_signal == 'KILL' else 'leaves'} "
+             f"({'each while its group forms' if a.leave_at == 'averaging' else 'at any time'}) and "
              f"{a.churn} joins in {a.duration:.0f} s per size; {launch}.", "",
              "| N | node-rounds | joint | lost | joint of all | splits (lasting) | round s | slowest round s "
              "| overhead s | sent / round | received / round | sent / payload | sent / default payload | PSS / node "
@@ -360,6 +362,9 @@ def main(argv=None) -> int:
                    help="any: each leave when its time comes; averaging: the victim is SIGTERMed --leave-delay "
                         "seconds after its status next says AVERAGING (a leave while its group forms)")
     p.add_argument("--leave-delay", type=float, default=2.0)
+    p.add_argument("--leave-signal", choices=("TERM", "KILL"), default="TERM",
+                   help="TERM: a leave (the node drains and says so); KILL: a crash (its process group is killed, "
+                        "p2pd included, and its membership record is left to expire)")
     p.add_argument("--launch", choices=("forked", "interpreter"), default="forked",
                    help="forked: every node forked from one image holding torch and hivemind (shared pages, "
                         "start in a second); interpreter: each node its own python process")

@@ -27,7 +27,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Collection, Optional, Sequence, Union
 
 import torch
 from dilocox.daemon.audits import Audits
@@ -88,18 +88,22 @@ def abandon_read_age_s(num_others: int) -> float:
     return ABANDON_READ_S * max(1.0, num_others / ABANDON_READ_PEERS)
 
 
-def leavers(progress: ProgressTracker) -> Callable[[], set[str]]:
-    """For one round: a function naming the members whose membership records say they are leaving or left
-    (GONE_STATES), from a read as old as the give-up rule may reuse (``abandon_read_age_s`` of the members the
-    last read held; ABANDON_READ_PEERS before any). A reduce-scatter's reducer stops waiting for their uploads;
-    peers/reducescatter.py asks only once a wait has lasted LEAVER_GRACE_S, so a healthy round pays no read."""
+def leavers(progress: ProgressTracker) -> Callable[[Collection[str]], set[str]]:
+    """For one round: a function naming those of the given members that left: their membership records say they
+    are leaving or left (GONE_STATES), or have expired (no heartbeat for a record's lifetime, 3 x
+    ``--announce-period``: the process crashed or lost the swarm), from a read as old as the give-up rule may
+    reuse (``abandon_read_age_s`` of the members the last read held; ABANDON_READ_PEERS before any; expiry is
+    checked at every call, peers/swarm.py ``Swarm.members``). A reduce-scatter's reducer stops waiting for their
+    uploads; peers/reducescatter.py asks only once a wait has lasted LEAVER_GRACE_S, so a healthy round pays no
+    read. Every member it is asked about was in a screened group (its record was live moments before)."""
     seen = ABANDON_READ_PEERS
 
-    def gone() -> set[str]:
+    def gone(peers: Collection[str]) -> set[str]:
         nonlocal seen
         members = progress.members(abandon_read_age_s(seen))
         seen = max(len(members) - 1, 0)
-        return {m.peer_id for m in members if m.state in GONE_STATES}
+        live = {m.peer_id: m.state for m in members}
+        return {p for p in peers if p not in live or live[p] in GONE_STATES}
     return gone
 
 

@@ -60,12 +60,12 @@ ABANDON_GRACE_S = 15.0
 CANCEL_GRACE_S = 5.0
 
 
-def after(predicate: Callable[[], T], delay_s: float, before: T = False) -> Callable[[], T]:
+def after(predicate: Callable[..., T], delay_s: float, before: T = False) -> Callable[..., T]:
     """A predicate that answers ``before``, without calling ``predicate``, until ``delay_s`` seconds (monotonic
-    clock) after it was made, and ``predicate()`` from then on. ``abandon`` reads the membership records (a DHT
-    read), so a download that ends within the grace never pays for one."""
+    clock) after it was made, and ``predicate(*args)`` from then on. ``abandon`` reads the membership records (a
+    DHT read), so a download that ends within the grace never pays for one."""
     start = time.monotonic()
-    return lambda: predicate() if time.monotonic() - start >= delay_s else before
+    return lambda *args: predicate(*args) if time.monotonic() - start >= delay_s else before
 
 
 def held_for(event: threading.Event, delay_s: float) -> Callable[[], bool]:

@@ -13,7 +13,8 @@ can be summed range by range:
    concatenation, the same on every member. A proposal that does not come in time or does not read is left out of
    its union (and reported); a range whose union a member cannot fetch or read is left out of its P (a reducer
    that left: every member misses it alike, so all still hold one P). A reducer does not wait for a member whose
-   membership record says it left (``gone``), nor, in step 2, for the values of one that sent it no proposal.
+   membership record says it left or has expired (``gone``: it crashed), nor, in step 2, for the values of one
+   that sent it no proposal.
 2. **values and results** (key ``{key}/r``): P's chunks are split into k fixed ranges (``chunk_ranges``); member
    j (sorted peer-id order) reduces range j. Every member pushes its values there (``pack_values`` at cfg.bits:
    the receiver holds P, so no index is sent) to reducer j with its request for j's result. Reducer j runs the
@@ -112,7 +113,7 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
                     m: torch.Tensor, weights: Mapping[str, float], timeout_s: float, rule: str = "mean",
                     norm_bound: float = 0.0, feedback: Optional[ReducerFeedback] = None,
                     stop: Optional[Callable[[], bool]] = None,
-                    gone: Optional[Callable[[], Collection[str]]] = None) -> RangeResults:
+                    gone: Optional[Callable[[Collection[str]], Collection[str]]] = None) -> RangeResults:
     """Run one reduce-scatter round (module docstring) with ``group`` (peer_ids, ours included; their order
     does not matter), under the round's ``key``; blocking.
 
@@ -124,10 +125,10 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     answer). The server must keep at least 2 offers (``keep``). A range whose union or result could not be
     fetched or read gets no update (``RangeResults.missing``; without a result, what we sent there goes back
     to our buffer). ``stop()``, polled about once a second during each wait (``PendingFetch.result``,
-    ``Uploads.collect``), gives the round up: the round went on without us. ``gone()``, polled as often while a
-    reducer waits for uploads, names members known to have left (``Uploads.collect``): their proposals and
-    values are not waited for. A member whose proposal did not come (or did not read) is not waited for again
-    for its values: our range's result leaves it out, as ``dropped`` says. Raises RoundFailed when ``stop()``
+    ``Uploads.collect``), gives the round up: the round went on without us. ``gone(peers)``, polled as often while a
+    reducer waits for uploads, names those of the awaited ``peers`` known to have left (``Uploads.collect``):
+    their proposals and values are not waited for. A member whose proposal did not come (or did not read) is not
+    waited for again for its values: our range's result leaves it out, as ``dropped`` says. Raises RoundFailed when ``stop()``
     held or no other member's range could be had, ValueError for a group without us, a member without a weight,
     fewer chunks than members or a server that keeps too few offers."""
     cfg: SharedIndexConfig = member.cfg
@@ -281,7 +282,7 @@ def exchange_reduced(averager: PseudoGradientAverager, server: ContributionServe
                      tamper_gather: Optional[Callable[[dict, int], dict]] = None,
                      scheduled_in_s: Optional[float] = None, rule: str = "mean", norm_bound: float = 0.0,
                      admitted: Optional[Callable[[str], Optional[str]]] = None,
-                     gone: Optional[Callable[[], Collection[str]]] = None) -> RoundResult:
+                     gone: Optional[Callable[[Collection[str]], Collection[str]]] = None) -> RoundResult:
     """One ``--compression shared`` round, blocking: the group forms by matchmaking and all-gathers its metadata
     (``averager.run_phase`` on a one-value buffer, as an all-gather round), every member screens it by the same
     rules (peers/allgather.py: ``screen_gathered``; no payload is announced), and the members that pass run
@@ -293,9 +294,10 @@ def exchange_reduced(averager: PseudoGradientAverager, server: ContributionServe
     P); ``dropped``: the members the screen left out (the same on every member; what a reducer dropped of its
     range is logged). A member whose start the screen left out gets zeros and the group's metadata (its
     caller's start-digest check re-syncs it). Raises RoundCancelled / RoundFailed as ``run_phase`` does, and
-    RoundFailed when no other member's range could be had. ``gone()``: the peers whose membership records say
-    they left (DRAINING, STOPPED), asked only once a wait has lasted LEAVER_GRACE_S (it may read the DHT): a
-    member that leaves mid-round then costs its group-mates seconds, not two fetch timeouts."""
+    RoundFailed when no other member's range could be had. ``gone(peers)``: those of the awaited ``peers``
+    whose membership records say they left (DRAINING, STOPPED) or have expired (a crash), asked only once a wait has
+    lasted LEAVER_GRACE_S (it may read the DHT): a member that leaves mid-round then costs its group-mates
+    seconds, not two fetch timeouts, and one that crashes about a record's lifetime, not a fetch timeout."""
     key = group_bits(round_index) + "0"
     gather = dict(meta.dict())
     if tamper_gather is not None:

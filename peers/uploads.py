@@ -51,13 +51,15 @@ class Uploads:
     def collect(self, key: str, sizes: Mapping[str, int], timeout_s: float,
                 stop: Optional[Callable[[], bool]] = None,
                 check_every_s: float = 1.0,
-                gone: Optional[Callable[[], Collection[str]]] = None) -> Tuple[Dict[str, bytes], Dict[str, str]]:
+                gone: Optional[Callable[[Collection[str]], Collection[str]]] = None
+                ) -> Tuple[Dict[str, bytes], Dict[str, str]]:
         """Wait until every peer of ``sizes`` (peer_id -> the largest valid length in bytes) has uploaded under
         ``key``, at most ``timeout_s`` seconds; blocking. Returns (peer_id -> upload, peer_id -> why not: none
         came in time, it left, or it is longer than its size). ``stop()``, asked first and then about every
-        ``check_every_s`` seconds, ends the wait with RoundFailed (the round went on without us). ``gone()``,
-        asked as often, names peers known to have left (their membership records say so): the wait stops
-        waiting for them, so a member that leaves mid-round costs its group-mates seconds, not ``timeout_s``."""
+        ``check_every_s`` seconds, ends the wait with RoundFailed (the round went on without us). ``gone(peers)``,
+        asked as often with the peers still waited for, names those known to have left (their membership records
+        say they left, or have expired): the wait stops waiting for them, so a member that leaves or crashes
+        mid-round costs its group-mates seconds, not ``timeout_s``."""
         began = time.monotonic()
         deadline, next_check = began + timeout_s, began  # stop() is asked first: a wait the round has left is not begun
         polled, left = stop is not None or gone is not None, set()
@@ -73,7 +75,7 @@ class Uploads:
                     try:  # stop() and gone() may read the DHT: not under our lock
                         stopped = stop is not None and stop()
                         if not stopped and gone is not None:
-                            left = set(gone()) & set(sizes)
+                            left = set(gone(set(sizes) - have)) & set(sizes)
                     finally:
                         self._cond.acquire()
                     if stopped:
@@ -82,7 +84,8 @@ class Uploads:
                     continue
                 self._cond.wait(min(deadline, next_check if polled else deadline) - now)
             got = {p: self._by_peer[p][key] for p in have}
-        missing = {p: f"it left mid-round after {time.monotonic() - began:.1f}s (its membership record says so)"
+        missing = {p: f"it left mid-round after {time.monotonic() - began:.1f}s (its membership record says so, "
+                   "or has expired)"
                    if p in left else f"not received within {timeout_s:.0f}s" for p in sizes if p not in got}
         for p in list(got):
             if len(got[p]) > sizes[p]:

@@ -774,15 +774,17 @@ class MembersProgress(FakeProgress):
         return self._members
 
 
-def test_the_reduce_scatters_leavers_are_the_members_whose_records_say_they_left():
-    """``leavers`` (what a shared round's reducers ask before waiting further for a member's upload) names the
-    DRAINING and STOPPED members, none in another state, from a read as old as the give-up poll may reuse: 3 s
-    first, 12 s once 32 others were seen."""
+def test_the_reduce_scatters_leavers_are_the_members_whose_records_say_they_left_or_have_expired():
+    """``leavers`` (what a shared round's reducers ask before waiting further for a member's upload) names those
+    of the awaited members that are DRAINING or STOPPED or have no live record (it expired: the process crashed),
+    none in another state, from a read as old as the give-up poll may reuse: 3 s first, 12 s once 32 others
+    were seen."""
     from dilocox.daemon.rounds import leavers
 
     peers = [Peer(f"p{i}", state="AVERAGING", outer_step=0, round=1, global_params_digest="d0") for i in range(30)]
     peers += [Peer("drain", state="DRAINING"), Peer("stop", state="STOPPED"), Peer("sync", state="SYNCING")]
     progress = MembersProgress(peers)
     gone = leavers(progress)
-    assert gone() == {"drain", "stop"} and gone() == {"drain", "stop"}
+    awaited = {"p3", "drain", "stop", "sync", "crashed"}
+    assert gone(awaited) == {"drain", "stop", "crashed"} and gone({"p3", "sync"}) == set()
     assert progress.ages == [3.0, 12.0], progress.ages

@@ -52,15 +52,19 @@ def test_collect_stops_waiting_for_a_peer_that_left_and_still_waits_for_the_othe
     u.put("k", "a", b"x")
     left_after = time.monotonic() + 0.5  # c's record says it left half a second in; nobody says so of b
     threading.Timer(1.2, lambda: u.put("k", "b", b"y")).start()
-    began = time.monotonic()
-    got, missing = u.collect("k", {"a": 10, "b": 10, "c": 10}, 30.0, check_every_s=0.2,
-                             gone=lambda: {"c", "someone-else"} if time.monotonic() > left_after else set())
+    began, asked = time.monotonic(), []
+
+    def gone(peers):
+        asked.append(set(peers))
+        return {"c", "someone-else"} if time.monotonic() > left_after else set()
+    got, missing = u.collect("k", {"a": 10, "b": 10, "c": 10}, 30.0, check_every_s=0.2, gone=gone)
     took = time.monotonic() - began
+    assert asked[0] == {"b", "c"} and all("a" not in peers for peers in asked)  # only the peers still waited for
     assert got == {"a": b"x", "b": b"y"} and list(missing) == ["c"] and "left mid-round" in missing["c"]
     assert 1.1 < took < 3.0  # b was waited for; c was not waited for 30 s
     # once everyone that has not left is in, the wait ends at the next check
     began = time.monotonic()
-    got, missing = u.collect("k", {"a": 10, "d": 10}, 30.0, check_every_s=0.2, gone=lambda: {"d"})
+    got, missing = u.collect("k", {"a": 10, "d": 10}, 30.0, check_every_s=0.2, gone=lambda peers: {"d"})
     assert got == {"a": b"x"} and "left mid-round" in missing["d"] and time.monotonic() - began < 1.0
 
 
