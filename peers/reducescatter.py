@@ -128,9 +128,9 @@ def exchange_shared(server: ContributionServer, me: str, group: Sequence[str], k
     ``Uploads.collect``), gives the round up: the round went on without us. ``gone(peers)``, polled as often while a
     reducer waits for uploads, names those of the awaited ``peers`` known to have left (``Uploads.collect``):
     their proposals and values are not waited for. A member whose proposal did not come (or did not read) is not
-    waited for again for its values: our range's result leaves it out, as ``dropped`` says. Raises RoundFailed when ``stop()``
-    held or no other member's range could be had, ValueError for a group without us, a member without a weight,
-    fewer chunks than members or a server that keeps too few offers."""
+    waited for again for its values: our range's result leaves it out, as ``dropped`` says. Raises RoundFailed
+    when ``stop()`` held or no other member's range could be had, ValueError for a group without us, a member
+    without a weight, fewer chunks than members or a server that keeps too few offers."""
     cfg: SharedIndexConfig = member.cfg
     group = sorted(set(group))
     if me not in group:
