@@ -124,23 +124,30 @@ class ProgressTracker:
     def exchange_result_digests(self, result_step: int, digest: str, peers: set[str],
                                 timeout_s: float, inputs: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         """Publish our result digest of round ``result_step`` (and, for a sparse round, the digests of the
-        contributions we used) and collect the group's (``peers``), waiting at most ``timeout_s``;
-        peer_id -> digest for those that reported (ours included)."""
+        contributions we used) and collect the group's (``peers``), waiting at most ``timeout_s`` and not for
+        members whose records have expired (``skip_expired``); peer_id -> digest for those that reported (ours
+        included)."""
         self._result, self._inputs, self._union = (result_step, digest), dict(inputs or {}), []
         self.publish()
-        return self.collect_result_digests(result_step, peers, timeout_s)
+        return self.collect_result_digests(result_step, peers, timeout_s, skip_expired=True)
 
-    def collect_result_digests(self, result_step: int, peers: set[str], timeout_s: float) -> Dict[str, str]:
+    def collect_result_digests(self, result_step: int, peers: set[str], timeout_s: float,
+                               skip_expired: bool = False) -> Dict[str, str]:
         """Read the result digests of round ``result_step`` that ``peers`` reported, ours included (published by
-        ``exchange_result_digests``), waiting at most ``timeout_s`` for the missing ones; publishes nothing."""
+        ``exchange_result_digests``), waiting at most ``timeout_s`` for the missing ones; publishes nothing.
+        ``skip_expired``: stop waiting once every missing one has no live record (it expired: no heartbeat for
+        ``3 x announce_period``, the node crashed; a node that leaves keeps its STOPPED record with its digest)."""
         found = {self.peer_id: self._result[1]} if self._result[0] == result_step else {}
         deadline = time.monotonic() + timeout_s
         pause = DIGEST_POLL_S[0]
         while True:
+            live = set()
             for m in self.others(max_age_s=0.2):  # the whole group waits for the slowest digest: read afresh
+                live.add(m.peer_id)
                 if m.peer_id in peers and m.result_step == result_step:
                     found[m.peer_id] = m.result_digest
-            if set(found) >= peers or time.monotonic() >= deadline:
+            missing = peers - set(found)
+            if not missing or time.monotonic() >= deadline or (skip_expired and not missing & live):
                 return found
             # short waits first (the group waits for the slowest digest), then longer: each read costs every
             # member's record from each DHT peer asked, and this was a third of a node's reads per round

@@ -69,11 +69,24 @@ def test_members_whose_inputs_differ_find_the_contributor_and_agreeing_ones_publ
         t0 = time.monotonic()
         lied = a.input_conflicts(3, same, timeout_s=15.0)
         lied_s = time.monotonic() - t0
+
+        # round 4: a group-mate that crashed has no live record and will never report: the exchange stops
+        # waiting for it once the live ones are in (b, 1 s late), where a plain collection waits out its timeout
+        ghost = "QmCrashedGroupMateWithoutARecord"
+        threading.Timer(1.0, lambda: b.exchange_result_digests(4, "r4", peers, timeout_s=0.0, inputs=same)).start()
+        t0 = time.monotonic()
+        crashed = a.exchange_result_digests(4, "r4", peers | {ghost}, timeout_s=20.0, inputs=same)
+        crashed_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        plain = a.collect_result_digests(4, peers | {ghost}, timeout_s=2.0)
+        plain_s = time.monotonic() - t0
     finally:
         for s in swarms:
             s.shutdown()
     assert found == {a.peer_id: {"c": b.peer_id}, b.peer_id: {"c": a.peer_id}}
     assert lied == {} and lied_s < 5.0, lied_s
+    assert crashed == plain == {a.peer_id: "r4", b.peer_id: "r4"}
+    assert 0.9 < crashed_s < 5.0 and plain_s >= 2.0, (crashed_s, plain_s)
 
 
 def test_a_record_no_longer_grows_with_the_contributors():
