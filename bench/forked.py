@@ -25,8 +25,11 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from multiprocessing import forkserver
 from pathlib import Path
 
@@ -35,6 +38,8 @@ import psutil
 IMAGE = "bench.node_image"
 CLONE_NEWNET = 0x40000000  # linux/sched.h
 REPO = Path(__file__).resolve().parents[1]
+LAUNCHER_POLL_S = 1.0  # how often a forked node looks whether the process that started it still runs
+ORPHAN_KILL_S = 120.0  # after its SIGTERM, an orphaned node that has not drained is SIGKILLed (its group)
 _CONTEXT = None
 
 
@@ -70,15 +75,34 @@ def enter_netns(name: str) -> None:
             raise OSError(err, f"cannot enter network namespace {name}: {os.strerror(err)}")
 
 
+def leave_when_gone(launcher_pid: int, poll_s: float = LAUNCHER_POLL_S, kill_after_s: float = ORPHAN_KILL_S) -> None:
+    """Blocking (a thread's body): once the process ``launcher_pid`` (the benchmark or test that started this node)
+    has ended, SIGTERM this process (a leave: it drains and exits), and SIGKILL its process group if it still
+    runs ``kill_after_s`` later. A forked node's parent is the forkserver, which lives as long as any node it
+    forked (each holds its ``alive`` pipe, Python's multiprocessing/forkserver.py), so a launcher killed from
+    outside left every node and the forkserver running."""
+    try:
+        launcher = psutil.Process(launcher_pid)
+        while launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE:  # is_running checks pid reuse
+            time.sleep(poll_s)
+    except psutil.Error:
+        pass  # already gone
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(kill_after_s)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
 def _node(argv: list[str], cwd: str, env: dict, stdout: str, stderr: str, threads: int,
-          netns: str | None = None) -> None:
+          netns: str | None = None, launcher_pid: int | None = None) -> None:
     """The forked node's body: a session of its own, its own files and environment (and network namespace, with
-    ``netns``), then ``node_main``."""
+    ``netns``), a watch on ``launcher_pid`` (``leave_when_gone``), then ``node_main``."""
     if IMAGE not in sys.modules:
         problem = f"the forkserver did not import {IMAGE}: run from the repository, or see its log"
         Path(stderr).write_text(f"{problem}\n")  # where the benchmarks read a node's last words
         raise RuntimeError(problem)
     os.setsid()
+    if launcher_pid is not None:
+        threading.Thread(target=leave_when_gone, args=(launcher_pid,), name="launcher-watch", daemon=True).start()
     # a forkserver child inherits the forkserver method as its default; a fresh interpreter on Linux (and
     # hivemind's averager, an mp.Process holding unpicklable callables) has fork
     mp.set_start_method("fork", force=True)
@@ -112,8 +136,8 @@ class ForkedProcess:
         for path in (stdout, stderr):  # there before start() returns, as with Popen, for readers that poll them
             open(path, "w").close()
         # not a daemonic process: those may not have children, and hivemind forks the DHT and averagers
-        self._process = _context().Process(target=_node, args=(argv, cwd, env, stdout, stderr, threads, netns),
-                                           daemon=False)
+        self._process = _context().Process(
+            target=_node, args=(argv, cwd, env, stdout, stderr, threads, netns, os.getpid()), daemon=False)
         self._process.start()
         self.pid = self._process.pid
 

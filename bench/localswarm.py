@@ -10,11 +10,13 @@ This module only starts them, polls ``GetStatus`` and asks them to ``Leave``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,8 +25,25 @@ import grpc
 from dilocox.proto.dilocox.v1 import node_pb2, node_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # round outcomes (metrics.jsonl) that apply the swarm's update of a round: the group's, a majority's, a union's
 JOINT = ("applied", "adopted", "united")
+
+
+def term_with_parent(parent_pid: int):
+    """A ``preexec_fn`` that has the kernel SIGTERM the child (a leave: it drains and exits) when the thread that
+    started it ends (prctl PR_SET_PDEATHSIG; it survives the exec of a wrapper such as ``ip netns exec`` and of
+    the interpreter), so a benchmark or test killed from outside leaves no node running. None when called off the
+    main thread: the signal follows the starting thread, not its process."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    prctl = ctypes.CDLL("libc.so.6").prctl  # resolved here: the child, forked from a threaded parent, only calls it
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    return preexec
 
 
 def node_env(threads: int = 1) -> dict:
@@ -60,7 +79,7 @@ class LocalNode:
             self.proc = subprocess.Popen(
                 [*wrapper, sys.executable, "-m", "dilocox.daemon.cli", *argv],
                 stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"), env=node_env(threads), cwd=REPO,
-                start_new_session=True)
+                start_new_session=True, preexec_fn=term_with_parent(os.getpid()))
         self.addr = self.join_maddr = ""
 
     def wait_started(self, timeout: float = 120.0) -> "LocalNode":

@@ -78,3 +78,56 @@ def test_signalling_a_node_the_forkserver_already_reaped_is_a_no_op():
     with pytest.raises(ProcessLookupError):
         os.kill(gone.pid, signal.SIGTERM)
     proc.send_signal(signal.SIGTERM)
+
+
+LAUNCHER = """
+import sys, time
+from pathlib import Path
+from bench.localswarm import LocalNode
+node = LocalNode("a", Path(sys.argv[1]), sys.argv[3:], forked=sys.argv[2] == "forked").wait_started()
+print(node.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.swarm  # about 15 s each: test-swarm (make test's budget)
+@pytest.mark.parametrize("launch", ["forked", "interpreter"])
+def test_a_node_leaves_when_the_benchmark_that_started_it_is_killed(tmp_path, launch):
+    """A benchmark or test SIGKILLed from outside (a CI timeout, kill -9) ran no cleanup, and its nodes went on
+    running: a forked node's parent is the forkserver, which itself lives while any node it forked does, and an
+    interpreter-started node was reparented to init. Now a forked node watches its launcher
+    (bench/forked.py ``leave_when_gone``) and an interpreter-started one gets SIGTERM from the kernel
+    (bench/localswarm.py ``term_with_parent``): each leaves, and nothing is left of its process group."""
+    import subprocess
+    import sys
+    import time
+
+    from bench.localswarm import REPO
+
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "a"), launch, *ARGS], cwd=REPO,
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pid = int(launcher.stdout.readline())
+        node = psutil.Process(pid)
+        group = os.getpgid(pid)
+        server = node.ppid() if launch == "forked" else None
+        launcher.kill()
+        launcher.wait(10)
+        assert node.is_running()  # the kill did not reach the node itself
+        node.wait(90)  # it leaves: SIGTERM, drain, exit
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and [p for p in psutil.process_iter() if _group(p) == group]:
+            time.sleep(0.5)
+        assert not [p.pid for p in psutil.process_iter() if _group(p) == group]
+        if server is not None:  # the forkserver ends with its last client
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and psutil.pid_exists(server):
+                time.sleep(0.5)
+            assert not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE
+        assert "leave requested (SIGTERM)" in (tmp_path / "a" / "stderr").read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for p in psutil.process_iter():
+            if _group(p) == locals().get("group"):
+                p.kill()
