@@ -242,7 +242,7 @@ def _quit_after_union(server, me, group, key, m, out):
 
 
 def test_a_member_that_left_mid_round_is_not_waited_for_and_the_others_agree():
-    """A member that left (its process gone; ``gone()`` says so, as its DRAINING or STOPPED record does in the
+    """A member that left (its process gone; ``gone(peers)`` says so, as its DRAINING or STOPPED record does in the
     daemon) costs the others seconds, not the fetch timeout (30 s here); its range is left out of P alike on both
     and their reducers report it. Without ``gone``, a member that sent no proposal is waited for once, not again
     for its values."""
