@@ -18,6 +18,7 @@ from dilocox.peers.swarm import InputsRecord, MemberRecord, Swarm, inputs_digest
 
 logger = logging.getLogger(__name__)
 DIGEST_POLL_S = (0.25, 1.0)  # waits between reads for the group's result digests: first, and at most
+UNSTORED_BEATS = 3  # heartbeats in a row whose record no DHT peer took before the log says the swarm cannot see us
 
 
 class ProgressTracker:
@@ -40,6 +41,7 @@ class ProgressTracker:
         self._union: List[str] = []  # that round's group results we propose to unite (daemon/majority.py)
         self._poke = threading.Event()
         self._published_at = -float("inf")  # monotonic time of our last publish (heartbeat or direct)
+        self._unstored = 0  # heartbeats in a row whose record no DHT peer (nor our own storage) took
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -69,9 +71,26 @@ class ProgressTracker:
         """Publish now (e.g. joiners wait for our new outer_step)."""
         self._poke.set()
 
-    def publish(self) -> None:
+    def publish(self) -> bool:
+        """Publish our record now; True if a DHT peer (or our own storage) holds it (``Swarm.publish``)."""
         self._published_at = time.monotonic()
-        self.swarm.publish(MemberRecord(**self._describe(), **self._result_fields()))
+        return self.swarm.publish(MemberRecord(**self._describe(), **self._result_fields()))
+
+    def _note_stored(self, stored: bool) -> None:
+        """Warn once when UNSTORED_BEATS heartbeats in a row found no DHT peer to hold our record, and say when one
+        holds it again. Until then the swarm cannot see us: DHT peers of another dilocox version refuse a record
+        of another schema (hivemind's ``SchemaValidator``), or none is reachable."""
+        if stored:
+            if self._unstored >= UNSTORED_BEATS:
+                logger.info("our membership record is stored again after %d refused or missed heartbeats",
+                            self._unstored)
+            self._unstored = 0
+            return
+        self._unstored += 1
+        if self._unstored == UNSTORED_BEATS:
+            logger.warning("no DHT peer took our membership record at the last %d heartbeats: the swarm cannot see "
+                           "this node (DHT peers that run another dilocox version refuse records of another schema; "
+                           "or none is reachable)", UNSTORED_BEATS)
 
     def _result_fields(self) -> dict:
         step, digest = self._result
@@ -82,7 +101,7 @@ class ProgressTracker:
         beats = 0
         while not self._stop.is_set():
             try:
-                self.publish()
+                self._note_stored(self.publish())
                 # a read costs every member's record from every DHT peer asked (more than our store): the
                 # swarm size in status is refreshed every 6th beat, rounds read when they need to
                 if beats % 6 == 0:

@@ -134,3 +134,31 @@ def test_the_heartbeat_does_not_beat_after_a_direct_publish_refreshed_the_record
         assert wait_for(lambda: swarm.published == 17, 0.3, poll_s=0.01)  # a poke: at once, not 0.5 s later
     finally:
         tracker.stop()
+
+
+def test_heartbeats_that_no_dht_peer_stores_are_logged_once_and_the_recovery_too(caplog):
+    """A record no DHT peer takes (peers of another version refuse another schema, or none is reachable) leaves the
+    node invisible to the swarm; before, nothing said so. Three such beats in a row give one warning, not one per
+    beat, and a stored beat after them an info line."""
+    import logging
+
+    swarm = _CountingSwarm()
+    stored = [False] * 5 + [True]
+
+    def publish(record) -> bool:
+        swarm.published += 1
+        return stored.pop(0) if stored else True
+    swarm.publish = publish
+    tracker = _tracker(swarm)  # announce_period_s=0.5
+    with caplog.at_level(logging.INFO, logger="dilocox.daemon.progress"):
+        tracker.start()
+        try:
+            for _ in range(7):  # a poke is a beat at once
+                tracker.poke()
+                time.sleep(0.1)
+            assert wait_for(lambda: swarm.published >= 7, 5.0, poll_s=0.05)
+        finally:
+            tracker.stop()
+    warnings = [r for r in caplog.records if "no DHT peer took our membership record" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert any("stored again after 5" in r.getMessage() for r in caplog.records)
