@@ -100,10 +100,12 @@ def test_a_node_leaves_when_the_benchmark_that_started_it_is_killed(tmp_path, la
     (bench/localswarm.py ``term_with_parent``): each leaves, and nothing is left of its process group."""
     import subprocess
     import sys
-    import time
+
+    from dilocox.peers.swarm import wait_for
 
     from bench.localswarm import REPO
 
+    group = None
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "a"), launch, *ARGS], cwd=REPO,
                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -115,19 +117,15 @@ def test_a_node_leaves_when_the_benchmark_that_started_it_is_killed(tmp_path, la
         launcher.wait(10)
         assert node.is_running()  # the kill did not reach the node itself
         node.wait(90)  # it leaves: SIGTERM, drain, exit
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and [p for p in psutil.process_iter() if _group(p) == group]:
-            time.sleep(0.5)
-        assert not [p.pid for p in psutil.process_iter() if _group(p) == group]
+        left = wait_for(lambda: not [p for p in psutil.process_iter() if _group(p) == group], 30, poll_s=0.5)
+        assert left, [p.pid for p in psutil.process_iter() if _group(p) == group]
         if server is not None:  # the forkserver ends with its last client
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and psutil.pid_exists(server):
-                time.sleep(0.5)
+            wait_for(lambda: not psutil.pid_exists(server), 30, poll_s=0.5)
             assert not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE
         assert "leave requested (SIGTERM)" in (tmp_path / "a" / "stderr").read_text()
     finally:
         if launcher.poll() is None:
             launcher.kill()
         for p in psutil.process_iter():
-            if _group(p) == locals().get("group"):
+            if group is not None and _group(p) == group:
                 p.kill()
