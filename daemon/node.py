@@ -104,6 +104,7 @@ class Node:
         self.swarm: Optional[Swarm] = None
         self._temporary_identity: Optional[Path] = None  # no --identity: a key for this run only, removed at exit
         self.state: Optional[ReplicaState] = None
+        self._prompted: Optional[tuple] = None  # _prompt_fields at our last poke
         self.progress: Optional[ProgressTracker] = None
         self.transfer: Optional[StateTransfer] = None
         self.rounds: Optional[OuterRounds] = None
@@ -420,12 +421,23 @@ class Node:
         return not any(m.peer_id == peer_id and m.state not in GONE_STATES for m in self.progress.members())
 
     def _set_state(self, state: State, **changes) -> None:
+        """Set our state (and other status fields); publish our record at once when a field others act on
+        (``_prompt_fields``) differs from the last one published so, the rest with the next heartbeat."""
         previous = self.board.snapshot().state
         self.board.update(state=state, **changes)
+        prompt = self._prompt_fields()
         if previous != state:
-            logger.info("state %s -> %s (outer step %d)", previous.value, state.value, self.board.snapshot().outer_step)
-        if self.progress is not None:
+            logger.info("state %s -> %s (outer step %d)", previous.value, state.value, prompt[1])
+        if self.progress is not None and prompt != self._prompted:
+            self._prompted = prompt
             self.progress.poke()
+
+    def _prompt_fields(self) -> tuple:
+        """The record's fields other members act on (state, outer_step, round, theta's digest): a change is
+        published at once. A poke per call published twice per round a record in which only inner_step had
+        changed (bench.upload at 16 nodes, 2026-12-03: 5 DHT stores a node-round)."""
+        s = self.board.snapshot()
+        return s.state, s.outer_step, self.state.round if self.state else None, s.global_params_digest
 
     def _wait_for_replicas(self) -> None:
         if self.cfg.min_replicas <= 1:

@@ -148,7 +148,11 @@ class ProgressTracker:
         included)."""
         self._result, self._inputs, self._union = (result_step, digest), dict(inputs or {}), []
         self.publish()
-        return self.collect_result_digests(result_step, peers, timeout_s, skip_expired=True)
+        # the group's members end the round within a fraction of a second of each other: a read at once after our
+        # publish found some of their digests and not all in nearly every round, and the next read found the rest
+        time.sleep(min(DIGEST_POLL_S[0], timeout_s))
+        return self.collect_result_digests(result_step, peers, max(0.0, timeout_s - DIGEST_POLL_S[0]),
+                                           skip_expired=True)
 
     def collect_result_digests(self, result_step: int, peers: set[str], timeout_s: float,
                                skip_expired: bool = False) -> Dict[str, str]:

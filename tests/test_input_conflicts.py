@@ -136,6 +136,37 @@ def test_the_heartbeat_does_not_beat_after_a_direct_publish_refreshed_the_record
         tracker.stop()
 
 
+class _GroupSwarm(_CountingSwarm):
+    """A group-mate whose result digest becomes readable ``late_s`` after our publish (both end a round together,
+    their publishes land moments apart); counts reads."""
+
+    def __init__(self, late_s: float):
+        super().__init__()
+        self.late_s, self.reads, self.at = late_s, 0, float("inf")
+
+    def publish(self, record) -> bool:
+        self.at = min(self.at, time.monotonic())
+        return super().publish(record)
+
+    def members(self, max_age_s: float = 1.0):
+        self.reads += 1
+        done = time.monotonic() >= self.at + self.late_s  # before: its live record of the round before
+        mate = MemberRecord(peer_id="QmMate", run_id="eq", state="AVERAGING", outer_step=0, round=1, inner_step=4,
+                            inner_steps=4, tokens_per_second=1.0, loss=1.0, global_params_digest="ab",
+                            result_step=int(done), result_digest="r1" if done else "")
+        return [(mate, 10.0)]
+
+
+def test_the_digest_exchange_reads_once_when_the_group_mates_publish_moments_after_us():
+    """A read at once after our own publish found a group-mate's digest missing in nearly every round, and the
+    next read, a pause later, found it (1.95 reads a node-round at 16 nodes): the exchange reads after the pause."""
+    swarm = _GroupSwarm(late_s=0.1)
+    tracker = _tracker(swarm)
+    assert tracker.exchange_result_digests(1, "r1", {"QmCounting", "QmMate"}, timeout_s=5.0) == {
+        "QmCounting": "r1", "QmMate": "r1"}
+    assert swarm.reads == 1, swarm.reads
+
+
 def test_heartbeats_that_no_dht_peer_stores_are_logged_once_and_the_recovery_too(caplog):
     """A record no DHT peer takes (peers of another version refuse another schema, or none is reachable) leaves the
     node invisible to the swarm; before, nothing said so. Three such beats in a row give one warning, not one per
