@@ -317,16 +317,22 @@ class OuterRounds:
 
     def _abandon(self, r: int):
         """The exchange's give-up rule for round r (matchmaking, and downloads after their grace): the round left
-        us behind (dilocox.consensus.left_behind, from a read of the membership records at most
-        ``abandon_read_age_s`` old: ABANDON_READ_S, longer in a swarm of more than ABANDON_READ_PEERS)."""
-        seen: Optional[int] = None  # the number of other members the last poll read (None: no poll yet)
+        us behind (dilocox.consensus.left_behind). Each poll reuses a read of the membership records at most
+        ``abandon_read_age_s`` old (ABANDON_READ_S, longer in a swarm of more than ABANDON_READ_PEERS); one that
+        says the round left us behind is confirmed by a fresh read before the round is given up."""
+        seen = ABANDON_READ_PEERS  # the number of other members the last poll read
 
         def check() -> bool:
             nonlocal seen
-            # the first poll reads afresh: a read from moments before (e.g. the round start's) can show a replica
-            # still SYNCING that has entered the round since, and "nobody is in it" gave 3-node CI swarms' first
-            # round up; later polls reuse reads made after it
-            others = self.progress.others(0.0 if seen is None else abandon_read_age_s(seen))
+            others = self.progress.others(abandon_read_age_s(seen))
+            seen = len(others)
+            if not left_behind(others, r, self.delayed):
+                return False
+            # a give-up is decided from a fresh read only: a read from moments before (e.g. early matchmaking's)
+            # can show a replica still SYNCING that has entered the round since, and "nobody is in it" gave two
+            # 3-node CI swarms' first round up. Reading afresh at every round's first poll instead cost a read a
+            # node-round in healthy rounds (bench.upload at 16 nodes, 2026-12-03)
+            others = self.progress.others(0.0)
             seen = len(others)
             return left_behind(others, r, self.delayed)
         return check

@@ -745,11 +745,11 @@ class AgeRecordingProgress(FakeProgress):
         return self._others
 
 
-def test_the_give_up_poll_reads_afresh_first_then_reuses_reads_longer_in_a_larger_swarm(state):
-    """The give-up rule polled while matchmaking (OuterRounds' abandon check) reads afresh at its first poll (a
-    read from moments before can show a replica still SYNCING that has entered the round since: two 3-node
-    swarm tests gave their first round up so in CI), then reuses a read up to ABANDON_READ_S old among up to 8
-    other members, and in proportion beyond (each read costs every record): 12 s once 32 others were seen."""
+def test_the_give_up_poll_reuses_reads_longer_in_a_larger_swarm(state):
+    """The give-up rule polled while matchmaking (OuterRounds' abandon check) reuses a read up to ABANDON_READ_S
+    old among up to 8 other members, and in proportion beyond (each read costs every record): 12 s once 32
+    others were seen. A healthy round's polls make no fresh read (its first poll read afresh until 2026-12-03:
+    a read a node-round at 16 nodes)."""
     from dilocox.daemon.rounds import ABANDON_READ_S, abandon_read_age_s
 
     assert abandon_read_age_s(0) == abandon_read_age_s(8) == ABANDON_READ_S == 3.0
@@ -759,7 +759,34 @@ def test_the_give_up_poll_reads_afresh_first_then_reuses_reads_longer_in_a_large
         progress = AgeRecordingProgress(others)
         check = rounds_for(state, progress)._abandon(1)
         assert not check() and not check()  # everyone is still in round 1: nobody left us behind
-        assert progress.ages == [0.0, later], progress.ages
+        assert progress.ages == [3.0, later], progress.ages
+
+
+class StaleThenFreshProgress(FakeProgress):
+    """FakeProgress whose reads older than 0 s give ``stale`` and whose fresh reads give ``fresh``."""
+
+    def __init__(self, stale, fresh):
+        super().__init__(stale)
+        self.stale, self.fresh, self.ages = stale, fresh, []
+
+    def others(self, max_age_s: float = 1.0):
+        self.ages.append(max_age_s)
+        return self.fresh if max_age_s == 0.0 else self.stale
+
+
+def test_the_give_up_poll_gives_a_round_up_only_on_a_fresh_read(state):
+    """A reused read that says the round left us behind (here: the only other replica still SYNCING, so nobody
+    is in round 1; two 3-node CI swarms gave their first round up on such a read) is confirmed by a fresh read:
+    the round goes on when the fresh read shows that replica in the round, and is given up when it still shows
+    nobody in it."""
+    syncing = [Peer("p1", state="SYNCING", outer_step=0, round=0, global_params_digest="d0")]
+    entered = [Peer("p1", state="AVERAGING", outer_step=0, round=1, global_params_digest="d0")]
+    progress = StaleThenFreshProgress(syncing, entered)
+    assert not rounds_for(state, progress)._abandon(1)()
+    assert progress.ages == [3.0, 0.0], progress.ages
+    progress = StaleThenFreshProgress(syncing, syncing)
+    assert rounds_for(state, progress)._abandon(1)()
+    assert progress.ages == [3.0, 0.0], progress.ages
 
 
 class MembersProgress(FakeProgress):
