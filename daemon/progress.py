@@ -150,9 +150,9 @@ class ProgressTracker:
         self.publish()
         # the group's members end the round within a fraction of a second of each other: a read at once after our
         # publish found some of their digests and not all in nearly every round, and the next read found the rest
-        time.sleep(min(DIGEST_POLL_S[0], timeout_s))
-        return self.collect_result_digests(result_step, peers, max(0.0, timeout_s - DIGEST_POLL_S[0]),
-                                           skip_expired=True)
+        pause = max(0.0, min(DIGEST_POLL_S[0], timeout_s))
+        time.sleep(pause)
+        return self.collect_result_digests(result_step, peers, max(0.0, timeout_s - pause), skip_expired=True)
 
     def collect_result_digests(self, result_step: int, peers: set[str], timeout_s: float,
                                skip_expired: bool = False) -> Dict[str, str]:
