@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-shared bench-quality-shared-16 bench-reducescatter bench-upload bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
+.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-shared bench-quality-shared-16 bench-reducescatter bench-upload bench-upload-payloads bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -138,6 +138,17 @@ bench-reducescatter: install
 bench-upload: install
 	$(PY) -m bench.upload --nodes 8 16 --out runs/bench
 	cp runs/bench/upload.png docs/img/upload.png
+
+# the same for shared rounds at 137 KB, 274 KB and 854 KB payloads (4 M, 8 M and 25 M values; 25 M only at k = 8
+# and 16, as 32 such nodes do not fit 24 GB), and the fit of upload against payload: the payload from which a
+# node sends at most 3x its own (docs/algorithms.md, "Upload against payload size"; root; ~35 min)
+bench-upload-payloads: install
+	$(PY) -m bench.upload --nodes 8 16 32 --schemes shared --out runs/bench/upload-4M
+	$(PY) -m bench.upload --nodes 8 16 32 --schemes shared --workload synthetic:8M:0.25 --out runs/bench/upload-8M
+	$(PY) -m bench.upload --nodes 8 16 --schemes shared --workload synthetic:25M:0.5 --out runs/bench/upload-25M
+	$(PY) -m bench.upload --plot-from runs/bench/upload-4M/upload.json runs/bench/upload-8M/upload.json \
+		runs/bench/upload-25M/upload.json --out runs/bench/upload-payloads
+	cp runs/bench/upload-payloads/upload-payloads.png docs/img/upload-payloads.png
 
 # one ablation per row (docs/algorithms.md, "Choosing the default"), seed 7 (~3 h on 2 cores)
 bench-quality-ablations: install

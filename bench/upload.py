@@ -24,7 +24,10 @@ daemon, so the same bytes; a fraction of the memory, which lets 32 hosts fit in 
 one interpreter each under ``ip netns exec`` (``--launch interpreter``, the runs before 2026-12-01).
 
 Results: runs/bench/upload.{json,png} and a printed table. ``--plot-from A/upload.json B/upload.json`` runs
-nothing and draws one table and PNG from earlier runs (docs/img/upload-shared.png).
+nothing and draws one table and PNG from earlier runs (docs/img/upload-shared.png). Where rows of one k and
+scheme were run at two or more payload sizes, the table adds their split into a part that grows with the payload
+and a fixed part (``payload_fit``: membership records, matchmaking, per-call framing), and the payload from
+which the fit puts a node's upload at or under 3x.
 """
 
 from __future__ import annotations
@@ -143,9 +146,57 @@ def membership_ops(folder: Path) -> dict:
     return {name: n / rounds for name, n in total.items()} if rounds else {}
 
 
+def payload_fit(rows: list[dict], target: float = 3.0) -> list[dict]:
+    """Per (k, scheme) with rows at two or more payload sizes p (bytes, ``default_payload_bytes``): the least-squares
+    line through their steady interface tx per node-round, tx = slope * p + fixed. ``slope`` (bytes sent per byte
+    of payload: the transport's ratio and what grows with it, TCP/IP headers among them) and ``fixed`` (bytes per
+    node-round whatever the payload: membership reads and publishes, matchmaking, each call's framing) come
+    back with ``payload_at_target``, the payload p from which tx / p <= ``target`` (fixed / (target - slope);
+    None where slope >= target: no payload meets it), and ``payloads`` (the sizes fitted). A model of two terms
+    fitted to as many points as runs: with two runs it passes through both, so it interpolates between them and
+    extrapolates only as far as the two terms hold."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["nodes"], r["scheme"]), {})[r["default_payload_bytes"]] = \
+            r["steady_tx_bytes_per_node_round"]
+    fits = []
+    for (k, scheme), points in sorted(groups.items()):
+        if len(points) < 2:
+            continue
+        ps, txs = list(points), list(points.values())
+        pm, tm = statistics.fmean(ps), statistics.fmean(txs)
+        slope = sum((p - pm) * (t - tm) for p, t in zip(ps, txs)) / sum((p - pm) ** 2 for p in ps)
+        fixed = tm - slope * pm
+        at = fixed / (target - slope) if slope < target else None
+        fits.append(dict(nodes=k, scheme=scheme, slope=slope, fixed_bytes=fixed, target=target,
+                         payload_at_target=max(at, 0.0) if at is not None else None, payloads=sorted(ps)))
+    return fits
+
+
+def _fit_table(fits: list[dict]) -> str:
+    if not fits:
+        return ""
+    lines = ["", "Fitted over payload sizes (tx = slope x payload + fixed, steady rounds; bench.upload.payload_fit):",
+             "", "| k | scheme | payloads fitted | slope (x payload) | fixed per node-round | 3x from a payload of |",
+             "|---" * 6 + "|"]
+    for f in fits:
+        at = f["payload_at_target"]
+        lines.append(f"| {f['nodes']} | {f['scheme']} | {', '.join(f'{p / 1e3:.0f} KB' for p in f['payloads'])} | "
+                     f"{f['slope']:.2f} | {f['fixed_bytes'] / 1e3:.0f} KB | "
+                     f"{'never (slope >= 3)' if at is None else f'{at / 1e3:.0f} KB'} |")
+    return "\n".join(lines) + "\n"
+
+
 def _ops(r: dict) -> str:
     m = r.get("membership") or {}
     return f"{m['reads']:.1f} / {m['publishes']:.1f} ({m['searches']:.2f})" if m else "-"
+
+
+def _callers(r: dict) -> str:
+    """The membership reads per node-round by the function that made them (``reads_by:`` counts), most first."""
+    m = r.get("membership") or {}
+    by = sorted(((k.split(":", 1)[1], v) for k, v in m.items() if k.startswith("reads_by:")), key=lambda kv: -kv[1])
+    return ", ".join(f"{name} {n:.2f}" for name, n in by if n >= 0.005)
 
 
 def _line(r: dict) -> str:
@@ -155,7 +206,8 @@ def _line(r: dict) -> str:
             f"node {r.get('steady_max_tx_bytes_per_node_round', math.nan) / p:.2f}x; "
             f"{r['tx_bytes_per_node_round'] / p:.2f}x with start-up), transport "
             f"{r['transport_sent_bytes'] / p:.2f}x, round {r['round_s']:.1f}s, groups {r['group_sizes']}, "
-            f"digests agree {r['digests_agree']}, membership reads / publishes (searches) per node-round {_ops(r)}")
+            f"digests agree {r['digests_agree']}, membership reads / publishes (searches) per node-round {_ops(r)}"
+            + (f"; reads by caller: {_callers(r)}" if _callers(r) else ""))
 
 
 def table(rows: list[dict]) -> str:
@@ -174,15 +226,21 @@ def table(rows: list[dict]) -> str:
                      f"{r['tx_bytes_per_node_round'] / p:.2f} | "
                      f"{r['transport_sent_bytes'] / p:.2f} | {r['round_s']:.1f} | {groups} | {r['digests_agree']} | "
                      f"{_ops(r)} |")
-    return "\n".join(lines) + "\n"
+    callers = [f"- k = {r['nodes']}, {r['workload'].split(':')[1]} values, {r['scheme']}: {_callers(r)}"
+               for r in rows if _callers(r)]
+    if callers:
+        lines += ["", "Membership reads per node-round by caller (steady rounds; Swarm.traffic's reads_by):", *callers]
+    return "\n".join(lines) + "\n" + _fit_table(payload_fit(rows))
 
 
 def _write(rows: list[dict], a) -> None:
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "upload.json").write_text(json.dumps(dict(rows=rows, emulated=True,
+    (a.out / "upload.json").write_text(json.dumps(dict(rows=rows, emulated=True, fits=payload_fit(rows),
                                                        args={k: str(v) for k, v in vars(a).items()}), indent=1))
     (a.out / "upload.md").write_text(table(rows))
     plot(rows, a.out / "upload.png")
+    if payload_fit(rows):
+        plot_fit(rows, a.out / "upload-payloads.png")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -205,6 +263,35 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set(xlabel="nodes (one group)", ylabel="sent per node and round / default payload",
            title="Upload, EMULATED workload, hosts in network namespaces")
     ax.set_xscale("log", base=2)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_fit(rows: list[dict], path: Path) -> None:
+    """Interface tx per node and round / the payload against the payload (bytes), a colour per k: the measured
+    rows as points, the ``payload_fit`` line (slope + fixed / payload) through them and on to 4 MB."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for n, f in enumerate(payload_fit(rows)):
+        sel = [r for r in rows if (r["nodes"], r["scheme"]) == (f["nodes"], f["scheme"])]
+        ax.plot([r["default_payload_bytes"] / 1e3 for r in sel],
+                [r["steady_tx_bytes_per_node_round"] / r["default_payload_bytes"] for r in sel], "o", c=f"C{n}",
+                label=f"k = {f['nodes']} ({f['scheme']}): measured")
+        lo = min(f["payloads"])
+        xs = [lo * (4e6 / lo) ** (i / 50) for i in range(51)]
+        ax.plot([x / 1e3 for x in xs], [f["slope"] + f["fixed_bytes"] / x for x in xs], "-", c=f"C{n}", alpha=0.6,
+                label=f"k = {f['nodes']}: {f['slope']:.2f} + {f['fixed_bytes'] / 1e3:.0f} KB / payload")
+    ax.axhline(3, ls="--", c="gray", label="3 x payload (issue 29's target)")
+    ax.set(xlabel="payload per node (KB, the default codec's)", ylabel="sent per node and round / payload",
+           title="Upload against payload size, EMULATED workload, network namespaces")
+    ax.set_xscale("log")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()

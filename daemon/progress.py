@@ -10,6 +10,7 @@ digest, which it also collects from the other members of a group (docs/protocol.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -19,6 +20,20 @@ from dilocox.peers.swarm import InputsRecord, MemberRecord, Swarm, inputs_digest
 logger = logging.getLogger(__name__)
 DIGEST_POLL_S = (0.25, 1.0)  # waits between reads for the group's result digests: first, and at most
 UNSTORED_BEATS = 3  # heartbeats in a row whose record no DHT peer took before the log says the swarm cannot see us
+
+
+def reader(depth: int = 2) -> str:
+    """``module.function`` of the first caller outside this module's ``members`` and ``others`` (which pass
+    reads through), for counting membership reads by caller: the breakdown of a round's reads that bench.upload
+    reports. Looks at stack frames (CPython's ``sys._getframe``, as ``logging`` does), only when asked."""
+    frame = sys._getframe(depth)
+    while frame is not None and frame.f_globals.get("__name__") == __name__ and \
+            frame.f_code.co_name in ("members", "others"):
+        frame = frame.f_back
+    if frame is None:
+        return "unknown"
+    module = frame.f_globals.get("__name__", "?").rsplit(".", 1)[-1]
+    return f"{module}.{getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}"
 
 
 class ProgressTracker:
@@ -105,7 +120,8 @@ class ProgressTracker:
                 # a read costs every member's record from every DHT peer asked (more than our store): the
                 # swarm size in status is refreshed every 6th beat, rounds read when they need to
                 if beats % 6 == 0:
-                    self._on_refresh(len(self.swarm.members(max_age_s=3 * self.announce_period_s)))
+                    self._on_refresh(len(self.swarm.members(max_age_s=3 * self.announce_period_s,
+                                                             caller="progress.heartbeat")))
                 beats += 1
                 self._on_beat()
             except Exception as e:
@@ -125,8 +141,9 @@ class ProgressTracker:
                 return
 
     def members(self, max_age_s: float = 1.0) -> List[MemberRecord]:
-        """Every live member of the run (ours included), from a DHT read at most ``max_age_s`` old."""
-        return [m for m, _ in self.swarm.members(max_age_s)]
+        """Every live member of the run (ours included), from a DHT read at most ``max_age_s`` old. A read it
+        makes is counted under the function that asked (``Swarm.traffic``'s ``reads_by``; ``reader``)."""
+        return [m for m, _ in self.swarm.members(max_age_s, caller=reader())]
 
     def others(self, max_age_s: float = 1.0) -> List[MemberRecord]:
         """Other live members holding our stage (of other replicas): the ones we average with."""

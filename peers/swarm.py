@@ -455,8 +455,9 @@ class Swarm:
         """DHT operations on the run's keys since start (TRAFFIC_COUNTS): ``reads`` of the records, of which
         ``read_searches`` walked towards the key first (peers/nearstore.py, ``learn_nearest``; the rest asked the
         nearest peers straight), ``publishes`` of ours, of which ``searches`` walked first, ``inputs_published`` and
-        ``inputs_reads`` (InputsRecord), ``binding_reads`` (peers/signing.py). A read costs every record from each
-        holder asked (one in turn, all MEMBER_REPLICAS when it holds none)."""
+        ``inputs_reads`` (InputsRecord), ``binding_reads`` (peers/signing.py), and ``reads_by:{caller}`` for the
+        reads of each caller named to ``members``. A read costs every record from each holder asked (one in turn,
+        all MEMBER_REPLICAS when it holds none)."""
         with self._lock:
             return dict(self._traffic)
 
@@ -564,18 +565,21 @@ class Swarm:
                 return found
         return self.dht.get(key, latest=True, beam_size=MEMBER_READ_BEAM, num_workers=MEMBER_READ_BEAM)
 
-    def members(self, max_age_s: float = 1.0) -> List[tuple[MemberRecord, float]]:
+    def members(self, max_age_s: float = 1.0, caller: str = "") -> List[tuple[MemberRecord, float]]:
         """Live members (ours included) with seconds until their record expires; invalid records are skipped.
 
         A read asks one of the MEMBER_REPLICAS DHT peers nearest the key in turn (``_read_dictionary``) for every
         record of the run (about 0.4 KB each, signatures included), so reads are shared: one made less than
-        ``max_age_s`` seconds ago is reused."""
+        ``max_age_s`` seconds ago is reused. ``caller`` names who asked: a read it makes is also counted under
+        ``reads_by:{caller}`` in ``traffic()``."""
         with self._lock:
             now_m = time.monotonic()
             if now_m - self._read_at >= max_age_s:
                 found = self._read_dictionary(self.key)
                 self._read_at = now_m
                 self._traffic["reads"] += 1
+                if caller:
+                    self._traffic[f"reads_by:{caller}"] = self._traffic.get(f"reads_by:{caller}", 0) + 1
                 # A read can miss records that have not expired (it merges the subkeys of the DHT peers it
                 # reached, and those need not hold every record, e.g. a peer that has just joined). A record
                 # seen once counts until its expiration, as the DHT itself keeps it.

@@ -115,7 +115,7 @@ class _CountingSwarm:
         self.published += 1
         return True
 
-    def members(self, max_age_s: float = 1.0):
+    def members(self, max_age_s: float = 1.0, caller: str = ""):
         return []
 
 
@@ -148,7 +148,7 @@ class _GroupSwarm(_CountingSwarm):
         self.at = min(self.at, time.monotonic())
         return super().publish(record)
 
-    def members(self, max_age_s: float = 1.0):
+    def members(self, max_age_s: float = 1.0, caller: str = ""):
         self.reads += 1
         done = time.monotonic() >= self.at + self.late_s  # before: its live record of the round before
         mate = MemberRecord(peer_id="QmMate", run_id="eq", state="AVERAGING", outer_step=0, round=1, inner_step=4,
@@ -193,3 +193,34 @@ def test_heartbeats_that_no_dht_peer_stores_are_logged_once_and_the_recovery_too
     warnings = [r for r in caplog.records if "no DHT peer took our membership record" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     assert any("stored again after 5" in r.getMessage() for r in caplog.records)
+
+
+def test_each_membership_read_is_named_by_the_function_that_asked_for_it():
+    """``reader``: the read's caller for ``Swarm.traffic``'s ``reads_by`` counts (bench.upload's breakdown of a
+    round's reads): the first function outside the tracker's pass-through ``members`` and ``others``."""
+    from dilocox.daemon.progress import reader
+
+    callers = []
+
+    class Naming(_CountingSwarm):
+        def members(self, max_age_s: float = 1.0, caller: str = ""):
+            callers.append(caller)
+            return []
+
+    tracker = _tracker(Naming())
+
+    def round_start():
+        tracker.others(0.2)
+
+    def check_majority():
+        tracker.members()
+
+    round_start()
+    check_majority()
+    tracker.exchange_result_digests(1, "r1", {"QmCounting"}, timeout_s=0.0)
+    assert callers[:2] == [f"test_input_conflicts.{name}" for name in (
+        "test_each_membership_read_is_named_by_the_function_that_asked_for_it.<locals>.round_start",
+        "test_each_membership_read_is_named_by_the_function_that_asked_for_it.<locals>.check_majority")]
+    assert set(callers[2:]) == {"progress.ProgressTracker.collect_result_digests"}, callers
+    assert reader(depth=1) == "test_input_conflicts.test_each_membership_read_is_named_by_the_function_that_asked_" \
+                              "for_it"
