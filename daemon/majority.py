@@ -45,7 +45,9 @@ from dilocox.union import UnionError, unite
 logger = logging.getLogger(__name__)
 POLL_S = 0.25
 FRESH_S = 0.5  # the result-digest exchange's last read (moments before resolve) serves resolve's first poll: a
-# read of its own, 0.2-0.35 s later, was 0.7 of a node's 5.7 reads a round at 16 nodes (2026-12-03)
+# read of its own, 0.2-0.35 s later, was 0.7 of a node's 5.7 reads a round at 16 nodes (2026-12-03). The first poll
+# also takes that read when it is older (ProgressTracker.exchanged_at): with 32 nodes on 2 cores, or 25 M values
+# whose result this member offers first, the steps before it took longer, and it read again once a round
 FETCH_SHARE = 0.25  # of wait_s: the least time a union has to fetch the other groups' results
 STABLE_S = 1.0  # a union is decided once the groups seen stayed the same this long (records arrive late)
 ROSTER_SHARE = 0.25  # of wait_s: how long a member's record counts after reads stopped returning it
@@ -107,8 +109,10 @@ class MajorityUpdate:
         deadline = time.monotonic() + self.wait_s
         reason = ""
         seen, seen_since = None, 0.0  # the union's groups at the last poll, and since when unchanged
+        since = self.progress.exchanged_at(index)  # the first poll's read: the exchange's last
         while True:
-            others = [m for m in self._others(index, parent_digest) if m.peer_id not in group]
+            others = [m for m in self._others(index, parent_digest, since) if m.peer_id not in group]
+            since = None
             theta = applied_majority(others, index, len(group))
             if theta is not None:  # most of the swarm has applied round index already: take what they applied
                 update, why = self._fetch_applied(index, theta, parent_digest, others)
@@ -223,15 +227,16 @@ class MajorityUpdate:
                     len(chain))
         return chain, "", False
 
-    def _others(self, index: int, parent_digest: str) -> list:
+    def _others(self, index: int, parent_digest: str, since: Optional[float] = None) -> list:
         """The other members' records in round ``index``'s lineage: a fresh read merged with the roster
         (``_roster``), less the members whose record holds another theta at outer step index - 1. Their round
         continues another theta, so their results can be neither adopted nor united with ours (seen at 32 nodes:
         a union that named such a result sent all 9 members that chose it to re-sync); counting them would only
         make our lineage wait for them. Their lineage settles on its own, and the next round's start digests
-        send the smaller one to re-sync."""
+        send the smaller one to re-sync. ``since``: a read made at or after it serves, however old
+        (``ProgressTracker.exchanged_at``)."""
         now = time.monotonic()
-        for m in self.progress.others(FRESH_S):
+        for m in self.progress.others(FRESH_S, since=since):
             self._roster[m.peer_id] = (m, now)
         keep_s = ROSTER_SHARE * self.wait_s
         self._roster = {p: (m, t) for p, (m, t) in self._roster.items() if now - t <= keep_s}

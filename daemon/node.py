@@ -496,6 +496,7 @@ class Node:
             self._resync(f"round {r} needs the parameters of outer step {r - 1}", keep_round=True)
             if self.state.outer_step != r - 1:
                 return
+        checked_at = time.monotonic()
         lineage = None if self.staged else self._lineage(r - 1, alone=self._applied_alone_at == r - 1)
         if lineage is not None:  # a split round left us in a minority lineage of theta: join the prevailing one
             self._resync(f"round {r}: the live replicas' prevailing theta at outer step {r - 1} is {lineage} (a "
@@ -503,7 +504,9 @@ class Node:
             if self.state.outer_step != r - 1:
                 return
         self._set_state(State.AVERAGING)
-        started = self.rounds.start(pseudo_gradient, self.H - skip, compute_s, losses)
+        # the round's start may decide from the lineage check's read (nothing but our state change came between)
+        started = self.rounds.start(pseudo_gradient, self.H - skip, compute_s, losses,
+                                    read_since=checked_at if lineage is None and not self.staged else None)
         if isinstance(started, Finished):
             self._settle(started)
         elif self.cfg.overlap == "none":

@@ -52,6 +52,7 @@ class ProgressTracker:
         # waits that last seconds or more re-read at most once a second (pokes make changes visible at once)
         self.poll_s = min(1.0, announce_period_s)
         self._result = (0, "")  # (round, digest) of the last averaged pseudo-gradient we hold
+        self._exchanged: tuple[int, float] = (-1, 0.0)  # (round, monotonic time) of our last digest exchange
         self._inputs: Dict[str, str] = {}  # that round's contributions we used: peer_id -> payload digest
         self._union: List[str] = []  # that round's group results we propose to unite (daemon/majority.py)
         self._poke = threading.Event()
@@ -140,15 +141,26 @@ class ProgressTracker:
             if time.monotonic() - self._published_at >= self.announce_period_s:
                 return
 
-    def members(self, max_age_s: float = 1.0) -> List[MemberRecord]:
-        """Every live member of the run (ours included), from a DHT read at most ``max_age_s`` old. A read it
-        makes is counted under the function that asked (``Swarm.traffic``'s ``reads_by``; ``reader``)."""
-        return [m for m, _ in self.swarm.members(max_age_s, caller=reader())]
+    def members(self, max_age_s: float = 1.0, since: Optional[float] = None) -> List[MemberRecord]:
+        """Every live member of the run (ours included), from a DHT read at most ``max_age_s`` old or made at or
+        after ``since`` (``time.monotonic()``; ``Swarm.members``). A read it makes is counted under the function
+        that asked (``Swarm.traffic``'s ``reads_by``; ``reader``)."""
+        return [m for m, _ in self.swarm.members(max_age_s, caller=reader(), since=since)]
 
-    def others(self, max_age_s: float = 1.0) -> List[MemberRecord]:
-        """Other live members holding our stage (of other replicas): the ones we average with."""
-        return [m for m in self.members(max_age_s) if m.peer_id != self.peer_id
+    def others(self, max_age_s: float = 1.0, since: Optional[float] = None) -> List[MemberRecord]:
+        """Other live members holding our stage (of other replicas): the ones we average with (``members``)."""
+        return [m for m in self.members(max_age_s, since) if m.peer_id != self.peer_id
                 and m.stage_index == self.stage_index and m.num_stages == self.num_stages]
+
+    def exchanged_at(self, result_step: int) -> Optional[float]:
+        """``time.monotonic()`` when the result-digest exchange of round ``result_step`` began reading (after our
+        publish), None if our last exchange was of another round. The decisions that follow an exchange (the
+        inputs check, the verdict's look at the unreported, the majority's first poll) pass it as ``since`` and
+        share the exchange's last read: each asked for one at most 0.2-0.5 s old, and with 32 nodes on 2 cores the
+        steps between them took longer, so each made a read of its own (``reads_by`` at 32 nodes: 1.8 a
+        node-round for the three)."""
+        step, at = self._exchanged
+        return at if step == result_step else None
 
     def admitted(self, peer_id: str) -> Optional[str]:
         """None if ``peer_id`` has a counted membership record (certified, unrevoked, signed by its own key:
@@ -169,6 +181,7 @@ class ProgressTracker:
         # publish found some of their digests and not all in nearly every round, and the next read found the rest
         pause = max(0.0, min(DIGEST_POLL_S[0], timeout_s))
         time.sleep(pause)
+        self._exchanged = (result_step, time.monotonic())
         return self.collect_result_digests(result_step, peers, max(0.0, timeout_s - pause), skip_expired=True)
 
     def collect_result_digests(self, result_step: int, peers: set[str], timeout_s: float,
@@ -213,7 +226,8 @@ class ProgressTracker:
         contributions, and a lie there must not make every round wait."""
         ours = inputs_digest(inputs)
         our_result = self._result[1] if self._result[0] == result_step else None
-        differing = {m.peer_id for m in self.others(max_age_s=0.2) if m.result_step == result_step
+        differing = {m.peer_id for m in self.others(max_age_s=0.2, since=self.exchanged_at(result_step))
+                     if m.result_step == result_step
                      and m.inputs_digest and m.inputs_digest != ours and m.result_digest != our_result}
         if not differing or not inputs:
             return {}

@@ -244,11 +244,14 @@ class OuterRounds:
 
     # ------------------------------------------------------------------ starting
     def start(self, pseudo_gradient: list[torch.Tensor], weight: int, compute_s: float,
-              losses: list[float]) -> Union[PendingRound, Finished]:
+              losses: list[float], read_since: Optional[float] = None) -> Union[PendingRound, Finished]:
         """Send round ``state.round``'s pseudo-gradient (``weight``: inner steps it covers) into the
-        all-reduce, or make it a solo round; Finished(RESYNC) if others already applied the round."""
+        all-reduce, or make it a solo round; Finished(RESYNC) if others already applied the round.
+        ``read_since``: a read of the membership records made at or after this ``time.monotonic()`` value serves
+        the decision however old (the node's lineage check moments before: with 32 nodes on 2 cores the steps
+        between took longer than FRESH_S, and the start read again, about once a round); else one FRESH_S old."""
         r, started = self.state.round, time.monotonic()
-        action = round_start_action(self.progress.others(FRESH_S), r, self.delayed)
+        action = round_start_action(self.progress.others(FRESH_S, since=read_since), r, self.delayed)
         early, self.early = self.early, None
         if action == StartAction.ALREADY_DONE:
             self._cancel(early)
@@ -567,7 +570,9 @@ class OuterRounds:
                 return Checked(RoundOutcome.CANCELLED)
             verdict = judge_result(result_digest, results, members=len(starts))
         self._exclude_equivocators(p.index, result.inputs)
-        unreported = [m for m in self.progress.others(FRESH_S) if m.peer_id not in results]
+        # the exchange's last read serves (progress.exchanged_at), however long the steps since took
+        unreported = [m for m in self.progress.others(FRESH_S, since=self.progress.exchanged_at(p.index))
+                      if m.peer_id not in results]
         if verdict == Verdict.SKIP and failure_action(unreported, p.index) == Verdict.RESYNC:
             # our group fell apart (e.g. two late members matched each other, and one left for a re-sync), or
             # a group-mate consumed the round without a report we saw, while others applied it: skipping would

@@ -565,16 +565,18 @@ class Swarm:
                 return found
         return self.dht.get(key, latest=True, beam_size=MEMBER_READ_BEAM, num_workers=MEMBER_READ_BEAM)
 
-    def members(self, max_age_s: float = 1.0, caller: str = "") -> List[tuple[MemberRecord, float]]:
+    def members(self, max_age_s: float = 1.0, caller: str = "",
+                since: Optional[float] = None) -> List[tuple[MemberRecord, float]]:
         """Live members (ours included) with seconds until their record expires; invalid records are skipped.
 
         A read asks one of the MEMBER_REPLICAS DHT peers nearest the key in turn (``_read_dictionary``) for every
         record of the run (about 0.4 KB each, signatures included), so reads are shared: one made less than
-        ``max_age_s`` seconds ago is reused. ``caller`` names who asked: a read it makes is also counted under
-        ``reads_by:{caller}`` in ``traffic()``."""
+        ``max_age_s`` seconds ago is reused, and so is one made at or after ``since`` (a ``time.monotonic()``
+        value: a read made after some event, however long ago). ``caller`` names who asked: a read it makes is
+        also counted under ``reads_by:{caller}`` in ``traffic()``."""
         with self._lock:
             now_m = time.monotonic()
-            if now_m - self._read_at >= max_age_s:
+            if now_m - self._read_at >= max_age_s and (since is None or self._read_at < since):
                 found = self._read_dictionary(self.key)
                 self._read_at = now_m
                 self._traffic["reads"] += 1

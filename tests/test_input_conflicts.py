@@ -115,7 +115,7 @@ class _CountingSwarm:
         self.published += 1
         return True
 
-    def members(self, max_age_s: float = 1.0, caller: str = ""):
+    def members(self, max_age_s: float = 1.0, caller: str = "", since=None):
         return []
 
 
@@ -148,7 +148,7 @@ class _GroupSwarm(_CountingSwarm):
         self.at = min(self.at, time.monotonic())
         return super().publish(record)
 
-    def members(self, max_age_s: float = 1.0, caller: str = ""):
+    def members(self, max_age_s: float = 1.0, caller: str = "", since=None):
         self.reads += 1
         done = time.monotonic() >= self.at + self.late_s  # before: its live record of the round before
         mate = MemberRecord(peer_id="QmMate", run_id="eq", state="AVERAGING", outer_step=0, round=1, inner_step=4,
@@ -203,7 +203,7 @@ def test_each_membership_read_is_named_by_the_function_that_asked_for_it():
     callers = []
 
     class Naming(_CountingSwarm):
-        def members(self, max_age_s: float = 1.0, caller: str = ""):
+        def members(self, max_age_s: float = 1.0, caller: str = "", since=None):
             callers.append(caller)
             return []
 
@@ -224,3 +224,36 @@ def test_each_membership_read_is_named_by_the_function_that_asked_for_it():
     assert set(callers[2:]) == {"progress.ProgressTracker.collect_result_digests"}, callers
     assert reader(depth=1) == "test_input_conflicts.test_each_membership_read_is_named_by_the_function_that_asked_" \
                               "for_it"
+
+
+class _ReusingSwarm(_GroupSwarm):
+    """``_GroupSwarm`` whose reads are shared as ``Swarm.members`` shares them: one less than ``max_age_s`` old or
+    made at or after ``since`` serves; counts the reads made."""
+
+    def __init__(self, late_s: float):
+        super().__init__(late_s)
+        self.read_at, self.made = -float("inf"), 0
+
+    def members(self, max_age_s: float = 1.0, caller: str = "", since=None):
+        now = time.monotonic()
+        if now - self.read_at >= max_age_s and (since is None or self.read_at < since):
+            self.read_at, self.made = now, self.made + 1
+        return super().members(max_age_s, caller)
+
+
+def test_the_checks_after_a_digest_exchange_share_its_last_read_however_long_the_steps_between_take():
+    """With 32 nodes on 2 cores the steps between the exchange and the inputs check took longer than the check's
+    0.2 s, and it read again (0.6 reads a node-round, bench.upload's ``reads_by``): it now takes the exchange's
+    last read (``exchanged_at``), and a read made before the exchange never serves."""
+    swarm = _ReusingSwarm(late_s=0.0)
+    tracker = _tracker(swarm)
+    assert tracker.exchanged_at(1) is None
+    tracker.others(0.2)  # a read before the exchange: it must not serve the checks after it
+    began = time.monotonic()
+    assert tracker.exchange_result_digests(1, "r1", {"QmCounting", "QmMate"}, timeout_s=5.0) == {
+        "QmCounting": "r1", "QmMate": "r1"}
+    assert swarm.made == 2 and tracker.exchanged_at(1) >= began and tracker.exchanged_at(2) is None
+    time.sleep(0.3)  # a busy machine: more than the 0.2 s the check asks for
+    assert tracker.input_conflicts(1, {"QmOther": "d1"}, timeout_s=0.0) == {}
+    assert tracker.others(0.2, since=tracker.exchanged_at(1)) and swarm.made == 2
+    assert tracker.others(0.2) and swarm.made == 3  # without ``since``: a read of its own

@@ -110,6 +110,13 @@ def test_a_publish_and_a_read_ask_a_few_dht_peers_and_the_read_finds_the_record(
             hits[:] = [0] * len(hits)
             seen.append({r.peer_id for r, _ in b.members(max_age_s=0.0)})
             read_asked.append(sum(h > 0 for h in hits))
+        # ``since``: a read made at or after it serves, however old; an older one does not. Counted by caller
+        mark, reads = time.monotonic(), b.traffic()["reads"]
+        for pause in (0.0, 0.0, 0.3):  # the last read is older than the mark: one read, then the same one serves
+            time.sleep(pause)
+            b.members(max_age_s=0.0, since=mark, caller="test.since")
+        b.members(max_age_s=0.0, caller="test.plain")  # without ``since`` a read of its own
+        since_reads = (b.traffic()["reads"] - reads, b.traffic().get("reads_by:test.since"))
         # a publish soon after goes straight to the nearest peers (peers/nearstore.py): no find at all
         hits[:], stores[:] = [0] * len(hits), [0] * len(stores)
         assert a.publish(_record(a, outer_step=4))
@@ -127,6 +134,7 @@ def test_a_publish_and_a_read_ask_a_few_dht_peers_and_the_read_finds_the_record(
         for s in swarms:
             s.shutdown()
     assert seen == [{a.peer_id, b.peer_id}] * 2
+    assert since_reads == (2, 1)
     assert direct_asked == 0, hits
     assert 1 <= direct_stored <= MEMBER_REPLICAS, stores
     assert steps == {a.peer_id: 4, b.peer_id: 3}

@@ -29,8 +29,11 @@ class FakeProgress:
     def __init__(self, others=(), results=None):
         self._others, self.results = list(others), results
 
-    def others(self, max_age_s: float = 1.0):
+    def others(self, max_age_s: float = 1.0, since=None):
         return self._others
+
+    def exchanged_at(self, result_step):
+        return None
 
     def exchange_result_digests(self, result_step, digest, peers, timeout_s, inputs=None):
         self.published = digest  # our report, as ProgressTracker publishes it
@@ -815,3 +818,32 @@ def test_the_reduce_scatters_leavers_are_the_members_whose_records_say_they_left
     awaited = {"p3", "drain", "stop", "sync", "crashed"}
     assert gone(awaited) == {"drain", "stop", "crashed"} and gone({"p3", "sync"}) == set()
     assert progress.ages == [3.0, 12.0], progress.ages
+
+
+def test_the_majoritys_first_poll_takes_the_digest_exchanges_read_and_later_polls_read_afresh():
+    """``MajorityUpdate.resolve``'s first look at the other groups is the exchange's last read however long the
+    steps before it took (offering our result first, 32 nodes on 2 cores: it read again about once a round);
+    the polls after it read at most FRESH_S old records, as before."""
+    from dilocox.daemon.majority import FRESH_S, MajorityUpdate
+
+    class Polled(FakeProgress):
+        def __init__(self, others):
+            super().__init__(others)
+            self.asked = []
+
+        def others(self, max_age_s: float = 1.0, since=None):
+            self.asked.append((max_age_s, since))
+            return self._others
+
+        def exchanged_at(self, result_step):
+            return 123.5 if result_step == 4 else None
+
+    # three members of round 4 outside our group of 2 that have not reported: no majority yet, so the group
+    # waits, polling, until cancelled
+    pending = [Peer(f"p{i}", state="AVERAGING", outer_step=3, round=4, global_params_digest="ab") for i in range(3)]
+    progress, polls = Polled(pending), []
+    majority = MajorityUpdate(progress, fetch=lambda peers, step: None, delayed=False, wait_s=30.0,
+                              cancelled=lambda: polls.append(1) or len(polls) > 2)
+    majority.resolve(4, {"me", "q"}, holders=2, parent_digest="ab")
+    assert progress.asked[0] == (FRESH_S, 123.5)
+    assert len(progress.asked) >= 2 and all(asked == (FRESH_S, None) for asked in progress.asked[1:])
