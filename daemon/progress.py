@@ -9,8 +9,8 @@ digest, which it also collects from the other members of a group (docs/protocol.
 
 from __future__ import annotations
 
+import inspect
 import logging
-import sys
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -23,10 +23,12 @@ UNSTORED_BEATS = 3  # heartbeats in a row whose record no DHT peer took before t
 
 
 def reader(depth: int = 2) -> str:
-    """``module.function`` of the first caller outside this module's ``members`` and ``others`` (which pass
-    reads through), for counting membership reads by caller: the breakdown of a round's reads that bench.upload
-    reports. Looks at stack frames (CPython's ``sys._getframe``, as ``logging`` does), only when asked."""
-    frame = sys._getframe(depth)
+    """``module.function`` of the first caller ``depth`` frames up or beyond that is not this module's ``members``
+    or ``others`` (which pass reads through), for counting membership reads by caller: the breakdown of a round's
+    reads that bench.upload reports. Walks the stack from ``inspect.currentframe()``, only when asked."""
+    frame = inspect.currentframe()
+    for _ in range(depth):
+        frame = frame.f_back if frame is not None else None
     while frame is not None and frame.f_globals.get("__name__") == __name__ and \
             frame.f_code.co_name in ("members", "others"):
         frame = frame.f_back
