@@ -145,7 +145,7 @@ def main(argv=None) -> None:
                 print(f"{r['values']:>11,} {r['threads']:>2} thr {r['op']:>25} k={r['k']:<2} "
                       f"{r['ns_per_value']:7.2f} ns/value (min {r['min']:.2f}, max {r['max']:.2f})  "
                       f"peak +{r['peak_extra_bytes_per_value']:.1f} B/value", flush=True)
-    a.out.parent.mkdir(parents=True, exist_ok=True)  # no bench.localswarm: it imports the gRPC stubs
+    a.out.parent.mkdir(parents=True, exist_ok=True)  # no tests.harness.localswarm: it imports the gRPC stubs
     a.out.write_text(json.dumps(dict(config=vars(cfg), norm_bound=2.0, checked_up_to=a.check_values, rows=rows),
                                 indent=1))
     print(f"wrote {a.out}")

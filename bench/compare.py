@@ -1,6 +1,6 @@
 """``make bench``: vanilla AllReduce vs DiLoCo vs DiLoCoX on shaped links.
 
-Two hosts in network namespaces (bench/netsim.py), both directions of each link limited with tbf
+Two hosts in network namespaces (tests/harness/netsim.py), both directions of each link limited with tbf
 to 10, 100 and 1000 Mbit/s. On the same data, model (``small`` preset), lr schedule and token
 budget per replica (outer_steps x H inner steps of batch x seq tokens):
   (a) ddp        torch DDP over gloo, all-reduce every step (bench/ddp.py)
@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 
 from bench.control import rx_bytes, tx_bytes
-from bench.localswarm import REPO, LocalNode, node_env
-from bench.netsim import NetSim
+from tests.harness.localswarm import REPO, LocalNode, node_env
+from tests.harness.netsim import NetSim
 
 VARIANTS = {
     "b_diloco_fp32": ["--overlap", "none", "--compression", "none"],
@@ -78,7 +78,7 @@ def run_swarm(net: NetSim, args, name: str, extra: list[str], out: Path, nodes: 
               workload: str = "", forked: bool = False) -> dict:
     """One swarm of ``nodes`` real dilocox-node processes, host i in namespace i, until max_outer_steps.
     ``workload``: an emulated one (--workload synthetic:PARAMS:STEP_S) instead of the ``small`` model.
-    ``forked``: the nodes are forked from one shared image (bench/forked.py) into their namespaces instead of
+    ``forked``: the nodes are forked from one shared image (tests/harness/forked.py) into their namespaces instead of
     each started as an interpreter under ``ip netns exec`` (same daemon and bytes, a fraction of the memory).
     Returns utilization, bytes on the hosts' interfaces (tx and rx, per node and round), the median time
     of each round phase (PHASES), the delay overlapped rounds ran with, and each node's peak memory."""

@@ -1,6 +1,6 @@
 """``make bench-control``: control-plane traffic of idle nodes, on the interface counters.
 
-N hosts in network namespaces (bench/netsim.py) each run a real ``dilocox-node`` that joins the
+N hosts in network namespaces (tests/harness/netsim.py) each run a real ``dilocox-node`` that joins the
 swarm and trains a round so long (``--inner-steps`` 10^6) that none ends during the measurement:
 every byte its interface sends is control traffic (membership records, DHT reads and maintenance,
 state declarations of its averagers, libp2p keep-alives), none is a pseudo-gradient. Measured per
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.localswarm import REPO, LocalNode
-from bench.netsim import NetSim
+from tests.harness.localswarm import REPO, LocalNode
+from tests.harness.netsim import NetSim
 
 CONFIGS = {
     "adaptive": ["--compression", "adaptive"],  # one averager per rank of the ladder (8, 4, 2, 1)

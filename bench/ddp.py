@@ -1,7 +1,7 @@
 """Baseline (a) of ``make bench``: data-parallel training with an all-reduce every step.
 
 The paper's "vanilla AllReduce": torch DistributedDataParallel over gloo, one process per host
-(run inside bench/netsim.py namespaces), the same model, data shards, AdamW schedule and batch as
+(run inside tests/harness/netsim.py namespaces), the same model, data shards, AdamW schedule and batch as
 a dilocox replica, so tokens per replica and validation loss compare at equal tokens.
 Prints one JSON line: steps, tokens (per replica), wall_s, compute_s_per_step (forward+backward
 measured under ``no_sync`` on calibration batches, plus the optimizer step), val_loss, losses.

@@ -1,6 +1,6 @@
 """The deadlines nodes choose from their measurements, at 1000, 100 and 10 Mbit/s.
 
-Three public nodes on tbf-shaped links (bench/netsim.py) train a model 4x the tiny preset with the
+Three public nodes on tbf-shaped links (tests/harness/netsim.py) train a model 4x the tiny preset with the
 default sparse rounds and default timeouts; per rate it reports the deadlines the nodes chose after
 measuring (peers/deadlines.py: downloads, matchmaking, group wait), their measured rate, and the
 rounds each node applied in a full group or lost. ``--fixed`` also runs each rate with
@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.localswarm import LocalNode, wait_all, write_json
-from bench.netsim import NetSim
+from tests.harness.localswarm import LocalNode, wait_all, write_json
+from tests.harness.netsim import NetSim
 
 MODEL_4X_TINY = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
                      seq_len=64, batch_size=8)

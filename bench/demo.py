@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from bench.localswarm import REPO, leave_all, start_swarm, summarize
+from tests.harness.localswarm import REPO, leave_all, start_swarm, summarize
 
 DEMO_ARGS = ["--model", "small", "--data", "builtin:shakespeare", "--inner-steps", "30",
              "--inner-lr", "2e-3", "--warmup-steps", "30", "--total-steps", "600",

@@ -26,7 +26,7 @@ runs two more rounds. Counted over all trials:
   goes on).
 Results: runs/bench/faults.json (``--out``, rewritten after every trial, so a run cut short keeps what
 it measured), with each trial's timeline (events and every node's rounds), and beside it a PNG of the
-trial with the most events (bench/timeline.py).
+trial with the most events (tests/harness/timeline.py).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from typing import Optional
 
 import grpc
 
-from bench.localswarm import LocalNode, group_applied
-from bench.netsim import NetSim
-from bench.timeline import plot_timeline
+from tests.harness.localswarm import LocalNode, group_applied
+from tests.harness.netsim import NetSim
+from tests.harness.timeline import plot_timeline
 
 LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0"]
 ARGS = ["--model", "tiny",
@@ -133,7 +133,7 @@ class Watch:
 
 class Hosts:
     """Where a trial's nodes run: all on loopback (``net`` None), or each on a host of its own in network
-    namespaces (bench/netsim.py): the first ``public`` hosts reachable, the rest behind NAT routers. A node
+    namespaces (tests/harness/netsim.py): the first ``public`` hosts reachable, the rest behind NAT routers. A node
     keeps its host when it restarts; a NAT'd one runs with --client-mode. Status goes over a unix socket
     in the node's directory, which the harness reaches from any namespace."""
 
@@ -301,7 +301,7 @@ def round_deadline_s(row: dict) -> float:
 
 
 def _timeline(watch: Watch, log, started: float) -> dict:
-    """The trial for bench/timeline.py: events and every node's rounds (time, outer step, group, outcome)."""
+    """The trial for tests/harness/timeline.py: events and every node's rounds (time, outer step, group, outcome)."""
     rounds = {}
     for n in {n.workdir: n for n in watch.nodes}.values():  # a restarted node's two lives share one file
         rounds[n.name] = [[round(r["time"], 1), r["outer_step"], r["group_size"], r["outcome"]] for r in n.metrics()]

@@ -1,4 +1,4 @@
-"""Volunteers behind NATs: one public node and NAT'd nodes behind routers of their own (bench/netsim.py).
+"""Volunteers behind NATs: one public node and NAT'd nodes behind routers of their own (tests/harness/netsim.py).
 
 The NAT'd nodes reach the public node, not each other, so the all-gather must relay between them
 (peers/allgather.py) and nobody may pick them as a state donor. ``run`` starts the public node,
@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.localswarm import LocalNode, steps_of, wait_all, write_json
-from bench.netsim import NetSim
+from tests.harness.localswarm import LocalNode, steps_of, wait_all, write_json
+from tests.harness.netsim import NetSim
 
 ARGS = ["--status-addr", "127.0.0.1:0", "--run-id", "nat", "--model", "tiny", "--inner-steps", "10",
         "--announce-period", "1", "--warmup-steps", "5", "--total-steps", "4000", "--eval-batches", "1",

@@ -9,7 +9,7 @@ and prints their busiest frames. No quality is claimed from it.
 
 Output: a table of CPU cores per node (median over nodes, and the sum over the swarm), PSS and private memory
 per process kind, plus the rounds' outcomes and median duration; JSON to ``--out``. ``--launch forked`` forks the
-nodes from one shared image (bench/forked.py) and adds the forkserver's PSS, shared equally, as "image share".
+nodes from one shared image (tests/harness/forked.py) and adds the forkserver's PSS, shared equally, as "image share".
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pathlib import Path
 import psutil
 
 from bench.compare import _pss, _rollup, _tree
-from bench.forked import image_holders
-from bench.localswarm import JOINT, LocalNode, wait_all
 from bench.swarm_size import BASE, stop_all
+from tests.harness.forked import image_holders
+from tests.harness.localswarm import JOINT, LocalNode, wait_all
 
 IDLE_FRAMES = ("_watchdog", "DHT.run", "select", "socket.accept", "Connection._recv", "sleep")
 
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
                    "docs/operations.md's table used")
     p.add_argument("--profile", action="store_true", help="py-spy node n01's main and DHT processes")
     p.add_argument("--launch", choices=("interpreter", "forked"), default="interpreter",
-                   help="forked: every node forked from one shared image (bench/forked.py)")
+                   help="forked: every node forked from one shared image (tests/harness/forked.py)")
     p.add_argument("--out", type=Path, default=Path("runs/bench/node-cpu"))
     a = p.parse_args(argv)
     args = BASE + ["--workload", a.workload, "--inner-steps", str(a.inner_steps), "--run-id", "cpu",

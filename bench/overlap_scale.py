@@ -5,9 +5,9 @@ step sleeps STEP_S seconds and writes a deterministic dense update, so the spars
 robust aggregation, the outer step and the digests run at the true sizes of 25 M to 250 M parameter models
 on 2 cores. Compute is emulated (sleep): utilization and round phases are real, quality is not measured.
 
-Hosts live in network namespaces (bench/netsim.py) joined by links of 10, 100 and 1000 Mbit/s each way with
+Hosts live in network namespaces (tests/harness/netsim.py) joined by links of 10, 100 and 1000 Mbit/s each way with
 50 ms of one-way delay and +-10 ms jitter on every host's egress (100 ms RTT; a userspace delay line,
-bench/delayline.py, as this kernel has no netem). Per configuration (PARAMS, nodes) and rate, two runs of the
+tests/harness/delayline.py, as this kernel has no netem). Per configuration (PARAMS, nodes) and rate, two runs of the
 daemon's defaults: ``sync`` (--overlap none) and ``adaptive`` (--overlap adaptive). Reported per run, from the
 nodes' metrics.jsonl and the interfaces' counters: compute utilization, seconds per round, bytes sent and
 received per node and round, the median time of each round phase (encode, group = matchmaking and metadata,
@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 from bench.compare import PHASES, run_swarm
-from bench.localswarm import REPO
-from bench.netsim import NetSim
 from dilocox.synthetic import parse_spec
+from tests.harness.localswarm import REPO
+from tests.harness.netsim import NetSim
 
 MODES = {"sync": ["--overlap", "none"], "adaptive": ["--overlap", "adaptive"]}
 

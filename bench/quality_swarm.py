@@ -1,6 +1,6 @@
 """``make bench-quality-swarm``: one curve of ``make bench-quality`` confirmed with a real swarm.
 
-R real ``dilocox-node`` processes on loopback (bench/localswarm.py) train with the default
+R real ``dilocox-node`` processes on loopback (tests/harness/localswarm.py) train with the default
 configuration, replica r with ``--seed SEED --data-seed r``, for a shorter horizon; the in-process
 simulation (bench/quality.py) runs the same method, seed, replicas, H and schedule. Both record the
 validation loss of theta after each outer step on the same held-out batches, so the two curves
@@ -20,7 +20,7 @@ import signal
 from pathlib import Path
 
 from bench import quality
-from bench.localswarm import REPO, LocalNode, leave_all
+from tests.harness.localswarm import REPO, LocalNode, leave_all
 
 FAST = ["--model", "tiny", "--request-timeout", "1", "--matchmaking-time", "2", "--averaging-timeout", "10",
         "--outer-round-deadline", "40", "--announce-period", "1"]

@@ -38,9 +38,9 @@ import torch
 from dilocox.peers.averaging import RoundFailed
 from dilocox.peers.reducescatter import exchange_shared
 
-from bench.localswarm import peers_on_loopback
 from dilocox.shared_index import ReducerFeedback, SharedIndexConfig, SharedIndexMember
 from dilocox.sparse import SparseCodec, SparseConfig
+from tests.harness.localswarm import peers_on_loopback
 
 OUT = Path("runs/bench")
 DEFAULT = SparseConfig(topk=128, bits=2, beta=0.9, rice=True)  # the daemon's contribution

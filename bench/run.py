@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from bench.localswarm import REPO, leave_all, start_swarm, summarize
+from tests.harness.localswarm import REPO, leave_all, start_swarm, summarize
 
 BENCH_ARGS = ["--model", "small", "--inner-steps", "20", "--inner-lr", "2e-3", "--warmup-steps", "20",
               "--total-steps", "400", "--request-timeout", "2", "--matchmaking-time", "4",

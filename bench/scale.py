@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from bench.compare import PeakMemory
-from bench.localswarm import REPO, LocalNode, leave_all, write_json
+from tests.harness.localswarm import REPO, LocalNode, leave_all, write_json
 
 PARTS = ("swarm", "precision", "150m", "1b", "corpus")
 

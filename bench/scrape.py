@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.localswarm import REPO, LocalNode, leave_all
+from tests.harness.localswarm import REPO, LocalNode, leave_all
 
 ARGS = ["--model", "tiny", "--inner-steps", "50", "--warmup-steps", "5", "--min-replicas", "1",
         "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0",

@@ -1,6 +1,6 @@
 """A joiner whose state download is slower than a round (daemon/transfer.py, dilocox/catchup.py).
 
-Three public nodes on tbf-shaped links (bench/netsim.py) train a model 4x the tiny preset with the
+Three public nodes on tbf-shaped links (tests/harness/netsim.py) train a model 4x the tiny preset with the
 default sparse rounds. Two start together on 100 Mbit/s links; once they have averaged a few rounds
 a third joins on a slower link, with ``--client-mode`` (a slow DHT member stalls everyone's DHT
 requests while its link is full: docs/operations.md). At 2 Mbit/s its state download (theta +
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Sequence
 
 from bench.deadlines import MODEL_4X_TINY
-from bench.localswarm import LocalNode, steps_of, wait_all, write_json
-from bench.netsim import NetSim
+from tests.harness.localswarm import LocalNode, steps_of, wait_all, write_json
+from tests.harness.netsim import NetSim
 
 # timeouts a 2-core machine keeps with three nodes, one of them starting (1 s request timeouts are missed there)
 ARGS = ["--status-addr", "127.0.0.1:0", "--run-id", "slowjoin", "--inner-steps", "60", "--announce-period", "1",

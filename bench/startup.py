@@ -27,9 +27,9 @@ from pathlib import Path
 import psutil
 from dilocox.peers.identity import load_or_create_identity
 
-from bench.localswarm import LocalNode
 from bench.node_cpu import processes
 from bench.swarm_size import BASE, log_time
+from tests.harness.localswarm import LocalNode
 
 MARKS = {"dht": "joined DHT", "syncing": "-> SYNCING", "training": "-> TRAINING"}
 

@@ -23,7 +23,7 @@ metrics.jsonl and /proc it reports:
 - **bytes** sent and received per node and round (the transport's counters, medians);
 - **memory**: PSS of each node's process tree (main process, DHT, averagers, p2pd), sampled every
   10 s; the median over nodes of each node's largest sample. With ``--launch forked`` (the default) the nodes
-  are forked from one image that holds torch, hivemind and the daemon (bench/forked.py); each sample then adds
+  are forked from one image that holds torch, hivemind and the daemon (tests/harness/forked.py); each sample then adds
   an equal share of that forkserver's own PSS, so the per-node figures sum to the machine's total.
   ``--launch interpreter`` starts each node as its own ``python -m dilocox.daemon.cli``, as a volunteer does.
 
@@ -46,8 +46,8 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.compare import _pss, _tree
-from bench.forked import image_holders
-from bench.localswarm import JOINT, LocalNode, wait_all
+from tests.harness.forked import image_holders
+from tests.harness.localswarm import JOINT, LocalNode, wait_all
 
 # the daemon's default announce period (5 s): at 32 nodes on 2 cores, records with the 6 s lifetime of a 2 s period
 # expired before their late re-publication, and nodes waiting for all 32 to be live never saw them at once
@@ -57,7 +57,7 @@ BASE = ["--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0",
 
 class MemorySampler:
     """Every ``period_s``: the PSS of each watched node's process tree, plus an equal share of the PSS of the
-    processes the live nodes were forked from (bench/forked.py; none for nodes started as interpreters);
+    processes the live nodes were forked from (tests/harness/forked.py; none for nodes started as interpreters);
     ``stop()`` returns each node's largest sample by name."""
 
     def __init__(self, period_s: float = 10.0):
@@ -292,7 +292,7 @@ def default_payload_bytes(workload: str) -> int:
 
 
 def table(results: list[dict], a) -> str:
-    launch = ("nodes forked from one shared image (bench/forked.py)" if a.launch == "forked"
+    launch = ("nodes forked from one shared image (tests/harness/forked.py)" if a.launch == "forked"
               else "each node its own interpreter")
     lines = [f"EMULATED workload ({a.workload}, H = {a.inner_steps}, compute is a sleep); loopback, 2 cores; "
              f"{a.churn} {'crashes (SIGKILL)' if a.leave_signal == 'KILL' else 'leaves'} "

@@ -1,6 +1,6 @@
 """``make bench-traffic``: what a node sends in each round, on the interface counters, against time.
 
-Two hosts in network namespaces (bench/netsim.py) at ``--rate`` Mbit/s run real ``dilocox-node``s
+Two hosts in network namespaces (tests/harness/netsim.py) at ``--rate`` Mbit/s run real ``dilocox-node``s
 with the default sparse rounds (the ``small`` model, H = 50, as ``make bench``) for ``--rounds``
 outer steps. The harness reads both hosts' tx counters from sysfs every ``--interval`` seconds and
 each node's round ends from its ``metrics.jsonl``. Per node and round it reports the bytes sent
@@ -28,8 +28,8 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.control import tx_bytes
-from bench.localswarm import REPO, LocalNode
-from bench.netsim import NetSim
+from tests.harness.localswarm import REPO, LocalNode
+from tests.harness.netsim import NetSim
 
 AVERAGING = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*state TRAINING -> AVERAGING")
 

@@ -1,7 +1,7 @@
 """``make bench-upload``: a node's upload per round on its network interface, all-gather against reduce-scatter,
 on an EMULATED workload.
 
-k hosts in network namespaces (bench/netsim.py) joined at ``--rate`` Mbit/s each way run real ``dilocox-node``
+k hosts in network namespaces (tests/harness/netsim.py) joined at ``--rate`` Mbit/s each way run real ``dilocox-node``
 processes on ``--workload synthetic:PARAMS:STEP_S`` (sleep-based compute: true payload sizes, no quality) for
 ``--outer-steps`` rounds, started together, once per scheme:
 
@@ -19,7 +19,7 @@ the first) and whether every node ended with one theta.
 
     python -m bench.upload --nodes 8 16 --outer-steps 5
 
-Nodes are forked from one shared image into their namespaces (``--launch forked``, bench/forked.py: the same
+Nodes are forked from one shared image into their namespaces (``--launch forked``, tests/harness/forked.py: the same
 daemon, so the same bytes; a fraction of the memory, which lets 32 hosts fit in 24 GB) or started as
 one interpreter each under ``ip netns exec`` (``--launch interpreter``, the runs before 2026-12-01).
 
@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 
 from bench.compare import run_swarm
-from bench.localswarm import REPO
-from bench.netsim import NetSim
 from bench.swarm_size import default_payload_bytes
+from tests.harness.localswarm import REPO
+from tests.harness.netsim import NetSim
 
 SCHEMES = {"sparse": ["--compression", "sparse"], "shared": ["--compression", "shared"]}
 
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--inner-steps", type=int, default=20)
     p.add_argument("--outer-steps", type=int, default=5)
     p.add_argument("--launch", choices=("forked", "interpreter"), default="forked",
-                   help="forked: every node forked from one shared image into its namespace (bench/forked.py)")
+                   help="forked: every node forked from one shared image into its namespace (tests/harness/forked.py)")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench")
     p.add_argument("--plot-from", type=Path, nargs="+", metavar="UPLOAD_JSON",
                    help="run nothing: one table and PNG under --out from the rows of earlier runs' upload.json")

@@ -1,4 +1,4 @@
-"""Test settings for real dilocox-node processes on loopback (launcher: bench/localswarm.py)."""
+"""Test settings for real dilocox-node processes on loopback (launcher: tests/harness/localswarm.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.localswarm import LocalNode, digests_by_step, node_env, peers_on_loopback  # noqa: F401 (re-exported)
+from tests.harness.localswarm import LocalNode, digests_by_step, node_env, peers_on_loopback  # noqa: F401 (re-exported)
 
 # Seconds-scale timeouts and a tiny model so a round takes ~2 s (matchmaking window dominates).
 FAST = ["--model", "tiny", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0",

@@ -12,7 +12,7 @@ import time
 import pytest
 from dilocox.daemon import ctl
 
-from bench.localswarm import REPO, node_env
+from tests.harness.localswarm import REPO, node_env
 from tests.helpers import FAST, digests_by_step, start
 
 pytestmark = pytest.mark.integration

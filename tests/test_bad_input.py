@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.forked import ForkedProcess
+from tests.harness.forked import ForkedProcess
 from tests.helpers import FAST, LocalNode, node_env, start
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_node(args, env_extra=None, timeout=90):
     """(exit code, stderr, seconds) of ``dilocox-node ARGS``: the daemon's own ``node_main`` in a process forked
-    from the shared image (bench/forked.py), as a fresh interpreter would run it minus the imports (5-8 s a case
+    from the shared image (tests/harness/forked.py), as a fresh interpreter would run it minus the imports (5-8 s a case
     on 2 cores, most of this file's time when each case was its own interpreter)."""
     env = node_env()
     env.update(env_extra or {})

@@ -275,7 +275,7 @@ def test_a_node_joining_a_busy_swarm_keeps_trying_and_every_stop_path_ends_it(tm
     """dilocox-node processes against a frozen bootstrap peer: one started with --sync-deadline gives up with
     the reason (exit 1), one asked to leave while retrying exits 0 at once, and one left alone gets in and
     trains once the peer answers; none of them leaves a process behind."""
-    from bench.localswarm import LocalNode
+    from tests.harness.localswarm import LocalNode
     from tests.helpers import FAST, dht_process, thaw
 
     boot = LocalNode("boot", tmp_path / "boot", FAST + ["--run-id", "bt"]).wait_started()

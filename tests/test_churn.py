@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bench.localswarm import LocalNode, group_applied
+from tests.harness.localswarm import LocalNode, group_applied
 from tests.helpers import FAST, start
 
 pytestmark = [pytest.mark.integration, pytest.mark.swarm]

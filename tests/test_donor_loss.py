@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from bench.localswarm import LocalNode
-from bench.netsim import NetSim
+from tests.harness.localswarm import LocalNode
+from tests.harness.netsim import NetSim
 
 ok, why = NetSim.available()
 pytestmark = [pytest.mark.integration, pytest.mark.swarm, pytest.mark.skipif(not ok, reason=why)]

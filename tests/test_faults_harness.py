@@ -77,7 +77,7 @@ def test_burner_processes_burn_and_are_gone_after_stop():
 def test_the_timeline_png_draws_nodes_rounds_and_events(tmp_path):
     import pytest
 
-    from bench.timeline import plot_timeline
+    from tests.harness.timeline import plot_timeline
 
     t0 = 1_800_000_000.0
     timeline = dict(start=t0, events=[[t0 + 10, "kill", "n2"], [t0 + 20, "join", "n3"], [t0 + 25, "burst", ""]],

@@ -1,4 +1,4 @@
-"""bench/forked.py: local nodes forked from one shared image train as interpreter-started ones do, share the
+"""tests/harness/forked.py: local nodes forked from one shared image train as interpreter-started ones do, share the
 image's pages, and end on SIGTERM like any dilocox-node."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import psutil
 import pytest
 
 from bench.compare import _rollup
-from bench.forked import IMAGE, ForkedProcess, _node
-from bench.localswarm import JOINT, LocalNode, wait_all
+from tests.harness.forked import IMAGE, ForkedProcess, _node
+from tests.harness.localswarm import JOINT, LocalNode, wait_all
 
 pytestmark = [pytest.mark.integration]
 
@@ -59,9 +59,9 @@ def test_a_forked_node_refuses_to_run_without_the_shared_image(monkeypatch, tmp_
     import sys
 
     monkeypatch.delitem(sys.modules, IMAGE, raising=False)
-    with pytest.raises(RuntimeError, match="did not import bench.node_image"):
+    with pytest.raises(RuntimeError, match="did not import tests.harness.node_image"):
         _node([], str(tmp_path), {}, str(tmp_path / "out"), str(tmp_path / "err"), 1)
-    assert "did not import bench.node_image" in (tmp_path / "err").read_text()  # the node's log says why
+    assert "did not import tests.harness.node_image" in (tmp_path / "err").read_text()  # the node's log says why
 
 
 def test_signalling_a_node_the_forkserver_already_reaped_is_a_no_op():
@@ -83,7 +83,7 @@ def test_signalling_a_node_the_forkserver_already_reaped_is_a_no_op():
 LAUNCHER = """
 import sys, time
 from pathlib import Path
-from bench.localswarm import LocalNode
+from tests.harness.localswarm import LocalNode
 node = LocalNode("a", Path(sys.argv[1]), sys.argv[3:], forked=sys.argv[2] == "forked").wait_started()
 print(node.proc.pid, flush=True)
 time.sleep(600)
@@ -96,14 +96,14 @@ def test_a_node_leaves_when_the_benchmark_that_started_it_is_killed(tmp_path, la
     """A benchmark or test SIGKILLed from outside (a CI timeout, kill -9) ran no cleanup, and its nodes went on
     running: a forked node's parent is the forkserver, which itself lives while any node it forked does, and an
     interpreter-started node was reparented to init. Now a forked node watches its launcher
-    (bench/forked.py ``leave_when_gone``) and an interpreter-started one gets SIGTERM from the kernel
-    (bench/localswarm.py ``term_with_parent``): each leaves, and nothing is left of its process group."""
+    (tests/harness/forked.py ``leave_when_gone``) and an interpreter-started one gets SIGTERM from the kernel
+    (tests/harness/localswarm.py ``term_with_parent``): each leaves, and nothing is left of its process group."""
     import subprocess
     import sys
 
     from dilocox.peers.swarm import wait_for
 
-    from bench.localswarm import REPO
+    from tests.harness.localswarm import REPO
 
     group = None
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "a"), launch, *ARGS], cwd=REPO,

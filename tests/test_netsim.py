@@ -9,7 +9,7 @@ import sys
 import psutil
 import pytest
 
-from bench.netsim import NetSim
+from tests.harness.netsim import NetSim
 
 ok, why = NetSim.available()
 pytestmark = [pytest.mark.swarm, pytest.mark.skipif(not ok, reason=why)]
@@ -84,7 +84,7 @@ def test_the_delay_line_delays_with_jitter_and_keeps_the_order():
     import threading
     import time
 
-    from bench.delayline import Stop, run
+    from tests.harness.delayline import Stop, run
 
     feed, src = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     dst, out = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -129,7 +129,7 @@ def test_the_delay_line_delays_with_jitter_and_keeps_the_order():
 def test_delayed_link_rtt_and_rate():
     """delay_ms 25 + jitter 5 on each host's egress over 100 Mbit/s links: small TCP exchanges take 2 x 25 ms
     (+- 2 x 5 ms), bulk TCP still gets most of the rate, and the delay lines and namespaces are gone after close."""
-    from bench.delayline import rtt_samples
+    from tests.harness.delayline import rtt_samples
 
     with NetSim(2, 100, prefix="dlxtd", delay_ms=25, jitter_ms=5) as net:
         rtts = sorted(rtt_samples(net, 0, 1, count=30))
@@ -148,7 +148,7 @@ def test_delayed_link_rtt_and_rate():
                     reason="needs nftables and TUN devices")
 def test_a_nated_host_is_delayed_too():
     """A NAT'd host's egress goes through its delay line before its router: RTT 2 x delay_ms to a public host."""
-    from bench.delayline import rtt_samples
+    from tests.harness.delayline import rtt_samples
 
     with NetSim(2, 100, prefix="dlxtn", nat=[1], delay_ms=10) as net:
         rtts = sorted(rtt_samples(net, 1, 0, count=10))
@@ -226,10 +226,10 @@ def _name(pid: int) -> str:
 
 
 def test_forked_nodes_enter_their_hosts_namespaces_and_train_across_the_bridge(tmp_path):
-    """bench/forked.py's ``netns``: a node forked from the shared image lives in its host's namespace (and so does
-    its p2pd), listens on the host's address and trains with a node on another host; the bytes cross the
+    """tests/harness/forked.py's ``netns``: a node forked from the shared image lives in its host's namespace (and so
+    does its p2pd), listens on the host's address and trains with a node on another host; the bytes cross the
     veths that NetSim counts."""
-    from bench.localswarm import JOINT, LocalNode, wait_all
+    from tests.harness.localswarm import JOINT, LocalNode, wait_all
 
     args = ["--workload", "synthetic:200k:0.05", "--inner-steps", "20", "--status-addr", "127.0.0.1:0",
             "--min-replicas", "2", "--run-id", "forked-netns", "--request-timeout", "2"]
@@ -263,7 +263,7 @@ def test_forked_nodes_enter_their_hosts_namespaces_and_train_across_the_bridge(t
 
 
 def test_a_forked_node_names_a_namespace_it_cannot_enter(tmp_path):
-    from bench.localswarm import LocalNode
+    from tests.harness.localswarm import LocalNode
 
     node = LocalNode("x", tmp_path / "x", ["--listen", "/ip4/127.0.0.1/tcp/0"], forked=True, netns="dlx-no-such-ns")
     assert node.proc.wait(60) != 0

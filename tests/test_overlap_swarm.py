@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 
-from bench.localswarm import group_applied
+from tests.harness.localswarm import group_applied
 from tests.helpers import FAST, digests_by_step, start
 
 pytestmark = pytest.mark.integration

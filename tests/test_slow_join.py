@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from bench import slowjoin
-from bench.netsim import NetSim
+from tests.harness.netsim import NetSim
 
 ok, why = NetSim.available()
 pytestmark = [pytest.mark.integration, pytest.mark.swarm, pytest.mark.skipif(not ok, reason=why)]

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from bench.localswarm import group_applied, wait_all
+from tests.harness.localswarm import group_applied, wait_all
 from tests.helpers import FAST, start
 
 pytestmark = [pytest.mark.integration, pytest.mark.swarm]

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from bench.localswarm import JOINT, LocalNode, wait_all
+from tests.harness.localswarm import JOINT, LocalNode, wait_all
 from tests.helpers import dht_process, thaw
 
 pytestmark = [pytest.mark.integration]

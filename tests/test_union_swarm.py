@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from bench.localswarm import JOINT, LocalNode, wait_all
+from tests.harness.localswarm import JOINT, LocalNode, wait_all
 from tests.helpers import FAST, start
 
 pytestmark = [pytest.mark.integration, pytest.mark.swarm]

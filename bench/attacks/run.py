@@ -1,7 +1,7 @@
 """``make bench-attacks``: every attack of bench/attacks/ against a swarm of real nodes, with and without
 the default defense, beside a clean run with the same seed.
 
-Each cell is a real swarm on loopback (bench/localswarm.py): R replicas of the tiny model, M of them
+Each cell is a real swarm on loopback (tests/harness/localswarm.py): R replicas of the tiny model, M of them
 running the daemon with ``--attack``; the same seed and data shards in every cell. Per cell: the
 honest nodes' validation loss at the end (mean over honest nodes) and its change against the clean
 run of the same defense, the backdoor success rate of an honest node's final parameters (the text
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.attacks.backdoor import success_rate
-from bench.localswarm import REPO, LocalNode, digests_by_step, leave_all
+from tests.harness.localswarm import REPO, LocalNode, digests_by_step, leave_all
 
 ATTACKS = {
     "sign-flip": "bench.attacks.gradient:SignFlip",

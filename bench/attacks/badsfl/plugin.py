@@ -157,8 +157,8 @@ def run_swarm(workdir: Path, rounds: int = 8, nodes: int = 4, attack: bool = Tru
               inner_steps: int = 20, timeout_s: float = 900.0) -> dict:
     """``nodes`` real dilocox-node processes (one running BadSFL if ``attack``) for ``rounds`` outer steps;
     returns PTA/BTA of an honest node's final checkpoint, the attacker's client and the wall time."""
-    from bench.localswarm import LocalNode, leave_all
     from dilocox.checkpoint import load_latest_checkpoint
+    from tests.harness.localswarm import LocalNode, leave_all
 
     name = f"badsfl-{'attack' if attack else 'clean'}"
     work = workdir / name
