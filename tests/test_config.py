@@ -211,3 +211,125 @@ def test_local_epochs_set_h_from_the_data():
         image = load_config(parse(["--local-epochs", "2", "--model", "simple-cnn", "--data", "fashion-mnist",
                                    "--num-clients", "20", "--partition", "label-shards:1", "--batch-size", "64"]), {})
         assert resolve_local_epochs(image)[0].inner_steps == 94  # ceil(2 * 3,000 / 64)
+
+
+# [section] tables in a config file (daemon/config_sections.py; docs/configuration.md)
+
+def _toml(value) -> str:
+    """A TOML literal for what model_dump(mode="json") holds (strings, numbers, booleans, lists of strings)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def test_a_sectioned_file_gives_the_same_config_as_a_flat_one(tmp_path):
+    from dilocox.daemon.config import FIELD_SECTION
+
+    # every field given, none at its default where that is allowed: each section's table must take all its fields
+    cfg = load_config(parse(["--run-id", "tables", "--join", "/ip4/10.0.0.1/tcp/1", "--inner-steps", "30",
+                             "--outer-lr", "1.5", "--outer-lr-final", "2", "--compression", "sparse",
+                             "--sparse-topk", "64", "--model", "tiny", "--data-parts", "3", "--request-timeout", "4",
+                             "--stage", "0/1", "--checkpoint-dir", str(tmp_path / "ck"), "--log-format", "json",
+                             "--no-sparse-rice", "--audit-rate", "0.5", "--min-replicas", "2"]), {})
+    values = cfg.model_dump(mode="json", exclude_none=True)
+    flat = tmp_path / "flat.toml"
+    flat.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in values.items()))
+    tables: dict[str, list[str]] = {}
+    for k, v in values.items():
+        tables.setdefault(FIELD_SECTION[k], []).append(f"{k} = {_toml(v)}\n")
+    sectioned = tmp_path / "sectioned.toml"
+    sectioned.write_text("".join(f"[{t}]\n{''.join(lines)}\n" for t, lines in tables.items()))
+    assert len(tables) == 11 and "[outer]\n" in sectioned.read_text()
+    from_flat, from_tables = load_config({"config": flat}, {}), load_config({"config": sectioned}, {})
+    assert from_tables == from_flat == cfg
+    assert (from_tables.outer_lr, from_tables.sparse_rice, from_tables.data_parts) == (1.5, False, 3)
+    assert from_tables.settings_digest() == cfg.settings_digest()
+    # top-level keys and tables in one file; a section named as its field holds that field
+    mixed = tmp_path / "mixed.toml"
+    mixed.write_text('run_id = "mixed"\n[model]\nmodel = "tiny"\n[outer]\nouter_lr = 0.7\n'
+                     '[training]\ninner_steps = 9\n')
+    got = load_config({"config": mixed}, {})
+    assert (got.run_id, got.model, got.outer_lr, got.outer_lr_final, got.inner_steps) == ("mixed", "tiny", 0.7, 0.7, 9)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[outer]\nouter_lr = 0.7\ninner_steps = 100\n",
+     r"c\.toml: table \[outer\] has no field inner_steps: it belongs in \[training\]"),
+    ("[training]\nsparse_topk = 64\n", r"table \[training\] has no field sparse_topk: it belongs in \[compression\]"),
+    ("[optimizer]\nlr = 0.1\n", r"c\.toml: unknown table \[optimizer\] \(tables: network, control, security"),
+    ("[outer]\nouter_rl = 0.7\n", r"table \[outer\] has no field outer_rl \(no config field of that name; did you mean "
+                                  r"outer_lr \(in \[outer\]\)\?\)"),
+    ("[outer.schedule]\nouter_lr = 0.7\n", r"table \[outer\] has no field schedule"),
+    ("inner_steps = 5\n[training]\ninner_steps = 6\n",
+     r"inner_steps is given twice: at the top level and in table \[training\]"),
+    ("nope = 1\n", r"c\.toml: unknown field\(s\) nope"),
+    ('model = "tiny"\n[model]\nseed = 1\n', r"not valid TOML.*a file with a \[model\] table gives the field model "
+                                           r"inside that table"),
+    ("[training]\ninner_steps = 0\n",
+     r"inner_steps in file \S*c\.toml, table \[training\]: Input should be greater than or equal to 1"),
+    ("[rounds]\nrequest_timeout = 20.0\n", "timeouts must satisfy request_timeout < matchmaking_time"),
+])
+def test_a_bad_table_names_the_file_the_table_and_the_key(tmp_path, text, message):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config({"config": f}, {})
+
+
+def test_flags_and_env_override_a_table_value(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[training]\ninner_steps = 7\n[outer]\nouter_lr = 0.5\n[network]\nrun_id = "fromfile"\n'
+                 'join = ["/ip4/127.0.0.1/tcp/1"]\n')
+    cfg = load_config(parse(["--config", str(f), "--run-id", "fromflag"]),
+                      {"DILOCOX_OUTER_LR": "0.4", "DILOCOX_RUN_ID": "fromenv"})
+    assert (cfg.inner_steps, cfg.outer_lr, cfg.run_id, cfg.join) == (7, 0.4, "fromflag", ["/ip4/127.0.0.1/tcp/1"])
+    cfg = load_config(parse(["--inner-steps", "8"]), {"DILOCOX_CONFIG": str(f), "DILOCOX_JOIN": "/a,/b"})
+    assert (cfg.inner_steps, cfg.outer_lr, cfg.run_id, cfg.join) == (8, 0.5, "fromfile", ["/a", "/b"])
+
+
+def test_every_field_belongs_to_exactly_one_section():
+    from dilocox.daemon.config import NodeConfig
+    from dilocox.daemon.config_sections import SECTIONS
+
+    names = [name for model in SECTIONS.values() for name in model.model_fields]
+    assert sorted(names) == sorted(NodeConfig.model_fields), "a field in no section, in two, or only in NodeConfig"
+    assert len(SECTIONS) == len(set(SECTIONS)) >= 8
+    for section, model in SECTIONS.items():
+        assert model.model_fields and model.summary().endswith("."), section
+        assert issubclass(NodeConfig, model), section
+
+
+def test_a_sections_own_rules_live_on_it_and_rules_across_sections_on_nodeconfig():
+    from dilocox.daemon.config import NodeConfig
+    from dilocox.daemon.config_sections import CompressionSection, RoundsSection, SecuritySection
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="timeouts must satisfy"):
+        RoundsSection(request_timeout=20)
+    with pytest.raises(ValidationError, match="rank_min=9 must be <= rank_max=8"):
+        CompressionSection(rank_min=9)
+    # a robust rule needs gathered rounds: a rule across security and compression, NodeConfig's
+    assert SecuritySection(aggregation="median").aggregation == "median"
+    with pytest.raises(ValidationError, match="need compression=sparse or shared"):
+        NodeConfig(aggregation="median", compression="int8")
+
+
+def test_help_lists_the_flags_by_section(capsys):
+    from dilocox.daemon.cli import node_main
+    from dilocox.daemon.config_sections import SECTIONS
+
+    with pytest.raises(SystemExit) as done:
+        node_main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    starts = {section: text.index(f"\n{section}:\n  {model.summary()[:30]}") for section, model in SECTIONS.items()}
+    assert list(starts) == sorted(starts, key=starts.get)  # listed in SECTIONS' order
+    ends = dict(zip(starts, [*sorted(starts.values())[1:], len(text)]))
+    for section, model in SECTIONS.items():
+        block = text[starts[section]:ends[section]]
+        for name in model.model_fields:
+            assert f"  --{name.replace('_', '-')}" in block, (section, name)
