@@ -96,7 +96,7 @@ def check(payloads, shapes, cfg, rule: str) -> None:
     n = sum(math.prod(s) for s in shapes)
     lay = sparse.layout(n, cfg)
     union = torch.from_numpy(np.unique(np.concatenate(
-        [sparse._positions(sparse._parse(b, n, cfg)[0], lay, cfg) for b in payloads.values()])))
+        [sparse.positions(sparse.parse(b, n, cfg)[0], lay, cfg) for b in payloads.values()])))
     vectors = {p: torch.cat([d.reshape(-1) for d in sparse.decode(b, shapes, cfg)])[union] for p, b in payloads.items()}
     want = torch.zeros(n)
     want[union] = robust.aggregate(vectors, dict.fromkeys(payloads, 50.0), rule, norm_bound=2.0)[0].float()

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from dilocox import audit
-from dilocox.sparse import ContributionError
+from dilocox.sparse.wire import ContributionError
 
 logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 4  # start states and round records kept: an audit of round r reads S_r and S_{r+1} during round r+2

@@ -29,7 +29,7 @@ from dilocox.overlap import OuterSchedule
 from dilocox.pipeline import PipelinedInnerLoop
 from dilocox.scaffold import ControlVariates, QuietRestart, Restart, apply_correction_step
 from dilocox.shared_round import SharedCompressor
-from dilocox.sparse import SparseCompressor
+from dilocox.sparse.compressor import SparseCompressor
 from dilocox.stages import tensor_bytes
 from dilocox.synthetic import SyntheticInnerLoop
 

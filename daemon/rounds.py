@@ -66,7 +66,7 @@ from dilocox.consensus import (
 )
 from dilocox.diloco import params_digest
 from dilocox.shared_round import SharedRound
-from dilocox.sparse import SparseRound
+from dilocox.sparse.compressor import SparseRound
 
 logger = logging.getLogger(__name__)
 FRESH_S = 0.2  # once-a-round decisions read the membership records (nearly) afresh: stale ones split rounds

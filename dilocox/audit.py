@@ -4,7 +4,7 @@ honestly. The algorithm only; no network (docs/security.md, "Audits").
 A replica's round-r contribution is a function of what others can know or be shown:
 
     Δ_r = θ_{r-1} - x_H,   x_0 = θ_{r-1},   x_{i+1} = InnerStep(x_i, s_i, batch(seed, shard_key, i))
-    c_r = Encode(β e_r + Δ_r),   e_{r+1} = β e_r + Δ_r - Decode(c_r)       (dilocox/sparse.py)
+    c_r = Encode(β e_r + Δ_r),   e_{r+1} = β e_r + Δ_r - Decode(c_r)       (dilocox/sparse/)
 
 θ_{r-1} and c_r are known to the whole group. The batches are a seeded stream (dilocox/data.py, ``batch_at``).
 The contributor *commits* (by digest, in its gathered metadata) to its start state S_r = (inner optimizer
@@ -42,7 +42,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from dilocox.sparse import SparseCodec, SparseConfig, decode
+from dilocox.sparse.codec import SparseCodec
+from dilocox.sparse.wire import SparseConfig, decode
 
 
 class AuditCheck(str, Enum):

@@ -10,7 +10,7 @@ and after. Replaying it with the same outer optimizer gives theta bit for bit (s
 in the same order, dilocox/diloco.py ``OuterOptimizer.step``), and the digest after each step
 checks that.
 
-Sparse aggregates (dilocox/sparse.py) are mostly zeros, so an update is stored as (flat int32
+Sparse aggregates (dilocox/sparse/) are mostly zeros, so an update is stored as (flat int32
 indices, fp32 values) per tensor where that is smaller than the dense tensor: a group of 4 at 64 of
 4096 values per chunk keeps at most 6% of the values, so an update costs about 12% of theta's bytes,
 a sixteenth of a state download. Dense aggregates are stored dense.

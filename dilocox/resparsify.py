@@ -9,7 +9,7 @@ k x topk values per chunk, so a result must be cut back to about a contribution'
 all-gather to stay flat. ``reencode`` keeps the ``budget`` x topk largest |values| of each chunk of the
 aggregate, quantized and coded as a contribution is: global top-k (gTop-k; Shi et al., "A Distributed
 Synchronous SGD Algorithm with Global Top-k Sparsification for Low Bandwidth Networks", arXiv
-1901.04359; here per chunk of dilocox/sparse.py). It works chunk by chunk, so the
+1901.04359; here per chunk of dilocox/sparse/). It works chunk by chunk, so the
 reducer of a range of chunks computes exactly that range of the whole result.
 
 Per member and round the upload is then about (payload + result) x (k - 1) / k: its contribution's
@@ -34,14 +34,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from dilocox.sparse import SparseCodec, SparseConfig, decode, sent_positions
+from dilocox.sparse.codec import SparseCodec
+from dilocox.sparse.wire import SparseConfig, decode, sent_positions
 
 
 @dataclass(frozen=True)
 class Reencoded:
     """One round's re-sparsified aggregate.
 
-    payload: the result as a contribution's bytes (dilocox/sparse.py format, topk = ``cfg.topk``);
+    payload: the result as a contribution's bytes (dilocox/sparse/wire.py format, topk = ``cfg.topk``);
     applied: what every member applies, ``decode(payload)`` (fp32, the aggregate's shapes);
     positions: the flat positions the result kept (int64, ascending, ``cfg.topk`` per whole chunk);
     cfg: the codec configuration of ``payload``."""
@@ -64,7 +65,7 @@ def result_config(cfg: SparseConfig, budget: int, bits: int = 0) -> SparseConfig
 def reencode(aggregate: Sequence[torch.Tensor], cfg: SparseConfig, budget: int, bits: int = 0) -> Reencoded:
     """Keep the budget x topk largest |values| of each chunk of ``aggregate`` (fp32 tensors, any shapes),
     quantized to ``bits`` (0: ``cfg.bits``) with one scale per chunk: a fresh SparseCodec's encode, so ties and padding
-    follow dilocox/sparse.py and the result is the same bits on every machine.
+    follow dilocox/sparse/ and the result is the same bits on every machine.
     Raises ValueError for a non-finite aggregate or a bad budget."""
     shapes = [tuple(t.shape) for t in aggregate]
     rcfg = result_config(cfg, budget, bits)

@@ -50,7 +50,7 @@ its SIMD width), a batch entirely on one thread of up to torch.get_num_threads()
 never straddle a batch and each batch writes only its own columns and blocks, so batching and threads
 change the speed, not the bits. tests/test_robust.py holds a straightforward whole-vector reference of
 every rule and checks equal bits (and 1 vs 2 threads, and the scalar vs vectorized kernels).
-Where the rows come from sparse contributions (dilocox/sparse.py), they are the decoded values on the
+Where the rows come from sparse contributions (dilocox/sparse/), they are the decoded values on the
 sorted union of the sent positions, zeros where a contribution sent nothing.
 """
 

@@ -14,7 +14,7 @@ Selections (``Selection``):
   others use that index set. Cyclic local top-k (CLT-k), Chen et al., "ScaleCom: Scalable Sparsified
   Gradient Compression for Communication-Efficient Distributed Training", NeurIPS 2020, arXiv
   2104.11125, Sec. 3: it relies on the members' error-feedback buffers being alike. I is the index set
-  Rice-coded as dilocox/sparse.py codes a contribution's indices.
+  Rice-coded as dilocox/sparse/ codes a contribution's indices.
 * ``union``: every member proposes the ceil(topk / k) largest |values| of each chunk of its own beta e +
   delta, and P is the union of the k proposals (at most about topk per chunk): each member's largest
   values are sent every round, as in an all-gather of top-k, at a k-th of the count. I is the k
@@ -22,7 +22,7 @@ Selections (``Selection``):
 * ``random``: topk positions per chunk drawn from a generator seeded by (seed, outer step): random-k
   with a shared seed, so no index bytes at all (I = 0), and values spend the bytes indices would.
 
-Per member r and round, with e_r its fp32 error-feedback buffer (as dilocox/sparse.py):
+Per member r and round, with e_r its fp32 error-feedback buffer (as dilocox/sparse/):
 
     m_r <- beta e_r + delta_r;   v_r <- Q_bits(m_r[P]) per chunk;   e_r <- m_r - scatter(P, v_r)
     A = rule(v_1 .. v_k) on P (dilocox/robust.py);   applied = Q_result_bits(A) per chunk (0: fp32)
@@ -60,15 +60,14 @@ import numpy as np
 import torch
 
 from dilocox import robust
-from dilocox.sparse import (
+from dilocox.sparse.quantizer import decode_rows, encode_rows
+from dilocox.sparse.wire import (
     SCALE_BYTES,
     SUPPORTED_BITS,
     ContributionError,
     SparseConfig,
     decode_positions,
-    decode_rows,
     encode_positions,
-    encode_rows,
     layout,
     pack_bits,
     unpack_bits,
@@ -102,12 +101,12 @@ class SharedIndexConfig:
 
     def contribution_config(self) -> SparseConfig:
         """The sparse codec's configuration with our chunk, topk, bits and beta (Rice-coded indices): the limits
-        and the index code our values and index sets share with a contribution (dilocox/sparse.py)."""
+        and the index code our values and index sets share with a contribution (dilocox/sparse/)."""
         return SparseConfig(self.chunk, self.topk, self.bits, self.beta, rice=True)
 
     @property
     def rice_bits(self) -> int:
-        """Rice parameter of the index set's gaps, as dilocox/sparse.py's (4 for 128 of 4096)."""
+        """Rice parameter of the index set's gaps, as dilocox/sparse/'s (4 for 128 of 4096)."""
         return self.contribution_config().rice_bits
 
 
@@ -299,7 +298,7 @@ def pack_values(values: np.ndarray, positions: np.ndarray, n: int, chunk: int, b
     """Values at sorted flat ``positions`` (fp32, one each) as wire bytes, and as every receiver decodes them.
 
     Layout (little-endian): for each chunk holding a position, in chunk order, its fp32 scale; then one code
-    per position, in order, ``bits`` wide in the bit stream of dilocox/sparse.py (LSB first, zero-padded to
+    per position, in order, ``bits`` wide in the bit stream of dilocox/sparse/ (LSB first, zero-padded to
     a whole byte). One scale per chunk, the sparse codec's quantizer (``encode_rows``). bits 0: the fp32
     values, no scale. No index is sent: the receiver holds P. Chunk-local: a range of chunks packed alone
     decodes to the same values. Length: ``values_bytes(positions, n, cfg, bits)``. Raises ValueError for bits

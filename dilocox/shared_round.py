@@ -27,7 +27,7 @@ import torch
 
 from dilocox.compression import RoundStats
 from dilocox.shared_index import ReducerFeedback, SharedIndexConfig, SharedIndexMember
-from dilocox.sparse import LocalState
+from dilocox.sparse.compressor import LocalState
 
 
 class SharedRound:

@@ -1,6 +1,6 @@
 """All-gather of compressed contributions inside an averaging group, over hivemind's P2P API.
 
-Sparse contributions (dilocox/sparse.py) cannot be summed part by part in hivemind's butterfly
+Sparse contributions (dilocox/sparse/) cannot be summed part by part in hivemind's butterfly
 all-reduce, so a sparse round (``exchange_sparse``) is:
 
 1. **matchmaking** through the node's averager (hivemind forms the group under the round's group
@@ -44,7 +44,8 @@ from dilocox.peers.contributions import ContributionServer
 from dilocox.peers.deadlines import LinkSnapshot, group_download_deadline
 
 from dilocox.consensus import canonical_digest
-from dilocox.sparse import SparseRound, aggregate_scaled
+from dilocox.sparse.aggregate import aggregate_scaled
+from dilocox.sparse.compressor import SparseRound
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from dilocox.peers.uploads import Uploads
 from dilocox.proto.dilocox.v1.swarm_pb2 import ContributionChunk, ContributionRequest
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
-from dilocox.sparse import ContributionError
+from dilocox.sparse.wire import ContributionError
 
 logger = logging.getLogger(__name__)
 

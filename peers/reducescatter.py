@@ -78,7 +78,7 @@ from dilocox.shared_index import (
     values_bytes,
 )
 from dilocox.shared_round import SharedRound
-from dilocox.sparse import ContributionError
+from dilocox.sparse.wire import ContributionError
 
 logger = logging.getLogger(__name__)
 # a reducer's wait asks who left (a read of the membership records) only after this long: a healthy round's waits

@@ -13,7 +13,14 @@ ALLOWED = {("os", "_exit")}  # public despite the underscore: the documented exi
 
 
 def _modules(package: str) -> dict[str, ast.Module]:
-    return {f"{package}.{p.stem}": ast.parse(p.read_text(), str(p)) for p in sorted((REPO / package).glob("*.py"))}
+    """Every module of a layer folder, subpackages included, by dotted name (dilocox.sparse.wire; a package's
+    __init__.py by the package's name)."""
+    found = {}
+    for p in sorted((REPO / package).rglob("*.py")):
+        parts = p.relative_to(REPO / package).with_suffix("").parts
+        name = ".".join((package,) + (parts[:-1] if parts[-1] == "__init__" else parts))
+        found[name] = ast.parse(p.read_text(), str(p))
+    return found
 
 
 def _local(name: str) -> str:

@@ -1,4 +1,4 @@
-"""SparseLoCo codec (dilocox/sparse.py): round trip, exact sizes, error feedback, deterministic
+"""SparseLoCo codec (dilocox/sparse/): round trip, exact sizes, error feedback, deterministic
 aggregation, and rejection of malformed contributions."""
 
 import math
@@ -165,18 +165,18 @@ def test_aggregate_sums_in_sorted_peer_order():
 
 def sent_positions(payload: bytes, cfg: SparseConfig, shapes=SHAPES) -> np.ndarray:
     n = sum(math.prod(s) for s in shapes)
-    return sparse._positions(sparse._parse(payload, n, cfg)[0], sparse.layout(n, cfg), cfg)
+    return sparse.positions(sparse.parse(payload, n, cfg)[0], sparse.layout(n, cfg), cfg)
 
 
 @pytest.mark.parametrize("rule", ["mean", "centered-clip", "trimmed-mean", "median"])
 @pytest.mark.parametrize("k", [1, 2, 4, 5])
 def test_aggregate_is_the_rule_on_the_sorted_union_of_the_sent_positions(rule, k):
     """sparse.aggregate runs the rule on the sorted union of the sent positions (zeros where a contribution did not
-    send one), every other position +0.0: the bits of tests/test_robust.py's plain reference on those vectors,
+    send one), every other position +0.0: the bits of tests/robust_reference.py's plain reference on those vectors,
     with a scaled attacker that the norm bound clips, partly overlapping supports and a chunk of zeros (a zero
     scale: its values decode to +-0.0 but its positions are sent)."""
     from dilocox import robust
-    from tests.test_robust import reference_aggregate, same_bits
+    from tests.robust_reference import reference_aggregate, same_bits
 
     cfg = SparseConfig(chunk=195, topk=12, bits=2, beta=0.95, rice=True)
     grads = [[t * (50.0 if i == 1 else 1.0) for t in randn(SHAPES, 100 + i % 3)] for i in range(k)]
@@ -232,8 +232,8 @@ def test_union_ranks_every_sent_position():
                      for length in [chunk] * (lay.nchunks - 1) + [lay.last] * (lay.nchunks > 0)]
             idxs.append(np.concatenate(parts).astype([np.int64, np.int32, np.uint16][trial % 3]) if parts
                         else np.zeros(0, np.int64))
-        positions = [sparse._positions(x, lay, cfg) for x in idxs]
-        union, ranks = sparse._union(idxs, lay, cfg)
+        positions = [sparse.positions(x, lay, cfg) for x in idxs]
+        union, ranks = sparse.union(idxs, lay, cfg)
         assert np.array_equal(union, np.unique(np.concatenate(positions))), trial
         for i, pos in enumerate(positions):
             assert np.array_equal(ranks[:, i], np.searchsorted(union, pos)), trial

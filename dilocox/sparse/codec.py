@@ -1,0 +1,220 @@
+"""Top-k with error feedback (SparseCodec): this replica's encoder of sparse contributions and its local fp32
+error-feedback buffer (the package docstring's e_r).
+
+Top-k by threshold per chunk, ties at the threshold to the lowest positions, one cache-sized block of chunks
+at a time, split between threads (the same bits whatever their count); the sent values are quantized per
+chunk (dilocox/sparse/quantizer.py) and packed as dilocox/sparse/wire.py describes.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from dilocox.sparse.quantizer import levels, scale_and_codes
+from dilocox.sparse.threads import slices, thread_map
+from dilocox.sparse.wire import (
+    HEADER,
+    MAGIC,
+    RICE_FLAG,
+    UNARY,
+    VERSION,
+    SparseConfig,
+    layout,
+    numel,
+    pack_bits,
+    rice_streams,
+    split,
+)
+
+SELECT_VALUES = 1 << 18  # values per block of chunks in _encode_rows (speed only: a block stays in cache)
+
+
+def _decay_add(out: np.ndarray, e: np.ndarray, delta: np.ndarray, beta: float) -> None:
+    """out <- beta e + delta in fp32: the product rounded, then the sum (as torch's e * beta + delta)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow: the caller finds the inf and refuses
+        np.multiply(e, np.float32(beta), out=out)
+        out += delta
+
+def _encode(chunks: np.ndarray, topk: int, pad: int, bits: int, idx: np.ndarray, codes: np.ndarray,
+            scale: np.ndarray) -> bool:
+    """``_encode_rows`` over the rows of ``chunks``, split between the threads torch may use (each row's result does
+    not depend on the split)."""
+    rows = len(chunks)
+    parts = max(1, min(torch.get_num_threads(), rows // max(1, SELECT_VALUES // chunks.shape[1])))
+    b = [rows * i // parts for i in range(parts + 1)]
+    return all(thread_map(lambda i: _encode_rows(chunks[b[i]:b[i + 1]], topk, pad if b[i + 1] == rows else 0, bits,
+                                           idx[b[i]:b[i + 1]], codes[b[i]:b[i + 1]], scale[b[i]:b[i + 1]]),
+                    range(parts)))
+
+
+def _encode_rows(chunks: np.ndarray, topk: int, pad: int, bits: int, idx: np.ndarray, codes: np.ndarray,
+                 scale: np.ndarray) -> bool:
+    """Encode each row of ``chunks`` (fp32 error feedback; the last row's last ``pad`` values are padding, never
+    picked): the positions of its ``topk`` largest |value| -> ``idx`` (ascending; ties at the threshold go to the
+    lowest positions), their ``scale`` and ``codes``; subtracts what was sent from ``chunks``. False (outputs
+    unfinished) if a value is not finite.
+
+    Top-k by threshold: t = the topk-th largest |value| of the row (a partial sort, ``np.partition``), then every
+    position with |value| > t and the first ones with |value| = t. One block of rows at a time, in cache."""
+    rows, chunk = chunks.shape
+    per = max(1, SELECT_VALUES // chunk)
+    mag = np.empty((min(per, rows), chunk), dtype=np.float32)
+    sel = np.empty(mag.shape, dtype=bool)
+    kth = chunk - topk
+    for r0 in range(0, rows, per):
+        r1 = min(r0 + per, rows)
+        block, m, s = chunks[r0:r1], mag[:r1 - r0], sel[:r1 - r0]
+        np.abs(block, out=m)
+        if pad and r1 == rows:
+            m[-1, chunk - pad:] = -1.0
+        m.partition(kth, axis=1)
+        if not np.isfinite(m[:, kth:]).all():  # NaN sorts last, inf next: a non-finite value lands here
+            return False
+        t = m[:, kth:kth + 1].copy()
+        np.abs(block, out=m)
+        if pad and r1 == rows:
+            m[-1, chunk - pad:] = -1.0
+        np.greater_equal(m, t, out=s)
+        p = np.flatnonzero(s)
+        if len(p) != (r1 - r0) * topk:  # ties with the threshold: keep the first ones
+            many = np.flatnonzero(np.bincount(p // chunk, minlength=r1 - r0) > topk)
+            gt = m[many] > t[many]
+            eq = m[many] == t[many]
+            need = topk - gt.sum(axis=1, keepdims=True)
+            s[many] = gt | (eq & (np.cumsum(eq, axis=1) <= need))
+            p = np.flatnonzero(s)
+        flat = block.reshape(-1)
+        vals = flat[p].reshape(r1 - r0, topk)
+        scale[r0:r1], codes[r0:r1] = scale_and_codes(vals, bits)
+        sent = levels(bits)[codes[r0:r1]]
+        sent *= scale[r0:r1, None]  # what every member decodes: one fp32 product (levels)
+        flat[p] -= sent.reshape(-1)
+        np.subtract(p.reshape(r1 - r0, topk), (np.arange(r1 - r0, dtype=np.int64) * chunk)[:, None], out=idx[r0:r1])
+    return True
+
+
+
+class SparseCodec:
+    """This replica's encoder and its error-feedback buffers (CPU fp32, one per tensor, local).
+
+    ``error`` lists the buffers as views into one flat buffer (update them in place only).
+    """
+
+    def __init__(self, shapes: Sequence[Sequence[int]], cfg: SparseConfig = SparseConfig()):
+        self.cfg = cfg
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
+        if any(d < 0 for s in self.shapes for d in s):
+            raise ValueError(f"negative dimension in shapes {self.shapes}")
+        self.layout = layout(numel(self.shapes), cfg)
+        self._flat = torch.zeros(self.layout.n)
+        self.error = split(self._flat, self.shapes)
+
+    def payload_bytes(self) -> int:
+        """Length of every payload this codec encodes (Rice-coded indices: the largest valid length)."""
+        return self.layout.total
+
+    def encode(self, pseudo_gradient: Sequence[torch.Tensor]) -> bytes:
+        """e <- beta e + delta; send the top-k of each chunk of e, quantized; e <- e - what was sent.
+
+        Raises ValueError (and leaves the buffers unchanged) if the tensors do not match ``shapes``
+        or hold non-finite values. ``prepare`` + ``commit`` in one call.
+        """
+        payload, new_error = self.prepare(pseudo_gradient)
+        self.commit(new_error)
+        return payload
+
+    def prepare(self, pseudo_gradient: Sequence[torch.Tensor]) -> tuple[bytes, torch.Tensor]:
+        """(payload, the flat error-feedback buffer it leaves) without changing ours: a round whose
+        result is not applied must not consume the buffer (``commit`` adopts it once it is).
+
+        Raises ValueError if the tensors do not match ``shapes`` or hold non-finite values (or if
+        beta x buffer + pseudo-gradient overflows fp32)."""
+        got = [tuple(g.shape) for g in pseudo_gradient]
+        if got != self.shapes:
+            raise ValueError(f"pseudo-gradient shapes {got} do not match the codec's {self.shapes}")
+        lay, cfg = self.layout, self.cfg
+        chunk, topk = cfg.chunk, cfg.topk
+        full = torch.empty(lay.nchunks * chunk)  # e, then zeros up to a whole number of chunks
+        e = full[:lay.n]
+        old, new, o, jobs = self._flat.numpy(), full.numpy(), 0, []
+        for g in pseudo_gradient:  # e <- beta e + delta: the fp32 product rounded, then the sum (never fused)
+            delta = g.detach().to("cpu", torch.float32).reshape(-1).numpy()
+            jobs += [(new[o + a:o + b], old[o + a:o + b], delta[a:b]) for a, b in slices(len(delta))]
+            o += len(delta)
+        thread_map(lambda job: _decay_add(*job, cfg.beta), jobs)
+        new[lay.n:] = 0.0
+        header = HEADER.pack(MAGIC, VERSION, cfg.bits, RICE_FLAG if cfg.rice else 0, lay.n, cfg.chunk, cfg.topk)
+        if lay.n == 0:
+            return header, e
+        chunks = new.reshape(lay.nchunks, chunk)
+        nfull = lay.nchunks - 1 if lay.last < topk else lay.nchunks  # chunks that send topk values
+        idx = np.empty((lay.nchunks, topk), dtype=np.int64)
+        codes = np.empty((lay.nchunks, topk), dtype=np.uint8)
+        scale = np.empty(lay.nchunks, dtype=np.float32)
+        if not _encode(chunks[:nfull], topk, lay.nchunks * chunk - lay.n if nfull == lay.nchunks else 0, cfg.bits,
+                       idx[:nfull], codes[:nfull], scale[:nfull]) or not np.isfinite(chunks[nfull:, :lay.last]).all():
+            if not all(bool(torch.isfinite(g).all()) for g in pseudo_gradient):
+                raise ValueError("pseudo-gradient holds non-finite values")
+            raise ValueError("beta x error-feedback buffer + pseudo-gradient overflows fp32")
+        if nfull < lay.nchunks:  # a last chunk shorter than topk sends all its values (the rest: padding, value 0)
+            last = chunks[-1]
+            vals = last[:topk].copy()
+            vals[lay.last:] = 0.0
+            s, c = scale_and_codes(vals[None], cfg.bits)
+            scale[-1], codes[-1], idx[-1] = s[0], c[0], np.arange(topk)
+            sent = levels(cfg.bits)[c[0, :lay.last]]
+            sent *= s[0]
+            last[:lay.last] -= sent
+        idx, codes = idx.reshape(-1)[:lay.nidx], codes.reshape(-1)[:lay.nidx]
+        scales = scale.astype("<f4").tobytes()
+        if not cfg.rice:
+            out = b"".join((header, scales, pack_bits(idx, cfg.index_bits), pack_bits(codes, cfg.bits)))
+            assert len(out) == lay.total
+            return out, e
+        unary_bits, remainders, unary = rice_streams(idx, lay, cfg)
+        out = b"".join((header, UNARY.pack(unary_bits), scales, remainders, unary, pack_bits(codes, cfg.bits)))
+        assert len(out) == lay.rice_total(unary_bits)
+        return out, e
+
+    def commit(self, new_error: torch.Tensor) -> None:
+        """Adopt the buffer a ``prepare`` left (its round was applied)."""
+        self._flat.copy_(new_error)
+
+    def restore(self, tensors: Sequence[torch.Tensor], whole: bool = False) -> None:
+        """e <- e + tensors: return to the buffer what the swarm did not apply of a committed contribution
+        (dilocox/resparsify.py). ``whole``: e <- e + tensors / beta instead, so the next encode's decay
+        (e <- beta e + delta) leaves them whole, as if they were part of the next pseudo-gradient (beta 0:
+        nothing survives the decay, so nothing is added). Raises ValueError (buffers unchanged) for other
+        shapes or non-finite values."""
+        got = [tuple(t.shape) for t in tensors]
+        if got != self.shapes:
+            raise ValueError(f"shapes {got} do not match the codec's {self.shapes}")
+        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors]) if tensors else torch.zeros(0)
+        if whole:
+            if self.cfg.beta == 0:
+                return
+            flat = flat / self.cfg.beta
+        if not bool(torch.isfinite(flat).all()):
+            raise ValueError("tensors to restore hold non-finite values")
+        self._flat.add_(flat)
+
+    def reset(self) -> None:
+        """Zero the buffers (e.g. after adopting another trajectory's parameters)."""
+        self._flat.zero_()
+
+    def state_dict(self) -> dict:
+        return {"error": [t.clone() for t in self.error]}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Adopt saved buffers; raises ValueError (and keeps ours) if they do not fit or are not finite."""
+        tensors = list(state.get("error", ()))
+        got = [tuple(t.shape) for t in tensors]
+        if got != self.shapes:
+            raise ValueError(f"error-feedback shapes {got} do not match the codec's {self.shapes}")
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            raise ValueError("error-feedback state holds non-finite values")
+        for dst, src in zip(self.error, tensors):
+            dst.copy_(src)
