@@ -333,3 +333,23 @@ def test_help_lists_the_flags_by_section(capsys):
         block = text[starts[section]:ends[section]]
         for name in model.model_fields:
             assert f"  --{name.replace('_', '-')}" in block, (section, name)
+
+
+def test_the_configuration_doc_lists_each_sections_fields_and_its_example_loads(tmp_path):
+    """docs/configuration.md: the row of each [section] names exactly its fields; the sectioned example is valid."""
+    import re
+    from pathlib import Path
+
+    from dilocox.daemon.config_sections import SECTIONS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    for section, model in SECTIONS.items():
+        rows = [line for line in doc.splitlines() if line.startswith(f"| `[{section}]` | `")]
+        assert len(rows) == 1, section
+        assert re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", rows[0])) == list(model.model_fields), section
+    example = doc.split("## A sectioned file\n\n```toml\n", 1)[1].split("```", 1)[0]
+    f = tmp_path / "node.toml"
+    f.write_text(re.sub(r'tokenizer = ".*"', 'tokenizer = "bytes"', example))  # the doc's tokenizer file is not here
+    cfg = load_config({"config": f}, {})
+    assert (cfg.model, cfg.inner_steps, cfg.data_parts, cfg.min_replicas, cfg.log_format) == \
+        ("llama-150m", 500, 8, 4, "json")
