@@ -73,9 +73,9 @@ SCAFFOLD_DEFAULTS = dict(aggregation="mean")
 SCAFFOLD_SPARSE_OUTER = dict(outer_lr=3.5, outer_lr_final=3.5)
 
 
-# Bases listed last validate first (pydantic collects validators base by base through the MRO), so the
-# order below is the order the sections' rules are checked in; NodeConfig's own rules, those that span
-# sections, come after them all.
+# Pydantic runs the rules of the bases listed last first: rounds, pipeline, compression, control, model,
+# security, training (the order of the rules before sections), then NodeConfig's own, which span sections.
+# The bases' order does not change which flags, fields or tables there are.
 class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection, CompressionSection, PipelineSection,
                  RoundsSection, OuterSection, DataSection, NetworkSection, NodeSection):
     """A node's whole configuration: the fields of every section of ``SECTIONS``, read as ``cfg.<field>``, with

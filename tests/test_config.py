@@ -316,6 +316,11 @@ def test_a_sections_own_rules_live_on_it_and_rules_across_sections_on_nodeconfig
     assert SecuritySection(aggregation="median").aggregation == "median"
     with pytest.raises(ValidationError, match="need compression=sparse or shared"):
         NodeConfig(aggregation="median", compression="int8")
+    # several broken rules: the first is named, in the order the rules had before sections
+    with pytest.raises(ConfigError, match="timeouts must satisfy"):
+        load_config(parse(["--request-timeout", "20", "--stage", "2/2", "--rank-min", "9", "--beta1", "0.99"]), {})
+    with pytest.raises(ConfigError, match="stage '2/2'"):
+        load_config(parse(["--stage", "2/2", "--rank-min", "9", "--status-read", "token"]), {})
 
 
 def test_help_lists_the_flags_by_section(capsys):
