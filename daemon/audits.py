@@ -173,7 +173,7 @@ class Audits:
             self._jobs.put((r - 1, target, None))
 
     def review(self, members) -> None:
-        """Check the accusations other members publish (``members``: peers.swarm.MemberRecord list). Where we kept the
+        """Check the accusations other members publish (``members``: peers.records.MemberRecord list). Where we kept the
         accused round we recompute it: a lie excludes the accused, an honest result counts against the accuser. Where
         we did not (we joined later, or skipped it), we audit the accused's latest round we kept instead: a lie there
         excludes it too, an honest result proves nothing about the accused round and counts against nobody."""

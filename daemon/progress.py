@@ -15,7 +15,8 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-from dilocox.peers.swarm import InputsRecord, MemberRecord, Swarm, inputs_digest
+from dilocox.peers.records import InputsRecord, MemberRecord, inputs_digest
+from dilocox.peers.swarm import Swarm
 
 logger = logging.getLogger(__name__)
 DIGEST_POLL_S = (0.25, 1.0)  # waits between reads for the group's result digests: first, and at most

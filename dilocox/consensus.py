@@ -4,7 +4,7 @@ Every member of an averaging group sees the same all-gathered data, so these rul
 member the same verdict. The daemon (daemon/rounds.py, daemon/transfer.py) feeds them what it
 read from the DHT and from hivemind and acts on the value they return; docs/protocol.md states
 the rules in prose. ``PeerProgress`` is whatever carries a member's published progress
-(peers.swarm.MemberRecord in the daemon, a small dataclass in the unit tests).
+(peers.records.MemberRecord in the daemon, a small dataclass in the unit tests).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ACTIVE_STATES = (TRAINING, AVERAGING)  # replicas that will average the round th
 
 
 class PeerProgress(Protocol):
-    """A member's published progress (the fields of peers.swarm.MemberRecord these rules read)."""
+    """A member's published progress (the fields of peers.records.MemberRecord these rules read)."""
 
     peer_id: str
     state: str

@@ -217,7 +217,8 @@ def test_24_joiners_started_at_once_against_a_busy_bootstrap_peer_all_get_in(tmp
     one of them away (6 s at least: 24 DHT processes take seconds to start on 2 cores, and a fixed 6 s freeze
     could end before any of them dialled); none gives up, and afterwards every one of them is in the same DHT:
     each sees all 25 membership records."""
-    from dilocox.peers.swarm import MemberRecord, Swarm, wait_for
+    from dilocox.peers.records import MemberRecord
+    from dilocox.peers.swarm import Swarm, wait_for
 
     loop, n = ["/ip4/127.0.0.1/tcp/0"], 24
     boot = Swarm("storm", key(tmp_path / "boot.key"), initial_peers=[], host_maddrs=loop, announce_maddrs=[],

@@ -13,7 +13,8 @@ import time
 import pytest
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.peers.identity import load_or_create_identity
-from dilocox.peers.swarm import MemberRecord, Swarm, inputs_digest, wait_for
+from dilocox.peers.records import MemberRecord, inputs_digest
+from dilocox.peers.swarm import Swarm, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,8 @@ import time
 
 import pytest
 from dilocox.peers.identity import load_or_create_identity
-from dilocox.peers.swarm import MemberRecord, Swarm
+from dilocox.peers.records import MemberRecord
+from dilocox.peers.swarm import Swarm
 
 
 class PartialReads:

@@ -18,7 +18,8 @@ import time
 
 import pytest
 from dilocox.peers.identity import load_or_create_identity
-from dilocox.peers.swarm import MEMBER_READ_BEAM, MEMBER_REPLICAS, MemberRecord, Swarm, wait_for
+from dilocox.peers.records import MemberRecord
+from dilocox.peers.swarm import MEMBER_READ_BEAM, MEMBER_REPLICAS, Swarm, wait_for
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 

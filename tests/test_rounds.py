@@ -398,7 +398,7 @@ def test_adaptive_waits_for_exchanges_a_round_cannot_hide(state):
 
 @dataclass
 class Member(Peer):
-    """A record with the round result fields (peers.swarm.MemberRecord) a split round is settled from."""
+    """A record with the round result fields (peers.records.MemberRecord) a split round is settled from."""
 
     result_step: int = 0
     result_digest: str = ""

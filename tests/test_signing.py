@@ -12,6 +12,7 @@ import time
 
 import pytest
 from dilocox.peers.identity import load_or_create_identity
+from dilocox.peers.records import MemberRecord, SwarmSchema
 from dilocox.peers.signing import (
     Ed25519SignatureValidator,
     derive_signing_key,
@@ -19,7 +20,7 @@ from dilocox.peers.signing import (
     public_key_marker,
     verify_binding,
 )
-from dilocox.peers.swarm import MemberRecord, Swarm, SwarmSchema
+from dilocox.peers.swarm import Swarm
 from dilocox.peers.validation import CachedSchemaValidator, CachedSignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
@@ -138,6 +139,7 @@ def _wait_for_members(swarm: Swarm, peers: set[str], timeout_s: float = 20.0) ->
         time.sleep(0.3)
 
 
+@pytest.mark.integration
 def test_a_record_claiming_another_peer_id_is_not_counted(swarms):
     a, b, c = swarms("a"), swarms("b"), swarms("c")
     assert b.publish(_record(b.peer_id, outer_step=3))
@@ -151,6 +153,7 @@ def test_a_record_claiming_another_peer_id_is_not_counted(swarms):
         f"it claims peer_id {b.peer_id} but is signed by {c.peer_id}"
 
 
+@pytest.mark.integration
 def test_a_binding_without_its_keys_proof_or_under_another_rsa_key_binds_nothing(swarms, tmp_path):
     a, b, d = swarms("a"), swarms("b"), swarms("d")
     d_key = derive_signing_key(load_or_create_identity(tmp_path / "d.key")[1])  # d's own Ed25519 key

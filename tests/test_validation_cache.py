@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from dilocox.peers.records import KeyBinding, MemberRecord, SwarmSchema
 from dilocox.peers.signing import Ed25519SignatureValidator, derive_signing_key
-from dilocox.peers.swarm import KeyBinding, MemberRecord, SwarmSchema
 from dilocox.peers.validation import CachedSchemaValidator, CachedSignatureValidator, VerdictCache
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
@@ -74,7 +74,7 @@ def test_a_malformed_value_is_refused_by_the_cached_schema_validator():
 
 
 def test_records_travel_under_short_names_and_the_long_names_are_refused():
-    """MemberRecord.wire(): the fields' short names (peers/swarm.py, ``_Record``), which hivemind's SchemaValidator
+    """MemberRecord.wire(): the fields' short names (peers/records.py, ``_Record``), which hivemind's SchemaValidator
     accepts; the same record under the field names (how nodes before 2026-12-02 stored it) is refused."""
     schema = SchemaValidator(SwarmSchema, prefix="run")
     record = MemberRecord(peer_id="QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", run_id="run", state="AVERAGING",
