@@ -6,6 +6,8 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+pytest_plugins = ["tests.fixtures"]  # fixtures several test modules share (state)
+
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.register_profile("ci", max_examples=100, **_common)
 settings.register_profile("long", max_examples=2000, **_common)

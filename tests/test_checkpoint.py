@@ -10,7 +10,6 @@ import pickle
 import torch
 
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
-from tests.test_rounds import state  # noqa: F401 (pytest fixture)
 
 
 class Exploit:
@@ -18,7 +17,7 @@ class Exploit:
         return (os.system, ("touch /tmp/dilocox-checkpoint-exploit",))
 
 
-def test_a_real_state_round_trips_with_weights_only(state, tmp_path):  # noqa: F811
+def test_a_real_state_round_trips_with_weights_only(state, tmp_path):
     state.outer_step = 3
     save_checkpoint(tmp_path, 3, state.checkpoint_state())
     path, saved = load_latest_checkpoint(tmp_path)
@@ -27,7 +26,7 @@ def test_a_real_state_round_trips_with_weights_only(state, tmp_path):  # noqa: F
     assert state.outer_step == 3
 
 
-def test_a_checkpoint_that_would_run_code_is_skipped(state, tmp_path):  # noqa: F811
+def test_a_checkpoint_that_would_run_code_is_skipped(state, tmp_path):
     marker = "/tmp/dilocox-checkpoint-exploit"
     if os.path.exists(marker):
         os.unlink(marker)

@@ -4,8 +4,6 @@ check that the daemon acts on them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from dilocox.consensus import (
@@ -31,20 +29,9 @@ from dilocox.consensus import (
     wait_over,
     wait_satisfied,
 )
+from tests.fakes.records import Peer
 
 H = 20
-
-
-@dataclass
-class Peer:
-    peer_id: str = "p"
-    state: str = "TRAINING"
-    outer_step: int = 4
-    round: int = 5
-    inner_step: int = 3
-    global_params_digest: str = "d4"
-    num_stages: int = 1
-    result_step: int = 0
 
 
 # ---------------------------------------------------------------- verdicts

@@ -9,12 +9,12 @@ from dilocox.daemon import ctl
 
 from dilocox.model import ModelSpec
 from dilocox.tokenizer import byte_tokenizer, train_bpe
-from tests.test_tokenizer_data import _docs
+from tests.corpus import documents
 
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
-    return train_bpe(_docs(200), 400, tmp_path_factory.mktemp("tok") / "tokenizer.json")
+    return train_bpe(documents(200), 400, tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 def _stage_checkpoints(tmp_path, tok, stages):
@@ -68,6 +68,6 @@ def test_export_of_a_bytes_model_reads_bytes_and_refuses_what_does_not_fit(tmp_p
     _, halves = _stage_checkpoints(tmp_path / "two", bpe, 2)
     assert ctl.main(["export", str(halves[0]), "--hf", str(tmp_path / "x")]) == 2
     _, one = _stage_checkpoints(tmp_path / "one", bpe, 1)
-    other = train_bpe(_docs(50, seed=4), 300, tmp_path / "o.json")
+    other = train_bpe(documents(50, seed=4), 300, tmp_path / "o.json")
     assert ctl.main(["export", str(one[0]), "--hf", str(tmp_path / "y"), "--tokenizer", str(other.json_path())]) == 2
     assert ctl.main(["export", str(tmp_path / "empty"), "--hf", str(tmp_path / "z")]) == 2

@@ -24,9 +24,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
-from tests.test_grpc_bad_input import FakeNode
-from tests.test_rounds import state  # noqa: F401 (pytest fixture)
-from tests.test_transfer import transfer_for
+from tests.fakes.node import FakeNode
+from tests.fakes.transfer import transfer_for
 
 FIELDS = sorted(NodeConfig.model_fields)
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True),
@@ -104,7 +103,7 @@ META_FIELDS = ["run_id", "outer_step", "digest", "num_params", "donor_state", "d
 
 
 @given(data=st.data())
-def test_downloaded_states(state, data):  # noqa: F811
+def test_downloaded_states(state, data):
     """Random metadata and tensors, and random edits of a real served state: validate() raises only the
     errors the sync loop catches (pydantic's ValidationError, ValueError)."""
     state.snapshot()
@@ -139,7 +138,7 @@ GOOD_CHECKPOINT: dict = {}
 
 
 @given(data=st.data())
-def test_checkpoint_files(state, data, tmp_path_factory):  # noqa: F811
+def test_checkpoint_files(state, data, tmp_path_factory):
     """Random bytes, and random edits of a real checkpoint with a matching checksum sidecar: loading
     returns a good checkpoint, and restoring a loaded one raises only ValueError (daemon/node.py reports it
     and ignores the checkpoint), all or nothing."""

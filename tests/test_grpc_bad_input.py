@@ -9,10 +9,11 @@ import logging
 import grpc
 import pytest
 from dilocox.daemon.service import start_server
-from dilocox.daemon.status import StatusBoard
 from dilocox.proto.dilocox.v1 import node_pb2, node_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tests.fakes.node import FakeNode
 
 # bytes that parse as no protobuf message: a truncated varint tag, a truncated length, field number 0,
 # wire type 7, a length past the end, a truncated fixed64
@@ -22,21 +23,6 @@ UNARY = ["/dilocox.v1.Node/GetStatus", "/dilocox.v1.Node/ListPeers", "/dilocox.v
 STREAM = ["/dilocox.v1.Node/WatchStatus", "/grpc.health.v1.Health/Watch"]
 BIDI = ["/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"]
 REJECTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL)
-
-
-class FakeSwarm:
-    def members(self):
-        return []
-
-
-class FakeNode:
-    def __init__(self):
-        self.board = StatusBoard(run_id="bad-input", version="test", inner_steps=5)
-        self.swarm = FakeSwarm()
-        self.leave_reasons: list[str] = []
-
-    def request_leave(self, reason: str = "requested") -> None:
-        self.leave_reasons.append(reason)
 
 
 async def _unary(channel, method: str, payload: bytes) -> grpc.StatusCode:

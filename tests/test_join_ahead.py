@@ -1,6 +1,6 @@
 """Joining ahead (daemon/join_ahead.py, dilocox.consensus.join_point ``ahead``): a joiner whose donor is finishing
 a round computes the next one at once and merges the missed update mid-round, with real ReplicaStates and the
-simulated swarm of test_catchup."""
+simulated swarm of tests/fakes/catchup.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dilocox.daemon.join_ahead import JoinAhead
 from dilocox.catchup import decode, encode
 from dilocox.consensus import JoinKind
 from dilocox.diloco import params_digest
-from tests.test_catchup import H, SimProgress, SimSwarm, UpdateServer, joiner_for, make_state
+from tests.fakes.catchup import H, SimProgress, SimSwarm, UpdateServer, joiner_for, make_state
 
 
 def _joined_ahead(tmp_path):

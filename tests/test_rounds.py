@@ -10,70 +10,14 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from dilocox.daemon.config import NodeConfig
-from dilocox.daemon.replica_state import ReplicaState
 from dilocox.daemon.rounds import OuterRounds, PendingRound, RoundOutcome
 from dilocox.peers.averaging import RoundCancelled, RoundFailed, RoundGather, RoundResult
 from dilocox.peers.deadlines import RoundDeadlines
 
 from dilocox.diloco import params_digest
-from dilocox.workload import make_workload
-from tests.test_consensus import Peer
-
-
-class FakeProgress:
-    """Stands in for ProgressTracker: fixed peer records and the result digests peers report."""
-
-    peer_id = "me"
-
-    def __init__(self, others=(), results=None):
-        self._others, self.results = list(others), results
-
-    def others(self, max_age_s: float = 1.0, since=None):
-        return self._others
-
-    def exchanged_at(self, result_step):
-        return None
-
-    def exchange_result_digests(self, result_step, digest, peers, timeout_s, inputs=None):
-        self.published = digest  # our report, as ProgressTracker publishes it
-        return self.reports(digest, peers, timeout_s)
-
-    def collect_result_digests(self, result_step, peers, timeout_s):
-        return self.reports(self.published, peers, timeout_s)
-
-    def reports(self, digest, peers, timeout_s):
-        """What one read of the group's result reports returns (ours included)."""
-        return {"me": digest, **(self.results or {})}
-
-    def input_conflicts(self, result_step, inputs, timeout_s):
-        return {}
-
-    def propose_union(self, result_step, digests):
-        self.proposed = (result_step, list(digests))
-
-    def wait(self, predicate, timeout_s, cancelled):
-        return predicate(self._others)
-
-
-def computed_round(tmp_path, inner_steps: int = 2, **cfg) -> ReplicaState:
-    """A real ReplicaState (tiny model, fp32 codes) that has computed round 1's inner steps; ``cfg``: more
-    NodeConfig fields (e.g. overlap)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 400)
-    config = NodeConfig(**{**dict(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=inner_steps,
-                                  compression="none", overlap="none", seq_len=16, batch_size=2), **cfg})
-    st = ReplicaState(config, make_workload(config.model, config.data, 16, 2, config.eval_batches), shard_key=1)
-    st.begin_round()
-    for i in range(inner_steps):
-        st.inner_step(*st.shard.next_batch(), i)
-    return st
-
-
-@pytest.fixture
-def state(tmp_path):
-    return computed_round(tmp_path)
-
+from tests.fakes.progress import FakeProgress
+from tests.fakes.records import Peer
+from tests.replicas import computed_round
 
 _made: list[OuterRounds] = []
 

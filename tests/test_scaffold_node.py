@@ -17,9 +17,9 @@ from dilocox.daemon.transfer import StateTransfer
 
 from dilocox.vision import DEBIAN_FASHION_MNIST, write_idx
 from dilocox.workload import make_workload
+from tests.fakes.progress import FakeProgress
+from tests.fakes.records import Record
 from tests.helpers import FAST, digests_by_step, start
-from tests.test_rounds import FakeProgress
-from tests.test_transfer import Record
 
 
 def synthetic_fashion(root: Path, n_train: int = 300, n_test: int = 60) -> None:

@@ -23,20 +23,14 @@ from dilocox.model import ModelSpec, ModelSpecError
 from dilocox.shards import PreparedData, ShardedTokens, prepare, units
 from dilocox.tokenizer import TokenizerError, byte_tokenizer, load_tokenizer, train_bpe
 from dilocox.workload import make_workload
+from tests.corpus import documents
 from tests.helpers import FAST, LocalNode, digests_by_step, start
-
-WORDS = ("the swarm trains one model over slow links while peers come and go " * 3).split()
-
-
-def _docs(n: int, seed: int = 0) -> list[str]:
-    rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(WORDS, size=int(rng.integers(40, 120)))) + f". Document {i}.\n" for i in range(n)]
 
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     out = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    return train_bpe(_docs(200), 400, out)
+    return train_bpe(documents(200), 400, out)
 
 
 def test_a_trained_bpe_round_trips_text_and_names_its_end_of_text(bpe, tmp_path):
@@ -46,10 +40,10 @@ def test_a_trained_bpe_round_trips_text_and_names_its_end_of_text(bpe, tmp_path)
     assert bpe.decode(ids) == text and bpe.vocab_size == 400 and bpe.eot_id == 0
     # a folder holding tokenizer.json (as save_pretrained writes it) is the same tokenizer, same digest
     assert load_tokenizer(str(bpe.json_path().parent)).digest == bpe.digest
-    other = train_bpe(_docs(200, seed=1), 300, tmp_path / "other.json")
+    other = train_bpe(documents(200, seed=1), 300, tmp_path / "other.json")
     assert other.digest != bpe.digest and other.vocab_size == 300
     with pytest.raises(TokenizerError, match="at least 258"):
-        train_bpe(_docs(2), 100, tmp_path / "x.json")
+        train_bpe(documents(2), 100, tmp_path / "x.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="not a Hugging Face tokenizer.json"):
         load_tokenizer(str(tmp_path / "bad.json"))
@@ -58,7 +52,7 @@ def test_a_trained_bpe_round_trips_text_and_names_its_end_of_text(bpe, tmp_path)
 
 
 def test_jsonl_and_gzip_documents_stream_with_clear_errors(tmp_path):
-    docs = _docs(5)
+    docs = documents(5)
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(docs[:3])))
     with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as f:
         f.write("".join(json.dumps({"body": d}) + "\n\n" for d in docs[3:]))
@@ -82,7 +76,7 @@ def test_units_cut_at_line_ends_and_keep_every_character():
 
 
 def test_prepared_shards_pack_documents_and_read_back_by_memmap(bpe, tmp_path):
-    docs = _docs(60)
+    docs = documents(60)
     index = prepare(iter(docs), bpe, tmp_path / "p", val_fraction=0.1, shard_tokens=500)
     train, val = index["splits"]["train"], index["splits"]["val"]
     assert index["dtype"] == "uint16" and len(train["shards"]) > 3  # 500-token files
@@ -103,7 +97,7 @@ def test_prepared_shards_pack_documents_and_read_back_by_memmap(bpe, tmp_path):
 
 
 def test_a_prepared_folder_refuses_another_tokenizer_and_a_cut_shard(bpe, tmp_path):
-    prepare(iter(_docs(40)), bpe, tmp_path / "p", val_fraction=0.1)
+    prepare(iter(documents(40)), bpe, tmp_path / "p", val_fraction=0.1)
     with pytest.raises(DataError, match=r"was tokenized with .*tokenizer.json.*pass --tokenizer"):
         Corpus.from_spec(str(tmp_path / "p"), 32, tokenizer=byte_tokenizer())
     shard = tmp_path / "p" / "train-00000.bin"
@@ -161,7 +155,7 @@ def test_presets_have_openDiLoCo_shapes_and_split_into_stages(preset):
 
 def test_a_tiny_model_learns_bpe_tokens_from_prepared_shards(bpe, tmp_path):
     """In-process: the text workload on prepared shards; validation loss (nats/token and bits/byte) falls."""
-    prepare(iter(_docs(300)), bpe, tmp_path / "p")
+    prepare(iter(documents(300)), bpe, tmp_path / "p")
     w = make_workload("tiny", str(tmp_path / "p"), None, None, 2, tokenizer=bpe)
     model = w.build(seed=0, stage_index=0, num_stages=1)
     assert model.lm_head.out_features == 400
@@ -180,7 +174,7 @@ def test_a_tiny_model_learns_bpe_tokens_from_prepared_shards(bpe, tmp_path):
 
 
 def test_ctl_trains_a_tokenizer_and_prepares_data(tmp_path, capsys):
-    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(80)))
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(80)))
     tok = tmp_path / "tok" / "tokenizer.json"
     assert ctl.main(["tokenizer", "train", str(tmp_path / "c.jsonl"), "--vocab-size", "300", "-o", str(tok)]) == 0
     assert "300 ids" in capsys.readouterr().out
@@ -211,8 +205,8 @@ def test_the_tokenizer_joins_the_swarm_settings(bpe, tmp_path):
 @pytest.mark.integration
 @pytest.mark.swarm  # 44 s: test-swarm (make test's budget)
 def test_a_joiner_with_another_tokenizer_refuses_and_one_with_ours_trains_along(bpe, tmp_path):
-    prepare(iter(_docs(300)), bpe, tmp_path / "data")
-    other = train_bpe(_docs(100, seed=3), 300, tmp_path / "other.json")
+    prepare(iter(documents(300)), bpe, tmp_path / "data")
+    other = train_bpe(documents(100, seed=3), 300, tmp_path / "other.json")
     args = FAST + ["--run-id", "tok", "--checkpoint-every", "1", "--tokenizer", str(bpe.json_path()),
                    "--data", str(tmp_path / "data")]
     a = start(tmp_path, "a", args)
@@ -255,7 +249,7 @@ def test_parquet_saved_datasets_and_hf_specs_stream_their_text_field(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    docs = _docs(30)
+    docs = documents(30)
     (tmp_path / "pq").mkdir()
     for k in range(3):
         pq.write_table(pa.table({"content": docs[10 * k:10 * k + 10], "n": list(range(10))}),

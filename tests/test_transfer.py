@@ -9,22 +9,12 @@ import torch
 from dilocox.daemon.transfer import StateTransfer
 from dilocox.peers.deadlines import LinkEstimate
 
-from tests.test_rounds import FakeProgress, state  # noqa: F401 (pytest fixture)
+from tests.fakes.progress import FakeProgress
+from tests.fakes.records import Record
+from tests.fakes.transfer import transfer_for
 
 
-class Record:
-    """A member's published progress (the MemberRecord fields validate() reads)."""
-
-    def __init__(self, peer_id, outer_step, digest, state="TRAINING"):  # noqa: F811
-        self.peer_id, self.outer_step, self.global_params_digest, self.state = peer_id, outer_step, digest, state
-
-
-def transfer_for(state, others=None):  # noqa: F811
-    others = [Record("donor", state.outer_step, state.digest)] if others is None else others
-    return StateTransfer(state.cfg, state, FakeProgress(others), lambda: ("TRAINING", 3), lambda: False)
-
-
-def test_donor_serves_one_joiner_per_short_window(state):  # noqa: F811
+def test_donor_serves_one_joiner_per_short_window(state):
     state.snapshot()
     t = transfer_for(state)
     meta, tensors = t.serve()
@@ -49,7 +39,7 @@ class FakeServingAverager:
         return self.whole_streams
 
 
-def test_a_donor_serves_the_next_joiner_as_soon_as_the_last_stream_ended(state):  # noqa: F811
+def test_a_donor_serves_the_next_joiner_as_soon_as_the_last_stream_ended(state):
     state.snapshot()
     t, averager = transfer_for(state), FakeServingAverager()
     t.attach(averager)
@@ -60,19 +50,19 @@ def test_a_donor_serves_the_next_joiner_as_soon_as_the_last_stream_ended(state):
     assert t.serve() == (None, [])  # a stream that broke off is not counted: the window holds again
 
 
-def served(state):  # noqa: F811
+def served(state):
     state.snapshot()
     meta, tensors = transfer_for(state).serve()
     return dict(meta), [x.clone() for x in tensors]
 
 
-def test_valid_state_passes(state):  # noqa: F811
+def test_valid_state_passes(state):
     meta, tensors = served(state)
     got = transfer_for(state).validate(meta, tensors)
     assert got.meta.outer_step == state.outer_step and len(got.theta) == len(state.outer.global_params)
 
 
-def test_a_state_no_members_record_holds_is_not_adopted(state):  # noqa: F811
+def test_a_state_no_members_record_holds_is_not_adopted(state):
     """A donor outside the swarm (not certified, or lying about who it is) can serve a self-consistent state;
     only one whose (outer step, digest) a member's signed record holds is adopted."""
     meta, tensors = served(state)
@@ -83,7 +73,7 @@ def test_a_state_no_members_record_holds_is_not_adopted(state):  # noqa: F811
             t.vouch(got.meta)
 
 
-def test_a_state_of_a_minority_lineage_is_not_adopted(state):  # noqa: F811
+def test_a_state_of_a_minority_lineage_is_not_adopted(state):
     """A split round left two thetas at one outer step: a re-sync adopts the one most live replicas hold, so a
     member of the minority that re-syncs from a lineage-mate (hivemind picks among donors at random) tries again."""
     meta, tensors = served(state)
@@ -110,7 +100,7 @@ def test_a_state_of_a_minority_lineage_is_not_adopted(state):  # noqa: F811
     (lambda m, t: m.update(outer_step=-1), "outer_step"),
     (lambda m, t: t.__setitem__(0, torch.zeros(3)), "shape"),
 ])
-def test_bad_state_is_rejected_with_a_reason(state, damage, message):  # noqa: F811
+def test_bad_state_is_rejected_with_a_reason(state, damage, message):
     meta, tensors = served(state)
     damage(meta, tensors)
     with pytest.raises(Exception) as err:
@@ -133,7 +123,7 @@ class FlakyAverager:
 
 
 @pytest.mark.timeout(60)
-def test_a_joiner_keeps_trying_and_says_why(state, monkeypatch):  # noqa: F811
+def test_a_joiner_keeps_trying_and_says_why(state, monkeypatch):
     """No donor serves twice, then one does: sync retries with backoff (slept, not spun), reports each
     attempt's reason, and joins; with --sync-deadline it gives up with the attempt count."""
     from dilocox.daemon import transfer as transfer_module
@@ -162,10 +152,10 @@ def test_a_joiner_keeps_trying_and_says_why(state, monkeypatch):  # noqa: F811
         t.sync(initial=False)
 
 
-def test_a_member_that_followed_a_round_rejoins_where_the_holders_of_its_theta_are(state):  # noqa: F811
+def test_a_member_that_followed_a_round_rejoins_where_the_holders_of_its_theta_are(state):
     """After applying the update most replicas applied (no download), the member skips to their inner step in the
     round they compute now; nobody holding our theta (they went further): no point, the next round sorts it out."""
-    from tests.test_consensus import Peer
+    from tests.fakes.records import Peer
 
     assert state.H == 2
     holders = [Peer("a", outer_step=state.outer_step, round=state.round, inner_step=0,
