@@ -48,6 +48,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 TUNSETIFF = 0x400454CA
 TUNSETOFFLOAD = 0x400454D0
@@ -247,7 +248,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def selftest(rates: list[float], delay_ms: float, jitter_ms: float, seconds: float, offload: bool = True) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tests.harness.netsim import NetSim
 
     for check in (NetSim.available, NetSim.delay_available):

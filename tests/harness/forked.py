@@ -37,7 +37,7 @@ import psutil
 
 IMAGE = "tests.harness.node_image"
 CLONE_NEWNET = 0x40000000  # linux/sched.h
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAUNCHER_POLL_S = 1.0  # how often a forked node looks whether the process that started it still runs
 ORPHAN_KILL_S = 120.0  # after its SIGTERM, an orphaned node that has not drained is SIGKILLed (its group)
 _CONTEXT = None

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 from dilocox.proto.dilocox.v1 import node_pb2, node_pb2_grpc
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # round outcomes (metrics.jsonl) that apply the swarm's update of a round: the group's, a majority's, a union's
 JOINT = ("applied", "adopted", "united")
