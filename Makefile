@@ -1,4 +1,4 @@
-# dilocox: make install | demo | lint | test | bench | compose-test | proto
+# dilocox: make install | demo | lint | check | test | bench | compose-test | proto
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-shared bench-quality-shared-16 bench-reducescatter bench-upload bench-upload-payloads bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
+.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-shared bench-quality-shared-16 bench-reducescatter bench-upload bench-upload-payloads bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -35,6 +35,11 @@ demo: install
 # ruff: pyflakes, pycodestyle and import order ([tool.ruff] in pyproject.toml)
 lint: install
 	$(VENV)/bin/ruff check .
+
+# the edit loop: the rules, codecs and fuzzers in-process, no processes (tests/noprocess.py fails a test that starts
+# one; such a test is marked integration or swarm and runs in make test); about 1.5 min on 2 cores
+check: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p tests.noprocess -m "not swarm and not integration" tests
 
 # unit tests, the fuzzers (100 cases each) and the swarm tests of the defaults, admission, SCAFFOLD, the
 # 12-node start and process ends (~11.5 min on 2 cores); test-swarm: the slower multi-process swarm tests,

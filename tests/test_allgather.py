@@ -66,6 +66,7 @@ def servers():
         yield [(peer_id, server) for peer_id, server, _ in out]
 
 
+@pytest.mark.integration
 def test_fetch_checks_length_and_digest(servers):
     (a_id, a), (b_id, b) = servers
     payload = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MiB: several pieces
@@ -88,6 +89,7 @@ def test_fetch_checks_length_and_digest(servers):
     assert "no contribution under key" in failed[a_id]
 
 
+@pytest.mark.integration
 def test_a_fetch_on_a_starved_event_loop_fails_with_a_reason_and_the_next_one_works(servers, monkeypatch):
     """Our transport's event loop does not answer within the fetch's timeout + 5 s (32 nodes on 2 cores): the fetch
     fails with a reason for every peer asked, instead of raising a bare TimeoutError (which ended a node)."""
@@ -108,6 +110,7 @@ def test_a_fetch_on_a_starved_event_loop_fails_with_a_reason_and_the_next_one_wo
     assert got == {a_id: b"x" * 100} and not failed
 
 
+@pytest.mark.integration
 def test_a_fetch_stops_waiting_once_the_round_went_on_without_us(servers):
     """A group-mate that left the round never serves its contribution: once ``stop()`` (the round's
     abandon rule) holds, the fetch gives up with RoundFailed instead of waiting out its deadline. Without
@@ -138,6 +141,7 @@ class GatheringAverager:
         return PhaseResult(codes, {**self.others, "me": gather}, 0.1, 0, 0)
 
 
+@pytest.mark.integration
 def test_a_sparse_round_whose_group_mate_never_serves_is_given_up_once_the_others_moved_on(servers):
     """The wiring of the rule above: a joiner's group waits its whole download cap (30 s here: no member has
     measured its link) for a mate that never serves; with the others gone from the round it gives up once its
@@ -159,6 +163,7 @@ def test_a_sparse_round_whose_group_mate_never_serves_is_given_up_once_the_other
         a.offer_wait_s = 1.0
 
 
+@pytest.mark.integration
 def test_a_sparse_round_cancelled_while_it_downloads_ends_them_after_the_cancel_grace(servers):
     """We leave (the round's ``cancel`` is set) while a group-mate never serves: the downloads end CANCEL_GRACE_S
     later, not at the mate's refusal (20 s here), so the node can exit (compose stop kills 10 s after SIGTERM)."""
@@ -212,6 +217,7 @@ def test_after_asks_nothing_until_its_delay_has_passed(monkeypatch):
     assert seen == [False, False, False, True, True] and calls == [110, 115]  # no DHT read before the delay
 
 
+@pytest.mark.integration
 def test_a_contribution_asked_for_before_it_is_offered_is_served_once_it_is(servers):
     """A group-mate whose compute ended first asks while we still encode: the request waits for our offer
     (up to offer_wait_s) instead of failing, which would make members drop different contributions."""
@@ -227,6 +233,7 @@ def test_a_contribution_asked_for_before_it_is_offered_is_served_once_it_is(serv
         a.offer_wait_s = 1.0
 
 
+@pytest.mark.integration
 def test_a_stream_cut_part_way_is_asked_for_again(servers, monkeypatch):
     """hivemind ends a stream whose connection broke as if it were complete: the first piece states the whole
     length, so a short download of an unannounced (early-round) payload is fetched again, not used short."""
@@ -251,6 +258,7 @@ def test_a_stream_cut_part_way_is_asked_for_again(servers, monkeypatch):
     assert got == {a_id: payload} and not failed and calls == ["cut", "cut"]
 
 
+@pytest.mark.integration
 def test_a_peer_serving_other_bytes_than_it_announced_is_caught(servers):
     (a_id, a), (b_id, b) = servers
     payload = b"honest contribution" * 100
@@ -259,6 +267,7 @@ def test_a_peer_serving_other_bytes_than_it_announced_is_caught(servers):
     assert "do not match the digest" in failed[b_id]
 
 
+@pytest.mark.integration
 def test_old_offers_are_forgotten(servers):
     (a_id, a), (b_id, b) = servers
     for k in range(6):
@@ -269,6 +278,7 @@ def test_old_offers_are_forgotten(servers):
     assert got == {a_id: b"x"}
 
 
+@pytest.mark.integration
 def test_offers_beyond_the_byte_budget_are_forgotten_oldest_first_but_the_newest_stays(servers):
     (a_id, a), (b_id, b) = servers
     a.max_bytes = 10  # the catch-up server's budget: a state download's bytes (daemon/node.py)
@@ -291,6 +301,7 @@ def trio():
         yield out
 
 
+@pytest.mark.integration
 def test_a_contribution_nobody_can_dial_comes_through_a_relay_and_a_failed_dial_is_remembered(trio):
     (a_id, a, _), (b_id, b, _), (c_id, c, _), (gone_id, gone, gone_dht) = trio
     payload = b"a client's contribution" * 5000
@@ -331,6 +342,7 @@ def test_a_contribution_nobody_can_dial_comes_through_a_relay_and_a_failed_dial_
         b.left = None
 
 
+@pytest.mark.integration
 def test_an_empty_stream_is_asked_for_again_then_dropped_with_its_reason(trio):
     (a_id, a, _), (_, b, _) = trio[0], trio[1]
     a.offer("empty", b"")  # what a cut stream looks like to hivemind's reader: no bytes, no error

@@ -15,6 +15,8 @@ import pytest
 from tests.harness.forked import ForkedProcess
 from tests.helpers import FAST, LocalNode, node_env, start
 
+pytestmark = pytest.mark.integration  # hivemind peers (p2pd) or node processes: make test, not make check
+
 REPO = Path(__file__).resolve().parents[1]
 
 

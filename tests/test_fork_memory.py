@@ -11,6 +11,7 @@ import gc
 import multiprocessing as mp
 from pathlib import Path
 
+import pytest
 from dilocox.peers import lifecycle
 
 OBJECTS = 500_000  # lists (dicts of ints are not tracked): about 45 MB of pages with a header each
@@ -46,6 +47,7 @@ def _collected_in_child(freeze: bool) -> float:
         gc.unfreeze()
 
 
+@pytest.mark.integration
 def test_before_fork_keeps_the_parents_objects_shared_through_a_childs_collection():
     unfrozen, frozen = _collected_in_child(False), _collected_in_child(True)
     assert unfrozen > 20, f"the probe did not dirty the inherited pages ({unfrozen:.1f} MB): it tests nothing"

@@ -139,6 +139,7 @@ def test_status_context_reads_the_board(stream):
     assert (after["peer_id"], after["state"], after["outer_step"], after["inner_step"]) == ("QmPeer", "TRAINING", 5, 17)
 
 
+@pytest.mark.integration
 def test_status_context_is_empty_in_a_forked_child():
     """hivemind forks its children: the board's lock there may be a held copy, so the context must not touch it."""
     context = status_context(StatusBoard(peer_id="QmPeer"))

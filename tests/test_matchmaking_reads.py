@@ -15,6 +15,8 @@ from dilocox.peers.identity import load_or_create_identity
 from dilocox.peers.swarm import GROUP_READ_INTERVAL_S, Swarm
 from hivemind.utils import get_dht_time
 
+pytestmark = pytest.mark.integration  # hivemind peers (p2pd) or node processes: make test, not make check
+
 
 @pytest.fixture
 def swarm(tmp_path):

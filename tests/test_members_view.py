@@ -14,6 +14,8 @@ from dilocox.peers.identity import load_or_create_identity
 from dilocox.peers.records import MemberRecord
 from dilocox.peers.swarm import Swarm
 
+pytestmark = pytest.mark.integration  # hivemind peers (p2pd) or node processes: make test, not make check
+
 
 class PartialReads:
     """The real DHT, except that reads (searching, and direct) answer an empty dictionary while ``hide`` is set."""

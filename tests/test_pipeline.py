@@ -76,6 +76,7 @@ def _stage_worker(rank: int, world: int, store_path: str, out_path: str, tokens)
         dist.destroy_process_group()
 
 
+@pytest.mark.integration
 def test_two_stages_follow_the_one_stage_trajectory(tmp_path):
     """Same seed and data: S = 2 (1F1B over gloo, 2 microbatches) matches S = 1 over 3 outer steps."""
     corpus_file = tmp_path / "text.txt"

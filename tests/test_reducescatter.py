@@ -29,6 +29,8 @@ from dilocox.shared_index import (
 from dilocox.shared_round import SharedCompressor
 from tests.helpers import peers_on_loopback
 
+pytestmark = pytest.mark.integration  # hivemind peers (p2pd) or node processes: make test, not make check
+
 CFG = SharedIndexConfig(chunk=256, topk=32, bits=2, result_bits=4, selection="union")
 N = 5000  # 20 chunks, the last one short
 

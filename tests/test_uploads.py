@@ -68,6 +68,7 @@ def test_collect_stops_waiting_for_a_peer_that_left_and_still_waits_for_the_othe
     assert got == {"a": b"x"} and "left mid-round" in missing["d"] and time.monotonic() - began < 1.0
 
 
+@pytest.mark.integration
 def test_an_upload_goes_with_its_request_and_bad_ones_are_refused_while_the_server_keeps_serving():
     with peers_on_loopback(2, "test_uploads") as peers:
         (a_id, a, _), (b_id, b, _) = peers
