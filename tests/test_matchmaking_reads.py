@@ -1,4 +1,4 @@
-"""SupervisedDHT paces matchmaking's reads of a group key (peers/swarm.py).
+"""SupervisedDHT paces matchmaking's reads of a group key (peers/dht.py).
 
 hivemind's matchmaking re-reads its group key after every look at its leader queue; a leader waiting
 for its declared time did that once per DHT round trip, about 1 MB per node and round at 10 Mbit/s
@@ -11,8 +11,9 @@ import asyncio
 import time
 
 import pytest
+from dilocox.peers.dht import GROUP_READ_INTERVAL_S
 from dilocox.peers.identity import load_or_create_identity
-from dilocox.peers.swarm import GROUP_READ_INTERVAL_S, Swarm
+from dilocox.peers.swarm import Swarm
 from hivemind.utils import get_dht_time
 
 pytestmark = pytest.mark.integration  # hivemind peers (p2pd) or node processes: make test, not make check

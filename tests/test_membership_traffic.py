@@ -17,9 +17,10 @@ import threading
 import time
 
 import pytest
+from dilocox.peers.dht import MEMBER_READ_BEAM, MEMBER_REPLICAS
 from dilocox.peers.identity import load_or_create_identity
 from dilocox.peers.records import MemberRecord
-from dilocox.peers.swarm import MEMBER_READ_BEAM, MEMBER_REPLICAS, Swarm, wait_for
+from dilocox.peers.swarm import Swarm, wait_for
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 
@@ -151,7 +152,7 @@ def test_a_publish_and_a_read_ask_a_few_dht_peers_and_the_read_finds_the_record(
 def test_matchmaking_and_state_sharing_keys_ask_a_few_dht_peers(plain_nodes, tmp_path):
     """hivemind's averagers store and read a group key (matchmaking) and ``{prefix}.all_averagers`` (who serves
     state) through our DHT: each peer asked answers with every averager's entry, so these go to as few peers as
-    the membership records do (peers/swarm.py, SupervisedDHT). hivemind's default beam would ask all 9."""
+    the membership records do (peers/dht.py, SupervisedDHT). hivemind's default beam would ask all 9."""
     from hivemind.utils import get_dht_time
 
     nodes, maddrs, _ = plain_nodes
@@ -188,7 +189,7 @@ def test_matchmaking_and_state_sharing_keys_ask_a_few_dht_peers(plain_nodes, tmp
 
 def test_matchmaking_reads_and_declarations_after_the_first_go_straight_to_the_nearest(plain_nodes, tmp_path):
     """After the first search of a group key, hivemind's matchmaking reads of it ask one of the MEMBER_REPLICAS
-    nearest holders in turn and its declarations store straight on the nearest (peers/swarm.py, SupervisedDHT;
+    nearest holders in turn and its declarations store straight on the nearest (peers/dht.py, SupervisedDHT;
     peers/nearstore.py, ``read_latest``, ``store_near``), and a read still sees every declaration: a search asked 3
     (read) or 5 (store) peers, each answering with every averager's entry, every GROUP_READ_INTERVAL_S."""
     from hivemind.utils import get_dht_time
