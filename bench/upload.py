@@ -21,7 +21,7 @@ the first) and whether every node ended with one theta.
 
 Nodes are forked from one shared image into their namespaces (``--launch forked``, tests/harness/forked.py: the same
 daemon, so the same bytes; a fraction of the memory, which lets 32 hosts fit in 24 GB) or started as
-one interpreter each under ``ip netns exec`` (``--launch interpreter``, the runs before 2026-12-01).
+one interpreter each under ``ip netns exec`` (``--launch interpreter``).
 
 Results: runs/bench/upload.{json,png} and a printed table. ``--plot-from A/upload.json B/upload.json`` runs
 nothing and draws one table and PNG from earlier runs (docs/img/upload-shared.png). Where rows of one k and

@@ -1,7 +1,7 @@
 """Logging set-up for dilocox-node: today's text lines, or one JSON object per line for log shippers.
 
 ``configure_logging("info", "json", status_context(board))`` makes every record a line such as
-``{"time": "2025-01-31T12:00:00.123Z", "level": "INFO", "logger": "dilocox.daemon.node", "message": "...",
+``{"time": "YYYY-MM-DDTHH:MM:SS.mmmZ", "level": "INFO", "logger": "dilocox.daemon.node", "message": "...",
 "peer_id": "Qm...", "state": "TRAINING", "outer_step": 12, "inner_step": 40}``.
 """
 

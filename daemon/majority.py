@@ -45,7 +45,7 @@ from dilocox.union import UnionError, unite
 logger = logging.getLogger(__name__)
 POLL_S = 0.25
 FRESH_S = 0.5  # the result-digest exchange's last read (moments before resolve) serves resolve's first poll: a
-# read of its own, 0.2-0.35 s later, was 0.7 of a node's 5.7 reads a round at 16 nodes (2026-12-03). The first poll
+# read of its own, 0.2-0.35 s later, was 0.7 of a node's 5.7 reads a round at 16 nodes (bench.upload). The first poll
 # also takes that read when it is older (ProgressTracker.exchanged_at): with 32 nodes on 2 cores, or 25 M values
 # whose result this member offers first, the steps before it took longer, and it read again once a round
 FETCH_SHARE = 0.25  # of wait_s: the least time a union has to fetch the other groups' results

@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 BLOCK = 1 << 14  # leaves of one pairwise tree (module docstring); part of the determinism contract
-# bumped whenever the rules' bits change (2: the fixed pairwise tree replaced math.fsum norms, 2026-11-26): part of
+# bumped whenever the rules' bits change (2: norms summed by the fixed pairwise tree, not math.fsum): part of
 # the swarm settings, so nodes whose aggregates would differ in the last bits refuse to share a swarm
 RULES_VERSION = 2
 _KEEP = 64  # halving levels below this width run once over all blocks' partial sums (same tree, fewer calls)

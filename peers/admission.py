@@ -134,7 +134,7 @@ def canonical_json(value: Any) -> bytes:
 
 
 def iso_utc(seconds: float) -> str:
-    """``2026-11-20T10:00:00Z`` for unix seconds."""
+    """Unix seconds as ISO 8601 UTC, ``YYYY-MM-DDTHH:MM:SSZ``."""
     return datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 

@@ -75,7 +75,7 @@ async def learn_nearest(node, key: str, replicas: int, beam_size: int) -> int:
 
     hivemind's searching ``get`` and ``store`` walk with ``rpc_find`` on the key itself, and every peer asked that
     holds the key answers with its whole dictionary: for the members key, every member's signed record (11 KB at 16
-    nodes, 21 KB at 32), and a search got about 4 such answers (bench.upload with per-RPC byte counts, 2026-12-02:
+    nodes, 21 KB at 32), and a search got about 4 such answers (bench.upload with per-RPC byte counts,
     at 16 nodes, 25 M values, about half of the members key's find bytes came from searches). This walk asks for the
     key id with its lowest bit flipped (``DHTNode.find_nearest_nodes``, hivemind's public traversal): no peer holds a
     value there, and the peers nearest that id are the ones nearest the key (XOR distances to the two differ by at
@@ -138,7 +138,7 @@ async def read_near(_dht, node, key: str, replicas: int, turn: int = 0, search: 
 
     Every holder answers with the whole dictionary, so asking all ``replicas`` at once cost that many copies of every
     record per read: at 16 nodes the members key's answers were as many bytes as the contributions themselves
-    (bench.upload with per-RPC byte counts, 2026-12-02). A caller that turns ``turn`` from read to read sees each
+    (bench.upload with per-RPC byte counts). A caller that turns ``turn`` from read to read sees each
     holder in turn; a record a holder missed is seen at the next (``Swarm.members`` keeps the newest of each).
 
     hivemind's ``DHTNode.get`` walks the DHT towards the key and every peer on the way that holds the key answers with

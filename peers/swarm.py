@@ -209,8 +209,8 @@ class Swarm:
         with self._lock:
             self._store_binding()
             self._traffic["publishes"] += 1
-            # our own reads see our new record at once, without a DHT read (before 2026-12-01 each publish made
-            # the next read go to the DHT: reads at least as many as publishes, each every member's record)
+            # our own reads see our new record at once, without a DHT read: otherwise each publish would send the
+            # next read to the DHT (reads at least as many as publishes, each every member's record)
             self._seen[self.public_key] = ValueWithExpiration(value, expiration)
             for search in self._schedule.attempts(self.key):
                 self._traffic["searches"] += search

@@ -16,7 +16,7 @@ and round) and badsfl.png (BTA and PTA per round per setting).
 Defenses: ``cclip-nb2``: centered-clip + norm bound 2 on the pseudo-gradients (dc still averaged plainly);
 ``nb2``: norm bounding alone (mean); ``derived``: c derived from the aggregate (no dc channel: the daemon);
 ``c-decay``: c <- 0.8 c after every update; ``default`` (the daemon's for --outer-algorithm scaffold): derived c +
-norm bound 2 + mean; ``derived-cclip-nb2``: derived c + norm bound 2 + centered-clip (the default until 2026-11-24:
+norm bound 2 + mean; ``derived-cclip-nb2``: derived c + norm bound 2 + centered-clip (the earlier default:
 it cost about 4 points of clean accuracy over 3 seeds, docs/security.md). The published baselines the BadSFL
 paper compares against (defenses.py): ``flame`` (FLAME), ``dp-prune`` (weak DP, then pruning of the deployed
 model), ``sparsefed`` (SparseFed's clipped server-side top-k).
@@ -39,7 +39,7 @@ from bench.attacks.badsfl.sim import FederatedData, Setting, SimConfig, pretrain
 
 OUT = Path("runs/bench")
 DEFAULT_DEFENSE = dict(c_mode="derived", norm_bound=2.0)  # the daemon's for --outer-algorithm scaffold (mean)
-OLD_DEFAULT = dict(c_mode="derived", rule="centered-clip", norm_bound=2.0)  # the default until 2026-11-24
+OLD_DEFAULT = dict(c_mode="derived", rule="centered-clip", norm_bound=2.0)  # the earlier default
 SETTINGS = [
     *[Setting(f"fedavg{'' if a == 'none' else '+' + a}", algorithm="fedavg", attack=a)
       for a in ("none", "blackbox", "neurotoxin", "badsfl")],
