@@ -31,21 +31,23 @@ from dilocox import exact_mean
 from dilocox.compression import CompressionConfig, Compressor
 from dilocox.data import Corpus, ReplicaShard, validation_batches
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
+from dilocox.experimental.overlap import ExperimentalSchedule
+from dilocox.experimental.resparsify import reencode, residual
+from dilocox.experimental.selections import (
+    index_bytes,
+    leader_rank,
+    random_positions,
+    reduce_by_range,
+    union_positions,
+)
 from dilocox.model import ModelSpec
-from dilocox.overlap import OuterSchedule
-from dilocox.resparsify import reencode, residual
 from dilocox.shared_index import (
     ReducerFeedback,
     Selection,
     SharedIndexConfig,
     SharedIndexMember,
-    index_bytes,
     leader_positions,
-    leader_rank,
-    random_positions,
     reduce,
-    reduce_by_range,
-    union_positions,
     value_range,
     values_bytes,
 )
@@ -106,8 +108,9 @@ def _overlapped(name: str, delay: str, lr: tuple[float, float] = (2.5, 4.5), fp3
 
 
 def _cut(suffix: str, budget: int, lr: tuple[float, float] = (2.5, 4.5), **kw) -> Method:
-    """The default row (``DEFAULT``) with its aggregate cut to ``budget`` x topk per chunk (dilocox/resparsify.py);
-    ``lr``: the outer lr ramp's ends; named "sparse-k128r-a{lr0}-{lr1}-b0.9-cc-{suffix}"."""
+    """The default row (``DEFAULT``) with its aggregate cut to ``budget`` x topk per chunk
+    (dilocox/experimental/resparsify.py); ``lr``: the outer lr ramp's ends; named
+    "sparse-k128r-a{lr0}-{lr1}-b0.9-cc-{suffix}"."""
     return _sgd(f"sparse-k128r-a{lr[0]}-{lr[1]}-b0.9-cc-{suffix}", "sparse", lr[0], outer_lr_final=lr[1],
                 sparse=SparseConfig(topk=128, rice=True, beta=0.9), aggregation="centered-clip", norm_bound=2.0,
                 resparsify=budget, **kw)
@@ -188,7 +191,8 @@ METHODS = {m.name: m for m in [
     *[_overlapped(f"D-{d}-local-code", d, proxy="local") for d in ("tau1", "tau3", "tau20")],
     *[_overlapped(f"fp32-{d}", d, fp32=True) for d in ("tau1", "tau3", "tau10")],
     _overlapped("fp32-delayed-local-code", "delayed", fp32=True, proxy="local"),
-    # the default with its aggregate re-sparsified (dilocox/resparsify.py): what a reduce-scatter would apply
+    # the default with its aggregate re-sparsified (dilocox/experimental/resparsify.py): what a reduce-scatter
+    # would apply
     *[_cut(f"gtopk{b}" + (f"-{bits}bit" if bits else ""), b, resparsify_bits=bits) for b in (1, 2) for bits in (0, 8)],
     _cut("gtopk2-whole", 2, restore_whole=True),
     *[_cut("gtopk2", 2, lr) for lr in ((3.1, 5.6), (3.75, 6.75))],  # the ramp x 1.25, x 1.5
@@ -263,7 +267,7 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
     inners = [InnerLoop(m, inner_cfg) for m in modules]
     outer = OuterOptimizer(inners[0].params, method.outer_lr, method.outer_momentum, method.nesterov,
                            method.outer_lr_final, ramp_steps=outer_steps)  # the daemon's: total steps / H
-    schedules = [OuterSchedule(outer, method.overlap, method.proxy, method.merge, method.mix) for _ in inners]
+    schedules = [ExperimentalSchedule(outer, method.overlap, method.proxy, method.merge, method.mix) for _ in inners]
     # replica r draws what a node started with --seed SEED --data-seed r draws (daemon/replica_state.py)
     shards = [ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, seed, r) for r in range(replicas)]
     shapes = [tuple(p.shape) for p in outer.global_params]
@@ -343,7 +347,7 @@ def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_boun
     """The group's mean pseudo-gradient as every member computes it, each replica's own contribution as
     the group decodes it, one member's payload bytes, and the bytes a member uploads per round (mean over
     members): (k - 1) x payload in an all-gather; (payload + result) x (k - 1) / k when the aggregate is
-    re-sparsified, as a reduce-scatter over chunk ranges would send (dilocox/resparsify.py); 2 x payload x
+    re-sparsified, as a reduce-scatter over chunk ranges would send (dilocox/experimental/resparsify.py); 2 x payload x
     (k - 1) / k per phase in hivemind's butterfly all-reduce."""
     weights = [float(inner_steps)] * len(deltas)
     shapes = [tuple(p.shape) for p in outer.global_params]

@@ -19,10 +19,10 @@ theta_t. The *delay* tau is the number of inner steps of round t+1 computed befo
 
 The schedule does not count steps: the caller calls ``merge`` when its rule says so.
 
-Merge rules (x: local parameters, s: x when round t+1 began, u = x - s: the tau steps' progress):
-  * ``rebase`` **(ours: exact re-base)**: x <- theta_t + u. Every inner step's progress is sent exactly
-    once; with tau = 0 this is synchronous DiLoCo, with tau = H DiLoCoX's one-step delay;
-  * ``mix``: x <- a x + (1 - a) theta_t (Streaming DiLoCo's merge, a = ``mix`` = 0.5 there).
+The merge (x: local parameters, s: x when round t+1 began, u = x - s: the tau steps' progress) is an
+exact re-base **(ours)**: x <- theta_t + u. Every inner step's progress is sent exactly once; with tau = 0
+this is synchronous DiLoCo, with tau = H DiLoCoX's one-step delay. (Streaming DiLoCo's ``mix`` merge,
+measured by bench/quality.py alone, is dilocox/experimental/overlap.py's.)
 
 Proxies (``proxy``) choose s, the local start of round t+1 while Delta_t is in flight; theta itself
 (what every replica holds, digests, serves and checkpoints) is never touched, so replicas stay
@@ -30,9 +30,9 @@ bit-identical **(ours)**. ``own`` is the caller's stand-in for this replica's sh
 contribution as the group decodes it, its raw pseudo-gradient, or the error-feedback-corrected one:
   * ``none``:  s = x (the local trajectory goes on);
   * ``local``: s = outer_optimizer.lookahead(theta_{t-1}, own): a lookahead that the merge undoes
-    (``rebase`` replaces s by theta_t), as Psyche's DisTrO does while its all-gather is in flight;
-  * ``eager``: the same with g = Delta_{t-1} + (own_t - own_{t-1}) / M (M: last group size): Eager
-    Updates' mix of our fresh share with the others' latest mean.
+    (the re-base replaces s by theta_t), as Psyche's DisTrO does while its all-gather is in flight.
+
+(Eager Updates' ``eager`` proxy, measured by bench/quality.py alone, is dilocox/experimental/overlap.py's.)
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ import torch
 from dilocox.diloco import OuterOptimizer
 
 Overlap = Literal["none", "delayed", "adaptive"]
-Proxy = Literal["none", "local", "eager"]
-Merge = Literal["rebase", "mix"]
-OVERLAPS, PROXIES, MERGES = ("none", "delayed", "adaptive"), ("none", "local", "eager"), ("rebase", "mix")
+Proxy = Literal["none", "local"]
+OVERLAPS, PROXIES = ("none", "delayed", "adaptive"), ("none", "local")
 
 
 class OuterSchedule:
@@ -54,26 +53,20 @@ class OuterSchedule:
 
     ``round_start`` (CPU fp32, one copy of the parameters) is x when the round began, until ``merge``
     makes it theta. All tensors are CPU fp32 except ``local_params`` (the model's parameters, any device).
-    Raises ValueError for an unknown ``overlap``, ``proxy`` or ``merge``, or ``mix`` outside [0, 1].
+    Raises ValueError for an unknown ``overlap`` or ``proxy`` (one of ``proxies``).
     """
 
-    def __init__(self, outer: OuterOptimizer, overlap: Overlap = "none", proxy: Proxy = "none",
-                 merge: Merge = "rebase", mix: float = 0.5):
+    proxies: tuple[str, ...] = PROXIES
+
+    def __init__(self, outer: OuterOptimizer, overlap: Overlap = "none", proxy: Proxy = "none"):
         if overlap not in OVERLAPS:
             raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
-        if proxy not in PROXIES:
-            raise ValueError(f"proxy must be one of {PROXIES}, got {proxy!r}")
-        if merge not in MERGES:
-            raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
-        if not 0.0 <= mix <= 1.0:
-            raise ValueError(f"mix must be in [0, 1], got {mix!r}")
-        self.outer, self.overlap, self.proxy, self.merge_rule, self.mix = outer, overlap, proxy, merge, mix
+        if proxy not in self.proxies:
+            raise ValueError(f"proxy must be one of {self.proxies}, got {proxy!r}")
+        self.outer, self.overlap, self.proxy = outer, overlap, proxy
         self.overlapped = overlap != "none"
         self.round_start: list[torch.Tensor] = [p.clone() for p in outer.global_params]
         self.merged = True  # round_start is theta: the latest update is part of the local trajectory
-        self.last_mean: list[torch.Tensor] | None = None  # Delta of the last outer update (eager)
-        self.last_own: list[torch.Tensor] | None = None   # our share of the round before (eager)
-        self.group_size = 1
 
     @torch.no_grad()
     def begin_round(self, local_params: list[torch.Tensor]) -> None:
@@ -98,12 +91,9 @@ class OuterSchedule:
     def update_theta(self, averaged_pseudo_gradient: list[torch.Tensor], group_size: int = 1,
                      outer_step: Optional[int] = None) -> None:
         """theta <- outer_optimizer(theta, Delta) only; the local parameters are untouched (``merge``
-        folds theta in). ``group_size``: replicas in Delta (the eager proxy's M); ``outer_step``: the
-        step's index, for the outer learning-rate ramp (``OuterOptimizer.lr_at``)."""
+        folds theta in). ``group_size``: replicas in Delta (unused here; the experimental eager proxy's M);
+        ``outer_step``: the step's index, for the outer learning-rate ramp (``OuterOptimizer.lr_at``)."""
         self.outer.step(averaged_pseudo_gradient, outer_step)
-        if self.proxy == "eager":
-            self.last_mean = [g.to(torch.float32).clone() for g in averaged_pseudo_gradient]
-            self.group_size = max(1, group_size)
 
     @torch.no_grad()
     def rebase(self, local_params: list[torch.Tensor]) -> None:
@@ -118,18 +108,19 @@ class OuterSchedule:
 
     @torch.no_grad()
     def merge(self, local_params: list[torch.Tensor]) -> None:
-        """The latest theta lands in an overlapped round: x <- theta + (x - round_start) (``rebase``) or
-        x <- mix x + (1 - mix) theta (``mix``), and the round's pseudo-gradient is measured from theta
-        from now on. A second call in the same round does nothing."""
+        """The latest theta lands in an overlapped round: x <- theta + (x - round_start), and the round's
+        pseudo-gradient is measured from theta from now on. A second call in the same round does nothing."""
         if self.merged:
             return
         for p, theta, start in zip(local_params, self.outer.global_params, self.round_start):
-            if self.merge_rule == "rebase":  # theta + (x - s): exactly theta when no step was taken (tau = 0)
-                p.copy_(theta.to(p.device) + (p - start.to(p.device)))
-            else:
-                p.mul_(self.mix).add_(theta.to(p.device), alpha=1.0 - self.mix)
+            self.fold(p, theta, start)
             start.copy_(theta)
         self.merged = True
+
+    def fold(self, p: torch.Tensor, theta: torch.Tensor, start: torch.Tensor) -> None:
+        """One tensor's merge, in place on ``p`` (the parameter, any device; ``theta`` and ``start`` CPU fp32):
+        x <- theta + (x - start). dilocox/experimental/overlap.py's schedule changes the rule."""
+        p.copy_(theta.to(p.device) + (p - start.to(p.device)))  # exactly theta when no step was taken (tau = 0)
 
     @torch.no_grad()
     def start_from_proxy(self, local_params: list[torch.Tensor], own: list[torch.Tensor]) -> bool:
@@ -145,10 +136,5 @@ class OuterSchedule:
         return True
 
     def _proxy_start(self, own: list[torch.Tensor]) -> list[torch.Tensor]:
-        g = own
-        if self.proxy == "eager":
-            if self.last_mean is not None and self.last_own is not None:
-                m = self.group_size
-                g = [d + (c - c_prev) / m for d, c, c_prev in zip(self.last_mean, own, self.last_own)]
-            self.last_own = [c.clone() for c in own]
-        return self.outer.lookahead(g)
+        """The proxy's start from ``own`` (CPU fp32): the lookahead (a subclass's proxy may differ)."""
+        return self.outer.lookahead(own)

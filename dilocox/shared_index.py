@@ -2,14 +2,14 @@
 
 Why: with top-k chosen by each member, the group's aggregate holds up to k x topk values per chunk, so
 a reduce-scatter (each range's reducer aggregates that range, then the results are all-gathered) must
-cut its result back, and the cut costs quality (dilocox/resparsify.py, docs/algorithms.md
+cut its result back, and the cut costs quality (dilocox/experimental/resparsify.py, docs/algorithms.md
 "Re-sparsified aggregates"). If every member sends values at one index set P, the aggregate lives on P
 too: the reducers need no cut, and a member uploads about (V + R + I) x (k - 1) / k per round, with V
 its values, R a result range's bytes and I the index set relayed once, whatever k is.
 
 Selections (``Selection``):
 
-* ``leader``: the round's leader (``leader_rank``: members in sorted peer-id order, rotating by outer
+* ``leader``: the round's leader (members in sorted peer-id order, rotating by outer
   step) takes the top-k |values| of each chunk of its error-feedback-corrected pseudo-gradient; the
   others use that index set. Cyclic local top-k (CLT-k), Chen et al., "ScaleCom: Scalable Sparsified
   Gradient Compression for Communication-Efficient Distributed Training", NeurIPS 2020, arXiv
@@ -22,6 +22,9 @@ Selections (``Selection``):
 * ``random``: topk positions per chunk drawn from a generator seeded by (seed, outer step): random-k
   with a shared seed, so no index bytes at all (I = 0), and values spend the bytes indices would.
 
+The daemon runs ``union``. The leader's rotation, the random draw, the union computed in one place and the
+reduction by ranges are measured by bench/quality.py alone: dilocox/experimental/selections.py.
+
 Per member r and round, with e_r its fp32 error-feedback buffer (as dilocox/sparse/):
 
     m_r <- beta e_r + delta_r;   v_r <- Q_bits(m_r[P]) per chunk;   e_r <- m_r - scatter(P, v_r)
@@ -29,7 +32,7 @@ Per member r and round, with e_r its fp32 error-feedback buffer (as dilocox/spar
     e_r[P] <- e_r[P] + (A - applied)   for every member (the result's quantization error)
 
 For the weighted mean, mean_r(what each e_r keeps) + applied = mean_r(m_r) exactly as in
-dilocox/resparsify.py: nothing is lost, only delayed (tests/test_shared_index.py).
+dilocox/experimental/resparsify.py: nothing is lost, only delayed (tests/test_shared_index.py).
 
 The last line needs the unquantized A at every member, which a reduce-scatter never sends. What a transport
 can do instead (``ReducerFeedback``): the result's quantization error stays with the reducer of its range,
@@ -110,14 +113,7 @@ class SharedIndexConfig:
         return self.contribution_config().rice_bits
 
 
-def leader_rank(outer_step: int, k: int) -> int:
-    """The leader's rank among the k members sorted by peer id: (outer_step - 1) mod k, so each leads in turn."""
-    if k < 1:
-        raise ValueError(f"a group has at least one member; got k={k}")
-    return (outer_step - 1) % k
-
-
-def _padded(flat: torch.Tensor, chunk: int) -> torch.Tensor:
+def padded_chunks(flat: torch.Tensor, chunk: int) -> torch.Tensor:
     """(nchunks, chunk) view of ``flat`` with the last chunk padded by -1 (below any |value|)."""
     n = flat.numel()
     out = torch.full((-(-n // chunk) * chunk,), -1.0)
@@ -125,7 +121,7 @@ def _padded(flat: torch.Tensor, chunk: int) -> torch.Tensor:
     return out.view(-1, chunk)
 
 
-def _flat_positions(local: torch.Tensor, n: int, chunk: int) -> np.ndarray:
+def flat_positions(local: torch.Tensor, n: int, chunk: int) -> np.ndarray:
     """(nchunks, topk) positions inside chunks -> sorted flat int64 positions below n."""
     local, _ = torch.sort(local, dim=1)
     flat = (local + torch.arange(local.shape[0]).unsqueeze(1) * chunk).reshape(-1).numpy().astype(np.int64)
@@ -140,21 +136,9 @@ def leader_positions(m: torch.Tensor, cfg: SharedIndexConfig) -> np.ndarray:
         raise ValueError("the leader's pseudo-gradient holds non-finite values")
     if m.numel() == 0:
         return np.zeros(0, dtype=np.int64)
-    chunks = _padded(m.abs(), cfg.chunk)
+    chunks = padded_chunks(m.abs(), cfg.chunk)
     local = torch.topk(chunks, min(cfg.topk, cfg.chunk), dim=1, sorted=False).indices
-    return _flat_positions(local, m.numel(), cfg.chunk)
-
-
-def union_positions(ms: Sequence[torch.Tensor], cfg: SharedIndexConfig) -> tuple[np.ndarray, int]:
-    """The union of every member's proposal, the ceil(topk / k) largest |values| of each chunk of its ``ms``
-    entry (flat fp32, beta e + delta), as sorted flat int64 positions, and the bytes of the k proposals as
-    Rice-coded index sets (``index_bytes``). Raises ValueError for no members or non-finite values."""
-    if not ms:
-        raise ValueError("no member to propose positions")
-    q = -(-cfg.topk // len(ms))
-    own = replace(cfg, topk=q, selection=Selection.LEADER)
-    proposals = [leader_positions(m, own) for m in ms]
-    return np.unique(np.concatenate(proposals)), sum(index_bytes(p, ms[0].numel(), own) for p in proposals)
+    return flat_positions(local, m.numel(), cfg.chunk)
 
 
 def proposal_config(cfg: SharedIndexConfig, k: int) -> SparseConfig:
@@ -248,30 +232,8 @@ def union_bytes(positions: np.ndarray, n: int, cfg: SharedIndexConfig, k: int) -
     return sum(len(encode_union(positions, *value_range(n, cfg.chunk, k, j))) for j in range(k))
 
 
-def random_positions(n: int, cfg: SharedIndexConfig, seed: int, outer_step: int) -> np.ndarray:
-    """topk positions per chunk drawn uniformly without replacement from torch's CPU generator seeded by
-    (seed, outer_step): the same on every member. Sorted flat int64 positions below n."""
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(outer_step)) % (1 << 63))
-    keys = _padded(torch.rand(n, generator=g), cfg.chunk)
-    return _flat_positions(torch.topk(keys, cfg.topk, dim=1, sorted=False).indices, n, cfg.chunk)
-
-
 def _chunk_counts(positions: np.ndarray, n: int, chunk: int) -> np.ndarray:
     return np.bincount(positions // chunk, minlength=-(-n // chunk))
-
-
-def index_bytes(positions: np.ndarray, n: int, cfg: SharedIndexConfig) -> int:
-    """Bytes of the index set as ``dilocox.sparse.encode_positions`` sends it (Rice-coded gaps, chunk after
-    chunk, after a u64 unary length); 0 for a random selection (the seed is the outer step)."""
-    if cfg.selection == Selection.RANDOM or not len(positions):
-        return 0
-    local = positions % cfg.chunk
-    first = np.r_[True, positions[1:] // cfg.chunk != positions[:-1] // cfg.chunk]
-    gaps = np.where(first, local, np.r_[0, np.diff(local) - 1])
-    b = cfg.rice_bits
-    return 8 + -(-len(gaps) * b // 8) + -(-int(((gaps >> b) + 1).sum()) // 8)  # u64, remainders, unary stream
 
 
 def values_bytes(positions: np.ndarray, n: int, cfg: SharedIndexConfig, bits: int | None = None) -> int:
@@ -456,18 +418,3 @@ def range_slices(positions: np.ndarray, n: int, chunk: int, k: int) -> list[slic
     first = [lo * chunk for lo, _ in chunk_ranges(n, chunk, k)] + [int(n)]
     cut = np.searchsorted(positions, first)
     return [slice(int(a), int(b)) for a, b in zip(cut[:-1], cut[1:])]
-
-
-def reduce_by_range(values: Sequence[np.ndarray], weights: Sequence[float], positions: np.ndarray, n: int,
-                    cfg: SharedIndexConfig, rule: str = "mean", norm_bound: float = 0.0,
-                    feedback: "ReducerFeedback | None" = None) -> Reduced:
-    """``reduce`` as k = len(values) reducers of a reduce-scatter compute it, each on its range of chunks
-    (``chunk_ranges``): the same result under the coordinate-wise rules; norm bounding and centered-clip see
-    each range's norms, as BTARD's butterfly clipping does (Gorbunov et al., arXiv 2106.11257, Sec. 3)."""
-    parts = [reduce([np.asarray(v)[sl] for v in values], weights, positions[sl], n, cfg, rule, norm_bound, feedback)
-             for sl in range_slices(positions, n, cfg.chunk, len(values)) if sl.stop > sl.start]
-    if not parts:
-        return reduce(values, weights, positions, n, cfg, rule, norm_bound, feedback)
-    return Reduced(np.concatenate([p.applied for p in parts]), np.concatenate([p.residual for p in parts]),
-                   b"".join(p.payload for p in parts))
-

@@ -67,6 +67,19 @@ def test_lower_layers_never_import_higher_ones():
     assert not wrong, wrong
 
 
+def test_nothing_outside_experimental_imports_it():
+    """dilocox/experimental/ holds what only the benchmarks run: the product (daemon/, peers/ and the rest of
+    dilocox/) never imports it."""
+    wrong = []
+    for package in LAYERS:
+        for module, tree in _modules(package).items():
+            if module == "dilocox.experimental" or module.startswith("dilocox.experimental."):
+                continue
+            wrong += [(module, name) for name in _imports(tree)
+                      if name == "dilocox.experimental" or name.startswith("dilocox.experimental.")]
+    assert not wrong, wrong
+
+
 def test_daemon_import_graph_has_no_cycle():
     modules = _modules("daemon")
     graph = {m: {i for i in _imports(t) if i in modules} for m, t in modules.items()}

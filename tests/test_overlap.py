@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dilocox.diloco import OuterOptimizer
+from dilocox.experimental.overlap import ExperimentalSchedule
 from dilocox.overlap import OuterSchedule
 
 
@@ -115,7 +116,7 @@ def test_proxy_start_leaves_theta_and_follows_its_rule():
     own1, own2, mean1 = (torch.randn(4, generator=g) for _ in range(3))
     for proxy in ("none", "local", "eager"):
         outer = OuterOptimizer([torch.zeros(4)], 0.7, 0.9, True)
-        schedule = OuterSchedule(outer, "delayed", proxy)
+        schedule = ExperimentalSchedule(outer, "delayed", proxy)
         x = [torch.ones(4)]
         moved = schedule.start_from_proxy(x, [own1])  # round 1 sent; no mean yet
         assert moved == (proxy != "none")
@@ -128,8 +129,8 @@ def test_proxy_start_leaves_theta_and_follows_its_rule():
             assert torch.equal(x[0], outer.lookahead([own2])[0])
         elif proxy == "eager":  # Delta_1 + (c_2 - c_1) / M
             assert torch.allclose(x[0], outer.lookahead([mean1 + (own2 - own1) / 4])[0])
-    assert not OuterSchedule(OuterOptimizer([torch.zeros(4)]), "none", "eager").start_from_proxy([torch.ones(4)],
-                                                                                               [own1])
+    assert not ExperimentalSchedule(OuterOptimizer([torch.zeros(4)]), "none", "eager").start_from_proxy(
+        [torch.ones(4)], [own1])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -192,12 +193,13 @@ def _reference(problems, rounds, H, tau, eta, lr, merge="rebase", mix=0.5, proxy
 
 
 def _with_schedule(problems, rounds, H, tau, eta, lr, merge="rebase", mix=0.5, proxy="none"):
-    """The same with OuterSchedule, one outer optimizer per replica (as on real nodes), driven the way
-    bench/quality.py and the daemon drive it."""
+    """The same with OuterSchedule (ExperimentalSchedule for the mix merge and the eager proxy), one outer optimizer
+    per replica (as on real nodes), driven the way bench/quality.py and the daemon drive it."""
     dim = problems[0][0].shape[1]
     overlap = "none" if tau == 0 else "delayed"
-    schedules = [OuterSchedule(OuterOptimizer([torch.zeros(dim)], eta, 0.0, False), overlap, proxy, merge, mix)
-                 for _ in problems]
+    outer = [OuterOptimizer([torch.zeros(dim)], eta, 0.0, False) for _ in problems]
+    schedules = [OuterSchedule(o, overlap, proxy) if merge == "rebase" and proxy != "eager"
+                 else ExperimentalSchedule(o, overlap, proxy, merge, mix) for o in outer]
     xs = [[torch.zeros(dim)] for _ in problems]
     for s, x in zip(schedules, xs):
         s.begin_round(x)
@@ -310,6 +312,9 @@ def test_merge_happens_once_per_round_and_rejects_bad_rules():
     s.rebase(x)  # the round's end: already merged, nothing changes
     assert torch.equal(x[0], torch.full((3,), -0.75))
     assert torch.equal(s.pseudo_gradient(x)[0], torch.full((3,), 0.5))  # measured from theta now
+    for kwargs in (dict(overlap="sometimes"), dict(proxy="oracle"), dict(proxy="eager")):
+        with pytest.raises(ValueError):
+            OuterSchedule(OuterOptimizer([torch.zeros(3)]), **kwargs)  # eager: the experimental schedule's alone
     for kwargs in (dict(overlap="sometimes"), dict(proxy="oracle"), dict(merge="average"), dict(mix=1.5)):
         with pytest.raises(ValueError):
-            OuterSchedule(OuterOptimizer([torch.zeros(3)]), **kwargs)
+            ExperimentalSchedule(OuterOptimizer([torch.zeros(3)]), **kwargs)

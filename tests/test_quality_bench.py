@@ -62,7 +62,7 @@ def test_the_measured_shared_row_is_the_daemons_shared_configuration():
 
 
 def test_a_resparsified_aggregate_trains_and_its_upload_does_not_grow_with_the_group():
-    """The default with its aggregate cut to 2 x topk per chunk (dilocox/resparsify.py): it trains, and a
+    """The default with its aggregate cut to 2 x topk per chunk (dilocox/experimental/resparsify.py): it trains, and a
     member's upload is (payload + result) x (k - 1) / k, below the all-gather's (k - 1) x payload at k = 4."""
     from bench.quality import DEFAULT
 
@@ -76,7 +76,7 @@ def test_a_resparsified_aggregate_trains_and_its_upload_does_not_grow_with_the_g
 
 
 def test_rounds_on_a_shared_index_set_train_and_their_upload_stays_flat_as_the_group_grows():
-    """The default on the leader's index set (dilocox/shared_index.py): it trains, and a member's upload,
+    """The default on the leader's index set (dilocox/experimental/selections.py): it trains, and a member's upload,
     (values + result + index set) x (k - 1) / k, grows by (k - 1) / k from 2 to 4 members where the
     all-gather's grows 3-fold."""
     method = METHODS["shared-leader-k128-r8"]

@@ -15,6 +15,7 @@ import torch
 from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather
 from dilocox.peers.reducescatter import exchange_reduced, exchange_shared
 
+from dilocox.experimental.selections import union_positions
 from dilocox.shared_index import (
     ReducerFeedback,
     SharedIndexConfig,
@@ -23,7 +24,6 @@ from dilocox.shared_index import (
     range_slices,
     reduce,
     union_bytes,
-    union_positions,
     values_bytes,
 )
 from dilocox.shared_round import SharedCompressor

@@ -1,11 +1,11 @@
-"""Global top-k of a round's aggregate (dilocox/resparsify.py): what it keeps, that a reducer of a range of
+"""Global top-k of a round's aggregate (dilocox/experimental/resparsify.py): what it keeps, that a reducer of a range of
 chunks computes exactly its part, and that what it drops returns to the contributors' error feedback."""
 
 import numpy as np
 import pytest
 import torch
 
-from dilocox.resparsify import reencode, residual, result_config
+from dilocox.experimental.resparsify import reencode, residual, result_config
 from dilocox.sparse import SparseCodec, SparseConfig, aggregate, decode
 
 CFG = SparseConfig(chunk=64, topk=4, bits=2, beta=0.9, rice=True)

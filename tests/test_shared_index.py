@@ -1,5 +1,5 @@
-"""Shared index sets (dilocox/shared_index.py): who picks the positions, that every member sends values at
-them, that nothing leaves the error feedback, the byte counts, and bad input."""
+"""Shared index sets (dilocox/shared_index.py, dilocox/experimental/selections.py): who picks the positions, that
+every member sends values at them, that nothing leaves the error feedback, the byte counts, and bad input."""
 
 import numpy as np
 import pytest
@@ -7,6 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dilocox.experimental.selections import (
+    index_bytes,
+    leader_rank,
+    random_positions,
+    reduce_by_range,
+    union_positions,
+)
 from dilocox.shared_index import (
     ReducerFeedback,
     Selection,
@@ -17,18 +24,13 @@ from dilocox.shared_index import (
     decode_union,
     encode_proposal,
     encode_union,
-    index_bytes,
     leader_positions,
-    leader_rank,
     pack_values,
     proposal_bytes,
     proposal_positions,
-    random_positions,
     reduce,
-    reduce_by_range,
     union_bytes,
     union_bytes_bound,
-    union_positions,
     unpack_values,
     value_range,
     values_bytes,

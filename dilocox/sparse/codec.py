@@ -185,7 +185,7 @@ class SparseCodec:
 
     def restore(self, tensors: Sequence[torch.Tensor], whole: bool = False) -> None:
         """e <- e + tensors: return to the buffer what the swarm did not apply of a committed contribution
-        (dilocox/resparsify.py). ``whole``: e <- e + tensors / beta instead, so the next encode's decay
+        (dilocox/experimental/resparsify.py). ``whole``: e <- e + tensors / beta instead, so the next encode's decay
         (e <- beta e + delta) leaves them whole, as if they were part of the next pseudo-gradient (beta 0:
         nothing survives the decay, so nothing is added). Raises ValueError (buffers unchanged) for other
         shapes or non-finite values."""
