@@ -172,11 +172,11 @@ def sent_positions(payload: bytes, cfg: SparseConfig, shapes=SHAPES) -> np.ndarr
 @pytest.mark.parametrize("k", [1, 2, 4, 5])
 def test_aggregate_is_the_rule_on_the_sorted_union_of_the_sent_positions(rule, k):
     """sparse.aggregate runs the rule on the sorted union of the sent positions (zeros where a contribution did not
-    send one), every other position +0.0: the bits of tests/test_robust.py's plain reference on those vectors,
+    send one), every other position +0.0: the bits of tests/robust_reference.py's plain reference on those vectors,
     with a scaled attacker that the norm bound clips, partly overlapping supports and a chunk of zeros (a zero
     scale: its values decode to +-0.0 but its positions are sent)."""
     from dilocox import robust
-    from tests.test_robust import reference_aggregate, same_bits
+    from tests.robust_reference import reference_aggregate, same_bits
 
     cfg = SparseConfig(chunk=195, topk=12, bits=2, beta=0.95, rice=True)
     grads = [[t * (50.0 if i == 1 else 1.0) for t in randn(SHAPES, 100 + i % 3)] for i in range(k)]
