@@ -28,7 +28,7 @@ import torch
 from dilocox.daemon.config import NodeConfig
 
 from dilocox import exact_mean
-from dilocox.compression import CompressionConfig, Compressor
+from dilocox.compression import CompressionConfig, DenseCompressor
 from dilocox.data import Corpus, ReplicaShard, validation_batches
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
 from dilocox.experimental.overlap import ExperimentalSchedule
@@ -250,8 +250,8 @@ def _codes_mean(codes: list[torch.Tensor], weights: list[float]) -> torch.Tensor
     return sum(w / total * c for w, c in zip(weights, codes))
 
 
-def _compressor(method: Method, mode: str, shapes, dense: tuple, seed: int) -> Compressor:
-    return Compressor(shapes, CompressionConfig(mode=mode, rank_max=method.rank_max, energy=method.rank_energy,
+def _compressor(method: Method, mode: str, shapes, dense: tuple, seed: int) -> DenseCompressor:
+    return DenseCompressor(shapes, CompressionConfig(mode=mode, rank_max=method.rank_max, energy=method.rank_energy,
                                                 seed=seed, error_feedback=method.error_feedback, dense=dense))
 
 

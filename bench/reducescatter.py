@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 from dilocox.peers.averaging import RoundFailed
-from dilocox.peers.reducescatter import exchange_shared
+from dilocox.peers.reducescatter import RangeRound, ReduceScatter
 
 from dilocox.shared_index import ReducerFeedback, SharedIndexConfig, SharedIndexMember
 from dilocox.sparse import SparseCodec, SparseConfig
@@ -83,8 +83,8 @@ def run_group(k: int, args) -> list[dict]:
                 m = members[(name, p)].accumulate([deltas[p]])
                 t0 = time.monotonic()
                 try:
-                    exchange_shared(server, p, group, f"{name}/{r}", members[(name, p)], m, {q: 1.0 for q in group},
-                                    120.0, feedback=feedbacks[(name, p)])
+                    ReduceScatter(server, p, 120.0).run(RangeRound(group, f"{name}/{r}", members[(name, p)], m,
+                                                                   {q: 1.0 for q in group}, feedbacks[(name, p)]))
                 except RoundFailed as e:
                     failures[(name, p)] = str(e)
                 walls[(name, p)] = time.monotonic() - t0

@@ -38,7 +38,7 @@ def _stage_node(rank: int, world: int, store: str, out: str, args: dict) -> None
     import torch.distributed as dist
     from dilocox.daemon.replica_state import stage_memory
 
-    from dilocox.compression import CompressionConfig, Compressor
+    from dilocox.compression import CompressionConfig, DenseCompressor
     from dilocox.data import Corpus, ReplicaShard
     from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
     from dilocox.model import ModelSpec
@@ -60,7 +60,7 @@ def _stage_node(rank: int, world: int, store: str, out: str, args: dict) -> None
         inner = PipelinedInnerLoop(module, config, args["microbatches"], "1f1b", group=dist.group.WORLD)
     outer = OuterOptimizer(inner.params)
     schedule = OuterSchedule(outer, "delayed")
-    compressor = Compressor([tuple(p.shape) for p in outer.global_params], CompressionConfig(mode="adaptive"))
+    compressor = DenseCompressor([tuple(p.shape) for p in outer.global_params], CompressionConfig(mode="adaptive"))
     rates = []
     for step in range(args["warmup"] + args["steps"]):
         x, y = shard.next_batch()

@@ -29,6 +29,7 @@ import torch
 from dilocox.daemon.admission import RevocationKeeper, describe_admission, load_admission
 from dilocox.daemon.audits import KEEP_ROUNDS, Audits
 from dilocox.daemon.config import NodeConfig
+from dilocox.daemon.exclusions import Exclusions
 from dilocox.daemon.join_ahead import JoinAhead
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.redteam import load_attack
@@ -39,11 +40,14 @@ from dilocox.daemon.status import GONE_STATES, RoundInfo, State, StatusBoard
 from dilocox.daemon.transfer import StateTransfer, result_key, update_key
 from dilocox.peers import deadlines, malloc, reachability
 from dilocox.peers.admission import Admission
-from dilocox.peers.averaging import PseudoGradientAverager
+from dilocox.peers.allgather import AllGatherTransport
+from dilocox.peers.averaging import ButterflyTransport, PseudoGradientAverager
 from dilocox.peers.contributions import ContributionServer
 from dilocox.peers.deadlines import RoundDeadlines
 from dilocox.peers.identity import is_new_identity, load_or_create_identity
+from dilocox.peers.reducescatter import ReduceScatterTransport
 from dilocox.peers.swarm import Swarm
+from dilocox.peers.transport import Hooks, Screen, Transport
 
 from dilocox.catchup import encode
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
@@ -272,8 +276,10 @@ class Node:
         self.transfer.attach(self.averagers[sizes[0]], self.updates, self.results, ahead=self.ahead is not None,
                              link=self.contributions.link if self.contributions else None)
         self.state.on_snapshot = self.transfer.published
-        self.rounds = OuterRounds(cfg, self.state, self.progress, self.averagers, self.leave_requested,
-                                  self.deadlines, self.contributions, self.attack,
+        self.exclusions = Exclusions(lambda: self.state.round, self.audits.excluded if self.audits else None,
+                                     self.contributions.admitted if self.contributions is not None else None)
+        self.rounds = OuterRounds(cfg, self.state, self.progress, self._make_transport(sizes), self.leave_requested,
+                                  self.deadlines, self.exclusions, self.contributions, self.attack,
                                   fetch_update=self.transfer.fetch_update if self.updates is not None else None,
                                   audits=self.audits,
                                   fetch_result=self.transfer.fetch_result if self.results is not None else None,
@@ -283,6 +289,25 @@ class Node:
                           stage_index=cfg.stage_index,
                           attack=self.attack.name if self.attack else "",
                           num_stages=cfg.num_stages, memory=self.state.memory())
+
+    def _make_transport(self, sizes: list[int]) -> Transport:
+        """The transport of this node's rounds (peers/transport.py), for its compression: dense codes by butterfly
+        all-reduce on the averager of each buffer size, sparse by all-gather and shared by reduce-scatter on the
+        one-value averager (``sizes[0]``) and the contribution server. Its screen takes up to H inner steps of
+        weight, the configured rule and norm bound, and asks the exclusions who may contribute."""
+        cfg = self.cfg
+        hooks = Hooks(self.attack.gather, self.attack.contribution) if self.attack is not None else Hooks()
+        if not cfg.gathers:
+            return ButterflyTransport(self.averagers, hooks.gather)
+        screen = Screen(float(cfg.inner_steps), cfg.aggregation, cfg.norm_bound, self.exclusions.admitted)
+        averager, me = self.averagers[sizes[0]], self.progress.peer_id
+        if cfg.compression == "shared":
+            return ReduceScatterTransport(averager, self.contributions, me, screen,
+                                          request_timeout_s=cfg.request_timeout,
+                                          fetch_timeout_s=cfg.averaging_timeout, tamper_gather=hooks.gather)
+        return AllGatherTransport(averager, self.contributions, me, screen, request_timeout_s=cfg.request_timeout,
+                                  fetch_timeout_s=cfg.averaging_timeout, hooks=hooks,
+                                  adaptive_deadline=cfg.adaptive_deadlines)
 
     def _offer_result(self, index: int, result) -> None:
         """Serve our group's result of round ``index`` (an AppliedUpdate whose digest is the result's) to the
@@ -435,7 +460,7 @@ class Node:
     def _prompt_fields(self) -> tuple:
         """The record's fields other members act on (state, outer_step, round, theta's digest): a change is
         published at once. A poke per call published twice per round a record in which only inner_step had
-        changed (bench.upload at 16 nodes, 2026-12-03: 5 DHT stores a node-round)."""
+        changed (bench.upload at 16 nodes: 5 DHT stores a node-round)."""
         s = self.board.snapshot()
         return s.state, s.outer_step, self.state.round if self.state else None, s.global_params_digest
 

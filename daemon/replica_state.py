@@ -23,7 +23,7 @@ from dilocox.daemon.status import StageMemory
 import dilocox
 from dilocox import exact_mean
 from dilocox.catchup import AppliedUpdate, Replayed, replay
-from dilocox.compression import CompressionConfig, Compressor
+from dilocox.compression import CompressionConfig, DenseCompressor
 from dilocox.diloco import InnerConfig, OuterOptimizer, params_digest, training_device
 from dilocox.overlap import OuterSchedule
 from dilocox.pipeline import PipelinedInnerLoop
@@ -97,7 +97,7 @@ class ReplicaState:
         elif cfg.compression == "shared":
             self.compressor = SharedCompressor(shapes, cfg.shared_config())
         else:
-            self.compressor = Compressor(shapes, CompressionConfig(
+            self.compressor = DenseCompressor(shapes, CompressionConfig(
                 mode=cfg.compression, rank_min=cfg.rank_min, rank_max=cfg.rank_max, energy=cfg.rank_energy,
                 block=cfg.quant_block, seed=cfg.seed))
         self.schedule = OuterSchedule(self.outer, cfg.overlap, cfg.overlap_proxy if cfg.overlap != "none" else "none")
@@ -143,9 +143,7 @@ class ReplicaState:
     def averager_sizes(self) -> list[int]:
         """All-reduce buffer sizes this node needs, largest first: one per rank of the adaptive ladder,
         or a single one-value buffer for sparse and shared rounds (matchmaking only; peers/allgather.py)."""
-        if isinstance(self.compressor, (SparseCompressor, SharedCompressor)):
-            return [1]
-        return sorted({self.compressor.buffer_size(r) for r in self.compressor.cfg.ladder}, reverse=True)
+        return self.compressor.averager_sizes()
 
     def memory(self) -> StageMemory:
         return stage_memory(self.inner, self.outer, self.schedule, self.compressor)

@@ -1,9 +1,11 @@
-"""OuterRounds: a round's pseudo-gradient all-reduce, its checks, and the outer step.
+"""OuterRounds: a round's exchange, its checks, and the outer step.
 
-``start`` sends a round's compressed pseudo-gradient into the all-reduce (on the communication
-thread; hivemind's averager process does the transfer) and ``finish`` waits for it, checks it and
-applies it, returning a ``Finished`` whose ``RoundOutcome`` the caller acts on: this class never
-re-syncs, records or checkpoints by itself (like torchft's Manager, the node decides).
+A round reads top to bottom: ``start`` (the compressor begins our contribution, dilocox/compressor.py) →
+exchange (``_submit``: the transport injected at construction runs it on the communication thread,
+peers/transport.py) → check (``_check``: start digests, result digests, equivocation, one update per round) →
+apply (``_apply``: the outer step, then the local re-base). ``finish`` returns a ``Finished`` whose
+``RoundOutcome`` the caller acts on: this class never re-syncs, records or checkpoints by itself (like torchft's
+Manager, the node decides).
 
 overlap = "none": round r's all-reduce finishes before round r+1 starts. overlap = "delayed"
 (DiLoCoX): round r's all-reduce runs while round r+1 computes (``hold``). Whole-model nodes apply
@@ -32,24 +34,16 @@ from typing import Callable, Collection, Optional, Sequence, Union
 import torch
 from dilocox.daemon.audits import Audits
 from dilocox.daemon.config import NodeConfig
+from dilocox.daemon.exclusions import Exclusions
 from dilocox.daemon.majority import FetchResult, FetchUpdate, MajorityUpdate, OfferResult
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.redteam import Attack
 from dilocox.daemon.replica_state import ReplicaState
 from dilocox.daemon.status import GONE_STATES, RoundInfo
-from dilocox.peers.allgather import exchange_sparse
-from dilocox.peers.averaging import (
-    PseudoGradientAverager,
-    RoundCancelled,
-    RoundFailed,
-    RoundGather,
-    RoundResult,
-    exchange,
-    group_limits,
-)
+from dilocox.peers.averaging import RoundCancelled, RoundFailed, RoundGather, RoundResult, group_limits
 from dilocox.peers.contributions import ContributionServer
 from dilocox.peers.deadlines import RoundDeadlines, RoundTimes
-from dilocox.peers.reducescatter import exchange_reduced
+from dilocox.peers.transport import RoundInput, Transport
 
 from dilocox.catchup import AppliedUpdate
 from dilocox.compression import CompressionRound
@@ -65,8 +59,6 @@ from dilocox.consensus import (
     undecided,
 )
 from dilocox.diloco import params_digest
-from dilocox.shared_round import SharedRound
-from dilocox.sparse.compressor import SparseRound
 
 logger = logging.getLogger(__name__)
 FRESH_S = 0.2  # once-a-round decisions read the membership records (nearly) afresh: stale ones split rounds
@@ -76,7 +68,6 @@ FRESH_S = 0.2  # once-a-round decisions read the membership records (nearly) afr
 # (abandon_read_age_s): the poll's bytes per node and second stay flat in N
 ABANDON_READ_S = 3.0
 ABANDON_READ_PEERS = 8
-EXCLUDE_ROUNDS = 10  # rounds an equivocating contributor's contributions are dropped
 EXCHANGE_WINDOW = 3  # adaptive overlap: rounds whose exchange times predict the next one's (their maximum)
 
 
@@ -179,8 +170,8 @@ class PendingRound:
 
 @dataclass
 class EarlyRound:
-    """A synchronous sparse round whose matchmaking began before its inner steps ended: ``ready`` gets the
-    round's SparseRound at the round's end, and ``future`` runs exchange_sparse on the comm thread."""
+    """A synchronous sparse or shared round whose matchmaking began before its inner steps ended: ``ready`` gets
+    the compressor's round at the round's end, and ``future`` runs the transport's exchange on the comm thread."""
 
     index: int
     weight: int
@@ -191,24 +182,27 @@ class EarlyRound:
 
 
 class OuterRounds:
-    """The all-reduce rounds of one node. ``averagers``: buffer size -> averager (one per rank of the
-    compressor's ladder; hivemind averagers have fixed tensors). Call from the training thread."""
+    """The rounds of one node. ``transport``: where a round's exchange runs (peers/transport.py; built once in the
+    node's wiring for its compression, a fake in unit tests). Call from the training thread."""
 
-    def __init__(self, cfg: NodeConfig, state: ReplicaState, progress: ProgressTracker,
-                 averagers: dict[int, PseudoGradientAverager], leave_requested: threading.Event,
-                 deadlines: RoundDeadlines, contributions: Optional[ContributionServer] = None,
+    def __init__(self, cfg: NodeConfig, state: ReplicaState, progress: ProgressTracker, transport: Transport,
+                 leave_requested: threading.Event, deadlines: RoundDeadlines, exclusions: Exclusions,
+                 contributions: Optional[ContributionServer] = None,
                  attack: Optional[Attack] = None, fetch_update: Optional[FetchUpdate] = None,
                  audits: Optional[Audits] = None, fetch_result: Optional[FetchResult] = None,
                  offer_result: Optional[OfferResult] = None):
         """``deadlines``: the matchmaking time and group wait each round uses (peers/deadlines.py);
-        ``contributions``: serves and fetches all-gathered contributions (sparse compression);
+        ``exclusions``: who may contribute (equivocators found here are added to it; the transport's screen asks
+        it); ``contributions``: serves and fetches all-gathered contributions (sparse and shared compression:
+        their rounds match early, and their link measurement goes into our metadata);
         ``attack``: the red-team hook (daemon/redteam.py), None on an honest node; ``fetch_update``:
         fetches an update other members applied (sparse catch-up), so that a group outside a split
         round's majority adopts the majority's update (daemon/majority.py); None: every group applies its own.
         ``fetch_result`` / ``offer_result``: fetch another group's result of a round, serve ours, so that the
         groups of a split round without a majority apply the union of their results (None: each its own).
         ``audits``: commitments for the gathered metadata and the peers audits excluded (daemon/audits.py)."""
-        self.cfg, self.state, self.progress, self.averagers = cfg, state, progress, averagers
+        self.cfg, self.state, self.progress, self.transport = cfg, state, progress, transport
+        self.exclusions = exclusions
         self.deadlines = deadlines
         self.leave_requested, self.contributions, self.attack = leave_requested, contributions, attack
         self.audits = audits
@@ -218,7 +212,6 @@ class OuterRounds:
         self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")  # adaptive: _check
         self.pending: Optional[PendingRound] = None  # delayed overlap: the all-reduce in flight
         self.early: Optional[EarlyRound] = None  # synchronous sparse round matched before its end
-        self.excluded: dict[str, int] = {}  # peer_id -> last round its contributions are dropped (equivocation)
         self.measured_bps = 0.0
         self.times: dict[int, RoundTimes] = {}  # round index -> the deadlines its exchange was given
         self.exchange_s: Optional[float] = None  # the longest exchange of the last EXCHANGE_WINDOW rounds (seconds)
@@ -282,41 +275,17 @@ class OuterRounds:
             return PendingRound(r, honest, compression, early.future, compute_s, losses, early.started,
                                 cancel=early.cancel, **encoded)
         self._cancel(early)
-        averager = self.averagers[self.state.averager_sizes()[0] if isinstance(compression, (SparseRound, SharedRound))
-                                  else self.state.compressor.buffer_size()]
         p = PendingRound(r, honest, compression, None, compute_s, losses, started, **encoded)
-        self.times[r] = self.deadlines.current()
-        deadline_s = self.times[r].group_wait_s
-        if isinstance(compression, (SparseRound, SharedRound)):
-            p.future = self._submit_sparse(compression, r, gather, p.cancel)
-        else:
-            p.future = self.comm.submit(exchange, averager, compression, r, gather, deadline_s, p.cancel,
-                                        self._abandon(r),
-                                        tamper_gather=self.attack.gather if self.attack else None)
+        p.future = self._submit(compression, r, gather, p.cancel)
         return p
 
-    def _submit_sparse(self, compression, r: int, gather: RoundGather, cancel: threading.Event,
-                       scheduled_in_s: Optional[float] = None) -> Future:
-        cfg, attack, times = self.cfg, self.attack, self.deadlines.current()
-        # the all-reduce begins after the matchmaking time in use, or when the early round's steps end if later
-        scheduled_in_s = max(times.matchmaking_s, scheduled_in_s or 0.0)
-        self.times[r] = times
-        group_wait_s = max(times.group_wait_s, scheduled_in_s + cfg.request_timeout)  # hivemind: schedule < timeout
-        if cfg.compression == "shared":  # reduce-scattered on a shared index set (peers/reducescatter.py)
-            return self.comm.submit(
-                exchange_reduced, self.averagers[self.state.averager_sizes()[0]], self.contributions,
-                self.progress.peer_id, compression, r, gather, float(cfg.inner_steps), group_wait_s,
-                cfg.averaging_timeout, cancel, self._abandon(r), tamper_gather=attack.gather if attack else None,
-                scheduled_in_s=scheduled_in_s, rule=cfg.aggregation, norm_bound=cfg.norm_bound, admitted=self.admitted,
-                gone=leavers(self.progress))
-        return self.comm.submit(
-            exchange_sparse, self.averagers[self.state.averager_sizes()[0]], self.contributions, self.progress.peer_id,
-            compression, r, gather, float(cfg.inner_steps), group_wait_s,
-            cfg.averaging_timeout, cancel, self._abandon(r),
-            tamper_gather=attack.gather if attack else None,
-            tamper_contribution=attack.contribution if attack else None, scheduled_in_s=scheduled_in_s,
-            rule=cfg.aggregation, norm_bound=cfg.norm_bound, admitted=self.admitted,
-            adaptive_deadline=cfg.adaptive_deadlines)
+    def _submit(self, contribution, r: int, gather: RoundGather, cancel: threading.Event,
+                ready_in_s: Optional[float] = None) -> Future:
+        """Run round r's exchange on the comm thread with the deadlines in use now (a Future of its RoundResult).
+        ``contribution``: the compressor's round, or a Future of it (early matchmaking, ready in ``ready_in_s``)."""
+        self.times[r] = self.deadlines.current()
+        return self.comm.submit(self.transport.exchange, RoundInput(
+            r, contribution, gather, self.times[r], cancel, self._abandon(r), ready_in_s, leavers(self.progress)))
 
     def _abandon(self, r: int):
         """The exchange's give-up rule for round r (matchmaking, and downloads after their grace): the round left
@@ -334,7 +303,7 @@ class OuterRounds:
             # a give-up is decided from a fresh read only: a read from moments before (e.g. early matchmaking's)
             # can show a replica still SYNCING that has entered the round since, and "nobody is in it" gave two
             # 3-node CI swarms' first round up. Reading afresh at every round's first poll instead cost a read a
-            # node-round in healthy rounds (bench.upload at 16 nodes, 2026-12-03)
+            # node-round in healthy rounds (bench.upload at 16 nodes)
             others = self.progress.others(0.0)
             seen = len(others)
             return left_behind(others, r, self.delayed)
@@ -343,27 +312,10 @@ class OuterRounds:
     # ------------------------------------------------------------------ equivocation
     def _exclude_equivocators(self, r: int, inputs: dict) -> None:
         """A contributor another member used with other bytes than we did served different bytes to
-        different peers: its contributions are dropped for EXCLUDE_ROUNDS rounds (the group's results
+        different peers: it is excluded for a while (daemon/exclusions.py; the group's results
         differed, so the round itself is skipped or re-synced by the verdict rules)."""
-        if not inputs:
-            return
-        for peer, witness in self.progress.input_conflicts(r, inputs, self.cfg.request_timeout).items():
-            if self.excluded.get(peer, 0) < r + EXCLUDE_ROUNDS:
-                logger.warning("round %d: %s served different bytes to %s than to us: its contributions are "
-                               "dropped until round %d", r, peer, witness, r + EXCLUDE_ROUNDS)
-                self.excluded[peer] = r + EXCLUDE_ROUNDS
-
-    def admitted(self, peer_id: str) -> Optional[str]:
-        """None if ``peer_id`` may contribute to the current round, else why not (equivocation, admission)."""
-        until = self.excluded.get(peer_id, 0)
-        if until >= self.state.round:
-            return f"served different bytes to different members; excluded until round {until}"
-        audited = self.audits.excluded(peer_id) if self.audits is not None else None
-        if audited is not None:
-            return f"excluded by audit: {audited}"
-        if self.contributions is not None and self.contributions.admitted is not None:
-            return self.contributions.admitted(peer_id)
-        return None
+        if inputs:
+            self.exclusions.equivocated(r, self.progress.input_conflicts(r, inputs, self.cfg.request_timeout))
 
     # ------------------------------------------------------------------ early matchmaking
     def early_window_s(self) -> float:
@@ -397,7 +349,7 @@ class OuterRounds:
             return False
         gather = self._gather(weight, compute_s)
         ready, cancel = Future(), threading.Event()
-        future = self._submit_sparse(ready, r, gather, cancel, scheduled_in_s=eta_s)
+        future = self._submit(ready, r, gather, cancel, ready_in_s=eta_s)
         self.early = EarlyRound(r, weight, ready, future, cancel, time.monotonic())
         logger.debug("round %d: matchmaking began %.1fs before the end of its inner steps", r, eta_s)
         return True
@@ -422,8 +374,8 @@ class OuterRounds:
         if p.future is not None and self.merge_early:  # checked while the next round computes
             p.checked = self.verifier.submit(self._check, p)
         if p.future is not None and self.cfg.overlap_proxy != "none":
-            self.state.start_from_proxy(p.compression.own() if isinstance(p.compression, SparseRound)
-                                        else p.pseudo_gradient)
+            ahead = p.compression.lookahead()  # None: our contribution is known only after the exchange
+            self.state.start_from_proxy(ahead if ahead is not None else p.pseudo_gradient)
         self.state.begin_round()
 
     def overlap_budget_s(self, round_compute_s: float, wait_fraction: float) -> float:
@@ -487,24 +439,34 @@ class OuterRounds:
         if p.early is not None:
             return self._finish_locally(p, p.early)
         waited_from = time.monotonic()
-        if p.future is None and p.checked is None:
-            checked = Checked(RoundOutcome.SOLO)
-        else:
-            waiting = p.checked if p.checked is not None else p.future
-            while not waiting.done():  # poll so a leave request cancels the exchange
-                if self.leave_requested.is_set():
-                    p.cancel.set()
-                time.sleep(0.02)
-            checked = p.checked.result() if p.checked is not None else self._check(p)
+        checked = self._exchanged(p)  # the exchange's result, checked against the group
         if checked.outcome == RoundOutcome.CANCELLED:
             return Finished(p.index, RoundOutcome.CANCELLED)
-        outcome, result, group_size = checked.outcome, checked.result, checked.group_size
-        if outcome == RoundOutcome.RESYNC:
+        if checked.outcome == RoundOutcome.RESYNC:
             finished = self._resync(p, early, checked.reason)
             if checked.fetches_result:  # the re-sync may bring this very round's result: record it then
-                finished.info = self._info(p, group_size, RoundOutcome.RESYNCED, result, waited_from)
-            finished.result = result
+                finished.info = self._info(p, checked.group_size, RoundOutcome.RESYNCED, checked.result, waited_from)
+            finished.result = checked.result
             return finished
+        return self._apply(p, checked, early, waited_from)
+
+    def _exchanged(self, p: PendingRound) -> Checked:
+        """Round p's exchange, waited for (a leave request cancels it) and checked (``_check``; already checked on
+        the verifier thread under adaptive overlap); SOLO for a round nobody else could take part in."""
+        if p.future is None and p.checked is None:
+            return Checked(RoundOutcome.SOLO)
+        waiting = p.checked if p.checked is not None else p.future
+        while not waiting.done():  # poll so a leave request cancels the exchange
+            if self.leave_requested.is_set():
+                p.cancel.set()
+            time.sleep(0.02)
+        return p.checked.result() if p.checked is not None else self._check(p)
+
+    def _apply(self, p: PendingRound, checked: Checked, early: bool, waited_from: float) -> Finished:
+        """Apply a checked round: the outer step with the group's mean (APPLIED), the adopted or united update
+        (ADOPTED, UNITED, then any chain the swarm went further by), our own pseudo-gradient (SOLO, APPLIED_ALONE)
+        or none (SKIPPED: the round is consumed); then the local re-base unless ``early``."""
+        outcome, result, group_size = checked.outcome, checked.result, checked.group_size
         adopted = checked.adopted.aggregate if checked.adopted else None
         averaged = {RoundOutcome.APPLIED: result.tensors if result else None, RoundOutcome.SKIPPED: None,
                     RoundOutcome.ADOPTED: adopted, RoundOutcome.UNITED: adopted,

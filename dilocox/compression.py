@@ -135,7 +135,7 @@ class Slot:
     shape: tuple
 
 
-class Compressor:
+class DenseCompressor:
     """Shared compression state of one stage plus this replica's error feedback (CPU fp32)."""
 
     def __init__(self, shapes: Sequence[Sequence[int]], cfg: CompressionConfig):
@@ -211,7 +211,7 @@ class Compressor:
     def shared_digest(self, rank: int, tensors: Sequence[torch.Tensor]) -> str:
         """Digest of a downloaded shared state (validated on a scratch copy; ours is untouched);
         raises ValueError if it does not fit."""
-        scratch = Compressor(self.shapes, self.cfg)
+        scratch = DenseCompressor(self.shapes, self.cfg)
         scratch.load_shared(rank, tensors)
         return scratch.digest()
 
@@ -266,6 +266,10 @@ class Compressor:
         floor = float(predicted.max()) / 64
         return quantize.next_scale([predicted.clamp_min(floor)], self.bits, self.cfg.margin)
 
+    def averager_sizes(self) -> list[int]:
+        """All-reduce buffer sizes of this code's rounds, largest first: one per rank of the adaptive ladder."""
+        return sorted({self.buffer_size(r) for r in self.cfg.ladder}, reverse=True)
+
     def state_dict(self) -> dict:
         return dict(rank=self.rank, shared=self.shared_tensors(), error=self.error)
 
@@ -290,7 +294,7 @@ class RoundStats:
 class CompressionRound:
     """One round's compression, phase by phase; see the module docstring."""
 
-    comp: Compressor
+    comp: DenseCompressor
     pseudo_gradient: Sequence[torch.Tensor]
     bounds: Sequence[float]
     phase: int = 0
@@ -396,6 +400,15 @@ class CompressionRound:
         cum = torch.cumsum(kept, 0) / max(total, 1e-300)
         self.kept = {k: float(cum[k - 1]) for k in range(1, self.rank + 1)}
         self.stats.kept_energy = self.kept.get(self.rank, 0.0)
+
+    def buffer_size(self) -> int:
+        """Elements of this round's all-reduce buffer (its rank's largest phase): which averager carries it."""
+        return self.comp.buffer_size(self.rank)
+
+    def lookahead(self) -> None:
+        """Our contribution is known only after the all-reduce (its factors depend on the group's P): overlapped
+        rounds' proxy uses the pseudo-gradient itself."""
+        return None
 
     def own(self) -> list[torch.Tensor]:
         """Our own contribution as the group decodes it, M_r - e_r (call after the last phase)."""

@@ -58,6 +58,11 @@ class SharedRound:
         """Not known before the round's index set is (module docstring): overlapped rounds' proxy is not offered."""
         raise NotImplementedError("a shared round's own contribution is only known after its exchange")
 
+    def lookahead(self) -> None:
+        """Our contribution is known only once the round's index set is: overlapped rounds' proxy uses the
+        pseudo-gradient itself."""
+        return None
+
     def decide_rank(self, *args) -> int:
         """No rank to adapt (the Compressor's round protocol)."""
         return 0

@@ -1,7 +1,7 @@
 """All-gather of compressed contributions inside an averaging group, over hivemind's P2P API.
 
 Sparse contributions (dilocox/sparse/) cannot be summed part by part in hivemind's butterfly
-all-reduce, so a sparse round (``exchange_sparse``) is:
+all-reduce, so a sparse round (``AllGatherTransport``) is:
 
 1. **matchmaking** through the node's averager (hivemind forms the group under the round's group
    key and all-gathers each member's metadata: a ``RoundGather`` plus the SHA-256 and length of its
@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Dict, Optional, Tuple, TypeVar, Union
+from typing import Callable, Dict, Optional, Tuple, TypeVar
 
 import pydantic.v1 as pydantic
 import torch
@@ -42,6 +42,7 @@ from dilocox.peers.averaging import (
 )
 from dilocox.peers.contributions import ContributionServer
 from dilocox.peers.deadlines import LinkSnapshot, group_download_deadline
+from dilocox.peers.transport import Hooks, RoundInput, Screen, matchmaking_schedule
 
 from dilocox.consensus import canonical_digest
 from dilocox.sparse.aggregate import aggregate_scaled
@@ -150,102 +151,114 @@ def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: f
     return metas, announced, dropped
 
 
-def exchange_sparse(averager: PseudoGradientAverager, server: ContributionServer, me: str,
-                    rnd: Union[SparseRound, Future], round_index: int, meta: RoundGather, max_weight: float,
-                    deadline_s: float, fetch_timeout_s: float, cancel: threading.Event,
-                    abandon: Optional[Callable[[], bool]] = None,
-                    tamper_gather: Optional[Callable[[dict, int], dict]] = None,
-                    tamper_contribution: Optional[Callable[[bytes, int], bytes]] = None,
-                    scheduled_in_s: Optional[float] = None, rule: str = "mean", norm_bound: float = 0.0,
-                    admitted: Optional[Callable[[str], Optional[str]]] = None,
-                    adaptive_deadline: bool = True, abandon_grace_s: float = ABANDON_GRACE_S) -> RoundResult:
-    """Average one round's sparse contribution by all-gather (module docstring); blocking.
+class AllGatherTransport:
+    """Sparse contributions by all-gather (module docstring; peers/transport.py's Transport).
 
-    ``rnd``: the round's SparseRound, or a Future that will hold it (**early** matchmaking: the group
-    forms while the round's last inner steps compute, its all-reduce begins once the future is done,
-    about ``scheduled_in_s`` seconds from now; no payload digest can be announced then).
-    ``rule`` / ``norm_bound``: how the accepted contributions are combined (dilocox/robust.py).
-    ``admitted(peer_id)``: None if that member may contribute, else why not (default: the server's rule).
-    ``me``: our peer_id (our payload is used as is, not fetched). ``max_weight``: the largest weight a
-    member may claim (H inner steps). Waits for the downloads as long as our measured link needs for
-    their bytes (peers/deadlines.py), at most ``fetch_timeout_s`` (always that, without ``adaptive_deadline``).
-    ``tamper_gather`` / ``tamper_contribution``: red-team hooks on our gathered metadata and on the payload
-    we announce and serve (daemon/redteam.py). Raises RoundCancelled /
-    RoundFailed as ``PseudoGradientAverager.run_phase`` does (``abandon`` also ends the downloads once they
-    have lasted ``abandon_grace_s`` seconds), and RoundFailed when no contribution
-    but ours could be used (the caller then treats the round as a failed all-reduce)."""
-    key = group_bits(round_index) + "0"
-    mine: Dict[str, bytes] = {}
+    ``averager``: matches the group and all-gathers its metadata (a one-value buffer); ``server``: offers our
+    payload and fetches the others' (peers/contributions.py); ``me``: our peer_id (our payload is used as is, not
+    fetched); ``screen``: which contributions count and how they combine (max weight H, rule, norm bound,
+    admission; the server's admission where ``screen.admitted`` is None). Downloads wait as long as the group's
+    announced links need for their bytes (peers/deadlines.py), at most ``fetch_timeout_s`` (always that, without
+    ``adaptive_deadline``); ``request_timeout_s``: one request, added to the group wait of a scheduled round;
+    ``hooks``: the red-team hooks on our gathered metadata and on the payload we announce and serve."""
 
-    def offer(r: SparseRound) -> bytes:
-        payload = r.payload if tamper_contribution is None else tamper_contribution(r.payload, round_index)
-        server.offer(key, payload)
-        mine["payload"] = payload
-        return payload
+    def __init__(self, averager: PseudoGradientAverager, server: ContributionServer, me: str, screen: Screen, *,
+                 request_timeout_s: float, fetch_timeout_s: float, hooks: Hooks = Hooks(),
+                 adaptive_deadline: bool = True, abandon_grace_s: float = ABANDON_GRACE_S):
+        self.averager, self.server, self.me, self.screen, self.hooks = averager, server, me, screen, hooks
+        self.request_timeout_s, self.fetch_timeout_s = request_timeout_s, fetch_timeout_s
+        self.adaptive_deadline, self.abandon_grace_s = adaptive_deadline, abandon_grace_s
 
-    if isinstance(rnd, Future):
-        offered: Future = Future()  # done only once our payload is offered: the all-reduce may start then
+    def exchange(self, rnd_in: RoundInput) -> RoundResult:
+        """Average round ``rnd_in.index``'s sparse contribution by all-gather; blocking.
 
-        def on_ready(f: Future) -> None:
-            try:
-                offer(f.result())
-                offered.set_result(True)
-            except BaseException as e:  # cancelled or failed: the step is cancelled (run_phase)
-                offered.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+        ``rnd_in.contribution``: the round's SparseRound, or a Future that will hold it (**early** matchmaking:
+        the group forms while the round's last inner steps compute, its all-reduce begins once the future is
+        done, about ``ready_in_s`` seconds from now; no payload digest can be announced then). Raises
+        RoundCancelled / RoundFailed as ``PseudoGradientAverager.run_phase`` does (``abandon`` also ends the
+        downloads once they have lasted ``abandon_grace_s`` seconds), and RoundFailed when no contribution but
+        ours could be used (the caller then treats the round as a failed all-reduce)."""
+        averager, server, me, screen = self.averager, self.server, self.me, self.screen
+        rnd, round_index, meta = rnd_in.contribution, rnd_in.index, rnd_in.gather
+        cancel, abandon, abandon_grace_s = rnd_in.cancel, rnd_in.abandon, self.abandon_grace_s
+        scheduled_in_s, deadline_s = matchmaking_schedule(rnd_in.times, rnd_in.ready_in_s, self.request_timeout_s)
+        max_weight, rule, norm_bound, admitted = screen.max_weight, screen.rule, screen.norm_bound, screen.admitted
+        tamper_gather, tamper_contribution = self.hooks.gather, self.hooks.contribution
+        fetch_timeout_s, adaptive_deadline = self.fetch_timeout_s, self.adaptive_deadline
+        key = group_bits(round_index) + "0"
+        mine: Dict[str, bytes] = {}
 
-        rnd.add_done_callback(on_ready)
-        gather = dict(meta.dict())
-        ready = offered
-    else:
-        payload = offer(rnd)
-        gather = dict(meta.dict(), payload_sha256=hashlib.sha256(payload).hexdigest(), payload_bytes=len(payload))
-        ready = None
-    if tamper_gather is not None:
-        gather = tamper_gather(gather, round_index)
-    called = time.monotonic()
-    res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, abandon, ready=ready,
-                             scheduled_in_s=scheduled_in_s)
-    started = time.monotonic()
-    rnd = rnd.result() if isinstance(rnd, Future) else rnd
-    payload = mine["payload"]
-    metas, announced, dropped = screen_gathered(res.gathered, round_index, max_weight, rnd.codec.payload_bytes(),
-                                                admitted or server.admitted)
-    wanted = {p: announced[p] for p in announced if p != me and p not in dropped}
-    # clients (no inbound connections) never dial clients: a reachable member relays between them
-    clients = frozenset(p for p, m in metas.items() if m is not None and m.client_mode)
-    relays = tuple(sorted(p for p in wanted if p not in clients))
-    no_direct = clients if meta.client_mode else frozenset()
-    # the group's deadline, from every member's announced link: all stop waiting for a missing payload together
-    links = [LinkSnapshot(m.link_bps, m.link_latency_s, int(m.link_bps > 0)) for m in metas.values() if m is not None]
-    fetch_s = group_download_deadline(links, sum(size for _, size in announced.values()), fetch_timeout_s,
-                                      relayed=len(clients) > 1) if adaptive_deadline else fetch_timeout_s
-    stop = download_stop(cancel, abandon, abandon_grace_s)
-    got, failed = server.fetch(wanted, key, fetch_s, relays, no_direct, stop=stop)
-    fetched = time.monotonic()
-    dropped.update(failed)
-    if me in announced and me not in dropped:
-        got[me] = payload
-    weights = {p: metas[p].weight for p in got}
-    shapes = rnd.codec.shapes
-    try:
-        mean, rejected, scaled = aggregate_scaled(got, weights, shapes, rnd.codec.cfg, rule=rule,
-                                                  norm_bound=norm_bound)
-    except ValueError as e:
-        _log_drops(round_index, dropped)  # why nothing was left, ours included
-        raise RoundFailed(f"no usable contribution: {e}") from e
-    dropped.update(rejected)
-    _log_drops(round_index, dropped)
-    n = max(len(res.gathered), 1)
-    numel = sum(t.numel() for t in rnd.codec.error)
-    sent = server.served_bytes(key) + res.bytes_sent
-    received = sum(len(b) for p, b in got.items() if p != me) + res.bytes_received
-    inputs = {p: hashlib.sha256(b).hexdigest()[:16] for p, b in got.items() if p not in dropped}
-    return RoundResult(mean, metas, len(payload), sent, received, res.allreduce_s + time.monotonic() - started,
-                       int(2 * (n - 1) / n * 4 * numel), dropped=dropped, inputs=inputs,
-                       contributions={p: b for p, b in got.items() if p not in dropped}, download_deadline_s=fetch_s,
-                       link_bps=server.link.snapshot().bps, scales=scaled,
-                       phases=dict(matchmaking=started - called, gather=fetched - started,
-                                   aggregate=time.monotonic() - fetched))
+        def offer(r: SparseRound) -> bytes:
+            payload = r.payload if tamper_contribution is None else tamper_contribution(r.payload, round_index)
+            server.offer(key, payload)
+            mine["payload"] = payload
+            return payload
+
+        if isinstance(rnd, Future):
+            offered: Future = Future()  # done only once our payload is offered: the all-reduce may start then
+
+            def on_ready(f: Future) -> None:
+                try:
+                    offer(f.result())
+                    offered.set_result(True)
+                except BaseException as e:  # cancelled or failed: the step is cancelled (run_phase)
+                    offered.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+
+            rnd.add_done_callback(on_ready)
+            gather = dict(meta.dict())
+            ready = offered
+        else:
+            payload = offer(rnd)
+            gather = dict(meta.dict(), payload_sha256=hashlib.sha256(payload).hexdigest(), payload_bytes=len(payload))
+            ready = None
+        if tamper_gather is not None:
+            gather = tamper_gather(gather, round_index)
+        called = time.monotonic()
+        res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, abandon, ready=ready,
+                                 scheduled_in_s=scheduled_in_s)
+        started = time.monotonic()
+        rnd = rnd.result() if isinstance(rnd, Future) else rnd
+        payload = mine["payload"]
+        metas, announced, dropped = screen_gathered(res.gathered, round_index, max_weight, rnd.codec.payload_bytes(),
+                                                    admitted or server.admitted)
+        wanted = {p: announced[p] for p in announced if p != me and p not in dropped}
+        # clients (no inbound connections) never dial clients: a reachable member relays between them
+        clients = frozenset(p for p, m in metas.items() if m is not None and m.client_mode)
+        relays = tuple(sorted(p for p in wanted if p not in clients))
+        no_direct = clients if meta.client_mode else frozenset()
+        # the group's deadline, from every member's announced link: all stop waiting for a missing payload together
+        links = [LinkSnapshot(m.link_bps, m.link_latency_s, int(m.link_bps > 0)) for m in metas.values()
+                 if m is not None]
+        fetch_s = group_download_deadline(links, sum(size for _, size in announced.values()), fetch_timeout_s,
+                                          relayed=len(clients) > 1) if adaptive_deadline else fetch_timeout_s
+        stop = download_stop(cancel, abandon, abandon_grace_s)
+        got, failed = server.fetch(wanted, key, fetch_s, relays, no_direct, stop=stop)
+        fetched = time.monotonic()
+        dropped.update(failed)
+        if me in announced and me not in dropped:
+            got[me] = payload
+        weights = {p: metas[p].weight for p in got}
+        shapes = rnd.codec.shapes
+        try:
+            mean, rejected, scaled = aggregate_scaled(got, weights, shapes, rnd.codec.cfg, rule=rule,
+                                                      norm_bound=norm_bound)
+        except ValueError as e:
+            _log_drops(round_index, dropped)  # why nothing was left, ours included
+            raise RoundFailed(f"no usable contribution: {e}") from e
+        dropped.update(rejected)
+        _log_drops(round_index, dropped)
+        n = max(len(res.gathered), 1)
+        numel = sum(t.numel() for t in rnd.codec.error)
+        sent = server.served_bytes(key) + res.bytes_sent
+        received = sum(len(b) for p, b in got.items() if p != me) + res.bytes_received
+        inputs = {p: hashlib.sha256(b).hexdigest()[:16] for p, b in got.items() if p not in dropped}
+        return RoundResult(mean, metas, len(payload), sent, received, res.allreduce_s + time.monotonic() - started,
+                           int(2 * (n - 1) / n * 4 * numel), dropped=dropped, inputs=inputs,
+                           contributions={p: b for p, b in got.items() if p not in dropped},
+                           download_deadline_s=fetch_s,
+                           link_bps=server.link.snapshot().bps, scales=scaled,
+                           phases=dict(matchmaking=started - called, gather=fetched - started,
+                                       aggregate=time.monotonic() - fetched))
 
 
 def _log_drops(round_index: int, dropped: Dict[str, str]) -> None:

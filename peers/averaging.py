@@ -2,12 +2,12 @@
 
 * Matchmaking: the averager's prefix is ``{run_id}_[stage{K}of{S}_]pseudo_gradient_{compression}{size}``;
   each phase's group bits are the round index as 16 bits, the phase digit and (from phase 1 on) 15
-  bits of the previous phase's mean digest (``exchange``), so only replicas finishing the same round
+  bits of the previous phase's mean digest (``ButterflyTransport``), so only replicas finishing the same round
   from the same earlier result average together (docs/protocol.md).
 * Transport: butterfly all-reduce of one flat buffer of codes (dilocox.quantize / exact_mean),
   shipped losslessly by peers/codec.py, so every member of a group gets the bit-identical mean;
   the caller checks that with digests. A compressed round runs one all-reduce per phase
-  (``exchange``): PowerSGD's P, then Q, each with its own group key.
+  (``ButterflyTransport``): PowerSGD's P, then Q, each with its own group key.
 * State: ``get_current_state`` (the documented override point) serves the node's global
   parameters, outer momentum and metadata to joiners; ``state_sharing_priority`` is the donor's
   outer_step so joiners download from the most advanced peer.
@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 import pydantic.v1 as pydantic
 import torch
@@ -37,6 +37,9 @@ from hivemind.utils import get_dht_time
 
 from dilocox.compression import CompressionRound
 from dilocox.diloco import params_digest
+
+if TYPE_CHECKING:
+    from dilocox.peers.transport import RoundInput
 
 logger = logging.getLogger(__name__)
 GROUP_BITS = 16
@@ -304,40 +307,51 @@ def _stats(data: Any) -> dict:
     return dict(captured=captured, total=total)
 
 
-def exchange(averager: PseudoGradientAverager, rnd: CompressionRound, round_index: int, meta: RoundGather,
-             deadline_s: float, cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None,
-             tamper_gather: Optional[Callable[[dict, int], dict]] = None) -> RoundResult:
-    """Average one round's compressed pseudo-gradient, phase by phase (PowerSGD: P, then Q).
+class ButterflyTransport:
+    """Dense codes (fp32, int8, PowerSGD) by hivemind's butterfly all-reduce (peers/transport.py's Transport).
 
-    ``tamper_gather``: the red-team hook on our phase-0 metadata (daemon/redteam.py).
+    ``averagers``: buffer size -> averager, one per rank of the compressor's ladder (hivemind averagers have
+    fixed tensors); ``tamper_gather``: the red-team hook on our phase-0 metadata (daemon/redteam.py)."""
 
-    Phase k's group key is ``<round as 16 bits><k>`` plus, from phase 1 on, 15 bits of the digest of
-    the previous phase's mean, so a phase only ever mixes peers that hold the same earlier result.
-    """
-    extra, sent, received, allreduce_s, payload = "", 0, 0, 0.0, 0
-    metas: Dict[str, Optional[RoundGather]] = {}
-    for phase in range(rnd.num_phases):
-        before = rnd.stats.payload_bytes
-        codes, stats = rnd.phase_payload()
-        payload += rnd.stats.payload_bytes - before
-        gather = dict(meta.dict(), stats=stats) if phase == 0 else dict(stats=stats)
-        if phase == 0 and tamper_gather is not None:
-            gather = tamper_gather(gather, round_index)
-        res = averager.run_phase(group_bits(round_index) + str(phase) + extra, codes, gather, meta.weight,
-                                 deadline_s, cancel, abandon if phase == 0 else None)
-        if phase == 0:
-            for peer, data in res.gathered.items():
-                try:
-                    metas[peer] = RoundGather.parse_obj({k: v for k, v in data.items() if k != "stats"})
-                except (pydantic.ValidationError, TypeError, AttributeError):
-                    metas[peer] = None  # a peer sent malformed metadata: it cannot vote
-        peers = sorted(res.gathered)
-        weights = [metas[p].weight if metas.get(p) is not None else 1.0 for p in peers]
-        rnd.phase_done(res.mean, [_stats(res.gathered[p]) for p in peers], weights)
-        extra = format(int(params_digest([res.mean])[:4], 16) >> 1, "015b")
-        sent, received = sent + res.bytes_sent, received + res.bytes_received
-        allreduce_s += res.allreduce_s
-    n = max(len(metas), 1)
-    fp32 = int(2 * (n - 1) / n * 4 * sum(t.numel() for t in rnd.m))
-    return RoundResult(rnd.result(), metas, payload, sent, received, allreduce_s, fp32,
-                       phases=dict(allreduce=allreduce_s))
+    def __init__(self, averagers: Dict[int, PseudoGradientAverager],
+                 tamper_gather: Optional[Callable[[dict, int], dict]] = None):
+        self.averagers, self.tamper_gather = averagers, tamper_gather
+
+    def exchange(self, rnd: RoundInput) -> RoundResult:
+        """Average round ``rnd.index``'s compressed pseudo-gradient (a CompressionRound), phase by phase (PowerSGD:
+        P, then Q), on the averager of its buffer size; each phase waits up to the round's group wait.
+
+        Phase k's group key is ``<round as 16 bits><k>`` plus, from phase 1 on, 15 bits of the digest of
+        the previous phase's mean, so a phase only ever mixes peers that hold the same earlier result.
+        Raises RoundCancelled / RoundFailed as ``PseudoGradientAverager.run_phase`` does."""
+        code: CompressionRound = rnd.contribution
+        averager, tamper_gather = self.averagers[code.buffer_size()], self.tamper_gather
+        round_index, meta, deadline_s = rnd.index, rnd.gather, rnd.times.group_wait_s
+        extra, sent, received, allreduce_s, payload = "", 0, 0, 0.0, 0
+        metas: Dict[str, Optional[RoundGather]] = {}
+        for phase in range(code.num_phases):
+            before = code.stats.payload_bytes
+            codes, stats = code.phase_payload()
+            payload += code.stats.payload_bytes - before
+            gather = dict(meta.dict(), stats=stats) if phase == 0 else dict(stats=stats)
+            if phase == 0 and tamper_gather is not None:
+                gather = tamper_gather(gather, round_index)
+            res = averager.run_phase(group_bits(round_index) + str(phase) + extra, codes, gather, meta.weight,
+                                     deadline_s, rnd.cancel, rnd.abandon if phase == 0 else None)
+            if phase == 0:
+                for peer, data in res.gathered.items():
+                    try:
+                        metas[peer] = RoundGather.parse_obj({k: v for k, v in data.items() if k != "stats"})
+                    except (pydantic.ValidationError, TypeError, AttributeError):
+                        metas[peer] = None  # a peer sent malformed metadata: it cannot vote
+            peers = sorted(res.gathered)
+            weights = [metas[p].weight if metas.get(p) is not None else 1.0 for p in peers]
+            code.phase_done(res.mean, [_stats(res.gathered[p]) for p in peers], weights)
+            extra = format(int(params_digest([res.mean])[:4], 16) >> 1, "015b")
+            sent, received = sent + res.bytes_sent, received + res.bytes_received
+            allreduce_s += res.allreduce_s
+        n = max(len(metas), 1)
+        fp32 = int(2 * (n - 1) / n * 4 * sum(t.numel() for t in code.m))
+        return RoundResult(code.result(), metas, payload, sent, received, allreduce_s, fp32,
+                           phases=dict(allreduce=allreduce_s))
+

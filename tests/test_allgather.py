@@ -9,9 +9,11 @@ import time
 
 import pytest
 import torch
-from dilocox.peers.allgather import CANCEL_GRACE_S, after, download_stop, exchange_sparse, screen_gathered
+from dilocox.peers.allgather import CANCEL_GRACE_S, AllGatherTransport, after, download_stop, screen_gathered
 from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather
 from dilocox.peers.contributions import EMPTY_RETRIES, ContributionServer
+from dilocox.peers.deadlines import RoundTimes
+from dilocox.peers.transport import RoundInput, Screen
 
 from dilocox.sparse import SparseCompressor, SparseConfig
 from tests.helpers import peers_on_loopback
@@ -141,6 +143,18 @@ class GatheringAverager:
         return PhaseResult(codes, {**self.others, "me": gather}, 0.1, 0, 0)
 
 
+def transport(averager, server, **kwargs) -> AllGatherTransport:
+    """Our transport as peer "me": weights up to 20 inner steps, anyone admitted, downloads capped at 30 s."""
+    return AllGatherTransport(averager, server, "me", Screen(20.0, admitted=lambda peer: None), request_timeout_s=1.0,
+                              fetch_timeout_s=30.0, **kwargs)
+
+
+def round_input(rnd, cancel, abandon) -> RoundInput:
+    """Round 5 from outer step 4 (start digest "d0", weight 20), with a 10 s group wait."""
+    return RoundInput(5, rnd, RoundGather(outer_step=4, start_digest="d0", weight=20.0), RoundTimes(0.0, 10.0), cancel,
+                      abandon)
+
+
 @pytest.mark.integration
 def test_a_sparse_round_whose_group_mate_never_serves_is_given_up_once_the_others_moved_on(servers):
     """The wiring of the rule above: a joiner's group waits its whole download cap (30 s here: no member has
@@ -155,9 +169,7 @@ def test_a_sparse_round_whose_group_mate_never_serves_is_given_up_once_the_other
     try:
         began = time.monotonic()
         with pytest.raises(RoundFailed, match="abandoned after"):
-            exchange_sparse(avg, b, "me", rnd, 5, RoundGather(outer_step=4, start_digest="d0", weight=20.0), 20.0,
-                            10, 30, threading.Event(), abandon=lambda: True, abandon_grace_s=1.0,
-                            admitted=lambda peer: None)
+            transport(avg, b, abandon_grace_s=1.0).exchange(round_input(rnd, threading.Event(), lambda: True))
         assert time.monotonic() - began < 5.0
     finally:
         a.offer_wait_s = 1.0
@@ -177,8 +189,7 @@ def test_a_sparse_round_cancelled_while_it_downloads_ends_them_after_the_cancel_
     try:
         began = time.monotonic()
         with pytest.raises(RoundFailed, match="abandoned after"):
-            exchange_sparse(avg, b, "me", rnd, 5, RoundGather(outer_step=4, start_digest="d0", weight=20.0), 20.0,
-                            10, 30, cancel, abandon=lambda: False, admitted=lambda peer: None)
+            transport(avg, b).exchange(round_input(rnd, cancel, lambda: False))
         took = time.monotonic() - began
         assert 1.0 + CANCEL_GRACE_S - 0.5 < took < 1.0 + CANCEL_GRACE_S + 4.0, took
     finally:

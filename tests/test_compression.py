@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dilocox import quantize
-from dilocox.compression import CompressionConfig, Compressor, choose_rank, is_low_rank
+from dilocox.compression import CompressionConfig, DenseCompressor, choose_rank, is_low_rank
 
 
 def hivemind_allreduce(codes: list[torch.Tensor], weights: list[float]) -> list[torch.Tensor]:
@@ -64,7 +64,7 @@ def test_unknown_scale_uses_exact_fp32_path():
 def test_every_replica_gets_the_bit_identical_mean(mode):
     torch.manual_seed(1)
     shapes = [(96, 64), (64,), (40, 96)]
-    comps = [Compressor(shapes, CompressionConfig(mode=mode, rank_max=8, block=32)) for _ in range(3)]
+    comps = [DenseCompressor(shapes, CompressionConfig(mode=mode, rank_max=8, block=32)) for _ in range(3)]
     weights = [20.0, 20.0, 7.0]
     for _ in range(4):  # later rounds use learned scales (integer codes)
         grads = [[torch.randn(s) * 0.01 for s in shapes] for _ in comps]
@@ -83,7 +83,7 @@ def test_compressed_mean_is_close_to_the_true_mean():
     shapes = [(128, 128)]
     u, v = torch.randn(128, 2), torch.randn(128, 2)
     for mode, tol in (("fp16", 1e-3), ("int8", 0.06), ("adaptive", 0.08)):
-        comps = [Compressor(shapes, CompressionConfig(mode=mode, rank_max=4, block=64)) for _ in range(2)]
+        comps = [DenseCompressor(shapes, CompressionConfig(mode=mode, rank_max=4, block=64)) for _ in range(2)]
         for step in range(6):  # the first round has no scales yet (fp32 exact path)
             grads = [[(u @ v.T + 0.01 * torch.randn(128, 128)) * (1 + i)] for i in range(2)]
             true = (grads[0][0] + grads[1][0]) / 2
@@ -99,7 +99,8 @@ def _sum_gap(feedback: bool, rounds: int = 60) -> list[float]:
     full-rank drift; asserts the identity behind error feedback: gap == mean error-feedback buffer."""
     torch.manual_seed(3)
     shapes = [(64, 48), (48,)]
-    comps = [Compressor(shapes, CompressionConfig(mode="adaptive", rank_min=1, rank_max=2, block=16)) for _ in range(2)]
+    cfg = CompressionConfig(mode="adaptive", rank_min=1, rank_max=2, block=16)
+    comps = [DenseCompressor(shapes, cfg) for _ in range(2)]
     drift = [torch.randn(s) * 0.01 for s in shapes]
     sent_sum = [torch.zeros(s) for s in shapes]
     true_sum = [torch.zeros(s) for s in shapes]
@@ -148,7 +149,7 @@ def test_adaptive_rank_falls_as_energy_concentrates_and_respects_the_cap():
     torch.manual_seed(4)
     shapes = [(128, 96), (96, 128)]
     cfg = CompressionConfig(mode="adaptive", rank_min=1, rank_max=16, energy=0.6, block=32)
-    comps = [Compressor(shapes, cfg) for _ in range(2)]
+    comps = [DenseCompressor(shapes, cfg) for _ in range(2)]
     base = [torch.randn(s[0], 1) @ torch.randn(1, s[1]) for s in shapes]
 
     def ranks_for(noise, rounds, bandwidth=0.0, round_s=0.0):
@@ -174,21 +175,21 @@ def test_adaptive_rank_falls_as_energy_concentrates_and_respects_the_cap():
 
 def test_low_rank_payload_is_far_below_fp32():
     shapes = [(256, 256), (688, 256), (256,)]
-    comp = Compressor(shapes, CompressionConfig(mode="adaptive", rank_max=8))
-    fp32 = Compressor(shapes, CompressionConfig(mode="none"))
+    comp = DenseCompressor(shapes, CompressionConfig(mode="adaptive", rank_max=8))
+    fp32 = DenseCompressor(shapes, CompressionConfig(mode="none"))
     assert is_low_rank((256, 256), 8) and not is_low_rank((256,), 8)
     assert fp32.wire_bytes() / comp.wire_bytes() > 20
 
 
 def test_shared_state_round_trips_and_rejects_bad_shapes():
     shapes = [(64, 64), (64,)]
-    a = Compressor(shapes, CompressionConfig(mode="adaptive", rank_max=4))
-    b = Compressor(shapes, CompressionConfig(mode="adaptive", rank_max=4))
+    a = DenseCompressor(shapes, CompressionConfig(mode="adaptive", rank_max=4))
+    b = DenseCompressor(shapes, CompressionConfig(mode="adaptive", rank_max=4))
     grads = [[torch.randn(s) for s in shapes] for _ in range(2)]
     rounds, _ = run_round([a, b], grads, [1.0, 1.0])
     rounds[0].decide_rank(0, 0, 2)
     a.commit(rounds[0])
-    c = Compressor(shapes, CompressionConfig(mode="adaptive", rank_max=4))
+    c = DenseCompressor(shapes, CompressionConfig(mode="adaptive", rank_max=4))
     c.load_shared(a.rank, a.shared_tensors())
     assert c.digest() == a.digest()
     with pytest.raises(ValueError, match="does not fit"):

@@ -106,7 +106,7 @@ def _node_memory(num_stages: int, stage_index: int) -> int:
     """What NodeStatus.memory reports for a node of this stage after one inner and one outer step."""
     from dilocox.daemon.replica_state import stage_memory
 
-    from dilocox.compression import CompressionConfig, Compressor
+    from dilocox.compression import CompressionConfig, DenseCompressor
     from dilocox.overlap import OuterSchedule
 
     module = build_stage(ModelSpec.resolve("tiny"), SEED, stage_index, num_stages)
@@ -116,7 +116,7 @@ def _node_memory(num_stages: int, stage_index: int) -> int:
     inner.inner_optimizer.step()
     outer = OuterOptimizer(inner.params)
     outer.step([torch.zeros_like(p) for p in outer.global_params])
-    compressor = Compressor([tuple(p.shape) for p in outer.global_params], CompressionConfig())
+    compressor = DenseCompressor([tuple(p.shape) for p in outer.global_params], CompressionConfig())
     return stage_memory(inner, outer, OuterSchedule(outer, "delayed"), compressor).total_bytes
 
 

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather
-from dilocox.peers.reducescatter import exchange_reduced, exchange_shared
+from dilocox.peers.deadlines import RoundTimes
+from dilocox.peers.reducescatter import RangeRound, ReduceScatter, ReduceScatterTransport
+from dilocox.peers.transport import RoundInput, Screen
 
 from dilocox.experimental.selections import union_positions
 from dilocox.shared_index import (
@@ -40,6 +42,13 @@ def _ms(k: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(N, generator=g) * (1 + r) for r in range(k)]
 
 
+def reduce_scatter(server, me, group, key, member, m, weights, timeout_s, rule="mean", feedback=None, stop=None,
+                   gone=None):
+    """One member's ReduceScatter round (peers/reducescatter.py)."""
+    return ReduceScatter(server, me, timeout_s, rule).run(RangeRound(group, key, member, m, weights, feedback),
+                                                          stop=stop, gone=gone)
+
+
 def _run(peers, ms, key, weights=None, timeout_s=20.0, feedbacks=None):
     """One round on every peer in threads; peer_id -> RangeResults or the exception it raised."""
     group = [p for p, _, _ in peers]
@@ -49,7 +58,7 @@ def _run(peers, ms, key, weights=None, timeout_s=20.0, feedbacks=None):
 
     def one(i, p, server):
         try:
-            out[p] = exchange_shared(server, p, group, key, members[p], ms[i], weights, timeout_s, rule="mean",
+            out[p] = reduce_scatter(server, p, group, key, members[p], ms[i], weights, timeout_s, rule="mean",
                                      feedback=None if feedbacks is None else feedbacks[p])
         except Exception as e:  # noqa: BLE001 (the test reads it)
             out[p] = e
@@ -176,7 +185,7 @@ class _Gathered:
 
 
 def test_the_daemons_round_screens_the_group_and_lists_its_contributors_alike_on_every_member():
-    """exchange_reduced (--compression shared): a member that started from other parameters is left out by
+    """ReduceScatterTransport (--compression shared): a member that started from other parameters is left out by
     every member alike; the others get one mean, bit for bit, as tensors of the model's shapes, and list the
     same contributors (what weighs their group when a split round's groups unite, daemon/majority.py)."""
     shapes = [(40, 100), (1000,)]  # 5000 values
@@ -191,8 +200,9 @@ def test_the_daemons_round_screens_the_group_and_lists_its_contributors_alike_on
             g = torch.Generator().manual_seed(i)
             rnd = SharedCompressor(shapes, CFG).begin([torch.randn(s, generator=g) for s in shapes])
             try:
-                out[p] = (exchange_reduced(_Gathered(gathered), server, p, rnd, 5, meta, 20.0, 10.0, 10.0,
-                                           threading.Event()), rnd)
+                transport = ReduceScatterTransport(_Gathered(gathered), server, p, Screen(20.0), request_timeout_s=1.0,
+                                                   fetch_timeout_s=10.0)
+                out[p] = (transport.exchange(RoundInput(5, rnd, meta, RoundTimes(0.0, 10.0), threading.Event())), rnd)
             except Exception as e:  # noqa: BLE001 (the test reads it)
                 out[p] = (e, rnd)
 
@@ -222,7 +232,7 @@ def _absent(peers, ms, key, group=None):
 
     def one(i, p, server):
         try:
-            out[p] = exchange_shared(server, p, group, key, members[p], ms[i], {q: 1.0 for q in group}, 3.0)
+            out[p] = reduce_scatter(server, p, group, key, members[p], ms[i], {q: 1.0 for q in group}, 3.0)
         except Exception as e:  # noqa: BLE001
             out[p] = e
 
@@ -237,7 +247,7 @@ def _absent(peers, ms, key, group=None):
 def _quit_after_union(server, me, group, key, m, out):
     """A member that leaves a round once it has offered its union (``stop`` holds from then on)."""
     try:
-        exchange_shared(server, me, group, key, SharedIndexMember(N, CFG), m, {q: 1.0 for q in group}, 3.0,
+        reduce_scatter(server, me, group, key, SharedIndexMember(N, CFG), m, {q: 1.0 for q in group}, 3.0,
                         stop=lambda: server.offered(f"{key}/u"))
     except Exception as e:  # noqa: BLE001 (the test reads it)
         out["error"] = e
@@ -261,7 +271,7 @@ def test_a_member_that_left_mid_round_is_not_waited_for_and_the_others_agree():
         def one(i, p, s, timeout_s, gone):
             began = time.monotonic()
             try:
-                out[p] = exchange_shared(s, p, group, f"rs/{int(timeout_s)}", members[p], ms[i],
+                out[p] = reduce_scatter(s, p, group, f"rs/{int(timeout_s)}", members[p], ms[i],
                                          {q: 1.0 for q in group}, timeout_s, gone=gone)
             except Exception as e:  # noqa: BLE001 (the test reads it)
                 out[p] = e
@@ -296,21 +306,21 @@ def test_bad_calls_are_refused():
     with peers_on_loopback(1, "test_reducescatter_bad_keep", keep=1) as peers:
         p, s, _ = peers[0]
         with pytest.raises(ValueError, match="needs 2"):
-            exchange_shared(s, p, [p, "a"], "k", SharedIndexMember(N, CFG), torch.zeros(N), {p: 1.0, "a": 1.0}, 1.0)
+            reduce_scatter(s, p, [p, "a"], "k", SharedIndexMember(N, CFG), torch.zeros(N), {p: 1.0, "a": 1.0}, 1.0)
     with peers_on_loopback(1, "test_reducescatter_bad", keep=4) as peers:
         p, s, _ = peers[0]
         mem = SharedIndexMember(N, CFG)
         with pytest.raises(ValueError, match="not in the group"):
-            exchange_shared(s, p, ["someone-else"], "k", mem, torch.zeros(N), {}, 1.0)
+            reduce_scatter(s, p, ["someone-else"], "k", mem, torch.zeros(N), {}, 1.0)
         with pytest.raises(ValueError, match="no weight"):
-            exchange_shared(s, p, [p, "a"], "k", mem, torch.zeros(N), {p: 1.0}, 1.0)
+            reduce_scatter(s, p, [p, "a"], "k", mem, torch.zeros(N), {p: 1.0}, 1.0)
         with pytest.raises(ValueError, match="a chunk per reducer"):
-            exchange_shared(s, p, [p, "a"], "k", SharedIndexMember(200, CFG), torch.zeros(200), {p: 1.0, "a": 1.0},
+            reduce_scatter(s, p, [p, "a"], "k", SharedIndexMember(200, CFG), torch.zeros(200), {p: 1.0, "a": 1.0},
                             1.0)
 
 
 def test_a_round_that_went_on_without_us_ends_the_fetches_and_changes_nothing():
-    """``stop`` (the daemon's give-up rule after its grace, peers/reducescatter.py ``exchange_reduced``) ends a
+    """``stop`` (the daemon's give-up rule after its grace, peers/reducescatter.py ``ReduceScatterTransport``) ends a
     reduce-scatter whose group-mates never serve, about a second after it holds, not after four fetch timeouts;
     the round fails and our buffer is as it was."""
     import time
@@ -320,7 +330,7 @@ def test_a_round_that_went_on_without_us_ends_the_fetches_and_changes_nothing():
         member = SharedIndexMember(N, CFG)
         began = time.monotonic()
         with pytest.raises(RoundFailed, match="abandoned"):
-            exchange_shared(server, me, group, "rs/9", member, _ms(3)[0], {p: 1.0 for p in group}, 30.0,
+            reduce_scatter(server, me, group, "rs/9", member, _ms(3)[0], {p: 1.0 for p in group}, 30.0,
                             stop=lambda: time.monotonic() - began > 1.0)
         assert time.monotonic() - began < 10.0
         assert not member.error.any()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from dilocox.daemon.exclusions import Exclusions
 from dilocox.daemon.rounds import OuterRounds, PendingRound, RoundOutcome
 from dilocox.peers.averaging import RoundCancelled, RoundFailed, RoundGather, RoundResult
 from dilocox.peers.deadlines import RoundDeadlines
@@ -17,6 +18,7 @@ from dilocox.peers.deadlines import RoundDeadlines
 from dilocox.diloco import params_digest
 from tests.fakes.progress import FakeProgress
 from tests.fakes.records import Peer
+from tests.fakes.transport import FakeTransport
 from tests.replicas import computed_round
 
 _made: list[OuterRounds] = []
@@ -31,13 +33,13 @@ def _shut_down_rounds():
         _made.pop().shutdown()
 
 
-def rounds_for(state, progress, delayed=False, overlap=None):
+def rounds_for(state, progress, delayed=False, overlap=None, transport=None):
     cfg = state.cfg.model_copy(update=dict(overlap=overlap or ("delayed" if delayed else "none")))
     flags = RoundDeadlines(None, matchmaking_cap_s=cfg.matchmaking_time,
                            group_wait_cap_s=cfg.outer_round_deadline - cfg.averaging_timeout,
                            request_timeout_s=cfg.request_timeout)
-    _made.append(OuterRounds(cfg, state, progress, averagers={}, leave_requested=threading.Event(),
-                             deadlines=flags))
+    _made.append(OuterRounds(cfg, state, progress, transport or FakeTransport(), leave_requested=threading.Event(),
+                             deadlines=flags, exclusions=Exclusions(lambda: state.round)))
     return _made[-1]
 
 
@@ -375,8 +377,9 @@ def split_rounds(state, outside, fetch, fetch_result=None, offer_result=None):
             mine = digest
             return {"me": digest, "a": digest, "b": digest}
 
-    _made.append(OuterRounds(cfg, state, Progress(outside), averagers={}, leave_requested=threading.Event(),
-                             deadlines=flags, fetch_update=fetch, fetch_result=fetch_result,
+    _made.append(OuterRounds(cfg, state, Progress(outside), FakeTransport(), leave_requested=threading.Event(),
+                             deadlines=flags, exclusions=Exclusions(lambda: state.round), fetch_update=fetch,
+                             fetch_result=fetch_result,
                              offer_result=offer_result))
     return _made[-1]
 
@@ -554,8 +557,9 @@ def test_a_round_others_already_completed_follows_their_update_at_its_start(tmp_
     # overlapped rounds re-sync as before: the next round is computed from theta_0 already
     st = computed_round(tmp_path / "delayed")
     cfg = st.cfg.model_copy(update=dict(overlap="delayed", averaging_timeout=1.0))
-    delayed = OuterRounds(cfg, st, FakeProgress(outside), averagers={}, leave_requested=threading.Event(),
-                          deadlines=rounds.deadlines, fetch_update=lambda peers, step: pytest.fail("no follow"))
+    delayed = OuterRounds(cfg, st, FakeProgress(outside), FakeTransport(), leave_requested=threading.Event(),
+                          deadlines=rounds.deadlines, exclusions=Exclusions(lambda: st.round),
+                          fetch_update=lambda peers, step: pytest.fail("no follow"))
     _made.append(delayed)
     late = delayed.start(st.pseudo_gradient(), 2, 1.0, [])
     assert late.outcome == RoundOutcome.RESYNC and "already completed" in late.reason
@@ -791,3 +795,49 @@ def test_the_majoritys_first_poll_takes_the_digest_exchanges_read_and_later_poll
     majority.resolve(4, {"me", "q"}, holders=2, parent_digest="ab")
     assert progress.asked[0] == (FRESH_S, 123.5)
     assert len(progress.asked) >= 2 and all(asked == (FRESH_S, None) for asked in progress.asked[1:])
+
+
+# ---------------------------------------------------------------- the transport, injected
+
+def test_a_round_runs_start_exchange_check_apply_on_the_injected_transport(state):
+    """start hands the transport one RoundInput (our contribution as the compressor began it, our metadata, the
+    deadlines in use, the give-up rule), finish checks the transport's result against the group and applies it."""
+    averaged = [torch.full_like(p, 1e-3) for p in state.outer.global_params]
+    transport = FakeTransport(answer=lambda rnd: RoundResult(
+        averaged, {q: RoundGather(outer_step=0, start_digest=rnd.gather.start_digest, weight=2.0) for q in "mab"},
+        100, 100, 100, 0.1, 1000))
+    mine = params_digest(averaged)
+    peers = [Peer(peer_id=q, outer_step=0, round=1) for q in "ab"]
+    rounds = rounds_for(state, FakeProgress(peers, results={"a": mine, "b": mine}), transport=transport)
+    start_digest = state.start_digest()
+    p = rounds.start(state.pseudo_gradient(), 2, 1.0, [2.0])
+    done = rounds.finish(p)
+    (rnd,) = transport.rounds
+    assert (rnd.index, rnd.gather.start_digest, rnd.gather.weight) == (1, start_digest, 2.0)
+    assert rnd.contribution is p.compression and rnd.times == rounds.deadlines.current()
+    assert rnd.abandon() is False  # the group is still in round 1: nobody left us behind
+    assert done.outcome == RoundOutcome.APPLIED and done.info.group_size == 3 and state.outer_step == 1
+
+
+def test_a_transport_failure_with_nobody_else_applying_applies_our_own(state):
+    def fail(rnd):
+        raise RoundFailed("no group formed")
+
+    peers = [Peer(peer_id=q, outer_step=0, round=1) for q in "ab"]
+    rounds = rounds_for(state, FakeProgress(peers), transport=FakeTransport(answer=fail))
+    done = rounds.finish(rounds.start(state.pseudo_gradient(), 2, 1.0, [2.0]))
+    assert done.outcome == RoundOutcome.APPLIED_ALONE and state.outer_step == 1
+
+
+def test_exclusions_drop_an_equivocator_for_ten_rounds_then_ask_audits_and_admission():
+    from dilocox.daemon.exclusions import EXCLUDE_ROUNDS
+
+    now = {"round": 3}
+    ex = Exclusions(lambda: now["round"], audited=lambda q: "lied in round 2" if q == "liar" else None,
+                    admission=lambda q: "no certificate" if q == "stranger" else None)
+    ex.equivocated(3, {"two-faced": "a"})
+    assert "excluded until round 13" in ex.admitted("two-faced")
+    assert ex.admitted("liar") == "excluded by audit: lied in round 2"
+    assert ex.admitted("stranger") == "no certificate" and ex.admitted("honest") is None
+    now["round"] = 3 + EXCLUDE_ROUNDS + 1
+    assert ex.admitted("two-faced") is None

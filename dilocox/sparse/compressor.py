@@ -1,5 +1,5 @@
 """The daemon's sparse compressor (``--compression sparse``): SparseCodec with the round protocol and state
-surface of dilocox.compression.Compressor, and LocalState, that surface for compressors whose buffers are all
+surface of dilocox.compression.DenseCompressor, and LocalState, that surface for compressors whose buffers are all
 local (also dilocox/shared_round.py's).
 """
 
@@ -42,13 +42,17 @@ class SparseRound:
         """Our contribution as every member decodes it (what the group's mean holds of ours)."""
         return decode(self.payload, self.codec.shapes, self.codec.cfg)
 
+    def lookahead(self) -> list[torch.Tensor]:
+        """Our contribution as the group will decode it, known before the exchange (overlapped rounds' proxy)."""
+        return self.own()
+
     def decide_rank(self, *args) -> int:
         """No rank to adapt (the Compressor's round protocol)."""
         return 0
 
 
 class LocalState:
-    """The shared-state surface of dilocox.compression.Compressor for compressors whose buffers are all local (no
+    """The shared-state surface of dilocox.compression.DenseCompressor for compressors whose buffers are all local (no
     state is shared between replicas but the config, which ``digest`` covers): nothing to serve a joiner, and a
     downloaded state, which must be empty, resets our buffers (``reset``)."""
 
@@ -60,6 +64,10 @@ class LocalState:
 
     def reset(self) -> None:
         raise NotImplementedError
+
+    def averager_sizes(self) -> list[int]:
+        """A single one-value buffer: the averager only matches the group (the transport carries the payloads)."""
+        return [1]
 
     def shared_tensors(self) -> list[torch.Tensor]:
         return []
@@ -79,7 +87,7 @@ class LocalState:
 
 class SparseCompressor(LocalState):
     """The daemon's sparse pseudo-gradient compression (``--compression sparse``): a SparseCodec with
-    the state surface of dilocox.compression.Compressor (shared state, digest, checkpoint).
+    the state surface of dilocox.compression.DenseCompressor (shared state, digest, checkpoint).
 
     Nothing is shared between replicas but the config: the error feedback is local, so a round's
     start digest covers only the config, and joiners download no compression tensors."""
