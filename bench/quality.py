@@ -1,10 +1,11 @@
 """``make bench-quality``: validation loss of the global parameters against tokens, per codec.
 
-R replicas run inside one process with the daemon's own code for everything but the transport:
+R replicas run inside one process (bench/federation.py) with the daemon's own code for everything but the
+transport:
 ``InnerLoop`` (AdamW, warm-up + cosine), ``OuterSchedule`` (synchronous or one-step delay with the
 re-base rule), ``OuterOptimizer`` (Nesterov or plain SGD), the ``Compressor`` round protocol
 (begin / phase_payload / phase_done / commit, with the weighted mean of the codes that hivemind's
-all-reduce computes) and the sparse codec's ``encode`` / ``aggregate``. Every method sees the same
+all-reduce computes) and the sparse codec's ``prepare`` / ``commit`` / ``aggregate``. Every method sees the same
 model init (``--seeds``) and the same data order (replica r always draws shard r), so curves differ
 only by the method. Writes runs/bench/quality.{json,csv,png}.
 
@@ -17,78 +18,22 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import multiprocessing as mp
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 from dilocox.daemon.config import NodeConfig
 
-from dilocox import exact_mean
-from dilocox.compression import CompressionConfig, DenseCompressor
+from bench.federation import Federation, Method, ShardReplica
 from dilocox.data import Corpus, ReplicaShard, validation_batches
-from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
-from dilocox.experimental.overlap import ExperimentalSchedule
-from dilocox.experimental.resparsify import reencode, residual
-from dilocox.experimental.selections import (
-    index_bytes,
-    leader_rank,
-    random_positions,
-    reduce_by_range,
-    union_positions,
-)
+from dilocox.diloco import InnerConfig, InnerLoop
 from dilocox.model import ModelSpec
-from dilocox.shared_index import (
-    ReducerFeedback,
-    Selection,
-    SharedIndexConfig,
-    SharedIndexMember,
-    leader_positions,
-    reduce,
-    value_range,
-    values_bytes,
-)
-from dilocox.sparse import SparseCodec, SparseConfig, aggregate, decode
+from dilocox.shared_index import SharedIndexConfig
+from dilocox.sparse import SparseConfig
 from dilocox.stages import build_stage
 
 OUT = Path("runs/bench")
-
-
-@dataclass(frozen=True)
-class Method:
-    """One row: how pseudo-gradients are coded and how the outer step applies their mean."""
-
-    name: str
-    codec: str = "none"             # Compressor mode (none, fp16, int8, adaptive) or "sparse"
-    outer_lr: float = 0.7
-    outer_lr_final: Optional[float] = None  # outer lr ramped linearly to this over the outer steps (lr_at)
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    overlap: str = "none"           # "none" or "delayed" (overlapped rounds, dilocox/overlap.py)
-    tau: Optional[int] = None       # overlapped: inner steps of round t+1 before round t's update lands (None: H)
-    proxy: str = "none"             # overlapped: the next round's local start (dilocox/overlap.py)
-    proxy_source: str = "code"      # what stands in for our share: the decoded contribution, raw delta, or EF
-    merge: str = "rebase"           # overlapped: how the landed update joins the local trajectory
-    mix: float = 0.5                # merge "mix": x <- mix x + (1 - mix) theta (Streaming DiLoCo)
-    rank_max: int = 8
-    rank_energy: float = 0.5
-    error_feedback: bool = True
-    dense_embeddings: bool = False  # embeddings and LM head sent whole (8-bit), not in low rank
-    warmup_rounds: int = 0          # the first rounds sent uncompressed (fp32)
-    power_iterations: int = 1       # PowerSGD iterations per round (each extra one: two more phases)
-    refresh_every: int = 0          # every k-th round sent whole at 8 bits, flushing the error feedback
-    sparse: SparseConfig = field(default_factory=SparseConfig)
-    aggregation: str = "mean"       # sparse rounds: dilocox/robust.py rule
-    norm_bound: float = 0.0         # sparse rounds: clip to this multiple of the median norm (0: off)
-    resparsify: int = 0             # sparse rounds: the aggregate cut to this many x topk per chunk (0: off)
-    resparsify_bits: int = 0        # bits per value of the cut aggregate (0: the contributions')
-    restore_whole: bool = False     # the cut's residual returned undecayed (SparseCodec.restore's whole)
-    shared: Optional[SharedIndexConfig] = None  # sparse rounds on one index set (dilocox/shared_index.py)
-    reducer_feedback: bool = False  # shared: the result's quantization error kept by its range's reducer
-    reducer_proposes: bool = False  # ... and added to the reducer's own proposal on its range (it may pick them)
 
 
 def _sgd(name: str, codec: str, lr: float, **kw) -> Method:
@@ -244,17 +189,6 @@ def daemon_flags(m: Method) -> list[str]:
     return flags
 
 
-def _codes_mean(codes: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """The weighted mean hivemind's all-reduce returns for fp32 code buffers (integers: exact)."""
-    total = sum(weights)
-    return sum(w / total * c for w, c in zip(weights, codes))
-
-
-def _compressor(method: Method, mode: str, shapes, dense: tuple, seed: int) -> DenseCompressor:
-    return DenseCompressor(shapes, CompressionConfig(mode=mode, rank_max=method.rank_max, energy=method.rank_energy,
-                                                seed=seed, error_feedback=method.error_feedback, dense=dense))
-
-
 def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps: int, model: str,
         eval_every: int, eval_batches: int, data: str) -> dict:
     torch.manual_seed(seed)
@@ -264,192 +198,37 @@ def run(method: Method, seed: int, replicas: int, inner_steps: int, outer_steps:
     inner_cfg = InnerConfig(lr=node.inner_lr, weight_decay=node.weight_decay, betas=(node.beta1, node.beta2),
                             warmup_steps=node.warmup_steps, total_steps=inner_steps * outer_steps)
     modules = [build_stage(spec, seed, 0, 1) for _ in range(replicas)]
-    inners = [InnerLoop(m, inner_cfg) for m in modules]
-    outer = OuterOptimizer(inners[0].params, method.outer_lr, method.outer_momentum, method.nesterov,
-                           method.outer_lr_final, ramp_steps=outer_steps)  # the daemon's: total steps / H
-    schedules = [ExperimentalSchedule(outer, method.overlap, method.proxy, method.merge, method.mix) for _ in inners]
     # replica r draws what a node started with --seed SEED --data-seed r draws (daemon/replica_state.py)
-    shards = [ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, seed, r) for r in range(replicas)]
-    shapes = [tuple(p.shape) for p in outer.global_params]
-    names = [n for n, _ in modules[0].named_parameters()]
-    dense = tuple(i for i, n in enumerate(names) if "embed" in n or "lm_head" in n) if method.dense_embeddings else ()
-    numel = sum(math.prod(s) for s in shapes)
-    codecs = dict(main=[SharedIndexMember(numel, method.shared) if method.shared
-                        else SparseCodec(shapes, method.sparse) if method.codec == "sparse"
-                        else _compressor(method, method.codec, shapes, dense, seed) for _ in inners])
-    if method.reducer_feedback:  # fixed chunk ranges: one buffer stands for every reducer's (shared_index.py)
-        codecs["reducer"] = [ReducerFeedback(numel)]
-    if method.warmup_rounds:
-        codecs["warmup"] = [_compressor(method, "none", shapes, dense, seed) for _ in inners]
-    if method.refresh_every:
-        codecs["refresh"] = [_compressor(method, "int8", shapes, dense, seed) for _ in inners]
+    reps = [ShardReplica(InnerLoop(m, inner_cfg), ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, seed, r),
+                         inner_steps) for r, m in enumerate(modules)]
+    fed = Federation(method, reps, inner_cfg, inner_steps, outer_steps, seed,  # outer lr ramp: total steps / H
+                     param_names=[n for n, _ in modules[0].named_parameters()])
     evaluator = InnerLoop(build_stage(spec, seed, 0, 1), inner_cfg)
     val = validation_batches(corpus, spec.seq_len, spec.batch_size, eval_batches)
-    step_bound = exact_mean.adam_step_bound(node.beta1, node.beta2)
     tokens_per_round = replicas * inner_steps * spec.batch_size * spec.seq_len
-    tau = inner_steps if method.tau is None else min(method.tau, inner_steps)
-    curve, payloads, uploads, pending, started = [], [], [], None, time.monotonic()
+    curve, payloads, uploads, started = [], [], [], time.monotonic()
 
     def evaluate(t: int, applied: int) -> None:
         """theta after t rounds of compute holding ``applied`` outer updates (overlapped rounds: t - 1, the
         last round's mean still in flight), compared with synchronous methods at equal tokens."""
-        evaluator.load_params(outer.global_params)
+        evaluator.load_params(fed.outer.global_params)
         curve.append(dict(outer_step=applied, rounds=t, tokens=t * tokens_per_round, val_loss=evaluator.evaluate(val)))
 
-    def inner_steps_of(t: int, first: int, end: int) -> None:
-        for inner, shard in zip(inners, shards):
-            for i in range(first, end):
-                inner.inner_step(*shard.next_batch(), global_step=(t - 1) * inner_steps + i)
-
     evaluate(0, 0)
-    for s in schedules:
-        s.begin_round(inners[0].params)
     for t in range(1, outer_steps + 1):
-        if method.overlap == "none":
-            inner_steps_of(t, 0, inner_steps)
-        else:  # round t-1's mean lands tau inner steps into round t (tau = H: at its end, DiLoCoX)
-            inner_steps_of(t, 0, tau)
-            if pending is not None:
-                schedules[0].update_theta(pending, replicas, outer_step=t - 1)  # theta is shared: one step
-                for s, inner in zip(schedules, inners):
-                    s.merge(inner.params)
-                pending = None
-            inner_steps_of(t, tau, inner_steps)
-        deltas = [s.pseudo_gradient(inner.params) for s, inner in zip(schedules, inners)]
-        averaged, own, payload, upload = _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps,
-                                                  step_bound)
-        payloads.append(payload)
-        uploads.append(upload)
-        if method.overlap == "none":
-            schedules[0].update_theta(averaged, replicas, outer_step=t)
-            for s, inner in zip(schedules, inners):
-                s.rebase(inner.params)
-                s.begin_round(inner.params)
-        else:
-            pending = averaged
-            for k, (s, inner) in enumerate(zip(schedules, inners)):
-                if method.proxy == "eager":  # each replica's schedule keeps its own eager state
-                    s.last_mean, s.group_size = schedules[0].last_mean, replicas
-                s.start_from_proxy(inner.params, own[k])
-                s.begin_round(inner.params)
-        if (t % eval_every == 0 or t == outer_steps) and not (pending is not None and t == outer_steps):
-            evaluate(t, t if pending is None else t - 1)
-    if pending is not None:  # the last round's mean lands after its compute: a node applies it before it leaves
-        schedules[0].update_theta(pending, replicas, outer_step=outer_steps)
+        out = fed.round(t)
+        assert not out.dropped, out.dropped
+        payloads.append(out.payload)
+        uploads.append(out.upload)
+        if (t % eval_every == 0 or t == outer_steps) and not (fed.pending is not None and t == outer_steps):
+            evaluate(t, t if fed.pending is None else t - 1)
+    if fed.finish(outer_steps):  # the last round's mean lands after its compute: a node applies it before it leaves
         evaluate(outer_steps, outer_steps)
+    numel = fed.numel
     return dict(method=method.name, seed=seed, curve=curve, final_val_loss=curve[-1]["val_loss"],
                 payload_bytes=sum(payloads) / len(payloads), fp32_bytes=4 * numel,
                 upload_bytes=sum(uploads) / len(uploads),
                 compression_ratio=4 * numel / (sum(payloads) / len(payloads)), seconds=time.monotonic() - started)
-
-
-def _average(method, codecs, deltas, outer, t, inner_cfg, inner_steps, step_bound):
-    """The group's mean pseudo-gradient as every member computes it, each replica's own contribution as
-    the group decodes it, one member's payload bytes, and the bytes a member uploads per round (mean over
-    members): (k - 1) x payload in an all-gather; (payload + result) x (k - 1) / k when the aggregate is
-    re-sparsified, as a reduce-scatter over chunk ranges would send (dilocox/experimental/resparsify.py); 2 x payload x
-    (k - 1) / k per phase in hivemind's butterfly all-reduce."""
-    weights = [float(inner_steps)] * len(deltas)
-    shapes = [tuple(p.shape) for p in outer.global_params]
-    if method.shared:
-        return _shared_round(method, codecs["main"], deltas, weights, shapes, t, codecs.get("reducer", [None])[0])
-    if method.codec == "sparse":
-        if method.proxy_source == "ef":  # the error-feedback-corrected pseudo-gradient: beta e + delta
-            own = [[method.sparse.beta * e + d for e, d in zip(c.error, delta)]
-                   for c, delta in zip(codecs["main"], deltas)]
-        payloads = {f"r{i}": c.encode(d) for i, (c, d) in enumerate(zip(codecs["main"], deltas))}
-        mean, dropped = aggregate(payloads, {p: w for p, w in zip(payloads, weights)}, shapes, method.sparse,
-                                  rule=method.aggregation, norm_bound=method.norm_bound)
-        assert not dropped, dropped
-        k = len(payloads)
-        upload = (k - 1) * len(payloads["r0"])
-        if method.resparsify:  # every member applies the cut aggregate; what it dropped goes back to its owners
-            result = reencode(mean, method.sparse, method.resparsify, method.resparsify_bits)
-            for p, c in zip(payloads, codecs["main"]):
-                c.restore(residual(decode(payloads[p], shapes, method.sparse), mean, result), method.restore_whole)
-            mean = result.applied
-            upload = (len(payloads["r0"]) + len(result.payload)) * (k - 1) / k
-        if method.proxy_source == "code":  # our contribution as the group decodes it
-            own = [decode(payloads[p], shapes, method.sparse) for p in payloads]
-        elif method.proxy_source == "raw":
-            own = [list(d) for d in deltas]
-        return mean, own, len(payloads["r0"]), upload
-    lr_sum = sum(inner_cfg.lr_at((t - 1) * inner_steps + i) for i in range(inner_steps))
-    bounds = [exact_mean.pseudo_gradient_bound(lr_sum, inner_cfg.weight_decay, float(p.abs().max()), step_bound)
-              for p in outer.global_params]
-    main = codecs["main"]
-    if t <= method.warmup_rounds:
-        return _compressed_round(codecs["warmup"], deltas, bounds, t, weights, 1)
-    if method.refresh_every and t % method.refresh_every == 0:
-        flushed = [[d + e for d, e in zip(delta, c.error)] for delta, c in zip(deltas, main)]
-        for c in codecs["refresh"]:
-            c.error = [torch.zeros_like(e) for e in c.error]
-        out = _compressed_round(codecs["refresh"], flushed, bounds, t, weights, 1)
-        for c, r in zip(main, codecs["refresh"]):
-            c.error = [e.clone() for e in r.error]
-        return out
-    return _compressed_round(main, deltas, bounds, t, weights, method.power_iterations)
-
-
-def _shared_round(method, members, deltas, weights, shapes, t, feedback=None):
-    """``_average`` for one index set per round (dilocox/shared_index.py). One member's payload: its values
-    plus the index set (what a receiver needs to place them). Upload per member (mean): (values + result
-    range + index set) x (k - 1) / k, a reduce-scatter of the values over chunk ranges, an all-gather of the
-    ranges' results, and the index set: the leader's relayed so that each member forwards it about once, or
-    each member's proposal to the others (union)."""
-    cfg, k = method.shared, len(members)
-    ms = [mem.accumulate(d) for mem, d in zip(members, deltas)]
-    n = ms[0].numel()
-    if cfg.selection == Selection.UNION and method.reducer_proposes:  # member r reduces range r (chunk_ranges)
-        views = [m.clone() for m in ms]
-        for r, v in enumerate(views):
-            a, b = value_range(n, cfg.chunk, k, r)
-            v[a:b] += torch.from_numpy(feedback.error[a:b])
-        positions, index = union_positions(views, cfg)
-    elif cfg.selection == Selection.UNION:
-        positions, index = union_positions(ms, cfg)
-    else:
-        positions = (leader_positions(ms[leader_rank(t, k)], cfg) if cfg.selection == Selection.LEADER
-                     else random_positions(n, cfg, 0, t))
-        index = index_bytes(positions, n, cfg)
-    sent = [mem.contribute(m, positions) for mem, m in zip(members, ms)]
-    if feedback is None:
-        red = reduce(sent, weights, positions, n, cfg, method.aggregation, method.norm_bound)
-        for mem in members:
-            mem.restore(positions, red.residual)
-    else:  # as the transport would: each range by its reducer, who keeps what its result dropped
-        red = reduce_by_range(sent, weights, positions, n, cfg, method.aggregation, method.norm_bound, feedback)
-
-    def dense(values) -> list[torch.Tensor]:
-        flat = torch.zeros(n)
-        flat[torch.from_numpy(positions)] = torch.from_numpy(values)
-        return [t_.view(s) for t_, s in zip(torch.split(flat, [math.prod(s) for s in shapes]), shapes)]
-
-    own = [dense(v) if method.proxy_source == "code" else list(d) for v, d in zip(sent, deltas)]
-    values = values_bytes(positions, n, cfg)
-    return dense(red.applied), own, values + index, (values + red.result_bytes + index) * (k - 1) / k
-
-
-def _compressed_round(codecs, deltas, bounds, t, weights, power_iterations):
-    """The Compressor round protocol, with the mean of the codes hivemind's all-reduce would return; own
-    contributions for the delayed start proxy are the raw pseudo-gradients, as in the daemon."""
-    for it in range(power_iterations):
-        rounds = [c.begin(d, bounds, t) for c, d in zip(codecs, deltas)]
-        for _ in range(rounds[0].num_phases):
-            out = [r.phase_payload() for r in rounds]
-            mean = _codes_mean([codes for codes, _ in out], weights)
-            for r in rounds:
-                r.phase_done(mean, [stats for _, stats in out], weights)
-        if it < power_iterations - 1:
-            for r, c in zip(rounds, codecs):
-                c.refine(r)
-    # the daemon's proxy stand-in for a Compressor round (daemon/rounds.py): the raw pseudo-gradient
-    averaged, own = rounds[0].result(), [list(d) for d in deltas]
-    for r, c in zip(rounds, codecs):
-        r.decide_rank(0.0, 0.0, len(rounds))
-        c.commit(r)
-    payload = rounds[0].stats.payload_bytes * power_iterations
-    return averaged, own, payload, 2 * payload * (len(rounds) - 1) / len(rounds)
 
 
 def _job(args):
