@@ -1,7 +1,7 @@
 """``make bench-audit``: recomputation audits (dilocox/audit.py) against liars, measured on real training.
 
-R replicas of the tiny model train in one process with the daemon's code for everything but the transport
-(``InnerLoop`` with AdamW, the sparse codec with error feedback, CenteredClip with norm bound 2, the
+R replicas of the tiny model train in one process (bench/federation.py) with the daemon's code for everything but
+the transport (``InnerLoop`` with AdamW, the sparse codec with error feedback, CenteredClip with norm bound 2, the
 SparseLoCo outer step): the setting of ``make bench-attacks``, minus the sockets. Whoever audits a replica
 recomputes under bf16 autocast (``--auditor-precision bf16``, the default) while the replica trains in fp32, to
 emulate honest peers on different hardware; ``--vary-threads`` also trains replica i on 1 + i % 2 threads and
@@ -41,17 +41,21 @@ from pathlib import Path
 
 import torch
 
+from bench.federation import Contributions, Federation, Method
 from dilocox import audit
 from dilocox.data import Corpus, ReplicaShard, validation_batches
-from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer, params_digest
+from dilocox.diloco import InnerConfig, InnerLoop, params_digest
 from dilocox.model import ModelSpec
-from dilocox.sparse import SparseCodec, SparseConfig, aggregate, decode
+from dilocox.sparse import SparseCodec, SparseConfig, decode
 from dilocox.stages import build_stage
 
 OUT = Path("runs/bench/audit")
 ATTACKS = ("sign-flip", "scale", "noise", "ipm-0.5", "ipm-2", "ipm-0.5-fit")
 SPARSE = SparseConfig(chunk=4096, topk=128, bits=2, beta=0.9, rice=True)  # the daemon's defaults
 H, PREFIX, LOSS_BATCHES = 20, 4, 4
+# the daemon's round: the sparse codec, CenteredClip with norm bound 2, the SparseLoCo outer step (lr 2.5 -> 4.5)
+METHOD = Method("audit", codec="sparse", outer_lr=2.5, outer_lr_final=4.5, outer_momentum=0.0, nesterov=False,
+                sparse=SPARSE, aggregation="centered-clip", norm_bound=2.0)
 
 
 def _lie(attack: str, own: list[torch.Tensor], colluders_mean: list[torch.Tensor], round_index: int):
@@ -68,15 +72,24 @@ def _lie(attack: str, own: list[torch.Tensor], colluders_mean: list[torch.Tensor
 
 
 class Replica:
-    def __init__(self, index: int, spec, corpus, seed: int, inner_cfg: InnerConfig, shapes, malicious: bool,
+    """A replica of the federation (bench/federation.py's ``Replica``) that commits to its round-start state and
+    draws round r's batches at fixed positions, so that an auditor can replay them; ``codec``: its sparse codec
+    (the federation's, set once it is built)."""
+
+    def __init__(self, index: int, spec, corpus, seed: int, inner_cfg: InnerConfig, malicious: bool,
                  threads: int = 1):
         self.index, self.malicious, self.threads = index, malicious, threads
         self.peer = f"r{index}"
         self.inner = InnerLoop(build_stage(spec, seed, 0, 1), inner_cfg)
         self.shard = ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, seed, index)
-        self.codec = SparseCodec(shapes, SPARSE)
+        self.codec: SparseCodec | None = None
         self.committed = {}  # round -> (optimizer state, error-feedback buffer) it committed to at the round's start
         self.payloads = {}
+        self.train_s = 0.0  # seconds of its last round's inner steps
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self.inner.params
 
     def batches(self, r: int, count: int = H) -> list:
         return [self.shard.batch_at(r * H + j) for j in range(count)]
@@ -86,13 +99,39 @@ class Replica:
         self.committed[r] = [copy.deepcopy(self.inner.inner_optimizer.state_dict()),
                              [e.clone() for e in self.codec.error]]
 
-    def train(self, theta, r: int) -> list[torch.Tensor]:
+    def inner_steps(self, t: int, first: int, end: int) -> None:
+        """Round r = t - 1 (0-based here): commit its start state, then its steps from theta (the federation
+        re-based the parameters at the last round's end)."""
+        started, r = time.perf_counter(), t - 1
         torch.set_num_threads(self.threads)
         self.commit(r)
-        self.inner.load_params(theta)
-        for j, (x, y) in enumerate(self.batches(r)):
-            self.inner.inner_step(x, y, global_step=r * H + j)
-        return [t - p.detach() for t, p in zip(theta, self.inner.params)]
+        batches = self.batches(r)
+        for j in range(first, end):
+            self.inner.inner_step(*batches[j], global_step=r * H + j)
+        self.train_s = time.perf_counter() - started
+
+
+class Liars(Contributions):
+    """The malicious replicas' contributions (``_lie``), and every payload kept for the audits."""
+
+    def __init__(self, reps: list[Replica], bad: set[int], attack: str | None):
+        self.reps, self.bad, self.attack = reps, bad, attack
+        self.honest: dict = {}  # the round's honest pseudo-gradients, by replica index
+
+    def send(self, t, member, delta, deltas):
+        self.honest = deltas
+        if member not in self.bad:
+            return delta
+        liars = sorted(i for i in deltas if i in self.bad)
+        mean_bad = [sum(ts) / len(liars) for ts in zip(*(deltas[i] for i in liars))]
+        return _lie(self.attack, delta, mean_bad, t - 1)
+
+    def encoded(self, t, member, payload, sent):
+        rep, r = self.reps[member], t - 1
+        if member in self.bad and self.attack.endswith("-fit"):  # commit e_r' with Encode(beta e_r' + honest) = lie
+            rep.committed[r][1] = [(SPARSE.beta * e + s - d) / SPARSE.beta
+                                   for e, s, d in zip(rep.codec.error, sent, self.honest[member])]
+        rep.payloads[r] = payload
 
 
 def _checks(rep: Replica, r: int, theta, auditor: InnerLoop, threads: int, shapes) -> tuple[dict, dict]:
@@ -124,11 +163,14 @@ def run(seed: int, attack: str | None, malicious: int, rounds: int, replicas: in
     spec = ModelSpec.resolve("tiny")
     corpus = Corpus.from_spec("builtin:shakespeare", spec.seq_len)
     inner_cfg = InnerConfig(lr=4e-4, weight_decay=0.1, warmup_steps=10, total_steps=H * rounds)
-    outer = OuterOptimizer(build_stage(spec, seed, 0, 1).parameters(), 2.5, 0.0, False, 4.5, ramp_steps=rounds)
-    shapes = [tuple(p.shape) for p in outer.global_params]
     bad = set(range(replicas - malicious, replicas)) if attack else set()
-    reps = [Replica(i, spec, corpus, seed, inner_cfg, shapes, i in bad, 1 + i % 2 if vary_threads else 1)
+    reps = [Replica(i, spec, corpus, seed, inner_cfg, i in bad, 1 + i % 2 if vary_threads else 1)
             for i in range(replicas)]
+    fed = Federation(METHOD, reps, inner_cfg, H, rounds, seed, contributions=Liars(reps, bad, attack))
+    for rep, codec in zip(reps, fed.codecs["main"]):
+        rep.codec = codec
+    outer = fed.outer
+    shapes = [tuple(p.shape) for p in outer.global_params]
     auditor = InnerLoop(build_stage(spec, seed, 0, 1), InnerConfig(**{**inner_cfg.__dict__,
                                                                        "precision": auditor_precision}))
     val = validation_batches(corpus, spec.seq_len, spec.batch_size, 8)
@@ -139,10 +181,9 @@ def run(seed: int, attack: str | None, malicious: int, rounds: int, replicas: in
         theta = [p.clone() for p in outer.global_params]
         thetas[r] = theta
         if r < rounds and active:
-            t0 = time.perf_counter()
-            deltas = {i: reps[i].train(theta, r) for i in sorted(active)}
-            compute_s.append((time.perf_counter() - t0) / len(active))
-            _contribute(reps, r, deltas, active, bad, attack, outer, shapes)
+            members = sorted(active)
+            fed.round(r + 1, members)  # round r (0-based here): contributions, lies, aggregate, outer step
+            compute_s.append(sum(reps[i].train_s for i in members) / len(members))
         else:
             for i in active:
                 reps[i].commit(r)
@@ -162,25 +203,6 @@ def run(seed: int, attack: str | None, malicious: int, rounds: int, replicas: in
                 excluded={reps[i].peer: r for i, r in excluded.items()}, liars=[reps[i].peer for i in sorted(bad)],
                 round_compute_s=statistics.median(compute_s), audits=rows,
                 seconds=time.monotonic() - started)
-
-
-def _contribute(reps, r, deltas, active, bad, attack, outer, shapes) -> None:
-    """Round r's contributions (lies included), their aggregate and the outer step."""
-    liars = sorted(i for i in active if i in bad)
-    mean_bad = [sum(ts) / len(liars) for ts in zip(*(deltas[i] for i in liars))] if liars else None
-    payloads = {}
-    for i in sorted(active):
-        rep = reps[i]
-        send = _lie(attack, deltas[i], mean_bad, r) if i in bad else deltas[i]
-        payload, new_error = rep.codec.prepare(send)
-        if i in bad and attack.endswith("-fit"):  # commit e_r' with Encode(beta e_r' + honest) = the lie
-            rep.committed[r][1] = [(SPARSE.beta * e + s - d) / SPARSE.beta
-                                   for e, s, d in zip(rep.codec.error, send, deltas[i])]
-        rep.codec.commit(new_error)
-        rep.payloads[r] = payloads[rep.peer] = payload
-    mean, _ = aggregate(payloads, {p: float(H) for p in payloads}, shapes, SPARSE, rule="centered-clip",
-                        norm_bound=2.0)
-    outer.step(mean, outer_step=r + 1)
 
 
 def _audit_round(reps, r, theta, auditor, shapes, rows, active, excluded, strikes, rate, check, act,
