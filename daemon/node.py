@@ -31,10 +31,11 @@ from dilocox.daemon.audits import KEEP_ROUNDS, Audits
 from dilocox.daemon.config import NodeConfig
 from dilocox.daemon.exclusions import Exclusions
 from dilocox.daemon.join_ahead import JoinAhead
+from dilocox.daemon.outcomes import Finished, RoundOutcome
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.redteam import load_attack
 from dilocox.daemon.replica_state import ReplicaState
-from dilocox.daemon.rounds import Finished, OuterRounds, RoundOutcome
+from dilocox.daemon.rounds import OuterRounds
 from dilocox.daemon.staging import PipelineReplica, stage_tag
 from dilocox.daemon.status import GONE_STATES, RoundInfo, State, StatusBoard
 from dilocox.daemon.transfer import StateTransfer, result_key, update_key

@@ -2,7 +2,7 @@
 
 A round reads top to bottom: ``start`` (the compressor begins our contribution, dilocox/compressor.py) →
 exchange (``_submit``: the transport injected at construction runs it on the communication thread,
-peers/transport.py) → check (``_check``: start digests, result digests, equivocation, one update per round) →
+peers/transport.py) → check (daemon/checks.py: start digests, result digests, equivocation, one update per round) →
 apply (``_apply``: the outer step, then the local re-base). ``finish`` returns a ``Finished`` whose
 ``RoundOutcome`` the caller acts on: this class never re-syncs, records or checkpoints by itself (like torchft's
 Manager, the node decides).
@@ -25,43 +25,33 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from enum import Enum
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Collection, Optional, Sequence, Union
 
 import torch
 from dilocox.daemon.audits import Audits
+from dilocox.daemon.checks import FRESH_S, RoundChecks
 from dilocox.daemon.config import NodeConfig
 from dilocox.daemon.exclusions import Exclusions
 from dilocox.daemon.majority import FetchResult, FetchUpdate, MajorityUpdate, OfferResult
+from dilocox.daemon.outcomes import Checked, EarlyRound, Finished, PendingRound, RoundOutcome
 from dilocox.daemon.progress import ProgressTracker
 from dilocox.daemon.redteam import Attack
 from dilocox.daemon.replica_state import ReplicaState
 from dilocox.daemon.status import GONE_STATES, RoundInfo
-from dilocox.peers.averaging import RoundCancelled, RoundFailed, RoundGather, RoundResult, group_limits
+from dilocox.peers.averaging import RoundCancelled, RoundGather, RoundResult
 from dilocox.peers.contributions import ContributionServer
 from dilocox.peers.deadlines import RoundDeadlines, RoundTimes
 from dilocox.peers.transport import RoundInput, Transport
 
 from dilocox.catchup import AppliedUpdate
-from dilocox.compression import CompressionRound
 from dilocox.consensus import (
-    Standing,
     StartAction,
-    Verdict,
-    canonical_digest,
-    failure_action,
-    judge_result,
     left_behind,
     round_start_action,
-    undecided,
 )
-from dilocox.diloco import params_digest
 
 logger = logging.getLogger(__name__)
-FRESH_S = 0.2  # once-a-round decisions read the membership records (nearly) afresh: stale ones split rounds
 # the give-up rule, polled every second while matchmaking, reuses a read this old: a quarter of a node's reads per
 # round otherwise (Swarm.traffic at 8 nodes), and reacting up to 3 s later costs a round nothing it had.
 # A read costs every member's record, so beyond ABANDON_READ_PEERS members the age grows with their number
@@ -98,89 +88,6 @@ def leavers(progress: ProgressTracker) -> Callable[[Collection[str]], set[str]]:
     return gone
 
 
-class RoundOutcome(str, Enum):
-    """What became of a round (the value is the ``outcome`` in status and metrics.jsonl)."""
-
-    APPLIED = "applied"              # the group's verified mean was applied
-    ADOPTED = "adopted"              # a split round: the majority group's update was applied in place of ours
-    UNITED = "united"                # a split round without a majority: the union of every group's results
-    SOLO = "solo"                    # nobody else could take part: our own pseudo-gradient was applied
-    APPLIED_ALONE = "applied_alone"  # the all-reduce failed and nobody else applied the round: ours was
-    SKIPPED = "skipped"              # no result had a majority: the whole group consumed it without update
-    RESYNC = "resync"                # nothing applied; the caller must re-sync (``reason``)
-    RESYNCED = "resynced"            # recorded by the caller when its re-sync fetched this round's result
-    CANCELLED = "cancelled"          # asked to leave while in flight: nothing applied
-    DEFERRED = "deferred"            # finish_early only: left to the round's end
-
-
-@dataclass
-class Finished:
-    """``finish``'s answer. ``info``: the round's figures (for status and metrics); for RESYNC it is
-    set when the re-sync may fetch this very round's result (record it then as RESYNCED)."""
-
-    index: int
-    outcome: RoundOutcome
-    info: Optional[RoundInfo] = None
-    losses: list[float] = field(default_factory=list)
-    reason: str = ""
-    # the exchange's result where one came in from a group that started from our parameters (daemon/audits.py
-    # keeps its contributions to audit, whatever became of the round)
-    result: Optional[RoundResult] = None
-    # ADOPTED after the round went on without us: the caller rejoins the next round at the members' inner step
-    behind: bool = False
-
-
-@dataclass
-class Checked:
-    """What checking a round's finished exchange found (``OuterRounds._check``): APPLIED, ADOPTED, UNITED, SKIPPED,
-    APPLIED_ALONE, RESYNC (``reason``; ``fetches_result``: the re-sync may bring this round's result) or CANCELLED."""
-
-    outcome: RoundOutcome
-    result: Optional[RoundResult] = None
-    group_size: int = 1
-    reason: str = ""
-    fetches_result: bool = False
-    adopted: Optional[AppliedUpdate] = None  # ADOPTED, UNITED: what is applied in place of ours (daemon/majority.py)
-    behind: bool = False  # ADOPTED: the round went on without us (MajorityUpdate.follow)
-    # ADOPTED behind a swarm that went further: the updates of the outer steps after ``adopted``'s, in order
-    chain: tuple[AppliedUpdate, ...] = ()
-
-
-@dataclass
-class PendingRound:
-    """Round ``index`` being averaged: ``future`` runs peers.averaging.exchange on the communication
-    thread (None: a solo round)."""
-
-    index: int
-    pseudo_gradient: list
-    compression: Optional[CompressionRound]
-    future: Optional[Future]
-    compute_s: float
-    losses: list[float]
-    started: float
-    cancel: threading.Event = field(default_factory=threading.Event)
-    early: Optional[RoundInfo] = None  # theta already updated mid-round (delayed); the local part is due
-    sent_at: float = 0.0  # time.monotonic() when the round's inner steps ended and its contribution was ready
-    encode_s: float = 0.0
-    early_tried: bool = False
-    merged_at: Optional[int] = None  # adaptive: the next round's inner step at which theta joined the local params
-    waited_s: float = 0.0  # adaptive: time waited for the exchange before the next round began (wait_briefly)
-    checked: Optional[Future] = None  # adaptive: ``_check`` running on the verifier thread (a Checked)
-
-
-@dataclass
-class EarlyRound:
-    """A synchronous sparse or shared round whose matchmaking began before its inner steps ended: ``ready`` gets
-    the compressor's round at the round's end, and ``future`` runs the transport's exchange on the comm thread."""
-
-    index: int
-    weight: int
-    ready: Future
-    future: Future
-    cancel: threading.Event
-    started: float
-
-
 class OuterRounds:
     """The rounds of one node. ``transport``: where a round's exchange runs (peers/transport.py; built once in the
     node's wiring for its compression, a fake in unit tests). Call from the training thread."""
@@ -209,22 +116,23 @@ class OuterRounds:
         self.delayed = cfg.overlap != "none"  # overlapped: round r's exchange runs while round r + 1 computes
         self.merge_early = cfg.overlap == "adaptive" and cfg.num_stages == 1  # merge as soon as it is in
         self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
-        self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")  # adaptive: _check
+        self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")  # adaptive: checks
         self.pending: Optional[PendingRound] = None  # delayed overlap: the all-reduce in flight
         self.early: Optional[EarlyRound] = None  # synchronous sparse round matched before its end
-        self.measured_bps = 0.0
         self.times: dict[int, RoundTimes] = {}  # round index -> the deadlines its exchange was given
         self.exchange_s: Optional[float] = None  # the longest exchange of the last EXCHANGE_WINDOW rounds (seconds)
         self._exchanges: list[float] = []
         self._stopping = threading.Event()  # shutdown: a verifier wait for an exchange ends
-        self.majority = None if fetch_update is None or cfg.num_stages > 1 else MajorityUpdate(
+        majority = None if fetch_update is None or cfg.num_stages > 1 else MajorityUpdate(
             progress, fetch_update, self.delayed, cfg.averaging_timeout,
             lambda: self._stopping.is_set() or leave_requested.is_set(), fetch_result, offer_result)
+        self.checks = RoundChecks(cfg, state, progress, deadlines, exclusions, majority, leave_requested,
+                                  self._stopping, self.delayed)
 
     def bandwidth_bps(self) -> float:
         """Our link rate for the rank cap (bit/s): configured, else the best all-reduce throughput seen
         (bytes sent / time in the all-reduce: a lower bound, as latency counts against it); 0: unknown."""
-        return self.cfg.bandwidth_mbps * 1e6 if self.cfg.bandwidth_mbps else self.measured_bps
+        return self.cfg.bandwidth_mbps * 1e6 if self.cfg.bandwidth_mbps else self.checks.measured_bps
 
     def _gather(self, weight: int, compute_s: float) -> RoundGather:
         """Our metadata for round ``state.round`` (peers/averaging.py: RoundGather)."""
@@ -249,7 +157,7 @@ class OuterRounds:
         if action == StartAction.ALREADY_DONE:
             self._cancel(early)
             reason = f"round {r} was already completed by others"
-            followed = self._follow(r, reason)
+            followed = self.checks.follow(r, reason)
             if followed.outcome == RoundOutcome.RESYNC:
                 return Finished(r, RoundOutcome.RESYNC, reason=reason)
             p = PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started, checked=Future())
@@ -309,14 +217,6 @@ class OuterRounds:
             return left_behind(others, r, self.delayed)
         return check
 
-    # ------------------------------------------------------------------ equivocation
-    def _exclude_equivocators(self, r: int, inputs: dict) -> None:
-        """A contributor another member used with other bytes than we did served different bytes to
-        different peers: it is excluded for a while (daemon/exclusions.py; the group's results
-        differed, so the round itself is skipped or re-synced by the verdict rules)."""
-        if inputs:
-            self.exclusions.equivocated(r, self.progress.input_conflicts(r, inputs, self.cfg.request_timeout))
-
     # ------------------------------------------------------------------ early matchmaking
     def early_window_s(self) -> float:
         """Seconds before a round's inner steps end at which its early matchmaking begins: the matchmaking
@@ -372,7 +272,7 @@ class OuterRounds:
         self.pending = p
         self.state.round = p.index + 1
         if p.future is not None and self.merge_early:  # checked while the next round computes
-            p.checked = self.verifier.submit(self._check, p)
+            p.checked = self.verifier.submit(self.checks.check, p)
         if p.future is not None and self.cfg.overlap_proxy != "none":
             ahead = p.compression.lookahead()  # None: our contribution is known only after the exchange
             self.state.start_from_proxy(ahead if ahead is not None else p.pseudo_gradient)
@@ -451,8 +351,8 @@ class OuterRounds:
         return self._apply(p, checked, early, waited_from)
 
     def _exchanged(self, p: PendingRound) -> Checked:
-        """Round p's exchange, waited for (a leave request cancels it) and checked (``_check``; already checked on
-        the verifier thread under adaptive overlap); SOLO for a round nobody else could take part in."""
+        """Round p's exchange, waited for (a leave request cancels it) and checked (``RoundChecks.check``; already
+        checked on the verifier thread under adaptive overlap); SOLO for a round nobody else could take part in."""
         if p.future is None and p.checked is None:
             return Checked(RoundOutcome.SOLO)
         waiting = p.checked if p.checked is not None else p.future
@@ -460,7 +360,7 @@ class OuterRounds:
             if self.leave_requested.is_set():
                 p.cancel.set()
             time.sleep(0.02)
-        return p.checked.result() if p.checked is not None else self._check(p)
+        return p.checked.result() if p.checked is not None else self.checks.check(p)
 
     def _apply(self, p: PendingRound, checked: Checked, early: bool, waited_from: float) -> Finished:
         """Apply a checked round: the outer step with the group's mean (APPLIED), the adopted or united update
@@ -498,134 +398,6 @@ class OuterRounds:
         finished = self._finish_locally(p, info)
         finished.result, finished.behind = result, checked.behind
         return finished
-
-    def _check(self, p: PendingRound) -> "Checked":
-        """Wait for round p's exchange and check it against the group: start digests, the group's result digests
-        (through the membership records, up to request_timeout), equivocation; the verdict rules are
-        dilocox/consensus.py. Changes nothing of the replica's state, so adaptive overlap runs it on the
-        verifier thread while the next round computes (``hold``); the training thread applies what it found."""
-        try:
-            result = self._await_exchange(p)
-        except (RoundCancelled, CancelledError):
-            return Checked(RoundOutcome.CANCELLED)
-        except RoundFailed as e:
-            if failure_action(self.progress.others(FRESH_S), p.index) == Verdict.RESYNC:
-                return self._follow(p.index, f"round {p.index} went on without us ({e})")
-            logger.warning("round %d: %s; applying our own pseudo-gradient", p.index, e)
-            return Checked(RoundOutcome.APPLIED_ALONE)
-        self.deadlines.observe_group(p.compute_s, [g.compute_s for g in result.gathered.values() if g])
-        starts = {q: g.start_digest for q, g in result.gathered.items()
-                  if g is not None and g.outer_step == p.index - 1}
-        canon, _ = canonical_digest(starts)
-        if canon != self.state.start_digest():
-            return Checked(RoundOutcome.RESYNC, reason=f"round {p.index}: we started from "
-                                                       f"{self.state.start_digest()}, the group from {canon}")
-        # every member that started from the same parameters contributed to this average
-        group_size = sum(d == canon and q not in result.dropped for q, d in starts.items())
-        result_digest = params_digest(result.tensors)
-        results = self.progress.exchange_result_digests(p.index, result_digest, set(starts),
-                                                        self.cfg.request_timeout, result.inputs)
-        verdict = judge_result(result_digest, results, members=len(starts))
-        if verdict == Verdict.SKIP and set(results) < set(starts):
-            results = self._await_reports(p, set(starts))
-            if set(results) < set(starts) and self._dropped(p):  # leaving: nothing consumed, the checkpoint keeps r-1
-                return Checked(RoundOutcome.CANCELLED)
-            verdict = judge_result(result_digest, results, members=len(starts))
-        self._exclude_equivocators(p.index, result.inputs)
-        # the exchange's last read serves (progress.exchanged_at), however long the steps since took
-        unreported = [m for m in self.progress.others(FRESH_S, since=self.progress.exchanged_at(p.index))
-                      if m.peer_id not in results]
-        if verdict == Verdict.SKIP and failure_action(unreported, p.index) == Verdict.RESYNC:
-            # our group fell apart (e.g. two late members matched each other, and one left for a re-sync), or
-            # a group-mate consumed the round without a report we saw, while others applied it: skipping would
-            # diverge from them
-            return Checked(RoundOutcome.RESYNC, result, group_size, fetches_result=True,
-                           reason=f"round {p.index}: no majority among our group's results "
-                                  f"{sorted(set(results.values()))}, and other replicas applied it")
-        if verdict == Verdict.SKIP:
-            # e.g. two replicas, one with a partial average: nobody can tell which is right, so every member
-            # consumes the round without an update (theta_r = theta_{r-1}) and all stay aligned
-            logger.warning("round %d: no majority among all-reduce results %s; skipped by the whole group",
-                           p.index, sorted(set(results.values())))
-            return Checked(RoundOutcome.SKIPPED, result, group_size)
-        if verdict == Verdict.RESYNC:
-            canon, _ = canonical_digest(results)
-            # hivemind can return part of the average ("received 79% results") and still succeed
-            return Checked(RoundOutcome.RESYNC, result, group_size, fetches_result=True,
-                           reason=f"round {p.index}: all-reduce result {result_digest} differs from the group's "
-                                  f"{canon} (partial result?); not applied")
-        if self.majority is not None:  # one update per round, even where matchmaking split it
-            _, holders = canonical_digest(results)
-            settled = self.majority.resolve(p.index, set(starts), len(holders), self.state.digest, result.tensors,
-                                            len(result.inputs), self.state.outsized(result.scales))
-            if settled.standing in (Standing.ADOPT, Standing.UNION) and settled.update is None:
-                if self.leave_requested.is_set():  # leaving: nothing to re-sync for; the checkpoint keeps r - 1
-                    return Checked(RoundOutcome.CANCELLED)
-                return Checked(RoundOutcome.RESYNC, result, group_size, fetches_result=True, reason=settled.reason)
-            if settled.update is not None:
-                outcome = RoundOutcome.UNITED if settled.standing == Standing.UNION else RoundOutcome.ADOPTED
-                return Checked(outcome, result, settled.update.group_size, adopted=settled.update)
-        if result.allreduce_s > 0:
-            self.measured_bps = max(self.measured_bps, 8 * result.bytes_sent / result.allreduce_s)
-        # from all-gathered figures only, so every member picks the same rank (and averager)
-        p.compression.decide_rank(*group_limits(result.gathered), group_size)
-        return Checked(RoundOutcome.APPLIED, result, group_size)
-
-    def _follow(self, index: int, reason: str) -> Checked:
-        """Round ``index`` went on without us (``reason``): ADOPTED (``behind``) with the update a strict majority
-        of the live replicas applied, fetched and checked (MajorityUpdate.follow), so the round counts as joint and
-        no state download is needed; else RESYNC. Overlapped rounds re-sync as before: their next round is
-        already computed from theta_{index - 1}."""
-        chain = None if self.majority is None or self.delayed else self.majority.follow(index, self.state.digest)
-        if not chain:
-            return Checked(RoundOutcome.RESYNC, reason=reason)
-        logger.info("%s: applying the update%s most of the swarm applied (theta %s)", reason,
-                    f"s of outer steps {index}..{chain[-1].outer_step}" if len(chain) > 1 else "", chain[-1].digest)
-        return Checked(RoundOutcome.ADOPTED, None, chain[0].group_size, adopted=chain[0], behind=True,
-                       chain=tuple(chain[1:]))
-
-    def _await_reports(self, p: PendingRound, group: set[str]) -> dict[str, str]:
-        """Result reports of round p's group when some were missing at first (missing, not different: a loaded
-        member publishes late): wait up to averaging_timeout, then on while a member without a report may still
-        apply the round (``consensus.undecided``), up to outer_round_deadline. Skipping while a group-mate
-        applies forks theta: seen in CI with two pipeline-stage members, one reporting 27 s after the all-reduce.
-        Our own report is published already (``exchange_result_digests``); this only reads, in request_timeout
-        slices, so a leave or a dropped round ends the wait within one (a leave that
-        waited out averaging_timeout missed a 60 s drain at 32 nodes). Returns peer_id -> digest of those that
-        reported (ours included)."""
-        began = time.monotonic()
-        patient_until, deadline = began + self.cfg.averaging_timeout, began + self.cfg.outer_round_deadline
-        logged = False
-        while True:
-            slice_s = max(0.0, min(self.cfg.request_timeout, deadline - time.monotonic()))
-            results = self.progress.collect_result_digests(p.index, group, slice_s)
-            missing, now = group - set(results), time.monotonic()
-            if not missing or now >= deadline or self._dropped(p):
-                return results
-            if now < patient_until:
-                continue
-            waiting_for = undecided(self.progress.others(FRESH_S), missing, p.index)
-            if not waiting_for:
-                return results
-            if not logged:
-                logger.info("round %d: no result report yet from %s, who may still apply it; waiting", p.index,
-                            ", ".join(q[-8:] for q in waiting_for))
-                logged = True
-
-    def _dropped(self, p: PendingRound) -> bool:
-        """Round p no longer matters to us: dropped (a re-sync), or we stop or leave."""
-        return p.cancel.is_set() or self._stopping.is_set() or self.leave_requested.is_set()
-
-    def _await_exchange(self, p: PendingRound) -> "RoundResult":
-        """Round p's exchange result, waited for in slices so a dropped round (``p.cancel``: a re-sync or leave)
-        or ``shutdown`` frees the verifier thread; the interpreter joins pool threads at exit, so a wait with no
-        end would keep a stopping process alive. Raises RoundCancelled once p is dropped or we stop."""
-        while True:
-            try:
-                return p.future.result(timeout=0.5)
-            except FutureTimeout:
-                if p.cancel.is_set() or self._stopping.is_set():
-                    raise RoundCancelled(f"round {p.index} was dropped") from None
 
     def _resync(self, p: PendingRound, early: bool, reason: str) -> Finished:
         return Finished(p.index, RoundOutcome.DEFERRED if early else RoundOutcome.RESYNC, losses=p.losses,

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from dilocox.daemon.exclusions import Exclusions
-from dilocox.daemon.rounds import OuterRounds, PendingRound, RoundOutcome
+from dilocox.daemon.outcomes import PendingRound, RoundOutcome
+from dilocox.daemon.rounds import OuterRounds
 from dilocox.peers.averaging import RoundCancelled, RoundFailed, RoundGather, RoundResult
 from dilocox.peers.deadlines import RoundDeadlines
 
@@ -33,8 +34,9 @@ def _shut_down_rounds():
         _made.pop().shutdown()
 
 
-def rounds_for(state, progress, delayed=False, overlap=None, transport=None):
-    cfg = state.cfg.model_copy(update=dict(overlap=overlap or ("delayed" if delayed else "none")))
+def rounds_for(state, progress, delayed=False, overlap=None, transport=None, **fields):
+    """OuterRounds over ``state`` and ``progress`` (``fields``: NodeConfig fields to change, e.g. timeouts)."""
+    cfg = state.cfg.model_copy(update=dict(overlap=overlap or ("delayed" if delayed else "none"), **fields))
     flags = RoundDeadlines(None, matchmaking_cap_s=cfg.matchmaking_time,
                            group_wait_cap_s=cfg.outer_round_deadline - cfg.averaging_timeout,
                            request_timeout_s=cfg.request_timeout)
@@ -118,17 +120,14 @@ class SlowGroupMates(FakeProgress):
         return {"me": digest}
 
 
-def quick(rounds):
-    rounds.cfg = rounds.cfg.model_copy(update=dict(request_timeout=0.05, matchmaking_time=0.1,
-                                                   averaging_timeout=0.2, outer_round_deadline=1.0))
-    return rounds
+QUICK = dict(request_timeout=0.05, matchmaking_time=0.1, averaging_timeout=0.2, outer_round_deadline=1.0)
 
 
 def test_group_mates_that_may_still_apply_are_waited_for_past_averaging_timeout(state):
     # their reports come on the 8th read (slices of 0.05 s), after averaging_timeout: skipping then would leave
     # them applying a round we skipped (seen in CI: one of two stage replicas applied, the other skipped)
     progress = SlowGroupMates(reports_on=8)
-    done = quick(rounds_for(state, progress)).finish(pending(state, None))
+    done = rounds_for(state, progress, **QUICK).finish(pending(state, None))
     assert done.outcome == RoundOutcome.APPLIED and state.outer_step == 1
     assert len(progress.timeouts) == 8 and max(progress.timeouts) <= 0.05
 
@@ -136,7 +135,7 @@ def test_group_mates_that_may_still_apply_are_waited_for_past_averaging_timeout(
 def test_group_mates_that_never_report_are_waited_for_up_to_outer_round_deadline_then_skipped(state):
     theta0, began = state.digest, time.monotonic()
     progress = SlowGroupMates(reports_on=None)
-    done = quick(rounds_for(state, progress)).finish(pending(state, None))
+    done = rounds_for(state, progress, **QUICK).finish(pending(state, None))
     assert done.outcome == RoundOutcome.SKIPPED and (state.outer_step, state.digest) == (1, theta0)
     assert 1.0 <= time.monotonic() - began < 3.0 and len(progress.timeouts) > 3
 
@@ -145,15 +144,14 @@ def test_group_mates_that_dropped_the_round_are_not_waited_for(state):
     progress = SlowGroupMates(reports_on=None)
     progress._others = [Peer(peer_id="a", state="SYNCING", outer_step=0), Peer(peer_id="b", state="STOPPED")]
     began = time.monotonic()
-    done = quick(rounds_for(state, progress)).finish(pending(state, None))
+    done = rounds_for(state, progress, **QUICK).finish(pending(state, None))
     assert done.outcome == RoundOutcome.SKIPPED and time.monotonic() - began < 0.6  # averaging_timeout (0.2 s), no more
 
 
 def test_a_leave_ends_the_wait_for_missing_reports_within_a_slice_and_consumes_nothing(state):
     theta0 = state.digest
-    rounds = rounds_for(state, SlowGroupMates(reports_on=None))
-    rounds.cfg = rounds.cfg.model_copy(update=dict(request_timeout=0.05, matchmaking_time=0.1,
-                                                   averaging_timeout=5.0, outer_round_deadline=10.0))
+    rounds = rounds_for(state, SlowGroupMates(reports_on=None), request_timeout=0.05, matchmaking_time=0.1,
+                        averaging_timeout=5.0, outer_round_deadline=10.0)
     threading.Timer(0.3, rounds.leave_requested.set).start()
     began = time.monotonic()
     done = rounds.finish(pending(state, None))
@@ -165,7 +163,7 @@ def test_a_group_mate_that_consumed_the_round_without_a_report_we_saw_sends_us_t
     theta0 = state.digest
     progress = SlowGroupMates(reports_on=None)
     progress._others = [Peer(peer_id="a", outer_step=1, round=2), Peer(peer_id="b", state="STOPPED")]
-    done = quick(rounds_for(state, progress)).finish(pending(state, None))
+    done = rounds_for(state, progress, **QUICK).finish(pending(state, None))
     assert done.outcome == RoundOutcome.RESYNC and "other replicas applied it" in done.reason
     assert (state.outer_step, state.digest) == (0, theta0)
 
