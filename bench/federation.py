@@ -10,27 +10,29 @@ Round t (1-based) of ``Federation.round``, for the round's members (all replicas
   3. ``Contributions.send`` may replace what a member sends (an attack); ``Method``'s code encodes it: the sparse
      codec (dilocox/sparse/ ``SparseCodec.prepare`` / ``commit``; ``Contributions.encoded`` sees each payload
      before its commit), one index set per round (dilocox/shared_index.py, with dilocox/experimental/selections.py),
-     or the dense ``Compressor`` round protocol (dilocox/compression.py ``DenseCompressor``) with the weighted mean
-     of the codes that hivemind's all-reduce returns;
+     the dense ``Compressor`` round protocol (dilocox/compression.py ``DenseCompressor``) with the weighted mean
+     of the codes that hivemind's all-reduce returns, or none (``plain``: flat float64 vectors);
   4. the aggregate, weight H per member: dilocox/sparse/aggregate.py with a dilocox/robust.py rule (sparse), the
-     shared reduce, or the codes' mean (dense); re-sparsified by dilocox/experimental/resparsify.py on request;
+     shared reduce, the codes' mean (dense), or dilocox/robust.py's ``aggregate`` (plain; the caller may replace
+     it: ``aggregator``); re-sparsified by dilocox/experimental/resparsify.py on request;
   5. the outer step (``OuterOptimizer``, dilocox/diloco.py, through the schedule): at the round's end
      (synchronous; every member re-bases on theta) or tau inner steps into the next round (overlapped: the
      members start from their proxies; ``finish`` lands the last round's mean).
 
-What is measured per round stays with the caller (``round`` returns the ``Exchange``). bench/quality.py and
-bench/audit.py run their rounds here; bench/attacks/badsfl/sim.py keeps its own (SCAFFOLD's control variates).
+Synchronous rounds start every member from theta (a replica that sat some rounds out catches up). What is measured
+per round stays with the caller (``round`` returns the ``Exchange``). bench/quality.py, bench/audit.py and
+bench/attacks/badsfl/sim.py (SCAFFOLD's control variates in its hooks) run their rounds here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
 import torch
 
-from dilocox import exact_mean
+from dilocox import exact_mean, robust
 from dilocox.compression import CompressionConfig, DenseCompressor
 from dilocox.data import ReplicaShard
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
@@ -63,7 +65,7 @@ class Method:
     """One row: how pseudo-gradients are coded and how the outer step applies their mean."""
 
     name: str
-    codec: str = "none"             # Compressor mode (none, fp16, int8, adaptive) or "sparse"
+    codec: str = "none"             # Compressor mode (none, fp16, int8, adaptive), "sparse" or "plain" (uncoded)
     outer_lr: float = 0.7
     outer_lr_final: Optional[float] = None  # outer lr ramped linearly to this over the outer steps (lr_at)
     outer_momentum: float = 0.9
@@ -82,8 +84,8 @@ class Method:
     power_iterations: int = 1       # PowerSGD iterations per round (each extra one: two more phases)
     refresh_every: int = 0          # every k-th round sent whole at 8 bits, flushing the error feedback
     sparse: SparseConfig = field(default_factory=SparseConfig)
-    aggregation: str = "mean"       # sparse rounds: dilocox/robust.py rule
-    norm_bound: float = 0.0         # sparse rounds: clip to this multiple of the median norm (0: off)
+    aggregation: str = "mean"       # sparse and plain rounds: dilocox/robust.py rule
+    norm_bound: float = 0.0         # sparse and plain rounds: clip to this multiple of the median norm (0: off)
     resparsify: int = 0             # sparse rounds: the aggregate cut to this many x topk per chunk (0: off)
     resparsify_bits: int = 0        # bits per value of the cut aggregate (0: the contributions')
     restore_whole: bool = False     # the cut's residual returned undecayed (SparseCodec.restore's whole)
@@ -133,13 +135,35 @@ class Contributions:
 class Exchange:
     """One round's result: ``mean`` the aggregate (the parameters' shapes, fp32), ``own`` each member's
     contribution as the proxy's stand-in (``Method.proxy_source``), ``payload`` one member's bytes, ``upload``
-    the bytes a member uploads (mean over members), ``dropped`` contributions the sparse aggregate rejected."""
+    the bytes a member uploads (mean over members), ``dropped`` contributions the sparse aggregate rejected;
+    plain rounds: ``vectors`` the contributions (peer id -> flat float64), ``flat`` the aggregate (float64) and
+    ``report`` the aggregator's (dilocox/robust.py: {"clipped": {peer: scale}, ...})."""
 
     mean: Tensors
     own: list[Tensors]
     payload: float
     upload: float
     dropped: dict = field(default_factory=dict)
+    vectors: dict = field(default_factory=dict)
+    flat: Optional[torch.Tensor] = None
+    report: dict = field(default_factory=dict)
+
+
+def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Concatenate tensors into one float64 vector (parameter order)."""
+    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+
+
+def unflatten(vector: torch.Tensor, like: list[torch.Tensor]) -> Tensors:
+    """Split a flat vector back into CPU fp32 tensors shaped like ``like``; ValueError if the sizes differ."""
+    out, at = [], 0
+    for t in like:
+        n = math.prod(t.shape)
+        out.append(vector[at:at + n].reshape(t.shape).to(torch.float32).clone())
+        at += n
+    if at != vector.numel():
+        raise ValueError(f"vector of {vector.numel()} values does not fit {at} parameters")
+    return out
 
 
 def _codes_mean(codes: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -158,14 +182,19 @@ class Federation:
 
     ``replicas`` start from theta (equal parameters); ``inner_cfg`` is theirs (the dense codes' bounds read its
     learning rates and betas); ``inner_steps`` H; ``rounds`` the outer lr ramp's length; ``seed`` the dense codes';
-    ``param_names`` the parameters' names (``Method.dense_embeddings``). Raises ValueError for an unknown overlap,
-    proxy or merge (the schedule's)."""
+    ``param_names`` the parameters' names (``Method.dense_embeddings``); ``peer_id`` a replica's id (sparse and
+    plain rounds; the aggregates sort by it); ``aggregator`` (plain rounds): (vectors, weights) -> (flat aggregate,
+    report), default dilocox/robust.py's ``aggregate`` with ``Method``'s rule and norm bound. Raises ValueError for
+    an unknown overlap, proxy or merge (the schedule's)."""
 
     def __init__(self, method: Method, replicas: Sequence[Replica], inner_cfg: InnerConfig, inner_steps: int,
                  rounds: int, seed: int, param_names: Sequence[str] = (),
-                 contributions: Optional[Contributions] = None):
+                 contributions: Optional[Contributions] = None, peer_id: Callable[[int], str] = "r{}".format,
+                 aggregator: Optional[Callable[[dict, dict], tuple[torch.Tensor, dict]]] = None):
         self.method, self.replicas, self.inner_cfg, self.h = method, list(replicas), inner_cfg, inner_steps
-        self.hooks = contributions or Contributions()
+        self.hooks, self.peer_id = contributions or Contributions(), peer_id
+        self.aggregator = aggregator or (lambda vectors, weights: robust.aggregate(
+            vectors, weights, method.aggregation, norm_bound=method.norm_bound))
         self.outer = OuterOptimizer(self.replicas[0].params, method.outer_lr, method.outer_momentum, method.nesterov,
                                     method.outer_lr_final, ramp_steps=rounds)
         self.schedules = [ExperimentalSchedule(self.outer, method.overlap, method.proxy, method.merge, method.mix)
@@ -181,6 +210,7 @@ class Federation:
         n = len(self.replicas)
         self.codecs = dict(main=[SharedIndexMember(self.numel, method.shared) if method.shared
                                  else SparseCodec(self.shapes, method.sparse) if method.codec == "sparse"
+                                 else None if method.codec == "plain"
                                  else _compressor(method, method.codec, self.shapes, dense, seed) for _ in range(n)])
         if method.reducer_feedback:  # fixed chunk ranges: one buffer stands for every reducer's (shared_index.py)
             self.codecs["reducer"] = [ReducerFeedback(self.numel)]
@@ -197,6 +227,9 @@ class Federation:
         members = list(range(len(self.replicas)) if members is None else members)
         m, h = self.method, self.h
         if m.overlap == "none":
+            for i in members:  # from theta (a no-op for a member of the last round)
+                self.schedules[i].rebase(self.replicas[i].params)
+                self.schedules[i].begin_round(self.replicas[i].params)
             self._steps(members, t, 0, h)
         else:  # round t-1's mean lands tau inner steps into round t (tau = H: at its end, DiLoCoX)
             self._steps(members, t, 0, self.tau)
@@ -250,6 +283,12 @@ class Federation:
             return self._shared_round(main, sent, weights, t)
         if m.codec == "sparse":
             return self._sparse_round(main, members, honest, sent, weights, t)
+        if m.codec == "plain":
+            vectors = {self.peer_id(i): flatten(d) for i, d in zip(members, sent)}
+            flat, report = self.aggregator(vectors, {key: float(self.h) for key in vectors})
+            k = len(members)
+            return Exchange(unflatten(flat, self.outer.global_params), [list(d) for d in sent], 4 * self.numel,
+                            4 * self.numel * (k - 1), vectors=vectors, flat=flat, report=report)
         lr_sum = sum(self.inner_cfg.lr_at((t - 1) * self.h + i) for i in range(self.h))
         bounds = [exact_mean.pseudo_gradient_bound(lr_sum, self.inner_cfg.weight_decay, float(p.abs().max()),
                                                    self.step_bound) for p in self.outer.global_params]
@@ -275,7 +314,7 @@ class Federation:
             payload, new_error = c.prepare(send)
             self.hooks.encoded(t, i, payload, send)
             c.commit(new_error)
-            payloads[f"r{i}"] = payload
+            payloads[self.peer_id(i)] = payload
         mean, dropped = aggregate(payloads, {p: w for p, w in zip(payloads, weights)}, shapes, m.sparse,
                                   rule=m.aggregation, norm_bound=m.norm_bound)
         k, size = len(payloads), len(next(iter(payloads.values())))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.federation import Contributions, Federation, Method, ShardReplica
+from bench.federation import Contributions, Federation, Method, ShardReplica, flatten, unflatten
 from dilocox.data import Corpus, ReplicaShard, validation_batches
 from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
 from dilocox.model import ModelSpec
@@ -94,3 +94,27 @@ def test_the_loss_falls_over_a_few_rounds():
     for t in range(1, 5):
         fed.round(t)
     assert loss() < before - 0.05
+
+
+def test_a_plain_round_is_the_robust_rule_over_flat_vectors_and_a_member_that_sat_out_starts_from_theta():
+    rec = Recorder()
+    fed = _federation(Method("plain", codec="plain", outer_lr=1.0, outer_momentum=0.0, nesterov=False), replicas=3,
+                      hooks=rec)
+    fed.round(1, members=[0, 2])
+    rec.deltas.clear()
+    out = fed.round(2)
+    assert sorted(out.vectors) == ["r0", "r1", "r2"]
+    want = (flatten(rec.deltas[0]) + flatten(rec.deltas[1]) + flatten(rec.deltas[2])) / 3
+    assert float((out.flat - want).abs().max()) <= 1e-12 * float(want.abs().max())
+    assert all(torch.equal(a, b) for a, b in zip(out.mean, unflatten(out.flat, fed.outer.global_params)))
+
+    # replica 1 sat round 1 out: its params are still theta_0 until round 2 starts it from theta_1
+    fed = _federation(Method("plain", codec="plain", outer_lr=1.0, outer_momentum=0.0, nesterov=False), replicas=2)
+    starts = []
+    steps = fed.replicas[1].inner_steps
+    fed.replicas[1].inner_steps = lambda t, a, b: (starts.append([p.detach().clone() for p in fed.replicas[1].params]),
+                                                   steps(t, a, b))
+    fed.round(1, members=[0])
+    theta1 = [p.clone() for p in fed.outer.global_params]
+    fed.round(2)
+    assert all(torch.equal(a, b) for a, b in zip(starts[0], theta1))

@@ -4,35 +4,18 @@ A round of client i (DiLoCo / SCAFFOLD option II, dilocox/diloco.py and dilocox/
   x <- theta; K inner steps of ``InnerLoop.inner_step`` (AdamW at ``InnerConfig.lr_at``, gradient clipped
   to max_grad_norm), each followed by the hooks in ``after`` (SCAFFOLD: ``apply_correction_step``, i.e.
   x <- x - lr (c - c_i), what ``ReplicaState.inner_step`` does); delta = theta - x (``OuterOptimizer
-  .pseudo_gradient``). Vectors travel flattened (float64, parameter order) into dilocox.robust.aggregate.
+  .pseudo_gradient``). Vectors travel flattened (float64, parameter order, bench/federation.py's ``flatten``)
+  into dilocox.robust.aggregate.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from dilocox.diloco import InnerLoop, OuterOptimizer
 from dilocox.scaffold import apply_correction_step
-
-
-def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Concatenate tensors into one float64 vector (parameter order)."""
-    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
-
-
-def unflatten(vector: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Split a flat vector back into CPU fp32 tensors shaped like ``like``."""
-    out, at = [], 0
-    for t in like:
-        n = math.prod(t.shape)
-        out.append(vector[at:at + n].reshape(t.shape).to(torch.float32).clone())
-        at += n
-    if at != vector.numel():
-        raise ValueError(f"vector of {vector.numel()} values does not fit {at} parameters")
-    return out
 
 
 def scaffold_hook(inner: InnerLoop, correction: list[torch.Tensor]) -> Callable[[float], None]:

@@ -1,6 +1,7 @@
 """An in-process federation on label-sharded Fashion-MNIST that runs the daemon's own code.
 
-Per round t (1-based) of one setting:
+Steps 2-4 run in bench/federation.py's ``Federation`` (uncoded contributions; the rule or the defense as its
+aggregator; SCAFFOLD in its per-contribution hook). Per round t (1-based) of one setting:
   1. S_t: ``per_round`` of the ``clients`` clients, drawn by numpy.random.default_rng([seed, t]); in the
      injection window the attacker client is always in S_t (it and 9 of the other 19). The draw does
      not depend on the setting, so every setting sees the same clients in the same rounds.
@@ -59,6 +60,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from bench import federation
 from bench.attacks.badsfl.attacks import (
     ATTACKERS,
     BRIGHT_QUANTILE,
@@ -70,10 +72,11 @@ from bench.attacks.badsfl.attacks import (
     natural_trigger_mask,
     poison_labels,
 )
-from bench.attacks.badsfl.client import flatten, local_round, scaffold_hook, unflatten
+from bench.attacks.badsfl.client import local_round, scaffold_hook
 from bench.attacks.badsfl.defenses import Defense
+from bench.federation import Contributions, flatten, unflatten
 from dilocox import robust, vision
-from dilocox.diloco import InnerConfig, InnerLoop, OuterOptimizer
+from dilocox.diloco import InnerConfig, InnerLoop
 from dilocox.partition import partition
 from dilocox.scaffold import ControlVariates, QuietRestart, Restart
 from dilocox.workload import ImageWorkload
@@ -250,8 +253,23 @@ def sample_clients(cfg: SimConfig, t: int, forced: Optional[int], salt: int = 0)
     return sorted([forced] + rng.choice(others, cfg.per_round - 1, replace=False).tolist())
 
 
-class Federation:
-    """One setting's clients, server state (theta, c) and measurements."""
+class _Client:
+    """Client (or extra party) k as bench/federation.py's replica: its round is the simulation's ``client_round``."""
+
+    def __init__(self, sim: "Federation", k: int):
+        self.sim, self.k = sim, k
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self.sim.inners[self.k].params
+
+    def inner_steps(self, t: int, first: int, end: int) -> None:
+        self.sim.client_round(self.k, t)
+
+
+class Federation(Contributions):
+    """One setting's clients, server state (theta, c) and measurements; its rounds run in bench/federation.py's
+    ``Federation`` (uncoded contributions, ``_aggregate`` the rule or the defense), SCAFFOLD in its hooks."""
 
     def __init__(self, cfg: SimConfig, setting: Setting, data: FederatedData, theta0: list[torch.Tensor]):
         self.cfg, self.setting, self.data = cfg, setting, data
@@ -260,7 +278,11 @@ class Federation:
         self.inners = [InnerLoop(vision.build_image_model(cfg.model, data.num_classes, cfg.seed), inner_cfg,
                                  loss_fn=ImageWorkload.loss_fn)
                        for _ in range(parties)]
-        self.outer = OuterOptimizer(self.inners[0].params, **OUTERS[cfg.outer])
+        self.rounds = federation.Federation(
+            federation.Method("badsfl", codec="plain", **OUTERS[cfg.outer]), [_Client(self, k) for k in range(parties)],
+            inner_cfg, cfg.inner_steps, max(1, cfg.rounds), cfg.seed, contributions=self, peer_id="c{:02d}".format,
+            aggregator=self._aggregate)
+        self.outer = self.rounds.outer
         self.outer.load_state(theta0, None)
         self.shards = [vision.ImageShard(data.train_x, data.train_y, p, cfg.batch_size, cfg.seed, k)
                        for k, p in enumerate(data.parts)]
@@ -280,51 +302,75 @@ class Federation:
         self.eval_model = vision.build_image_model(cfg.model, data.num_classes, cfg.seed)
         self.lr_sum_per_round = [sum(inner_cfg.lr_at((t - 1) * cfg.inner_steps + i) for i in range(cfg.inner_steps))
                                  for t in range(1, cfg.rounds + 2)]
+        # the round in flight: its clients, lr_sum, the attacker's (delta, dc), uploaded dc and kept c_i by client
+        # key, and the contributions the aggregate admitted
+        self.chosen, self.lr_sum, self.attacked = [], 0.0, None
+        self.dcs, self.kept_c_i, self.admitted = {}, {}, []
 
     def injecting(self, t: int) -> bool:
         return self.cfg.attack_start <= t <= self.cfg.attack_stop
 
-    def round(self, t: int, salt: int = 0, force_attacker: bool = True) -> dict:
-        """Run round t; returns diagnostics (who was clipped, norms, c's norm, the aggregate's cosine with and norm
-        over the plain mean of the round's contributions)."""
+    def client_round(self, k: int, t: int) -> None:
+        """Client k's inner steps of round t from theta (client.py); the attacker's whole round in its window."""
         cfg, s = self.cfg, self.setting
-        forced = self.data.attacker if force_attacker and self.injecting(t) else None
-        chosen = sample_clients(cfg, t, forced, salt)
-        lr_sum = self.lr_sum_per_round[t - 1] if t - 1 < len(self.lr_sum_per_round) else self.lr_sum_per_round[-1]
-        deltas, dcs, kept_c_i = {}, {}, {}
-        for k in chosen:
-            if cfg.fresh_optimizer:
-                self.inners[k].inner_optimizer.state.clear()  # SGD's momentum buffers (AdamW's moments) start at 0
-            control = None
-            if self.scaffold:
-                control = self.controls[k]
-                control.c = [c.clone() for c in self.server.c]  # the round's c, as every member holds it
-            if self.attacker is not None and k == self.data.attacker and self.injecting(t):
-                ctx = RoundContext(self.inners[k], self.outer, control, s.c_mode, t, cfg.inner_steps, lr_sum,
-                                   len(chosen), cfg.clients, self.global_update)
-                delta, dc = self.attacker.local_round(ctx)
-            else:
-                hooks = [scaffold_hook(self.inners[k], control.correction())] if control is not None else []
-                delta = local_round(self.inners[k], self.outer, self.shards[k].next_batch, t, cfg.inner_steps, hooks)
-                if control is not None:
-                    kept_c_i[f"c{k:02d}"] = (control, control.c_i)
-                dc = control.client_update(delta, cfg.inner_steps, lr_sum) if control is not None else None
-            deltas[f"c{k:02d}"], dcs[f"c{k:02d}"] = delta, dc
-        like = self.outer.global_params
-        vectors = {key: flatten(d) for key, d in deltas.items()}
+        if cfg.fresh_optimizer:
+            self.inners[k].inner_optimizer.state.clear()  # SGD's momentum buffers (AdamW's moments) start at 0
+        control = None
+        if self.scaffold:
+            control = self.controls[k]
+            control.c = [c.clone() for c in self.server.c]  # the round's c, as every member holds it
+        if self.attacker is not None and k == self.data.attacker and self.injecting(t):
+            ctx = RoundContext(self.inners[k], self.outer, control, s.c_mode, t, cfg.inner_steps, self.lr_sum,
+                               len(self.chosen), cfg.clients, self.global_update)
+            self.attacked = self.attacker.local_round(ctx)
+        else:
+            hooks = [scaffold_hook(self.inners[k], control.correction())] if control is not None else []
+            local_round(self.inners[k], self.outer, self.shards[k].next_batch, t, cfg.inner_steps, hooks)
+
+    def send(self, t, member, delta, deltas):
+        """The attacker's pseudo-gradient in its window; every client's dc (SCAFFOLD option II) by the way."""
+        key = f"c{member:02d}"
+        if self.attacked is not None and member == self.data.attacker:
+            (delta, dc), self.attacked = self.attacked, None
+        else:
+            control = self.controls[member] if self.scaffold else None
+            if control is not None:
+                self.kept_c_i[key] = (control, control.c_i)
+            dc = control.client_update(delta, self.cfg.inner_steps, self.lr_sum) if control is not None else None
+        self.dcs[key] = dc
+        return delta
+
+    def _aggregate(self, vectors: dict, weights: dict) -> tuple[torch.Tensor, dict]:
+        """The defense, or the rule (and again without what it clipped, ``norm_drop``); keeps ``admitted``."""
+        s = self.setting
         admitted = sorted(vectors)
         if self.defense is not None:
             outcome = self.defense.aggregate(vectors)
             agg, admitted = outcome.aggregate, outcome.admitted
             report = dict(clipped=sorted(set(vectors) - set(admitted)))  # FLAME's rejected clients
         else:
-            weights = {key: float(cfg.inner_steps) for key in vectors}
             agg, report = robust.aggregate(vectors, weights, s.rule, norm_bound=s.norm_bound)
             if s.norm_drop and report["clipped"]:  # the rule again over the contributions within the bound
                 admitted = [key for key in admitted if key not in report["clipped"]]
                 agg, _ = robust.aggregate({key: vectors[key] for key in admitted}, weights, s.rule, norm_bound=0.0)
+        self.admitted = admitted
+        return agg, report
+
+    def round(self, t: int, salt: int = 0, force_attacker: bool = True) -> dict:
+        """Run round t; returns diagnostics (who was clipped, norms, c's norm, the aggregate's cosine with and norm
+        over the plain mean of the round's contributions)."""
+        cfg, s = self.cfg, self.setting
+        forced = self.data.attacker if force_attacker and self.injecting(t) else None
+        self.chosen = chosen = sample_clients(cfg, t, forced, salt)
+        self.lr_sum = self.lr_sum_per_round[t - 1] if t - 1 < len(self.lr_sum_per_round) \
+            else self.lr_sum_per_round[-1]
+        lr_sum = self.lr_sum
+        self.dcs, self.kept_c_i = {}, {}
+        dcs, kept_c_i = self.dcs, self.kept_c_i
+        like = self.outer.global_params
         before = [p.clone() for p in like]
-        self.outer.step(unflatten(agg, like))
+        out = self.rounds.round(t, chosen)  # the clients' rounds, the aggregate and the outer step
+        vectors, agg, report, admitted = out.vectors, out.flat, out.report, self.admitted
         self.global_update = [a - b for a, b in zip(like, before)]
         if self.defense is not None and self.defense.prunes:  # the round's clients rank channels on their own images
             batches = [vision.preprocess(self.data.train_x[self.data.parts[k][:PRUNE_SAMPLE]]) for k in chosen]
