@@ -180,8 +180,9 @@ def _compressor(method: Method, mode: str, shapes, dense: tuple, seed: int) -> D
 class Federation:
     """R replicas, one theta (``outer.global_params``) and one schedule per replica (module docstring).
 
-    ``replicas`` start from theta (equal parameters); ``inner_cfg`` is theirs (the dense codes' bounds read its
-    learning rates and betas); ``inner_steps`` H; ``rounds`` the outer lr ramp's length; ``seed`` the dense codes';
+    theta starts as ``replicas[0]``'s parameters (a caller may ``outer.load_state`` another before round 1: the
+    synchronous rounds start every member from theta); ``inner_cfg`` is the replicas' (the dense codes' bounds read
+    its learning rates and betas); ``inner_steps`` H; ``rounds`` the outer lr ramp's length; ``seed`` the dense codes';
     ``param_names`` the parameters' names (``Method.dense_embeddings``); ``peer_id`` a replica's id (sparse and
     plain rounds; the aggregates sort by it); ``aggregator`` (plain rounds): (vectors, weights) -> (flat aggregate,
     report), default dilocox/robust.py's ``aggregate`` with ``Method``'s rule and norm bound. Raises ValueError for
