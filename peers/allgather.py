@@ -34,6 +34,7 @@ from typing import Callable, Dict, Optional, Tuple, TypeVar
 import pydantic.v1 as pydantic
 import torch
 from dilocox.peers.averaging import (
+    PhaseControl,
     PseudoGradientAverager,
     RoundFailed,
     RoundGather,
@@ -214,8 +215,8 @@ class AllGatherTransport:
         if tamper_gather is not None:
             gather = tamper_gather(gather, round_index)
         called = time.monotonic()
-        res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, abandon, ready=ready,
-                                 scheduled_in_s=scheduled_in_s)
+        res = averager.run_phase(key, torch.zeros(1), gather, meta.weight,
+                                 PhaseControl(deadline_s, cancel, abandon, ready, scheduled_in_s))
         started = time.monotonic()
         rnd = rnd.result() if isinstance(rnd, Future) else rnd
         payload = mine["payload"]

@@ -118,6 +118,25 @@ def group_bits(round_index: int) -> str:
     return format(round_index % (1 << GROUP_BITS), f"0{GROUP_BITS}b")
 
 
+@dataclass(frozen=True)
+class PhaseControl:
+    """When a phase's group forms and what ends it (``PseudoGradientAverager.run_phase``).
+
+    ``deadline_s``: seconds the group may take to form (matchmaking and its retries; hivemind's step timeout);
+    ``cancel``: set to end the phase (RoundCancelled); ``abandon()``: the give-up rule, polled every
+    ``check_every_s`` seconds until the all-reduce begins (RoundFailed); ``ready``: match now, all-reduce once this
+    future is done (hivemind's ``require_trigger``: a round can form its group while its last inner steps
+    compute); ``scheduled_in_s``: when the all-reduce should begin, seconds from now (hivemind's
+    ``scheduled_time``)."""
+
+    deadline_s: float
+    cancel: threading.Event
+    abandon: Optional[Callable[[], bool]] = None
+    ready: Optional[Future] = None
+    scheduled_in_s: Optional[float] = None
+    check_every_s: float = 1.0
+
+
 class PseudoGradientAverager(DecentralizedAverager):
     """A flat fp32 buffer averaged with hivemind's butterfly all-reduce, phase by phase.
 
@@ -195,20 +214,19 @@ class PseudoGradientAverager(DecentralizedAverager):
         """States streamed whole to joiners since start (``rpc_download_state``); readable from this process."""
         return self._states_served.value
 
-    def run_phase(self, bits: str, codes: torch.Tensor, gather: dict, weight: float, deadline_s: float,
-                  cancel: threading.Event, abandon: Optional[Callable[[], bool]] = None,
-                  check_every_s: float = 1.0, ready: Optional[Future] = None,
-                  scheduled_in_s: Optional[float] = None) -> PhaseResult:
+    def run_phase(self, bits: str, codes: torch.Tensor, gather: dict, weight: float,
+                  control: PhaseControl) -> PhaseResult:
         """All-reduce ``codes`` (fp32, at most ``size`` values; the rest of the buffer is zeros) with the
-        peers matched under group key ``prefix.0b{bits}``.
+        peers matched under group key ``prefix.0b{bits}``; ``gather``: our metadata, all-gathered with the group's;
+        ``weight``: ours in the mean; ``control``: how long the group may take to form and what ends the phase.
 
-        ``ready``: match now, all-reduce once this future is done (hivemind's ``require_trigger``): a round
-        can form its group while its last inner steps compute; ``scheduled_in_s`` tells matchmaking
-        when the all-reduce should begin (seconds from now; hivemind's ``scheduled_time``).
-        Raises RoundCancelled when ``cancel`` is set or ``ready`` fails, RoundFailed on no group /
-        failure / deadline, or when ``abandon()`` (polled every ``check_every_s`` before the all-reduce
+        Raises RoundCancelled when ``control.cancel`` is set or ``control.ready`` fails, RoundFailed on no group /
+        failure / deadline, or when ``control.abandon()`` (polled every ``check_every_s`` before the all-reduce
         begins) returns True.
         """
+        deadline_s, cancel, abandon, check_every_s = control.deadline_s, control.cancel, control.abandon, \
+            control.check_every_s
+        ready, scheduled_in_s = control.ready, control.scheduled_in_s
         if codes.numel() > self.size:
             raise ValueError(f"{codes.numel()} codes do not fit the {self.size}-value buffer")
         with self._pipe_lock:
@@ -220,36 +238,36 @@ class PseudoGradientAverager(DecentralizedAverager):
         scheduled = None if scheduled_in_s is None else get_dht_time() + max(0.0, scheduled_in_s)
         try:
             with self._pipe_lock:
-                control = self.step(gather=gather, weight=weight, timeout=deadline_s, allow_retries=True, wait=False,
-                                    require_trigger=ready is not None, scheduled_time=scheduled)
+                step_control = self.step(gather=gather, weight=weight, timeout=deadline_s, allow_retries=True,
+                                         wait=False, require_trigger=ready is not None, scheduled_time=scheduled)
         except Exception as e:
             raise RoundFailed(f"could not start averaging: {e!r}") from e
         started = time.monotonic()
         next_check = started + self.matchmaking_kwargs["min_matchmaking_time"]
         give_up = started + deadline_s + self._allreduce_timeout + 5.0  # hivemind's own deadline, plus slack
         began = None
-        while not control.done():
+        while not step_control.done():
             if cancel.is_set():
-                control.cancel()
+                step_control.cancel()
                 raise RoundCancelled("left during averaging")
             if time.monotonic() > give_up:  # e.g. the averager process stopped answering
-                control.cancel()
+                step_control.cancel()
                 raise RoundFailed(f"no answer from the averager within {give_up - started:.0f}s")
-            if ready is not None and not control.triggered and ready.done():
+            if ready is not None and not step_control.triggered and ready.done():
                 if ready.cancelled() or ready.exception() is not None:
-                    control.cancel()
+                    step_control.cancel()
                     raise RoundCancelled("the round was abandoned before its contribution was ready")
-                control.allow_allreduce()
-            if began is None and control.began_allreduce:
+                step_control.allow_allreduce()
+            if began is None and step_control.began_allreduce:
                 began = time.monotonic()
             if abandon is not None and began is None and time.monotonic() >= next_check:
                 next_check = time.monotonic() + check_every_s
                 if abandon():
-                    control.cancel()
+                    step_control.cancel()
                     raise RoundFailed(f"abandoned after {time.monotonic() - started:.1f}s: {LEFT_BEHIND}")
             time.sleep(0.01)
         try:
-            gathered_raw = control.result()
+            gathered_raw = step_control.result()
         except BaseException as e:  # hivemind reports failures as exceptions on the StepControl
             raise RoundFailed(f"averaging failed: {e!r}") from e
         if not gathered_raw:
@@ -337,7 +355,7 @@ class ButterflyTransport:
             if phase == 0 and tamper_gather is not None:
                 gather = tamper_gather(gather, round_index)
             res = averager.run_phase(group_bits(round_index) + str(phase) + extra, codes, gather, meta.weight,
-                                     deadline_s, rnd.cancel, rnd.abandon if phase == 0 else None)
+                                     PhaseControl(deadline_s, rnd.cancel, rnd.abandon if phase == 0 else None))
             if phase == 0:
                 for peer, data in res.gathered.items():
                     try:

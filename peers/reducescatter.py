@@ -54,7 +54,14 @@ from typing import Callable, Collection, Dict, Mapping, Optional, Sequence
 import numpy as np
 import torch
 from dilocox.peers.allgather import after, download_stop, screen_gathered
-from dilocox.peers.averaging import PseudoGradientAverager, RoundFailed, RoundGather, RoundResult, group_bits
+from dilocox.peers.averaging import (
+    PhaseControl,
+    PseudoGradientAverager,
+    RoundFailed,
+    RoundGather,
+    RoundResult,
+    group_bits,
+)
 from dilocox.peers.contributions import ContributionServer
 from dilocox.peers.transport import RoundInput, Screen, matchmaking_schedule
 
@@ -364,8 +371,8 @@ class ReduceScatterTransport:
 
             rnd.add_done_callback(on_ready)
         called = time.monotonic()
-        res = averager.run_phase(key, torch.zeros(1), gather, meta.weight, deadline_s, cancel, abandon, ready=ready,
-                                 scheduled_in_s=scheduled_in_s)
+        res = averager.run_phase(key, torch.zeros(1), gather, meta.weight,
+                                 PhaseControl(deadline_s, cancel, abandon, ready, scheduled_in_s))
         started = time.monotonic()
         rnd = rnd.result() if isinstance(rnd, Future) else rnd
         metas, _, dropped = screen_gathered(res.gathered, round_index, max_weight, 0, admitted or server.admitted)

@@ -139,7 +139,7 @@ class GatheringAverager:
     def __init__(self, others: dict):
         self.others = others
 
-    def run_phase(self, bits, codes, gather, weight, deadline_s, cancel, abandon=None, **kwargs):
+    def run_phase(self, bits, codes, gather, weight, control):
         return PhaseResult(codes, {**self.others, "me": gather}, 0.1, 0, 0)
 
 

@@ -13,7 +13,7 @@ from typing import AsyncIterator
 import hivemind
 import pytest
 import torch
-from dilocox.peers.averaging import PseudoGradientAverager, RoundGather
+from dilocox.peers.averaging import PhaseControl, PseudoGradientAverager, RoundGather
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
@@ -57,7 +57,7 @@ def test_partial_result_is_detected_and_not_applied():
 
         def run(i):
             gather = RoundGather(outer_step=0, start_digest="same", weight=1.0).dict()
-            results[i] = averagers[i].run_phase("0" * 17, inputs[i], gather, 1.0, 30, threading.Event())
+            results[i] = averagers[i].run_phase("0" * 17, inputs[i], gather, 1.0, PhaseControl(30, threading.Event()))
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
         for t in threads:

@@ -180,7 +180,7 @@ class _Gathered:
     def __init__(self, gathered):
         self.gathered = gathered
 
-    def run_phase(self, bits, codes, gather, weight, deadline_s, cancel, abandon=None, **kwargs):
+    def run_phase(self, bits, codes, gather, weight, control):
         return PhaseResult(codes, dict(self.gathered), 0.1, 0, 0)
 
 
