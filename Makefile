@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-shared bench-quality-shared-16 bench-reducescatter bench-upload bench-upload-payloads bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-startup bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
+.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-shared bench-quality-shared-16 bench-upload bench-upload-payloads bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -132,12 +132,6 @@ bench-quality-shared-16: install
 	$(PY) -m bench.quality --out runs/bench/quality-shared-r16 --seeds 7 8 9 --replicas 16 --methods fp32 \
 		shared-union-k256-r4-a3.1-5.6
 
-# upload per member of the reduce-scatter transport against the all-gather, k = 8, 16, 32 real peers on
-# loopback with synthetic pseudo-gradients (docs/algorithms.md, "A reduce-scatter transport"; ~4 min)
-bench-reducescatter: install
-	$(PY) -m bench.reducescatter --out runs/bench/reducescatter
-	cp runs/bench/reducescatter.png docs/img/reducescatter.png
-
 # a node's upload per round on its interface in network namespaces, the all-gather against --compression shared,
 # k = 8 and 16 real nodes on the emulated workload (docs/algorithms.md, "In the daemon"; root; ~40 min)
 bench-upload: install
@@ -184,11 +178,6 @@ bench-swarm-size: install
 # CPU and PSS of each process of a node in a 12-node swarm, EMULATED workload, with py-spy's busiest frames (~3 min)
 bench-node-cpu: install
 	$(PY) -m bench.node_cpu --nodes 12 --profile
-
-# a joiner's start-up phase by phase and the CPU its processes spend on it, kept and new identities side by side,
-# EMULATED workload (~2 min)
-bench-startup: install
-	$(PY) -m bench.startup --joiners 6
 
 # real tokenizer, prepared shards and larger models on CPU: a 2-node llama-20m swarm with an 8192-token BPE,
 # bf16 / micro-batches / activation checkpointing, llama-150m, the outer state of llama-1b, memmap RSS (~40 min)

@@ -33,25 +33,3 @@ def test_averaging_starts_reads_the_times_of_the_nodes_log():
            "2026-11-25 01:17:41,451 INFO dilocox.daemon.node: state AVERAGING -> TRAINING (outer step 1)\n")
     assert averaging_starts(log) == [datetime(2026, 11, 25, 1, 17, 40, 919000).timestamp()]
 
-
-def test_startup_marks_read_the_first_of_each_phase_from_the_nodes_log(tmp_path):
-    from datetime import datetime
-    from types import SimpleNamespace
-
-    from bench.startup import marks
-
-    def node(text):
-        (tmp_path / "stderr").write_text(text)
-        return SimpleNamespace(err_path=tmp_path / "stderr")
-
-    t0 = datetime(2026, 11, 28, 1, 0, 0).timestamp()
-    log = "\n".join([
-        "2026-11-28 01:00:00,500 INFO dilocox.daemon.node: joined DHT as Qm..., listening on /ip4/...",
-        "Nov 28 01:00:00.600 [INFO] Downloading parameters from peer Qm... -> SYNCING",  # hivemind's: no stamp of ours
-        "2026-11-28 01:00:00,750 INFO dilocox.daemon.node: state JOINING -> SYNCING (outer step 0)",
-        "2026-11-28 01:00:02,000 INFO dilocox.daemon.node: state SYNCING -> TRAINING (outer step 4)",
-        "2026-11-28 01:00:09,000 INFO dilocox.daemon.node: state AVERAGING -> SYNCING (outer step 5)",
-    ])
-    got = marks(node(log), t0)
-    assert got == {"dht": 0.5, "syncing": 0.75, "training": 2.0}
-    assert marks(node("no stamps at all"), t0) == {}
