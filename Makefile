@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-gtopk bench-quality-shared bench-quality-shared-16 bench-upload bench-upload-payloads bench-quality-ablations bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
+.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-shared bench-upload bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -96,20 +96,6 @@ bench-quality: install
 	$(PY) -m bench.quality --methods fp32 int8 adaptive-delayed sparse-k128r-a3.5-b0.9-cc \
 		sparse-k128r-a2.5-4.5-b0.9-cc --seeds 7 8 9
 
-# the default codec with its aggregate re-sparsified (docs/algorithms.md, "Re-sparsified aggregates"): 4 replicas
-# (fp32, the default and seven cut variants) and 8 replicas (fp32, the default, three cuts to 2 x topk), seeds 7-9,
-# then the loss-against-upload plot (~100 min on 2 cores)
-GTOPK = sparse-k128r-a2.5-4.5-b0.9-cc-gtopk
-bench-quality-gtopk: install
-	$(PY) -m bench.quality --out runs/bench/quality-gtopk --seeds 7 8 9 --methods fp32 sparse-k128r-a2.5-4.5-b0.9-cc \
-		$(GTOPK)2 $(GTOPK)1 $(GTOPK)2-8bit $(GTOPK)1-8bit $(GTOPK)2-whole sparse-k128r-a3.1-5.6-b0.9-cc-gtopk2 \
-		sparse-k128r-a3.75-6.75-b0.9-cc-gtopk2
-	$(PY) -m bench.quality --out runs/bench/quality-gtopk-r8 --seeds 7 8 9 --replicas 8 \
-		--methods fp32 sparse-k128r-a2.5-4.5-b0.9-cc $(GTOPK)2 sparse-k128r-a3.1-5.6-b0.9-cc-gtopk2 \
-		sparse-k128r-a3.75-6.75-b0.9-cc-gtopk2
-	$(PY) -m bench.quality --tradeoff runs/bench/quality-gtopk.json runs/bench/quality-gtopk-r8.json \
-		--out docs/img/quality-gtopk
-
 # the default on one index set per round (docs/algorithms.md, "Shared index sets"): 4 and 8 replicas (~150 min on 2 cores)
 bench-quality-shared: install
 	$(PY) -m bench.quality --out runs/bench/quality-shared --seeds 7 8 9 --methods fp32 sparse-k128r-a2.5-4.5-b0.9-cc \
@@ -127,34 +113,11 @@ bench-quality-shared: install
 		runs/bench/quality-shared-rf.json runs/bench/quality-shared-r8-rf.json runs/bench/quality-shared-r8-rfp.json \
 		--out docs/img/quality-shared
 
-# the union at 16 in-process replicas against fp32 DiLoCo (~2.5 h on 2 cores)
-bench-quality-shared-16: install
-	$(PY) -m bench.quality --out runs/bench/quality-shared-r16 --seeds 7 8 9 --replicas 16 --methods fp32 \
-		shared-union-k256-r4-a3.1-5.6
-
 # a node's upload per round on its interface in network namespaces, the all-gather against --compression shared,
 # k = 8 and 16 real nodes on the emulated workload (docs/algorithms.md, "In the daemon"; root; ~40 min)
 bench-upload: install
 	$(PY) -m bench.upload --nodes 8 16 --out runs/bench
 	cp runs/bench/upload.png docs/img/upload.png
-
-# the same for shared rounds at 137 KB, 274 KB and 854 KB payloads (4 M, 8 M and 25 M values; 25 M only at k = 8
-# and 16, as 32 such nodes do not fit 24 GB), and the fit of upload against payload: the payload from which a
-# node sends at most 3x its own (docs/algorithms.md, "Upload against payload size"; root; ~35 min)
-bench-upload-payloads: install
-	$(PY) -m bench.upload --nodes 8 16 32 --schemes shared --out runs/bench/upload-4M
-	$(PY) -m bench.upload --nodes 8 16 32 --schemes shared --workload synthetic:8M:0.25 --out runs/bench/upload-8M
-	$(PY) -m bench.upload --nodes 8 16 --schemes shared --workload synthetic:25M:0.5 --out runs/bench/upload-25M
-	$(PY) -m bench.upload --plot-from runs/bench/upload-4M/upload.json runs/bench/upload-8M/upload.json \
-		runs/bench/upload-25M/upload.json --out runs/bench/upload-payloads
-	cp runs/bench/upload-payloads/upload-payloads.png docs/img/upload-payloads.png
-
-# one ablation per row (docs/algorithms.md, "Choosing the default"), seed 7 (~3 h on 2 cores)
-bench-quality-ablations: install
-	$(PY) -m bench.quality --out runs/bench/ablations --seeds 7 --methods fp32 fp32-delayed int8 adaptive \
-		adaptive-delayed adaptive-noef adaptive-sgd1 adaptive-dense-embed adaptive-warmup10 adaptive-power2 \
-		adaptive-refresh5 adaptive-rank32 sparse-a3 sparse-k128-a3 sparse-k128r-a3 sparse-k128r-a3.5 \
-		sparse-nesterov0.35 sparse4b-a3 sparse-k160r1b-a3 sparse-a4-delayed
 
 # overlapped rounds (docs/algorithms.md, "Overlapped rounds: what each variant reached"): fp32 DiLoCo, the default
 # synchronous, and the default delayed by tau = 1, 3, 10 and H inner steps with the lookahead, 4 replicas, the
