@@ -299,13 +299,13 @@ class Node:
         cfg = self.cfg
         hooks = Hooks(self.attack.gather, self.attack.contribution) if self.attack is not None else Hooks()
         if not cfg.gathers:
-            return ButterflyTransport(self.averagers, hooks.gather)
+            return ButterflyTransport(self.averagers, hooks)
         screen = Screen(float(cfg.inner_steps), cfg.aggregation, cfg.norm_bound, self.exclusions.admitted)
         averager, me = self.averagers[sizes[0]], self.progress.peer_id
         if cfg.compression == "shared":
             return ReduceScatterTransport(averager, self.contributions, me, screen,
                                           request_timeout_s=cfg.request_timeout,
-                                          fetch_timeout_s=cfg.averaging_timeout, tamper_gather=hooks.gather)
+                                          fetch_timeout_s=cfg.averaging_timeout, hooks=hooks)
         return AllGatherTransport(averager, self.contributions, me, screen, request_timeout_s=cfg.request_timeout,
                                   fetch_timeout_s=cfg.averaging_timeout, hooks=hooks,
                                   adaptive_deadline=cfg.adaptive_deadlines)

@@ -28,6 +28,7 @@ import pydantic.v1 as pydantic
 import torch
 from dilocox.peers import lifecycle
 from dilocox.peers.codec import NarrowingCompression, narrowest_dtype
+from dilocox.peers.transport import Hooks
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
@@ -329,11 +330,11 @@ class ButterflyTransport:
     """Dense codes (fp32, int8, PowerSGD) by hivemind's butterfly all-reduce (peers/transport.py's Transport).
 
     ``averagers``: buffer size -> averager, one per rank of the compressor's ladder (hivemind averagers have
-    fixed tensors); ``tamper_gather``: the red-team hook on our phase-0 metadata (daemon/redteam.py)."""
+    fixed tensors); ``hooks.gather``: the red-team hook on our phase-0 metadata (daemon/redteam.py)."""
 
     def __init__(self, averagers: Dict[int, PseudoGradientAverager],
-                 tamper_gather: Optional[Callable[[dict, int], dict]] = None):
-        self.averagers, self.tamper_gather = averagers, tamper_gather
+                 hooks: Hooks = Hooks()):
+        self.averagers, self.hooks = averagers, hooks
 
     def exchange(self, rnd: RoundInput) -> RoundResult:
         """Average round ``rnd.index``'s compressed pseudo-gradient (a CompressionRound), phase by phase (PowerSGD:
@@ -343,7 +344,7 @@ class ButterflyTransport:
         the previous phase's mean, so a phase only ever mixes peers that hold the same earlier result.
         Raises RoundCancelled / RoundFailed as ``PseudoGradientAverager.run_phase`` does."""
         code: CompressionRound = rnd.contribution
-        averager, tamper_gather = self.averagers[code.buffer_size()], self.tamper_gather
+        averager, tamper_gather = self.averagers[code.buffer_size()], self.hooks.gather
         round_index, meta, deadline_s = rnd.index, rnd.gather, rnd.times.group_wait_s
         extra, sent, received, allreduce_s, payload = "", 0, 0, 0.0, 0
         metas: Dict[str, Optional[RoundGather]] = {}

@@ -63,7 +63,7 @@ from dilocox.peers.averaging import (
     group_bits,
 )
 from dilocox.peers.contributions import ContributionServer
-from dilocox.peers.transport import RoundInput, Screen, matchmaking_schedule
+from dilocox.peers.transport import Hooks, RoundInput, Screen, matchmaking_schedule
 
 from dilocox.shared_index import (
     ReducerFeedback,
@@ -323,15 +323,15 @@ class ReduceScatterTransport:
     ``server``: carries the proposals, unions, values and results (keeps at least 2 offers); ``me``: our peer_id;
     ``screen``: which members count (max weight H, admission) and how a reducer combines its range (rule, norm
     bound); ``fetch_timeout_s``: a reducer's wait for its group-mates' uploads (``ReduceScatter``);
-    ``request_timeout_s``: one request, added to the group wait of a scheduled round; ``tamper_gather``: the
+    ``request_timeout_s``: one request, added to the group wait of a scheduled round; ``hooks.gather``: the
     red-team hook on our gathered metadata."""
 
     def __init__(self, averager: PseudoGradientAverager, server: ContributionServer, me: str, screen: Screen, *,
                  request_timeout_s: float, fetch_timeout_s: float,
-                 tamper_gather: Optional[Callable[[dict, int], dict]] = None):
-        self.averager, self.server, self.me, self.screen = averager, server, me, screen
-        self.request_timeout_s, self.fetch_timeout_s, self.tamper_gather = request_timeout_s, fetch_timeout_s, \
-            tamper_gather
+                 hooks: Hooks = Hooks()):
+        self.averager, self.server, self.me, self.screen, self.hooks = averager, server, me, screen, hooks
+        self.request_timeout_s, self.fetch_timeout_s = request_timeout_s, fetch_timeout_s
+        self.reduction = ReduceScatter(server, me, fetch_timeout_s, screen.rule, screen.norm_bound)
 
     def exchange(self, rnd_in: RoundInput) -> RoundResult:
         """One round, blocking: the group forms by matchmaking and all-gathers its metadata, every member screens
@@ -351,7 +351,7 @@ class ReduceScatterTransport:
         that crashes about a record's lifetime, not a fetch timeout."""
         averager, server, me, screen = self.averager, self.server, self.me, self.screen
         rnd, round_index, meta = rnd_in.contribution, rnd_in.index, rnd_in.gather
-        cancel, abandon, gone, tamper_gather = rnd_in.cancel, rnd_in.abandon, rnd_in.gone, self.tamper_gather
+        cancel, abandon, gone, tamper_gather = rnd_in.cancel, rnd_in.abandon, rnd_in.gone, self.hooks.gather
         scheduled_in_s, deadline_s = matchmaking_schedule(rnd_in.times, rnd_in.ready_in_s, self.request_timeout_s)
         max_weight, admitted, fetch_timeout_s = screen.max_weight, screen.admitted, self.fetch_timeout_s
         key = group_bits(round_index) + "0"
@@ -390,10 +390,9 @@ class ReduceScatterTransport:
         # without us; waiting out the fetch timeouts on members that moved on would only delay our re-sync), and so
         # does ``cancel`` (we leave) after CANCEL_GRACE_S: a leave in a stalled round waited out both fetch timeouts
         stop = download_stop(cancel, abandon)
-        reduction = ReduceScatter(server, me, fetch_timeout_s, screen.rule, screen.norm_bound)
-        out = reduction.run(RangeRound(group, round_key(round_index), rnd.member, rnd.m,
-                                       {p: metas[p].weight for p in group}, rnd.feedback),
-                            stop=stop, gone=None if gone is None else after(gone, LEAVER_GRACE_S, before=()))
+        out = self.reduction.run(RangeRound(group, round_key(round_index), rnd.member, rnd.m,
+                                            {p: metas[p].weight for p in group}, rnd.feedback),
+                                 stop=stop, gone=None if gone is None else after(gone, LEAVER_GRACE_S, before=()))
         for peer, why in sorted(out.dropped.items()):
             logger.warning("round %d: as reducer of our range, dropped %s: %s", round_index, peer, why)
         n, cfg = rnd.m.numel(), rnd.cfg
