@@ -67,9 +67,9 @@ def node_main(argv: list[str] | None = None) -> int:
         except (DataError, ModelSpecError, ValueError) as e:
             print(f"dilocox-node: {e}", file=sys.stderr)
             return 2
-    from dilocox.peers import malloc
+    from dilocox import threads
 
-    malloc.tune()  # before the first large buffer, and before hivemind forks its children (peers/malloc.py)
+    threads.single_threaded_default()  # before the first torch op: torch's CPU threads go to training (threads.py)
     board = StatusBoard(run_id=cfg.run_id, version=dilocox.__version__, inner_steps=cfg.inner_steps,
                         swarm_settings=cfg.swarm_settings())
     configure_logging(cfg.log_level, cfg.log_format, status_context(board) if cfg.log_format == "json" else None)

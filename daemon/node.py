@@ -50,6 +50,7 @@ from dilocox.peers.reducescatter import ReduceScatterTransport
 from dilocox.peers.swarm import Swarm
 from dilocox.peers.transport import Hooks, Screen, Transport
 
+from dilocox import threads
 from dilocox.catchup import encode
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from dilocox.consensus import JoinKind, Lineage, lineage_standing, settings_conflict
@@ -152,6 +153,7 @@ class Node:
 
     def run(self) -> None:
         """Thread target after ``start``: sync, train, drain. Sets exit_code (0 clean, 1 error)."""
+        threads.claim_for_training()  # torch's CPU threads are this thread's alone (dilocox/threads.py)
         try:
             self._wait_for_replicas()
             self._check_settings()

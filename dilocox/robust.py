@@ -46,7 +46,7 @@ CPU's vector width or the thread count could change. Precisely:
 
 The implementation works on the columns in cache-sized batches of whole blocks with numpy's
 elementwise loops (one rounding per operation: numpy never contracts a multiply and an add, whatever
-its SIMD width), a batch entirely on one thread of up to torch.get_num_threads(); the tree's blocks
+its SIMD width), a batch entirely on one thread of up to cpu_budget(); the tree's blocks
 never straddle a batch and each batch writes only its own columns and blocks, so batching and threads
 change the speed, not the bits. tests/test_robust.py holds a straightforward whole-vector reference of
 every rule and checks equal bits (and 1 vs 2 threads, and the scalar vs vectorized kernels).
@@ -64,6 +64,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
+
+from dilocox.threads import cpu_budget
 
 BLOCK = 1 << 14  # leaves of one pairwise tree (module docstring); part of the determinism contract
 # bumped whenever the rules' bits change (2: norms summed by the fixed pairwise tree, not math.fsum): part of
@@ -273,7 +275,7 @@ def aggregate_rows(x: torch.Tensor | np.ndarray, weights: Sequence[float], rule:
     """The rule on a (k, m) matrix of rows in sorted peer order (float32 or float64, finite, without -0.0):
     (float64 vector of m values, the norm-bound scale of each row). ``aggregate`` on a matrix; reads ``x``
     only. Speed only: ``batch_blocks``, tree blocks processed at a time; ``workers``, threads (default
-    torch.get_num_threads()).
+    cpu_budget()).
 
     The rule's first sweep over the rows runs with the norms' sweep, as if no row were scaled, and again
     only if one is: a round without an outsized contribution reads the rows once less."""
@@ -283,7 +285,7 @@ def aggregate_rows(x: torch.Tensor | np.ndarray, weights: Sequence[float], rule:
     if not k:
         raise ValueError("no contribution to aggregate")
     w = [float(v) for v in weights]
-    rows = _Rows(x, batch_blocks or BATCH_BLOCKS, workers or torch.get_num_threads())
+    rows = _Rows(x, batch_blocks or BATCH_BLOCKS, workers or cpu_budget())
     try:
         out = _aggregate(rows, w, rule, norm_bound, trim, iterations)
     finally:

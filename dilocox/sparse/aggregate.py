@@ -14,6 +14,7 @@ import torch
 
 from dilocox.sparse.threads import scatter, thread_map
 from dilocox.sparse.wire import ContributionError, Layout, SparseConfig, layout, numel, parse, split
+from dilocox.threads import cpu_budget
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def union(idxs: Sequence[np.ndarray], lay: Layout, cfg: SparseConfig) -> tuple[n
     flat = ranks.reshape(-1)
     block = max(1, UNION_KEYS // (k * topk))
     segments = [(r, min(block, full - r), topk) for r in range(0, full, block)] + ([(full, 1, short)] if short else [])
-    parts = max(1, min(torch.get_num_threads(), len(segments) // 4))
+    parts = max(1, min(cpu_budget(), len(segments) // 4))
     groups = [segments[len(segments) * g // parts:len(segments) * (g + 1) // parts] for g in range(parts)]
 
     support = np.empty(k * nidx, dtype=np.int64)  # at most; the pages past the union are never touched

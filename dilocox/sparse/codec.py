@@ -28,6 +28,7 @@ from dilocox.sparse.wire import (
     rice_streams,
     split,
 )
+from dilocox.threads import cpu_budget
 
 SELECT_VALUES = 1 << 18  # values per block of chunks in _encode_rows (speed only: a block stays in cache)
 
@@ -40,10 +41,10 @@ def _decay_add(out: np.ndarray, e: np.ndarray, delta: np.ndarray, beta: float) -
 
 def _encode(chunks: np.ndarray, topk: int, pad: int, bits: int, idx: np.ndarray, codes: np.ndarray,
             scale: np.ndarray) -> bool:
-    """``_encode_rows`` over the rows of ``chunks``, split between the threads torch may use (each row's result does
+    """``_encode_rows`` over the rows of ``chunks``, split between the process's CPU threads (each row's result does
     not depend on the split)."""
     rows = len(chunks)
-    parts = max(1, min(torch.get_num_threads(), rows // max(1, SELECT_VALUES // chunks.shape[1])))
+    parts = max(1, min(cpu_budget(), rows // max(1, SELECT_VALUES // chunks.shape[1])))
     b = [rows * i // parts for i in range(parts + 1)]
     return all(thread_map(lambda i: _encode_rows(chunks[b[i]:b[i + 1]], topk, pad if b[i + 1] == rows else 0, bits,
                                            idx[b[i]:b[i + 1]], codes[b[i]:b[i + 1]], scale[b[i]:b[i + 1]]),

@@ -1,5 +1,5 @@
-"""Work split between the threads torch may use (Python threads: numpy releases the GIL); every result is the
-same whatever the thread count."""
+"""Work split between the process's CPU threads (``dilocox.threads.cpu_budget``; Python threads: numpy releases the
+GIL, and they open no OpenMP team of their own); every result is the same whatever the thread count."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
-import torch
+
+from dilocox.threads import cpu_budget
 
 
 def slices(n: int, size: int = 1 << 20) -> list[tuple[int, int]]:
@@ -16,9 +17,9 @@ def slices(n: int, size: int = 1 << 20) -> list[tuple[int, int]]:
 
 
 def thread_map(fn, items: Sequence) -> list:
-    """[fn(item) ...], on up to torch.get_num_threads() threads (numpy releases the GIL in its array work); the
+    """[fn(item) ...], on up to cpu_budget() threads (numpy releases the GIL in its array work); the
     results do not depend on the thread count."""
-    workers = min(torch.get_num_threads(), len(items))
+    workers = min(cpu_budget(), len(items))
     if workers < 2:
         return [fn(item) for item in items]
     with ThreadPoolExecutor(workers) as pool:
@@ -27,8 +28,8 @@ def thread_map(fn, items: Sequence) -> list:
 
 
 def scatter(out: np.ndarray, pos: np.ndarray, values: np.ndarray) -> None:
-    """out[pos] = values (distinct positions), in slices on the threads torch may use."""
-    parts = max(1, min(torch.get_num_threads(), len(pos) // (1 << 16)))
+    """out[pos] = values (distinct positions), in slices on the process's CPU threads (dilocox/threads.py)."""
+    parts = max(1, min(cpu_budget(), len(pos) // (1 << 16)))
     b = [len(pos) * i // parts for i in range(parts + 1)]
 
     def put(i: int) -> None:
