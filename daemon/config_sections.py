@@ -209,10 +209,15 @@ class TrainingSection(Section):
     device: str = Field("cpu", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="where the inner steps run: cpu, cuda[:N], or auto (cuda where one is visible); "
                                     "theta, the error feedback and the round-start copy stay in host memory")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: forward and backward under autocast, "
-                                                                   "fp32 master weights and optimizer state")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="bf16: forward and backward under "
+                                                                           "autocast, fp32 master weights and "
+                                                                           "optimizer state; auto: bf16 on a CUDA "
+                                                                           "device with native bf16, else fp32")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
                                                               "backward pass (less memory, ~1/3 more compute)")
+    compile: bool = Field(False, description="torch.compile each decoder layer at start (for GPUs: fuses the "
+                                             "norms, rotary embeddings and residual adds; the first steps wait "
+                                             "tens of seconds for the compiler)")
 
     @model_validator(mode="after")
     def _check_training(self):
