@@ -562,7 +562,14 @@ class Node:
 
         A stage node first agrees with its replica on round, skip and data position and measures the
         replica's validation loss (pipeline collectives happen only here, in the same order on every
-        stage). Raises PipelineBroken if a stage fails or another stage leaves."""
+        stage). Raises PipelineBroken if a stage fails or another stage leaves. Batches are drawn ahead on
+        a thread of their own (dilocox/prefetch.py; the shard's position counts those consumed). The losses
+        stay on the device and are read every ``every`` steps and at the round's end, one host sync each:
+        the status board's loss and tokens/s change then, its inner step at every step."""
+        from dilocox.diloco import host_losses
+        from dilocox.prefetch import Prefetcher
+
+        every = 10
         st = self.state
         if self.staged:
             skip = self.pipeline.agree_round(skip)
@@ -573,34 +580,46 @@ class Node:
         if self.audits is not None:  # the round's start state, committed before anyone knows who audits it
             self.audits.commit(st.round, skip)
         self._set_state(State.TRAINING, inner_step=skip)
-        for i in range(skip, self.H):
-            if self.leave_requested.is_set() and not self.staged:
-                return None
-            x, y = st.shard.next_batch()
-            if self.attack is not None:
-                x, y = self.attack.batch(x, y)
-            step_start = time.monotonic()
-            # a stage node's leave request travels with the step, so every stage stops after the same step
-            loss = st.inner_step(x, y, i, stop=self.leave_requested.is_set())
-            if st.inner.stop_requested:
-                if self.leave_requested.is_set():
+        pin = torch.device(getattr(st.inner, "device", "cpu")).type == "cuda"
+        read, mark, window_tokens = 0, time.monotonic(), 0  # losses[:read] are floats; the window since mark
+        with Prefetcher(st.shard, self.H - skip, pin=pin) as batches:
+            for i in range(skip, self.H):
+                if self.leave_requested.is_set() and not self.staged:
                     return None
-                raise PipelineBroken("another stage of the replica is leaving")
-            tokens_per_s = x.numel() / max(time.monotonic() - step_start, 1e-9)
-            losses.append(loss)
-            if not self.staged and self.rounds.finish_early(i + 1 - skip):
-                self._published_step()
-            behind = self.ahead is not None and not self.ahead.merge()  # joined ahead: theta_{r-1} not in yet
-            s = self.board.snapshot()
-            ema = tokens_per_s if s.tokens_per_second == 0 else 0.9 * s.tokens_per_second + 0.1 * tokens_per_s
-            self.board.update(inner_step=i + 1, loss=sum(losses[-10:]) / len(losses[-10:]),
-                              tokens_total=s.tokens_total + x.numel(), tokens_per_second=ema,
-                              initial_loss=loss if math.isnan(s.initial_loss) else s.initial_loss)
-            if not self.staged and not behind and self.rounds.early_wanted():
-                # form the round's group during its last inner steps: matchmaking takes matchmaking_time
-                eta_s = (self.H - i - 1) * x.numel() / ema
-                if eta_s <= self.rounds.early_window_s():
-                    self.rounds.begin_early(self.H - skip, time.monotonic() - start + eta_s, eta_s)
+                x, y = batches.next_batch()
+                if self.attack is not None:
+                    x, y = self.attack.batch(x, y)
+                # a stage node's leave request travels with the step, so every stage stops after the same step
+                loss = st.inner_step(x, y, i, stop=self.leave_requested.is_set())
+                if st.inner.stop_requested:
+                    if self.leave_requested.is_set():
+                        return None
+                    raise PipelineBroken("another stage of the replica is leaving")
+                losses.append(loss)
+                window_tokens += x.numel()
+                if not self.staged and self.rounds.finish_early(i + 1 - skip):
+                    self._published_step()
+                behind = self.ahead is not None and not self.ahead.merge()  # joined ahead: theta_{r-1} not in yet
+                s = self.board.snapshot()
+                update = dict(inner_step=i + 1, tokens_total=s.tokens_total + x.numel())
+                ema = s.tokens_per_second
+                if (i + 1 - skip) % every == 0 or i + 1 == self.H:
+                    # on a GPU the read waits for the steps queued so far: the window's wall time is their compute
+                    losses[read:] = host_losses(losses[read:])
+                    now = time.monotonic()
+                    rate, steps = window_tokens / max(now - mark, 1e-9), len(losses) - read
+                    ema = rate if ema == 0 else ema + (1 - 0.9 ** steps) * (rate - ema)  # 0.9 per step
+                    update.update(loss=sum(losses[-10:]) / len(losses[-10:]), tokens_per_second=ema,
+                                  initial_loss=losses[read] if math.isnan(s.initial_loss) else s.initial_loss)
+                    read, mark, window_tokens = len(losses), now, 0
+                self.board.update(**update)
+                if not self.staged and not behind and self.rounds.early_wanted():
+                    # form the round's group during its last inner steps: matchmaking takes matchmaking_time;
+                    # before the first read, the rate so far (on a GPU: of steps queued, an overestimate)
+                    speed = ema or window_tokens / max(time.monotonic() - mark, 1e-9)
+                    eta_s = (self.H - i - 1) * x.numel() / speed
+                    if eta_s <= self.rounds.early_window_s():
+                        self.rounds.begin_early(self.H - skip, time.monotonic() - start + eta_s, eta_s)
         return losses, time.monotonic() - start, skip
 
     def _published_step(self) -> None:

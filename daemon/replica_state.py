@@ -13,7 +13,7 @@ import logging
 import math
 import random
 import threading
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ import dilocox
 from dilocox import exact_mean
 from dilocox.catchup import AppliedUpdate, Replayed, replay
 from dilocox.compression import CompressionConfig, DenseCompressor
-from dilocox.diloco import InnerConfig, OuterOptimizer, params_digest, training_device
+from dilocox.diloco import InnerConfig, OuterOptimizer, params_digest, resolve_precision, training_device
 from dilocox.overlap import OuterSchedule
 from dilocox.pipeline import PipelinedInnerLoop
 from dilocox.scaffold import ControlVariates, QuietRestart, Restart, apply_correction_step
@@ -77,13 +77,14 @@ class ReplicaState:
         module = workload.build(cfg.seed, cfg.stage_index, cfg.num_stages)  # only our layers
         # text models: written into checkpoints so `dilocox-ctl export` can rebuild a Hugging Face model
         self.architecture = workload.architecture(module) if hasattr(workload, "architecture") else None
+        device = training_device(cfg.device)
         inner_cfg = InnerConfig(lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
                                 optimizer=cfg.inner_optimizer, momentum=cfg.inner_momentum,
-                                warmup_steps=cfg.warmup_steps, total_steps=total, precision=cfg.precision,
-                                micro_batch_size=cfg.micro_batch_size or 0)
+                                warmup_steps=cfg.warmup_steps, total_steps=total,
+                                precision=resolve_precision(cfg.precision, device),
+                                micro_batch_size=cfg.micro_batch_size or 0, compile=cfg.compile)
         if hasattr(module, "activation_checkpointing"):  # decoder stages (dilocox/stages.py)
             module.activation_checkpointing = cfg.activation_checkpointing
-        device = training_device(cfg.device)
         if cfg.num_stages == 1:
             self.inner = workload.inner_loop(module, inner_cfg, device=device, loss_fn=loss_fn, seed=cfg.seed,
                                              shard_key=shard_key)
@@ -181,8 +182,11 @@ class ReplicaState:
         return 2 * tensor_bytes(self.outer.global_params)
 
     # ------------------------------------------------------------------ the round's trajectory
-    def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, i: int, stop: bool = False) -> float:
-        """Inner step i (0-based) of the current round; returns the loss (nats/token). With SCAFFOLD, each
+    def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, i: int,
+                   stop: bool = False) -> Union[float, torch.Tensor]:
+        """Inner step i (0-based) of the current round; returns the loss (nats/token): a 0-dim tensor on the
+        training device from a whole model (InnerLoop: not read back, so no host sync), a float from a pipeline
+        stage or the synthetic workload (dilocox.diloco.host_losses reads either). With SCAFFOLD, each
         step is followed by the drift correction x <- x - lr (c - c_i) (dilocox/scaffold.py)."""
         after = None
         if self.control is not None:

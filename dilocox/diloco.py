@@ -11,16 +11,18 @@ The global parameters theta and the outer optimizer's momentum live on the CPU i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from dilocox.model import causal_lm_loss
 
 INNER_OPTIMIZERS = ("adamw", "sgd")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -40,8 +42,10 @@ class InnerConfig:
     total_steps: int = 10_000
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
-    precision: str = "fp32"  # or bf16: forward and backward under autocast, fp32 master weights and AdamW state
+    # bf16: forward and backward under autocast, fp32 master weights and AdamW state; auto: resolve_precision's
+    precision: str = "fp32"
     micro_batch_size: int = 0  # > 0: a step accumulates gradients over micro-batches of this many sequences
+    compile: bool = False  # torch.compile each decoder layer (compile_layers) when the InnerLoop is built
 
     def lr_at(self, global_step: int) -> float:
         if global_step < self.warmup_steps:
@@ -63,12 +67,67 @@ def training_device(spec: str) -> str:
     return spec
 
 
+def resolve_precision(spec: str, device: str) -> str:
+    """``fp32`` or ``bf16`` for ``--precision`` ``spec`` on the training ``device`` (as ``training_device`` gives
+    it): ``auto`` is bf16 on a CUDA device with native bf16 (compute capability 8.0 and later,
+    ``torch.cuda.is_bf16_supported(including_emulation=False)``), else fp32 (CPU, older GPUs: emulated bf16
+    is slower than fp32); ``fp32`` and ``bf16`` as given. Raises ValueError for another value."""
+    if spec not in PRECISIONS:
+        raise ValueError(f"precision {spec!r}: expected one of {', '.join(PRECISIONS)}")
+    if spec != "auto":
+        return spec
+    where = torch.device(device)
+    if where.type != "cuda" or not torch.cuda.is_available():
+        return "fp32"
+    with torch.cuda.device(where):  # is_bf16_supported asks about the current device
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"
+
+
+def allow_tf32() -> None:
+    """Let fp32 matmuls and convolutions on CUDA use TF32 tensor cores (10-bit mantissa inputs, fp32
+    accumulation; what autocast leaves in fp32 and every fp32 run). Process-wide; CPU matmuls are untouched:
+    the legacy flags, unlike ``torch.set_float32_matmul_precision``, leave oneDNN alone, so theta's host-side
+    arithmetic stays bit-identical across replicas (PyTorch notes, "TensorFloat-32 (TF32) on Ampere")."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """``torch.compile`` (``dynamic=False``) every ``LlamaDecoderLayer`` of ``model`` in place, or the whole
+    model where it has none (an image model); returns how many modules were compiled. ``nn.Module.compile``
+    keeps parameters, their names and ``state_dict`` as they were; the compile itself happens at the first
+    forward (tens of seconds, and a recompile for each new input shape, e.g. a shorter last micro-batch)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # heavy: only when compiling
+
+    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)] or [model]
+    for layer in layers:
+        layer.compile(dynamic=False)
+    return len(layers)
+
+
+def host_losses(values: Sequence[Union[float, torch.Tensor]]) -> list[float]:
+    """``values`` (Python floats and 0-dim tensors, e.g. ``inner_step``'s losses) as floats, with one
+    device-to-host copy for all the tensors among them (one CUDA sync, not one per value). Tensors must share
+    a device; floats pass through unchanged."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors]).tolist())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
 def build_inner_optimizer(params: list[torch.Tensor], config: InnerConfig) -> torch.optim.Optimizer:
     """``torch.optim.AdamW`` or ``torch.optim.SGD`` over ``params`` as ``config.optimizer`` names; the lr set here
-    is replaced at every step by the schedule (``InnerConfig.lr_at``). Raises ValueError for another name or
-    a momentum outside [0, 1)."""
+    is replaced at every step by the schedule (``InnerConfig.lr_at``). AdamW over parameters that are all on
+    CUDA is the fused kernel (``fused=True``: one launch for all tensors, no host sync); elsewhere torch picks
+    (foreach where it can). Raises ValueError for another name or a momentum outside [0, 1)."""
     if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        fused = bool(params) and all(p.is_cuda for p in params)
+        optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
+                                      fused=fused or None)
+        if fused:
+            optimizer.register_load_state_dict_post_hook(keep_fused)
+        return optimizer
     if config.optimizer == "sgd":
         if not 0.0 <= config.momentum < 1.0:
             raise ValueError(f"inner SGD momentum must be in [0, 1), got {config.momentum}")
@@ -76,25 +135,53 @@ def build_inner_optimizer(params: list[torch.Tensor], config: InnerConfig) -> to
     raise ValueError(f"inner optimizer {config.optimizer!r}: expected one of {', '.join(INNER_OPTIMIZERS)}")
 
 
+def keep_fused(optimizer: torch.optim.Optimizer) -> None:
+    """``load_state_dict`` post-hook of a fused optimizer: a state written by an unfused one (a CPU node's
+    checkpoint) brings its groups' ``fused=False`` and keeps each ``step`` on the host (torch moves it to the
+    parameter's device only when the saved group was fused or capturable, optim/optimizer.py
+    ``_process_value_according_to_param_policy``), which the fused kernel cannot read. The device decides
+    the kernel, not the file: fused again, steps as fp32 on the parameters' device."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, None
+        for p in group["params"]:
+            step = optimizer.state[p].get("step") if p in optimizer.state else None
+            if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
+                optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
+
+
 class InnerLoop:
     """One replica's model and inner_optimizer (AdamW or SGD; its state persists across rounds, as in DiLoCo)."""
 
     def __init__(self, model: torch.nn.Module, config: InnerConfig, device: str = "cpu",
                  loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = causal_lm_loss):
-        """``loss_fn(model, inputs, targets)``: the mean training loss (default: next-byte cross-entropy)."""
+        """``loss_fn(model, inputs, targets)``: the mean training loss (default: next-byte cross-entropy).
+        On a CUDA device, fp32 matmuls may use TF32 (``allow_tf32``); ``config.precision`` ``auto`` is resolved
+        here (``resolve_precision``), and ``config.compile`` compiles the decoder layers (``compile_layers``).
+        Raises ValueError for an unknown precision."""
+        if config.precision == "auto" or config.precision not in PRECISIONS:
+            config = dataclasses.replace(config, precision=resolve_precision(config.precision, device))
         self.model = model.to(device)
         self.device = device
         self.config = config
         self.loss_fn = loss_fn
+        if torch.device(device).type == "cuda":
+            allow_tf32()
+        if config.compile:
+            compile_layers(self.model)
         self.params = [p for p in self.model.parameters()]
         self.inner_optimizer = build_inner_optimizer(self.params, config)
 
     stop_requested = False  # a whole model has no other stages to hear a stop from (see PipelinedInnerLoop)
 
     def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor, global_step: int, stop: bool = False,
-                   after_step: Optional[Callable[[float], None]] = None) -> float:
+                   after_step: Optional[Callable[[float], None]] = None) -> torch.Tensor:
         """One inner_optimizer step at the learning rate of ``global_step``; returns the loss (nats/token).
 
+        ``inputs``, ``targets``: [batch, ...] on any device; copied to the training device once, without
+        blocking (asynchronous from pinned memory, dilocox/prefetch.py). The loss is a 0-dim fp64 tensor on
+        the training device, never read back here, so a step queues its GPU work without waiting for it:
+        ``float()`` it (a host sync on CUDA) or read many with ``host_losses``. Its value is the old float's
+        bit for bit: each micro-batch's fp32 loss widened to fp64 and summed in order, times its share.
         ``stop`` matters only to a pipelined stage, which tells its other stages. ``after_step(lr)`` runs
         right after the optimizer step (SCAFFOLD's drift correction, dilocox/scaffold.py)."""
         lr = self.config.lr_at(global_step)
@@ -103,13 +190,16 @@ class InnerLoop:
         self.model.train()
         n = inputs.shape[0]
         m = self.config.micro_batch_size or n
-        loss_sum = 0.0
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        loss_sum: Optional[torch.Tensor] = None
         for a in range(0, n, m):  # gradient accumulation: each micro-batch's mean loss weighted by its share
             with self.autocast():
-                loss = self.loss_fn(self.model, inputs[a:a + m].to(self.device), targets[a:a + m].to(self.device))
+                loss = self.loss_fn(self.model, inputs[a:a + m], targets[a:a + m])
             share = min(m, n - a) / n
             (loss * share).backward() if share != 1 else loss.backward()
-            loss_sum += float(loss.detach()) * share
+            part = loss.detach().to(torch.float64) * share
+            loss_sum = part if loss_sum is None else loss_sum + part
         torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.inner_optimizer.step()
         if after_step is not None:
