@@ -34,8 +34,10 @@ METRICS = {
     "dilocox_sync_attempts": "attempts of the current sync with the swarm (0 when not syncing)",
     "dilocox_tokens_total": "tokens this process trained on",
     "dilocox_tokens_per_second": "training throughput, exponential moving average over inner steps (tokens/s)",
-    "dilocox_network_sent_bytes_total": "bytes sent in outer rounds (all-reduce or contributions)",
-    "dilocox_network_received_bytes_total": "bytes received in outer rounds (all-reduce or contributions)",
+    "dilocox_network_sent_bytes_total": "bytes sent in outer rounds: all-reduce phases (hivemind's estimate) and "
+                                        "every byte of payloads, relayed copies and uploads the contribution server "
+                                        "sent, in a round or after it; updated as each round is recorded",
+    "dilocox_network_received_bytes_total": "bytes received in outer rounds, counted as the sent bytes are",
     "dilocox_group_size": "replicas in the last outer round's group (us included)",
     "dilocox_round_phase_seconds": "last outer round's time per phase: compute (inner steps), communication "
                                    "(matchmaking + all-reduce), blocked (training waited on communication), "
@@ -43,7 +45,8 @@ METRICS = {
     "dilocox_round_payload_bytes": "bytes of this node's encoded contribution in the last outer round",
     "dilocox_round_outcome": "1 for the last outer round's outcome (applied, adopted, solo, applied_alone, skipped, "
                              "resynced), 0 for the others",
-    "dilocox_compression_ratio": "fp32 size / sent size of the last round's pseudo-gradient",
+    "dilocox_compression_ratio": "fp32 size of the last round's pseudo-gradient / this node's encoded contribution "
+                                 "(payload bytes), whoever fetched it (0: no contribution)",
     "dilocox_compression_rank": "PowerSGD rank of the last round (adaptive compression; 0 otherwise)",
     "dilocox_compression_bits": "bits per value of the codes sent in the last round (32 = fp32 exact)",
     "dilocox_compression_error": "||M - C(M)|| / ||M|| of this node's last contribution, before error feedback",

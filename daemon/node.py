@@ -764,8 +764,8 @@ class Node:
         self._set_state(State.TRAINING, outer_step=st.outer_step, inner_step=self.skip_steps,
                         compute_utilization=utilization, global_params_digest=st.digest, val_loss=val_loss,
                         val_accuracy=val_accuracy, last_round=info, memory=st.memory(),
-                        bytes_sent=s.bytes_sent + info.bytes_sent,
-                        bytes_received=s.bytes_received + info.bytes_received,
+                        bytes_sent=self.rounds.bytes_sent_total(s.bytes_sent + info.bytes_sent),
+                        bytes_received=self.rounds.bytes_received_total(s.bytes_received + info.bytes_received),
                         contributions_dropped=s.contributions_dropped + len(info.dropped),
                         deadlines=self._deadlines(info))
         self._checkpoint()

@@ -129,6 +129,17 @@ class OuterRounds:
         self.checks = RoundChecks(cfg, state, progress, deadlines, exclusions, majority, leave_requested,
                                   self._stopping, self.delayed)
 
+    def bytes_sent_total(self, rounds_sum: int) -> int:
+        """Bytes this node sent in outer rounds since it started: the contribution server's count where rounds run
+        over it (sparse and shared: every byte it served, relayed or pushed, in a round's window or not, plus the
+        estimates of the rounds' hivemind phases), else ``rounds_sum`` (butterfly rounds: the sum of the recorded
+        rounds' ``bytes_sent``, hivemind's estimates)."""
+        return self.contributions.traffic()[0] if self.contributions is not None else rounds_sum
+
+    def bytes_received_total(self, rounds_sum: int) -> int:
+        """Bytes this node received in outer rounds since it started, as ``bytes_sent_total`` counts them."""
+        return self.contributions.traffic()[1] if self.contributions is not None else rounds_sum
+
     def bandwidth_bps(self) -> float:
         """Our link rate for the rank cap (bit/s): configured, else the best all-reduce throughput seen
         (bytes sent / time in the all-reduce: a lower bound, as latency counts against it); 0: unknown."""
@@ -460,9 +471,12 @@ class OuterRounds:
             info.matchmaking_s, info.group_wait_s = times.matchmaking_s, times.group_wait_s
         if result is not None:
             stats = p.compression.stats
-            info.payload_bytes, info.bytes_sent = result.payload_bytes, result.bytes_sent
+            # the round's bytes by its keys, whenever sent: a slower group-mate may fetch our payload after our
+            # exchange returned
+            info.payload_bytes, info.bytes_sent = result.payload_bytes, result.bytes_sent + result.sent_since()
             info.bytes_received = result.bytes_received
-            info.compression_ratio = result.fp32_bytes_sent / max(result.bytes_sent, 1)
+            # what the compression made of our pseudo-gradient, not of the traffic (which depends on who fetched)
+            info.compression_ratio = result.fp32_bytes / result.payload_bytes if result.payload_bytes else 0.0
             info.rank, info.bits, info.compression_error = stats.rank, stats.bits, stats.relative_error
             info.allreduce_s = result.allreduce_s
             info.dropped = sorted(result.dropped)

@@ -34,10 +34,12 @@ class RoundInfo:
     group_size: int = 0
     payload_bytes: int = 0
     duration_s: float = 0.0
-    compression_ratio: float = 0.0
+    compression_ratio: float = 0.0  # fp32 size of our pseudo-gradient / payload_bytes (0: no payload)
     rank: int = 0
     compute_s: float = 0.0
     outcome: str = ""
+    # the round's traffic by the time it was recorded: hivemind phases (estimates) + bytes under the round's keys
+    # (a payload fetched after that counts in Status.bytes_sent only)
     bytes_sent: int = 0
     bytes_received: int = 0
     wait_s: float = 0.0  # time the training thread was blocked on this round's communication
@@ -86,7 +88,7 @@ class Status:
     val_accuracy: float = math.nan  # image models: accuracy of theta on held-out images (NaN for text)
     tokens_per_second: float = 0.0
     tokens_total: int = 0
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # outer rounds' traffic since start, in a round's window or not (OuterRounds.bytes_sent_total)
     bytes_received: int = 0
     last_round: RoundInfo = field(default_factory=RoundInfo)
     global_params_digest: str = ""

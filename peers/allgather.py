@@ -217,6 +217,7 @@ class AllGatherTransport:
         called = time.monotonic()
         res = averager.run_phase(key, torch.zeros(1), gather, meta.weight,
                                  PhaseControl(deadline_s, cancel, abandon, ready, scheduled_in_s))
+        server.add_traffic(res.bytes_sent, res.bytes_received)
         started = time.monotonic()
         rnd = rnd.result() if isinstance(rnd, Future) else rnd
         payload = mine["payload"]
@@ -250,11 +251,15 @@ class AllGatherTransport:
         _log_drops(round_index, dropped)
         n = max(len(res.gathered), 1)
         numel = sum(t.numel() for t in rnd.codec.error)
-        sent = server.served_bytes(key) + res.bytes_sent
+        # our payload (and copies we relayed) under the round's key, whenever fetched: a slower mate may fetch it
+        # after we return, which sent_since counts once the round is recorded
+        served, sent_since = server.sent_under([key])
+        sent = served + res.bytes_sent
         received = sum(len(b) for p, b in got.items() if p != me) + res.bytes_received
         inputs = {p: hashlib.sha256(b).hexdigest()[:16] for p, b in got.items() if p not in dropped}
         return RoundResult(mean, metas, len(payload), sent, received, res.allreduce_s + time.monotonic() - started,
-                           int(2 * (n - 1) / n * 4 * numel), dropped=dropped, inputs=inputs,
+                           int(2 * (n - 1) / n * 4 * numel), fp32_bytes=4 * numel, sent_since=sent_since,
+                           dropped=dropped, inputs=inputs,
                            contributions={p: b for p, b in got.items() if p not in dropped},
                            download_deadline_s=fetch_s,
                            link_bps=server.link.snapshot().bps, scales=scaled,

@@ -96,8 +96,18 @@ class PhaseResult:
     bytes_received: int               # reducer; received mirrors it (hivemind headers not counted)
 
 
+def _nothing_since() -> int:
+    return 0
+
+
 @dataclass
 class RoundResult:
+    """One round's exchange, as a transport returns it. Byte counts are for this node: ``bytes_sent`` /
+    ``bytes_received`` are the round's traffic until the exchange returned (hivemind's phases: estimates, see
+    PhaseResult; contribution rounds: what the contribution server sent under the round's keys and the payloads
+    fetched); ``sent_since()`` adds what went under the round's keys after that (group-mates that fetched our
+    payload or result later), read when the round is recorded (daemon/rounds.py)."""
+
     tensors: List[torch.Tensor]      # the averaged, decompressed pseudo-gradient
     gathered: Dict[str, Optional[RoundGather]]  # peer_id -> metadata of phase 1 (None if malformed)
     payload_bytes: int               # our encoded contribution, all phases (what one reducer would receive)
@@ -105,6 +115,8 @@ class RoundResult:
     bytes_received: int
     allreduce_s: float
     fp32_bytes_sent: int             # what the same round would send uncompressed (fp32 both ways)
+    fp32_bytes: int = 0              # our pseudo-gradient as fp32 (4 bytes a value; 0: not stated)
+    sent_since: Callable[[], int] = _nothing_since  # bytes sent under the round's keys after the exchange returned
     dropped: Dict[str, str] = field(default_factory=dict)  # peer_id -> why its contribution was not used
     inputs: Dict[str, str] = field(default_factory=dict)   # sparse: peer_id -> digest of the payload used
     contributions: Dict[str, bytes] = field(default_factory=dict)  # sparse: peer_id -> the payload used (audits)
@@ -369,8 +381,7 @@ class ButterflyTransport:
             extra = format(int(params_digest([res.mean])[:4], 16) >> 1, "015b")
             sent, received = sent + res.bytes_sent, received + res.bytes_received
             allreduce_s += res.allreduce_s
-        n = max(len(metas), 1)
-        fp32 = int(2 * (n - 1) / n * 4 * sum(t.numel() for t in code.m))
-        return RoundResult(code.result(), metas, payload, sent, received, allreduce_s, fp32,
-                           phases=dict(allreduce=allreduce_s))
+        n, numel = max(len(metas), 1), sum(t.numel() for t in code.m)
+        return RoundResult(code.result(), metas, payload, sent, received, allreduce_s, int(2 * (n - 1) / n * 4 * numel),
+                           fp32_bytes=4 * numel, phases=dict(allreduce=allreduce_s))
 

@@ -10,6 +10,10 @@ the DHT's P2P, with its own asyncio loop in a thread of the main process:
 * ``fetch`` / ``start_fetch``: our downloads of a set of group-mates' payloads, each checked against its announced
   length and SHA-256, through relays when the peer cannot be dialed; ``PendingFetch`` holds ones in flight.
 
+What goes over the wire is counted two ways: by key (``served_bytes``: our payloads, relayed copies and pushed
+uploads under the key or upload name they went under, whenever they went: a round attributes its bytes by its keys,
+``sent_under``) and in all (``traffic``: every byte sent and received, in a round or not).
+
 Every request is checked first: the requester must be admitted (a certified swarm: peers/admission.py), an upload
 must fit ``max_upload_bytes``, and a refused request is answered with an error naming the reason; the server keeps
 serving. The rounds that use it are in peers/allgather.py (all-gather) and peers/reducescatter.py.
@@ -25,7 +29,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import AsyncIterator, Callable, Dict, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, Iterable, Optional, Tuple
 
 from dilocox.peers.averaging import LEFT_BEHIND, RoundFailed
 from dilocox.peers.deadlines import LinkEstimate
@@ -47,7 +51,7 @@ EMPTY_RETRIES = 2      # an empty stream without an error is asked for again thi
 # a member asked for its own contribution before offering it waits this long for the offer: group-mates whose
 # compute ended first, or an early round's all-gather, can ask while it still encodes (seconds at 100M values)
 OFFER_WAIT_S = 60.0
-PUSHED_NAMES = 4096  # upload names whose pushed bytes are counted (served_bytes)
+SENT_KEYS = 4096  # keys and upload names whose bytes sent are kept (served_bytes): hundreds of rounds' worth
 UPLOAD_KEYS = 4  # keys a requester's uploads are kept under: two rounds' proposals and values
 MAX_UPLOAD_BYTES = 256 << 20  # the most a group-mate may push with one request (rpc_exchange)
 # tamper(payload, requester peer_id, key) -> bytes: the red-team hook's view of what we serve
@@ -84,8 +88,9 @@ class ContributionServer(ServicerBase):
         self._copies: "OrderedDict[str, Dict[str, bytes]]" = OrderedDict()  # key -> owner -> checked payload
         self.dials = DialLog()
         self.link = LinkEstimate()  # our download rate and latency, measured on every round's downloads
-        self._served: Dict[str, int] = {}
-        self._pushed: "OrderedDict[str, int]" = OrderedDict()  # upload name -> bytes pushed (fetch(uploads=...))
+        # key or upload name -> bytes sent under it (served, relayed or pushed), the newest SENT_KEYS
+        self._sent: "OrderedDict[str, int]" = OrderedDict()
+        self._sent_total = self._received_total = 0  # every byte, whatever its key (traffic)
         self.uploads = Uploads(UPLOAD_KEYS)  # what group-mates pushed with their requests (rpc_exchange)
         self.max_upload_bytes = MAX_UPLOAD_BYTES
         self._lock = threading.Lock()
@@ -109,34 +114,60 @@ class ContributionServer(ServicerBase):
         with self._lock:
             self._offers[key] = bytes(payload)
             self._offers.move_to_end(key)
-            self._served.setdefault(key, 0)
             while len(self._offers) > self.keep or (self.max_bytes is not None and len(self._offers) > 1 and
                                                     sum(map(len, self._offers.values())) > self.max_bytes):
-                old, _ = self._offers.popitem(last=False)
-                self._served.pop(old, None)
+                self._offers.popitem(last=False)
 
     def served_bytes(self, key: str) -> int:
-        """Bytes of our payload sent under ``key`` so far (all requesters), or pushed under that name with a
-        fetch (``fetch(uploads=...)``)."""
+        """Bytes sent under ``key`` so far, at any time and to all requesters: our payload, our copies of others'
+        (as a relay), and uploads pushed under that name with a fetch (``fetch(uploads=...)``). Kept for the
+        newest SENT_KEYS keys and names."""
         with self._lock:
-            return self._served.get(key, 0) + self._pushed.get(key, 0)
+            return self._sent.get(key, 0)
+
+    def sent_under(self, keys: Iterable[str]) -> Tuple[int, Callable[[], int]]:
+        """(bytes sent under ``keys`` so far, ``served_bytes`` summed; a function answering the bytes sent under them
+        since this call): a round's payloads until its exchange returns, and those group-mates fetch after it
+        (peers/averaging.py ``RoundResult.sent_since``). Each byte is in one of the two."""
+        keys = tuple(keys)
+        with self._lock:
+            then = sum(self._sent.get(k, 0) for k in keys)
+
+        def since() -> int:
+            with self._lock:
+                return max(0, sum(self._sent.get(k, 0) for k in keys) - then)
+        return then, since
+
+    def traffic(self) -> Tuple[int, int]:
+        """(bytes sent, bytes received) since this server started: every piece of a payload, copy or upload handed
+        to a stream or read from one, in a round or not (refused or cut transfers too), plus ``add_traffic``'s.
+        Protocol framing and error answers are not counted."""
+        with self._lock:
+            return self._sent_total, self._received_total
+
+    def add_traffic(self, sent: int, received: int) -> None:
+        """Count bytes moved for the rounds over this server by other means (hivemind's metadata phase: its
+        estimate, peers/averaging.py ``PhaseResult``) in ``traffic``."""
+        with self._lock:
+            self._sent_total += int(sent)
+            self._received_total += int(received)
 
     def offered(self, key: str) -> bool:
         """Whether we serve a payload under ``key`` (``offer``; the oldest are dropped, see ``keep``)."""
         with self._lock:
             return key in self._offers
 
-    def _count(self, key: str, n: int) -> None:
+    def _count_sent(self, key: str, n: int) -> None:
         with self._lock:
-            if key in self._served:
-                self._served[key] += n
+            self._sent_total += n
+            self._sent[key] = self._sent.get(key, 0) + n
+            self._sent.move_to_end(key)
+            while len(self._sent) > SENT_KEYS:
+                self._sent.popitem(last=False)
 
-    def _count_pushed(self, name: str, n: int) -> None:
+    def _count_received(self, n: int) -> None:
         with self._lock:
-            self._pushed[name] = self._pushed.get(name, 0) + n
-            self._pushed.move_to_end(name)
-            while len(self._pushed) > PUSHED_NAMES:
-                self._pushed.popitem(last=False)
+            self._received_total += n
 
     async def rpc_contribution(self, request: ContributionRequest,
                                context: P2PContext) -> AsyncIterator[ContributionChunk]:
@@ -174,6 +205,7 @@ class ContributionServer(ServicerBase):
         async for request in requests:
             key = request.key if key is None else key
             upload += request.upload
+            self._count_received(len(request.upload))
             if len(upload) > self.max_upload_bytes:
                 yield ContributionChunk(error=f"upload over {self.max_upload_bytes} bytes")
                 return
@@ -211,7 +243,7 @@ class ContributionServer(ServicerBase):
     async def _pieces(self, payload: bytes, key: str) -> AsyncIterator[ContributionChunk]:
         for i in range(0, max(len(payload), 1), CHUNK_BYTES):
             piece = payload[i:i + CHUNK_BYTES]
-            self._count(key, len(piece))  # counted as handed to the stream: a stream cut early counts what it carried
+            self._count_sent(key, len(piece))  # as handed to the stream: a stream cut early counts what it carried
             yield ContributionChunk(data=piece, total_bytes=len(payload) if i == 0 else 0)
 
     async def _own(self, key: str, wait_s: Optional[float] = None) -> Optional[bytes]:
@@ -371,6 +403,7 @@ class ContributionServer(ServicerBase):
             first = first or time.monotonic()
             total = total or chunk.total_bytes
             buf += chunk.data
+            self._count_received(len(chunk.data))
             if len(buf) > size:
                 raise ContributionError(f"oversized payload: more than the {size} bytes expected")
         if not buf and size == 0:
@@ -394,7 +427,7 @@ class ContributionServer(ServicerBase):
             payload = self.tamper(payload, dest, name)
         for i in range(0, max(len(payload), 1), CHUNK_BYTES):
             piece = payload[i:i + CHUNK_BYTES]
-            self._count_pushed(name, len(piece))
+            self._count_sent(name, len(piece))
             yield ContributionRequest(key=key if i == 0 else "", upload=piece)
 
     def shutdown(self) -> None:

@@ -100,8 +100,9 @@ class RangeResults:
     mean (the same bits on every member that got the same results); ``digests``: reducer peer_id -> SHA-256
     hex of its range's result bytes; ``dropped``: as a reducer, member -> why its proposal or values were not
     used;
-    ``sent_bytes`` / ``received_bytes``: payload bytes served (so far: members still fetching our result add
-    to it, ``ContributionServer.served_bytes``) / fetched under the round's keys;
+    ``sent_bytes`` / ``received_bytes``: payload bytes served / fetched under the round's keys until the round
+    returned (``ContributionServer.served_bytes``); ``sent_since()``: those sent under them since (members still
+    fetching our result);
     ``phases``: seconds per step (propose: proposals and unions, reduce, gather); ``missing``: reducer -> why its
     range got no update (no union: left out of P; no result: our values there went back to our buffer)."""
 
@@ -113,6 +114,7 @@ class RangeResults:
     received_bytes: int
     phases: Dict[str, float] = field(default_factory=dict)
     missing: Dict[str, str] = field(default_factory=dict)
+    sent_since: Callable[[], int] = lambda: 0
 
 
 @dataclass(frozen=True)
@@ -306,8 +308,8 @@ class ReduceScatter:
                               "; ".join(f"{p[:16]}: {why}" for p, why in sorted(missing.items())))
         phases["gather"] = time.monotonic() - t0
         keys = [f"{key}/u", f"{key}/r"] + [f"{key}/{x}{j}" for j in range(k) if j != rank for x in "pv"]
-        return RangeResults(positions, applied, digests, dropped, sum(server.served_bytes(x) for x in keys), received,
-                            phases, missing)
+        served, sent_since = server.sent_under(keys)
+        return RangeResults(positions, applied, digests, dropped, served, received, phases, missing, sent_since)
 
 
 def round_key(round_index: int) -> str:
@@ -373,6 +375,7 @@ class ReduceScatterTransport:
         called = time.monotonic()
         res = averager.run_phase(key, torch.zeros(1), gather, meta.weight,
                                  PhaseControl(deadline_s, cancel, abandon, ready, scheduled_in_s))
+        server.add_traffic(res.bytes_sent, res.bytes_received)
         started = time.monotonic()
         rnd = rnd.result() if isinstance(rnd, Future) else rnd
         metas, _, dropped = screen_gathered(res.gathered, round_index, max_weight, 0, admitted or server.admitted)
@@ -383,7 +386,8 @@ class ReduceScatterTransport:
             # our start is not the group's: the members did not count us, and the caller's start-digest check re-syncs
             # us (as after an all-gather round we started from other parameters)
             return RoundResult([torch.zeros(s) for s in rnd.shapes], metas, 0, res.bytes_sent, res.bytes_received,
-                               res.allreduce_s, 0, dropped=dropped, phases=dict(matchmaking=started - called))
+                               res.allreduce_s, 0, fp32_bytes=4 * rnd.m.numel(), dropped=dropped,
+                               phases=dict(matchmaking=started - called))
         for peer, why in sorted(dropped.items()):
             logger.warning("round %d: left %s out of the reduce-scatter: %s", round_index, peer, why)
         # as the all-gather's downloads: after ABANDON_GRACE_S the give-up rule may end the fetches (the round went on
@@ -408,7 +412,8 @@ class ReduceScatterTransport:
             offset += size
         return RoundResult(tensors, metas, contribution, out.sent_bytes + res.bytes_sent,
                            out.received_bytes + res.bytes_received, res.allreduce_s + time.monotonic() - started,
-                           int(2 * (len(group) - 1) / max(len(group), 1) * 4 * n), dropped=dropped,
+                           int(2 * (len(group) - 1) / max(len(group), 1) * 4 * n), fp32_bytes=4 * n,
+                           sent_since=out.sent_since, dropped=dropped,
                            download_deadline_s=fetch_timeout_s, link_bps=server.link.snapshot().bps,
                            inputs=_inputs(metas, group),
                            phases=dict(out.phases, matchmaking=started - called, gather=sum(out.phases.values())))

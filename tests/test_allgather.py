@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from dilocox.peers.allgather import CANCEL_GRACE_S, AllGatherTransport, after, download_stop, screen_gathered
-from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather
+from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather, group_bits
 from dilocox.peers.contributions import EMPTY_RETRIES, ContributionServer
 from dilocox.peers.deadlines import RoundTimes
 from dilocox.peers.transport import RoundInput, Screen
@@ -136,11 +136,11 @@ class GatheringAverager:
     """Stands in for the all-gather of metadata (tested with real peers in tests/test_partial_allreduce.py):
     returns our gather and ``others``' as the group's."""
 
-    def __init__(self, others: dict):
-        self.others = others
+    def __init__(self, others: dict, phase_bytes: int = 0):
+        self.others, self.phase_bytes = others, phase_bytes
 
     def run_phase(self, bits, codes, gather, weight, control):
-        return PhaseResult(codes, {**self.others, "me": gather}, 0.1, 0, 0)
+        return PhaseResult(codes, {**self.others, "me": gather}, 0.1, self.phase_bytes, self.phase_bytes)
 
 
 def transport(averager, server, **kwargs) -> AllGatherTransport:
@@ -194,6 +194,57 @@ def test_a_sparse_round_cancelled_while_it_downloads_ends_them_after_the_cancel_
         assert 1.0 + CANCEL_GRACE_S - 0.5 < took < 1.0 + CANCEL_GRACE_S + 4.0, took
     finally:
         a.offer_wait_s = 1.0
+
+
+@pytest.mark.integration
+def test_a_payload_fetched_after_our_round_ended_counts_in_that_round_and_in_our_totals(servers):
+    """A 2-member round: we fetched our mate's payload and returned before it fetched ours (it is slower). The
+    round's figure read when it ended is the metadata phase alone (2 bytes: what metrics.jsonl recorded, with a
+    compression ratio of 266,880x); the mate's fetch afterwards counts in the round (``sent_since``, added when
+    the round is recorded) and in the server's totals; the compression ratio does not depend on it."""
+    (a_id, a), (b_id, b) = servers  # b is us; its tamper hook flips the last byte it serves (same length)
+    comp = SparseCompressor([(1000,)], SparseConfig())
+    theirs = SparseCompressor([(1000,)], SparseConfig()).begin([torch.randn(1000)]).payload
+    key = group_bits(9) + "0"  # round 9 (from outer step 8): a key no other test offers
+    a.offer(key, theirs)
+    avg = GatheringAverager({a_id: meta(outer_step=8, sha=hashlib.sha256(theirs).hexdigest(), size=len(theirs))},
+                            phase_bytes=2)
+    rnd = comp.begin([torch.randn(1000)])
+    sent0, received0 = b.traffic()
+    result = transport(avg, b).exchange(RoundInput(9, rnd, RoundGather(outer_step=8, start_digest="d0", weight=20.0),
+                                                   RoundTimes(0.0, 10.0), threading.Event()))
+    assert result.bytes_sent == 2 and result.sent_since() == 0  # nobody fetched ours yet
+    assert result.fp32_bytes == 4 * 1000 and result.payload_bytes == len(rnd.payload)
+    got, failed = a.fetch({b_id: (None, len(rnd.payload))}, key, 30)  # our mate, late
+    assert not failed and len(got[b_id]) == len(rnd.payload)
+    assert result.bytes_sent + result.sent_since() == 2 + len(rnd.payload)
+    sent, received = b.traffic()
+    assert (sent - sent0, received - received0) == (2 + len(rnd.payload), 2 + len(theirs))
+
+
+@pytest.mark.integration
+def test_the_totals_count_every_byte_served_relayed_pushed_or_fetched_once(servers):
+    """``traffic()``: whatever the key, offered or not, in a round or not: a relayed copy of a key we never offered,
+    an upload pushed with a request (both ways), a download, and bytes counted for us elsewhere (hivemind's
+    phases, ``add_traffic``)."""
+    (a_id, a), (b_id, b) = servers
+    a0, b0 = a.traffic(), b.traffic()
+    payload = b"x" * 5000
+    a.offer("t1", payload)
+    got, _ = b.fetch({a_id: (hashlib.sha256(payload).hexdigest(), len(payload))}, "t1", 30)
+    assert got == {a_id: payload}
+    # b relays its checked copy of a's payload (a key b never offered) to a member that asks b for it
+    got, failed = a.fetch({a_id: (hashlib.sha256(payload).hexdigest(), len(payload))}, "t1", 30, relays=(b_id,),
+                          no_direct=frozenset({a_id}))
+    assert got == {a_id: payload} and not failed
+    a.offer("t2/u", b"answer")
+    got, failed = b.fetch({a_id: (None, 100)}, "t2/u", 30, uploads={a_id: ("t2/p0", b"u" * 300)})
+    assert got == {a_id: b"answer"} and not failed
+    b.add_traffic(7, 11)
+    a1, b1 = a.traffic(), b.traffic()
+    assert (a1[0] - a0[0], a1[1] - a0[1]) == (len(payload) + len(b"answer"), len(payload) + 300)
+    assert (b1[0] - b0[0], b1[1] - b0[1]) == (len(payload) + 300 + 7, len(payload) + len(b"answer") + 11)
+    assert a.served_bytes("t1") == b.served_bytes("t1") == len(payload) and b.served_bytes("t2/p0") == 300
 
 
 def test_download_stop_holds_once_cancel_was_seen_for_its_grace_or_the_give_up_rule_after_its_own(monkeypatch):

@@ -817,6 +817,39 @@ def test_a_round_runs_start_exchange_check_apply_on_the_injected_transport(state
     assert done.outcome == RoundOutcome.APPLIED and done.info.group_size == 3 and state.outer_step == 1
 
 
+def test_a_round_records_what_was_sent_under_its_keys_by_then_and_the_ratio_of_its_payload(state):
+    """The transport returned before our group-mate fetched our 4.6 KB payload (the metadata phase's 2 bytes alone):
+    the fetch that came later, before the round is recorded, counts in the round (``sent_since``), and the
+    compression ratio is our pseudo-gradient's fp32 size over our payload, whoever fetched it (it read 266,880x)."""
+    averaged = [torch.full_like(p, 1e-3) for p in state.outer.global_params]
+    late = [0]
+    transport = FakeTransport(answer=lambda rnd: RoundResult(
+        averaged, {q: RoundGather(outer_step=0, start_digest=rnd.gather.start_digest, weight=2.0) for q in "ma"},
+        4600, 2, 4602, 0.1, 533_760, fp32_bytes=533_760, sent_since=lambda: late[0]))
+    mine = params_digest(averaged)
+    rounds = rounds_for(state, FakeProgress([Peer(peer_id="a", outer_step=0, round=1)], results={"a": mine}),
+                        transport=transport)
+    p = rounds.start(state.pseudo_gradient(), 2, 1.0, [2.0])
+    p.future.result(timeout=10)
+    late[0] = 4600  # our mate's fetch, after our exchange returned
+    info = rounds.finish(p).info
+    assert (info.payload_bytes, info.bytes_sent, info.bytes_received) == (4600, 4602, 4602)
+    assert info.compression_ratio == 533_760 / 4600
+
+
+def test_the_node_totals_are_the_contribution_servers_count_where_there_is_one(state):
+    """Sparse and shared rounds: every byte the server moved, in a round or not (peers/contributions.py
+    ``traffic``); butterfly rounds (no server): the recorded rounds' sum the node passes in."""
+    class Counted:
+        def traffic(self):
+            return 9000, 7000
+
+    rounds = rounds_for(state, FakeProgress())
+    assert (rounds.bytes_sent_total(123), rounds.bytes_received_total(45)) == (123, 45)
+    rounds.contributions = Counted()
+    assert (rounds.bytes_sent_total(123), rounds.bytes_received_total(45)) == (9000, 7000)
+
+
 def test_a_transport_failure_with_nobody_else_applying_applies_our_own(state):
     def fail(rnd):
         raise RoundFailed("no group formed")
