@@ -205,13 +205,18 @@ class TrainingSection(Section):
     seq_len: Optional[int] = Field(None, ge=8, description="tokens per sequence (default: model preset)")
     micro_batch_size: Optional[int] = Field(None, ge=1, description="sequences per forward/backward; gradients "
                                                                     "accumulate up to batch_size (default: "
-                                                                    "the whole batch at once)")
+                                                                    "the whole batch at once); on a pipeline "
+                                                                    "stage, sequences per pipeline micro-batch, "
+                                                                    "in place of microbatches (must divide "
+                                                                    "batch_size)")
     device: str = Field("cpu", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="where the inner steps run: cpu, cuda[:N], or auto (cuda where one is visible); "
                                     "theta, the error feedback and the round-start copy stay in host memory")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="bf16: forward and backward under "
                                                                            "autocast, fp32 master weights and "
-                                                                           "optimizer state; auto: bf16 on a CUDA "
+                                                                           "optimizer state (pipeline stages also "
+                                                                           "pass activations and their gradients "
+                                                                           "in bf16); auto: bf16 on a CUDA "
                                                                            "device with native bf16, else fp32")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
                                                               "backward pass (less memory, ~1/3 more compute)")

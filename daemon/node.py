@@ -99,12 +99,10 @@ class Node:
         elif self.staged:
             raise ModelSpecError(f"the {cfg.model if self.workload.kind == 'image' else 'synthetic'} workload has no "
                                  f"pipeline stages: use --stage 0/1")
-        if self.staged and (cfg.precision != "fp32" or cfg.micro_batch_size):
-            # the pipeline schedule (dilocox/pipeline.py) splits the batch into its own microbatches, in fp32
-            raise ModelSpecError("--precision bf16 and --micro-batch-size are for whole-model nodes; pipeline stages "
-                                 "split the batch with --microbatches and train in fp32")
-        if self.staged and self.workload.batch_size % cfg.microbatches:
-            raise ModelSpecError(f"microbatches={cfg.microbatches} must divide batch_size={self.workload.batch_size}")
+        if self.staged:  # the batch's pipeline micro-batches: --micro-batch-size sequences each, else --microbatches
+            from dilocox.pipeline import pipeline_microbatches  # ModelSpecError naming the values
+            pipeline_microbatches(self.workload.batch_size, cfg.microbatches, cfg.micro_batch_size or 0,
+                                  cfg.num_stages, cfg.pipeline_schedule)
         self.H = cfg.inner_steps
         self.attack = load_attack(cfg.attack, cfg)  # AttackError on a bad spec
         self.swarm: Optional[Swarm] = None
