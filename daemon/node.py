@@ -505,7 +505,7 @@ class Node:
             return
         losses, compute_s, skip = done
         r = self.state.round  # a stage node may have adopted its replica's round
-        pseudo_gradient = self.state.pseudo_gradient()  # before any re-base
+        pseudo_gradient = self.state.pseudo_gradient(final=True)  # before any re-base
         if not all(torch.isfinite(g).all() for g in pseudo_gradient):
             self._resync("pseudo-gradient holds NaN/Inf (diverged replica); not sent")
             return

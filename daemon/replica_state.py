@@ -48,8 +48,9 @@ def stage_memory(inner, outer, schedule, compressor) -> StageMemory:
         inner_state = [p for p in inner.params for _ in range(kept)]
     theta = tensor_bytes(outer.global_params)  # the momentum buffer has theta's shapes (fp32), once allocated or not
     momentum = theta if outer.has_momentum else 0  # momentum-free outer SGD (the sparse default) keeps none
+    start = 0 if schedule.aliased else tensor_bytes(schedule.round_start)  # synchronous rounds: theta is the start
     m = StageMemory(params_bytes=tensor_bytes(inner.params), inner_optimizer_bytes=tensor_bytes(inner_state),
-                    outer_optimizer_bytes=theta + momentum + tensor_bytes(schedule.round_start),
+                    outer_optimizer_bytes=theta + momentum + start,
                     error_feedback_bytes=tensor_bytes(compressor.error))
     m.total_bytes = m.params_bytes + m.inner_optimizer_bytes + m.outer_optimizer_bytes + m.error_feedback_bytes
     return m
@@ -209,9 +210,10 @@ class ReplicaState:
         if self.control is not None and first_step < self.H:
             self.control.client_update(list(pseudo_gradient), self.H - first_step, self.lr_sum(self.round, first_step))
 
-    def pseudo_gradient(self) -> list[torch.Tensor]:
-        """delta = x(start of round) - x(now), CPU fp32 (dilocox/overlap.py)."""
-        return self.schedule.pseudo_gradient(self.inner.params)
+    def pseudo_gradient(self, final: bool = False) -> list[torch.Tensor]:
+        """delta = x(start of round) - x(now), CPU fp32 (dilocox/overlap.py). ``final``: the round's own read at
+        its end (synchronous rounds then keep no copy of theta when it changes: ``OuterSchedule.theta_changing``)."""
+        return self.schedule.pseudo_gradient(self.inner.params, final)
 
     def drop_progress(self) -> None:
         """Abandon the current round's local progress (re-base onto theta); nothing of it is sent."""
@@ -292,6 +294,7 @@ class ReplicaState:
         ``control``: the swarm's SCAFFOLD c (our c_i starts again from zero: it belonged to another trajectory),
         ``control_last_outsized`` its pending quiet restart."""
         with self._theta_lock:
+            self.schedule.theta_changing()
             self.outer.load_state(theta, momentum)
             if self.control is not None:
                 self.control.load_state_dict(dict(c=control, c_i=[torch.zeros_like(c) for c in control],
@@ -358,6 +361,7 @@ class ReplicaState:
         before[0]["global_params"] = [p.detach().clone() for p in before[0]["global_params"]]
         try:
             with self._theta_lock:
+                self.schedule.theta_changing()
                 self._restore(state)
         except Exception as e:  # anything a damaged file can make the loaders raise
             saved, params = before

@@ -51,8 +51,10 @@ OVERLAPS, PROXIES = ("none", "delayed", "adaptive"), ("none", "local")
 class OuterSchedule:
     """Keeps the reference the round's pseudo-gradient is measured from and applies outer updates.
 
-    ``round_start`` (CPU fp32, one copy of the parameters) is x when the round began, until ``merge``
-    makes it theta. All tensors are CPU fp32 except ``local_params`` (the model's parameters, any device).
+    ``round_start`` (CPU fp32) is x when the round began, until ``merge`` makes it theta: one copy of the
+    parameters in overlapped rounds; in synchronous ones, which begin at theta, theta itself (no copy) unless theta
+    changes before the round's pseudo-gradient is read (``theta_changing``). All tensors are CPU fp32 except
+    ``local_params`` (the model's parameters, any device).
     Raises ValueError for an unknown ``overlap`` or ``proxy`` (one of ``proxies``).
     """
 
@@ -65,20 +67,42 @@ class OuterSchedule:
             raise ValueError(f"proxy must be one of {self.proxies}, got {proxy!r}")
         self.outer, self.overlap, self.proxy = outer, overlap, proxy
         self.overlapped = overlap != "none"
-        self.round_start: list[torch.Tensor] = [p.clone() for p in outer.global_params]
+        # synchronous rounds start from theta: theta itself is the reference, no copy (``theta_changing``)
+        self.round_start: list[torch.Tensor] = [p.clone() for p in outer.global_params] if self.overlapped \
+            else outer.global_params
         self.merged = True  # round_start is theta: the latest update is part of the local trajectory
+        self.taken = False  # the round's pseudo-gradient was read at its end: the reference is no longer needed
+
+    @property
+    def aliased(self) -> bool:
+        """Whether the reference is theta itself (synchronous rounds, no copy held)."""
+        return self.round_start is self.outer.global_params
 
     @torch.no_grad()
     def begin_round(self, local_params: list[torch.Tensor]) -> None:
-        """Remember x(start of round) as the pseudo-gradient's reference."""
-        for s, p in zip(self.round_start, local_params):
-            s.copy_(p.detach())
-        self.merged = False
+        """Remember x(start of round) as the pseudo-gradient's reference. Synchronous rounds begin where x is
+        theta (after ``rebase``, a download or a restore): the reference is theta itself, and a copy held since
+        ``theta_changing`` is dropped."""
+        if not self.overlapped:
+            self.round_start = self.outer.global_params
+        else:
+            for s, p in zip(self.round_start, local_params):
+                s.copy_(p.detach())
+        self.merged, self.taken = False, False
+
+    def theta_changing(self) -> None:
+        """Theta is about to change. Synchronous rounds whose pseudo-gradient has not been read yet (an update
+        merged mid-round, daemon/join_ahead.py; a download that keeps the round) keep a copy of the old theta as
+        the reference until the next ``begin_round`` (transient: one copy of the parameters)."""
+        if self.aliased and not self.taken:
+            self.round_start = [p.clone() for p in self.outer.global_params]
 
     @torch.no_grad()
-    def pseudo_gradient(self, local_params: list[torch.Tensor]) -> list[torch.Tensor]:
+    def pseudo_gradient(self, local_params: list[torch.Tensor], final: bool = False) -> list[torch.Tensor]:
         """delta = reference - x(now): theta_{t-1} - x in synchronous rounds and after a ``merge``,
-        x(start of round) - x before it. CPU fp32, the parameters' shapes."""
+        x(start of round) - x before it. CPU fp32, the parameters' shapes. ``final``: the round's own read at its
+        end; the reference is not needed again this round (``theta_changing`` then keeps no copy)."""
+        self.taken = self.taken or final
         return [s - p.detach().to("cpu", torch.float32) for s, p in zip(self.round_start, local_params)]
 
     @torch.no_grad()
@@ -93,6 +117,7 @@ class OuterSchedule:
         """theta <- outer_optimizer(theta, Delta) only; the local parameters are untouched (``merge``
         folds theta in). ``group_size``: replicas in Delta (unused here; the experimental eager proxy's M);
         ``outer_step``: the step's index, for the outer learning-rate ramp (``OuterOptimizer.lr_at``)."""
+        self.theta_changing()
         self.outer.step(averaged_pseudo_gradient, outer_step)
 
     @torch.no_grad()
