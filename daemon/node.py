@@ -22,6 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -47,11 +48,12 @@ from dilocox.peers.contributions import ContributionServer
 from dilocox.peers.deadlines import RoundDeadlines
 from dilocox.peers.identity import is_new_identity, load_or_create_identity
 from dilocox.peers.reducescatter import ReduceScatterTransport
+from dilocox.peers.spill import Spill, spill_directory
 from dilocox.peers.swarm import Swarm
 from dilocox.peers.transport import Hooks, Screen, Transport
 
 from dilocox import threads
-from dilocox.catchup import encode
+from dilocox.catchup import write
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from dilocox.consensus import JoinKind, Lineage, lineage_standing, settings_conflict
 from dilocox.model import ModelSpecError
@@ -250,7 +252,9 @@ class Node:
                                                   keep=cfg.catch_up_steps, startup_timeout_s=cfg.startup_timeout,
                                                   admitted=self.progress.admitted if self.admission else None,
                                                   max_bytes=self.state.state_bytes(), offer_wait_s=0.0)
-                self.state.on_applied = lambda u: self.updates.offer(update_key(u.outer_step), encode(u))
+                self.spill = Spill(spill_directory(cfg.checkpoint_dir))  # served for rounds: on disk (peers/spill.py)
+                self.state.on_applied = lambda u: self.updates.offer(update_key(u.outer_step),
+                                                                     self.spill.keep(partial(write, u)))
                 # a group's result while a split round is settled, for the other groups to unite (daemon/majority.py)
                 self.results = ContributionServer(self.swarm.replicate_p2p, f"{prefix}_results", keep=RESULT_ROUNDS,
                                                   startup_timeout_s=cfg.startup_timeout, offer_wait_s=0.0,
@@ -313,7 +317,7 @@ class Node:
     def _offer_result(self, index: int, result) -> None:
         """Serve our group's result of round ``index`` (an AppliedUpdate whose digest is the result's) to the
         other groups of a split round (daemon/majority.py)."""
-        self.results.offer(result_key(index), encode(result))
+        self.results.offer(result_key(index), self.spill.keep(partial(write, result)))
 
     def _make_averagers(self, prefix: str, sizes: list[int]) -> None:
         """One averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors), or one for

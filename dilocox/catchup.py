@@ -15,7 +15,7 @@ indices, fp32 values) per tensor where that is smaller than the dense tensor: a 
 4096 values per chunk keeps at most 6% of the values, so an update costs about 12% of theta's bytes,
 a sixteenth of a state download. Dense aggregates are stored dense.
 
-No network here: ``encode``/``decode`` turn an update into bytes and back (peers/allgather.py's
+No network here: ``encode``/``decode`` turn an update into bytes and back (``write``: into a file) (peers/allgather.py's
 ContributionServer moves them), ``replay`` applies updates to a downloaded state.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import BinaryIO, Callable, Optional, Sequence
 
 import torch
 
@@ -65,6 +65,13 @@ def max_encoded_bytes(shapes: Sequence[Sequence[int]]) -> int:
 def encode(update: AppliedUpdate) -> bytes:
     """Bytes of ``update``: each aggregate tensor dense, or as (int32 flat indices, fp32 values) of its
     non-zeros where that is smaller. Serialized with torch.save (read back with weights_only=True)."""
+    buf = io.BytesIO()
+    write(update, buf)
+    return buf.getvalue()
+
+
+def write(update: AppliedUpdate, f: BinaryIO) -> None:
+    """``encode(update)``'s bytes written to the binary file ``f`` (no copy of them held in memory)."""
     parts = None
     if update.aggregate is not None:
         parts = []
@@ -75,11 +82,9 @@ def encode(update: AppliedUpdate) -> bytes:
                 parts.append(dict(indices=nz.to(torch.int32), values=flat[nz]))  # indexing copies
             else:
                 parts.append(dict(dense=flat.clone()))
-    buf = io.BytesIO()
     torch.save(dict(format=FORMAT, outer_step=update.outer_step, parent_digest=update.parent_digest,
                     digest=update.digest, group_size=update.group_size, outsized=bool(update.outsized),
-                    parts=parts), buf)
-    return buf.getvalue()
+                    parts=parts), f)
 
 
 def decode(payload: bytes, shapes: Sequence[Sequence[int]]) -> AppliedUpdate:

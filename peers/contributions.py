@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import mmap
 import threading
 import time
 from collections import OrderedDict
@@ -109,10 +110,11 @@ class ContributionServer(ServicerBase):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     # ------------------------------------------------------------------ serving
-    def offer(self, key: str, payload: bytes) -> None:
-        """Serve ``payload`` under ``key`` (a round's group key) from now on."""
+    def offer(self, key: str, payload: bytes | mmap.mmap) -> None:
+        """Serve ``payload`` under ``key`` (a round's group key) from now on: bytes, or a read-only map of a file
+        (peers/spill.py), served as it is, without a copy."""
         with self._lock:
-            self._offers[key] = bytes(payload)
+            self._offers[key] = payload if isinstance(payload, (bytes, mmap.mmap)) else bytes(payload)
             self._offers.move_to_end(key)
             while len(self._offers) > self.keep or (self.max_bytes is not None and len(self._offers) > 1 and
                                                     sum(map(len, self._offers.values())) > self.max_bytes):
