@@ -272,11 +272,15 @@ class ReplicaState:
 
     def served(self) -> tuple[dict, list[torch.Tensor]]:
         """(meta, tensors): a consistent copy of theta, the outer momentum (zeros when the outer optimizer
-        keeps none), SCAFFOLD's c and the shared compression state, taken under the lock that every change
-        to them holds (any thread; transient memory: one copy of the state while it is served)."""
+        keeps none: stride-0 views of one zero, no memory), SCAFFOLD's c and the shared compression state, taken
+        under the lock that every change to them holds (any thread; transient memory: one copy of theta while it
+        is served)."""
         with self._theta_lock:
             control = [c.clone() for c in self.control.c] if self.control is not None else []
-            tensors = ([p.clone() for p in self.outer.global_params] + self.outer.momentum_buffers() + control
+            # no momentum (the sparse default): zeros as stride-0 views, serialized one tensor at a time, never held
+            momentum = self.outer.momentum_buffers() if self.outer.has_momentum else \
+                [torch.zeros((), dtype=p.dtype).expand_as(p) for p in self.outer.global_params]
+            tensors = ([p.clone() for p in self.outer.global_params] + momentum + control
                        + [t.clone() for t in self.compressor.shared_tensors()])
             meta = dict(run_id=self.cfg.run_id, outer_step=self.outer_step, digest=self.digest,
                         num_params=len(self.outer.global_params), compression_rank=self.compressor.rank,

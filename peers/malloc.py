@@ -1,22 +1,13 @@
-"""glibc malloc settings for a long-running node (docs/operations.md, "Memory per node").
+"""glibc's ``malloc_trim`` for a long-running node (docs/operations.md, "Memory per node").
 
-glibc raises its mmap threshold each time a large mmapped block is freed, up to 32 MB on 64-bit
-(mallopt(3), "M_MMAP_THRESHOLD": the dynamic threshold). A node allocates and frees buffers of a
-tensor's size every round (decoded contributions, aggregates, encoded payloads), so after the first
-rounds those buffers come from the heap and arenas instead of their own mappings, and what they
-leave behind when freed stays in the process (fragmented, untrimmed). Setting the threshold by hand
-turns the dynamic adjustment off: every block of at least ``MMAP_THRESHOLD`` bytes (1 MiB) is its own
-mapping again and goes back to the kernel when freed. Not glibc's initial 128 KB: with it every
-activation of the tiny model's inner steps became a fresh mapping, and the rounds' timing changed enough
-that adaptive overlap no longer landed its synchronous rounds (tests/test_overlap_swarm.py failed).
+Blocks under glibc's mmap threshold come from the heap and its arenas, and free space there that is not at the
+heap's top stays in the process. ``trim()`` (glibc's ``malloc_trim(0)``) hands the free pages inside the heap and
+arenas back to the kernel; the node calls it once a round, after settling it, when that round's buffers are gone.
 
-``trim()`` (glibc's ``malloc_trim(0)``) hands the free pages inside the heap and arenas back to the kernel;
-the node calls it once a round, after settling it, when that round's buffers are gone.
-
-``tune()`` is called once, early in the main process; hivemind's DHT and averager processes are
-forked from it and inherit the setting (malloc's state is process memory). An operator's own
-``MALLOC_MMAP_THRESHOLD_`` (glibc's environment variable) or ``GLIBC_TUNABLES`` wins: then nothing is
-changed. Elsewhere than glibc (musl, macOS) this does nothing.
+The node leaves glibc's dynamic mmap threshold alone: fixing it (mallopt ``M_MMAP_THRESHOLD``, 1 MiB) made every
+activation of every inner step a fresh mapping whose pages the kernel zeroes again, and a lone node trained
+llama-20m at 0.62 of a bare loop's speed (docs/results/README.md#node-overhead). An operator may still set
+``MALLOC_MMAP_THRESHOLD_`` in the environment. Elsewhere than glibc (musl, macOS) ``trim`` does nothing.
 """
 
 from __future__ import annotations
@@ -25,12 +16,9 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 
 logger = logging.getLogger(__name__)
 
-M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-MMAP_THRESHOLD = 1 << 20  # 1 MiB: tensor-sized buffers get mappings of their own, small ones stay on the heap
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,20 +41,6 @@ def _glibc_function(name: str, argtypes: tuple, restype):
         return None
     function.argtypes, function.restype = argtypes, restype
     return function
-
-
-def tune(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Fix glibc's mmap threshold at ``threshold`` bytes; True if it was set. Returns False without change when
-    the operator set ``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``, or the C library is not glibc."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "GLIBC_TUNABLES" in os.environ:
-        return False
-    mallopt = _glibc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
-    if mallopt is None:
-        return False
-    ok = mallopt(M_MMAP_THRESHOLD, int(threshold)) == 1  # mallopt returns 1 on success
-    if not ok:
-        logger.debug("mallopt(M_MMAP_THRESHOLD, %d) refused", threshold)
-    return ok
 
 
 def trim() -> bool:
