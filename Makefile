@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-shared bench-upload bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-node-overhead bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
+.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-shared bench-upload bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-node-overhead bench-node-memory bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -145,6 +145,10 @@ bench-node-cpu: install
 # a lone dilocox-node with default flags (H = 100) against a bare transformers loop of llama-20m on the same cores (~15 min)
 bench-node-overhead: install
 	$(PY) -m bench.node_overhead --model llama-20m --inner-steps 100 --rounds 2 --repeats 2 --out bench/results/node_overhead.json
+
+# peak host bytes per value of a node in a 2-node swarm, EMULATED workload at 100 M and 200 M values (~12 min)
+bench-node-memory: install
+	$(PY) -m bench.node_memory --values 100M 200M --out bench/results/node_memory.json
 
 # real tokenizer, prepared shards and larger models on CPU: a 2-node llama-20m swarm with an 8192-token BPE,
 # bf16 / micro-batches / activation checkpointing, llama-150m, the outer state of llama-1b, memmap RSS (~40 min)
