@@ -508,6 +508,7 @@ class Node:
             self.state.drop_progress()  # abandon the round: nothing leaves this node
             return
         losses, compute_s, skip = done
+        malloc.trim()  # the inner steps' freed activations back to the kernel before the round's buffers
         r = self.state.round  # a stage node may have adopted its replica's round
         pseudo_gradient = self.state.pseudo_gradient(final=True)  # before any re-base
         if not all(torch.isfinite(g).all() for g in pseudo_gradient):
@@ -537,6 +538,7 @@ class Node:
         # the round's start may decide from the lineage check's read (nothing but our state change came between)
         started = self.rounds.start(pseudo_gradient, self.H - skip, compute_s, losses,
                                     read_since=checked_at if lineage is None and not self.staged else None)
+        del pseudo_gradient  # encoded: synchronous rounds do not hold it through the exchange (OuterRounds.start)
         if isinstance(started, Finished):
             self._settle(started)
         elif self.cfg.overlap == "none":

@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import Callable, Optional
 
 from dilocox.daemon.status import RoundInfo
 from dilocox.peers.averaging import RoundResult
@@ -70,7 +70,7 @@ class PendingRound:
     thread (None: a solo round)."""
 
     index: int
-    pseudo_gradient: list
+    pseudo_gradient: Optional[list]  # None: not kept while the exchange runs (``ours`` recomputes it)
     compression: Optional[CompressedRound]
     future: Optional[Future]
     compute_s: float
@@ -84,6 +84,11 @@ class PendingRound:
     merged_at: Optional[int] = None  # adaptive: the next round's inner step at which theta joined the local params
     waited_s: float = 0.0  # adaptive: time waited for the exchange before the next round began (wait_briefly)
     checked: Optional[Future] = None  # adaptive: ``_check`` running on the verifier thread (a Checked)
+    recompute: Optional[Callable[[], list]] = None  # gives the pseudo-gradient again where it was not kept
+
+    def ours(self) -> list:
+        """Our pseudo-gradient of the round (what a solo or lone round applies): the one kept, or recomputed."""
+        return self.pseudo_gradient if self.pseudo_gradient is not None else self.recompute()
 
 
 @dataclass

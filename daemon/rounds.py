@@ -188,6 +188,11 @@ class OuterRounds:
         encode_began = time.monotonic()
         compression = self.state.compressor.begin(pseudo_gradient, self.state.pseudo_gradient_bounds(r), r)
         encoded = dict(sent_at=time.monotonic(), encode_s=time.monotonic() - encode_began)
+        if not self.delayed and self.attack is None:
+            # synchronous: neither theta nor the parameters move until the round is applied, so theta - x is
+            # recomputed bit for bit if a lone round needs it, instead of held through the exchange
+            honest, encoded["recompute"] = None, self.state.pseudo_gradient
+        del pseudo_gradient
         gather = self._gather(weight, compute_s)
         if early is not None and (early.index, early.weight) == (r, weight):
             early.ready.set_result(compression)  # the comm thread offers it and lets the all-reduce begin
@@ -379,9 +384,9 @@ class OuterRounds:
         or none (SKIPPED: the round is consumed); then the local re-base unless ``early``."""
         outcome, result, group_size = checked.outcome, checked.result, checked.group_size
         adopted = checked.adopted.aggregate if checked.adopted else None
-        averaged = {RoundOutcome.APPLIED: result.tensors if result else None, RoundOutcome.SKIPPED: None,
-                    RoundOutcome.ADOPTED: adopted, RoundOutcome.UNITED: adopted,
-                    }.get(outcome, p.pseudo_gradient)  # solo, alone: our own
+        swarms = {RoundOutcome.APPLIED: result.tensors if result else None, RoundOutcome.SKIPPED: None,
+                  RoundOutcome.ADOPTED: adopted, RoundOutcome.UNITED: adopted}
+        averaged = swarms[outcome] if outcome in swarms else p.ours()  # solo, alone: our own
         # averaged None (skipped): only the local re-base follows; a donor serves the new shared compression
         # state only together with the outer step it belongs to
         apply_began = time.monotonic()
