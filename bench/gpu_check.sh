@@ -1,46 +1,59 @@
 #!/usr/bin/env bash
-# GPU check (issue: real models): two dilocox-node processes train llama-150m in bf16 on CUDA for 3 outer
-# steps (one GPU each where two are visible, else both on GPU 0) and print tokens/s, model FLOPs utilization
-# (6 x parameters x tokens/s over the card's dense bf16 peak, PEAK_TFLOPS: 989 for an H100 SXM) and peak GPU
-# memory per node. Needs a CUDA build of torch; nothing in make test uses it.
-#   bash bench/gpu_check.sh            # from the repository root, in the project's venv
+# GPU check: dilocox nodes train MODEL (llama-150m) on CUDA, one node per visible GPU (SINGLE=1: one node), for
+# ROUNDS outer steps of H inner steps, after a bare transformers loop of the same model on GPU 0
+# (bench/bare_loop.py); then bench/gpu_report.py prints, per node and for the bare loop: tokens/s, MFU with
+# attention counted (FLOPs/token = 6 N + 12 L T d: N the parameters that multiply, L layers, T seq_len, d hidden
+# size; over PEAK_TFLOPS, 989 for an H100 SXM in bf16), peak GPU memory, and the outer round's cost per phase
+# from metrics.jsonl (encode, group, gather, aggregate, apply, exchange, and the time training was blocked).
+# Precision is --precision auto (bf16 on an Ampere or later card); COMPILE=1 (the default) adds --compile.
+# Needs a CUDA build of torch; nothing in make test uses it. CPU=1 runs the same steps on the CPU (MODEL=tiny),
+# to check the script itself: its MFU means nothing.
+#   bash bench/gpu_check.sh                    # from the repository root, in the project's venv
+#   SINGLE=1 H=50 bash bench/gpu_check.sh      # one node
+#   NODES=2 bash bench/gpu_check.sh            # two nodes even on one GPU (both on GPU 0)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 OUT=${OUT:-runs/gpu-check}
+MODEL=${MODEL:-llama-150m}
 H=${H:-20}
+ROUNDS=${ROUNDS:-3}
+BATCH=${BATCH:-16}
+MICRO=${MICRO:-0}
+COMPILE=${COMPILE:-1}
 rm -rf "$OUT"; mkdir -p "$OUT"
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
-gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-second=$([ "$gpus" -ge 2 ] && echo cuda:1 || echo cuda:0)
-common=(--model llama-150m --precision bf16 --batch-size 16 --micro-batch-size 8 --inner-steps "$H"
-        --max-outer-steps 3 --min-replicas 2 --warmup-steps 10 --run-id gpucheck --eval-batches 2
-        --listen /ip4/127.0.0.1/tcp/0 --matchmaking-time 5 --request-timeout 2 --checkpoint-every 100)
-"$PY" -m dilocox.daemon.cli "${common[@]}" --device cuda:0 --status-addr 127.0.0.1:0 \
-    --checkpoint-dir "$OUT/a" >"$OUT/a.out" 2>"$OUT/a.err" &
-a=$!
-for _ in $(seq 300); do grep -q "^join with:" "$OUT/a.out" 2>/dev/null && break; sleep 1; done
-join=$(awk '/^join with:/ {print $NF}' "$OUT/a.out")
-"$PY" -m dilocox.daemon.cli "${common[@]}" --device "$second" --status-addr 127.0.0.1:0 --join "$join" \
-    --checkpoint-dir "$OUT/b" >"$OUT/b.out" 2>"$OUT/b.err" &
-b=$!
-trap 'kill $a $b 2>/dev/null || true' EXIT
-wait $a; wait $b
-"$PY" - "$OUT" "$PEAK_TFLOPS" <<'PYEOF'
-import json, statistics, sys
-from pathlib import Path
-from dilocox.model import ModelSpec
-out, peak = Path(sys.argv[1]), float(sys.argv[2]) * 1e12
-spec = ModelSpec.resolve("llama-150m")
-from transformers import LlamaConfig, LlamaForCausalLM
-import torch
-with torch.device("meta"):
-    n = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**spec.llama)).parameters())
-for node in ("a", "b"):
-    rows = [json.loads(l) for l in (out / node / "metrics.jsonl").read_text().splitlines()]
-    tps = statistics.median(r["tokens_per_second"] for r in rows)
-    print(f"node {node}: {len(rows)} outer steps, {tps:,.0f} tokens/s, MFU {6 * n * tps / peak:.1%} "
-          f"({n / 1e6:.0f} M parameters, bf16 peak {peak / 1e12:.0f} TFLOPS), peak GPU memory "
-          f"{max(r['device_peak_bytes'] for r in rows) / 2**30:.2f} GiB, digests {[r['digest'][:8] for r in rows]}")
-PYEOF
+if [ "${CPU:-0}" = 1 ]; then
+    gpus=1
+else
+    "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
+    gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+fi
+nodes=${NODES:-$gpus}
+[ "${SINGLE:-0}" = 1 ] && nodes=1
+device() { if [ "${CPU:-0}" = 1 ]; then echo cpu; else echo "cuda:$(($1 % gpus))"; fi; }
+compile=(); [ "$COMPILE" = 1 ] && compile=(--compile)
+micro=(); [ "$MICRO" != 0 ] && micro=(--micro-batch-size "$MICRO")
+
+# the ceiling first, alone on the card the first node uses
+"$PY" -m bench.bare_loop --model "$MODEL" --device "$(device 0)" --batch-size "$BATCH" "${micro[@]}" \
+    "${compile[@]}" --peak-tflops "$PEAK_TFLOPS" --out "$OUT/bare.json" >"$OUT/bare.out" 2>"$OUT/bare.err"
+
+common=(--model "$MODEL" --precision auto --batch-size "$BATCH" "${micro[@]}" "${compile[@]}" --inner-steps "$H"
+        --max-outer-steps "$ROUNDS" --min-replicas "$nodes" --warmup-steps 10 --run-id gpucheck --eval-batches 2
+        --listen /ip4/127.0.0.1/tcp/0 --matchmaking-time 5 --request-timeout 2 --checkpoint-every 100
+        --status-addr 127.0.0.1:0)
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+join=()
+for k in $(seq 0 $((nodes - 1))); do
+    "$PY" -m dilocox.daemon.cli "${common[@]}" "${join[@]}" --device "$(device "$k")" --checkpoint-dir "$OUT/n$k" \
+        >"$OUT/n$k.out" 2>"$OUT/n$k.err" &
+    pids+=($!)
+    if [ "$k" = 0 ] && [ "$nodes" -gt 1 ]; then
+        for _ in $(seq 300); do grep -q "^join with:" "$OUT/n0.out" 2>/dev/null && break; sleep 1; done
+        join=(--join "$(awk '/^join with:/ {print $NF}' "$OUT/n0.out")")
+    fi
+done
+for p in "${pids[@]}"; do wait "$p"; done
+"$PY" -m bench.gpu_report "$OUT" --model "$MODEL" --batch-size "$BATCH" --inner-steps "$H" --peak-tflops "$PEAK_TFLOPS"
