@@ -10,7 +10,7 @@
 # to check the script itself: its MFU means nothing.
 #   bash bench/gpu_check.sh                    # from the repository root, in the project's venv
 #   SINGLE=1 H=50 bash bench/gpu_check.sh      # one node
-#   NODES=2 bash bench/gpu_check.sh            # two nodes even on one GPU (both on GPU 0)
+#   NODES=2 bash bench/gpu_check.sh            # two nodes even on one GPU (both on it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -31,12 +31,15 @@ else
 fi
 nodes=${NODES:-$gpus}
 [ "${SINGLE:-0}" = 1 ] && nodes=1
-device() { if [ "${CPU:-0}" = 1 ]; then echo cpu; else echo "cuda:$(($1 % gpus))"; fi; }
+# each process sees only its GPU, as cuda:0: the node's peak-memory reading asks the current device
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then IFS=, read -ra ids <<<"$CUDA_VISIBLE_DEVICES"; else ids=($(seq 0 $((gpus - 1)))); fi
+gpu() { echo "${ids[$(($1 % gpus))]}"; }
+device=cuda:0; [ "${CPU:-0}" = 1 ] && device=cpu
 compile=(); [ "$COMPILE" = 1 ] && compile=(--compile)
 micro=(); [ "$MICRO" != 0 ] && micro=(--micro-batch-size "$MICRO")
 
 # the ceiling first, alone on the card the first node uses
-"$PY" -m bench.bare_loop --model "$MODEL" --device "$(device 0)" --batch-size "$BATCH" "${micro[@]}" \
+CUDA_VISIBLE_DEVICES=$(gpu 0) "$PY" -m bench.bare_loop --model "$MODEL" --device "$device" --batch-size "$BATCH" "${micro[@]}" \
     "${compile[@]}" --peak-tflops "$PEAK_TFLOPS" --out "$OUT/bare.json" >"$OUT/bare.out" 2>"$OUT/bare.err"
 
 common=(--model "$MODEL" --precision auto --batch-size "$BATCH" "${micro[@]}" "${compile[@]}" --inner-steps "$H"
@@ -47,8 +50,8 @@ pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
 join=()
 for k in $(seq 0 $((nodes - 1))); do
-    "$PY" -m dilocox.daemon.cli "${common[@]}" "${join[@]}" --device "$(device "$k")" --checkpoint-dir "$OUT/n$k" \
-        >"$OUT/n$k.out" 2>"$OUT/n$k.err" &
+    CUDA_VISIBLE_DEVICES=$(gpu "$k") "$PY" -m dilocox.daemon.cli "${common[@]}" "${join[@]}" --device "$device" \
+        --checkpoint-dir "$OUT/n$k" >"$OUT/n$k.out" 2>"$OUT/n$k.err" &
     pids+=($!)
     if [ "$k" = 0 ] && [ "$nodes" -gt 1 ]; then
         for _ in $(seq 300); do grep -q "^join with:" "$OUT/n0.out" 2>/dev/null && break; sleep 1; done
