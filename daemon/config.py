@@ -170,17 +170,6 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
                 data = {**data, "scaffold_reset_quiet": SCAFFOLD_QUIET_AFTER if quiet else 0}
         return data
 
-    @model_validator(mode="before")
-    @classmethod
-    def _stage_precision(cls, data):
-        """precision left unset on a pipeline stage node (stage K/S, S > 1) is fp32, which pipeline stages train in
-        (dilocox/pipeline.py); auto, the default elsewhere, would pick bf16 on a GPU."""
-        if isinstance(data, dict) and "precision" not in data:
-            stage = data.get("stage")
-            if isinstance(stage, str) and re.fullmatch(r"\d+/\d+", stage) and int(stage.split("/")[1]) > 1:
-                data = {**data, "precision": "fp32"}
-        return data
-
     @model_validator(mode="after")
     def _check(self) -> "NodeConfig":
         if (self.aggregation != "mean" or self.norm_bound) and not self.gathers:

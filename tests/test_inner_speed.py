@@ -102,7 +102,7 @@ def test_the_node_config_defaults_to_auto_and_resolves_it_per_device(tmp_path):
     (tmp_path / "text.txt").write_text(TEXT)
     cfg = NodeConfig(model="tiny", data=str(tmp_path / "text.txt"), inner_steps=2, compression="none",
                      overlap="none", seq_len=16, batch_size=2)
-    assert cfg.precision == "auto" and NodeConfig(stage="1/2").precision == "fp32"  # stages train in fp32
+    assert cfg.precision == "auto" and NodeConfig(stage="1/2").precision == "auto"  # stages take bf16 too
     st = ReplicaState(cfg, make_workload(cfg.model, cfg.data, 16, 2, cfg.eval_batches), shard_key=1)
     assert st.inner.config.precision == "fp32"
     st.begin_round()
