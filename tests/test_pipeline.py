@@ -126,7 +126,8 @@ def test_two_stages_hold_half_the_memory_per_node():
     # params 4 B + AdamW 8 B + theta, momentum, round start 12 B + error feedback 4 B per parameter
     assert whole == 28 * 133_440
     assert sum(halves) == whole and 0.49 < max(halves) / whole < 0.51, (halves, whole)
-    # momentum-free outer SGD (the sparse default) holds no momentum buffer, and none is reported
+    # momentum-free outer SGD (the sparse default) holds no momentum buffer, and none is reported; synchronous
+    # rounds measure from theta itself (no round-start copy), overlapped ones keep one
     inner = InnerLoop(build_stage(ModelSpec.resolve("tiny"), SEED), InnerConfig())
     outer = OuterOptimizer(inner.params, outer_momentum=0.0, nesterov=False)
     from dilocox.daemon.replica_state import stage_memory
@@ -135,7 +136,8 @@ def test_two_stages_hold_half_the_memory_per_node():
     from dilocox.sparse import SparseCompressor, SparseConfig
 
     sparse = SparseCompressor([tuple(p.shape) for p in outer.global_params], SparseConfig())
-    assert stage_memory(inner, outer, OuterSchedule(outer, "none"), sparse).outer_optimizer_bytes == 8 * 133_440
+    assert stage_memory(inner, outer, OuterSchedule(outer, "none"), sparse).outer_optimizer_bytes == 4 * 133_440
+    assert stage_memory(inner, outer, OuterSchedule(outer, "adaptive"), sparse).outer_optimizer_bytes == 8 * 133_440
 
 
 def test_a_stage_takes_the_same_inner_step_arguments_as_a_whole_model():
