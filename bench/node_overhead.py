@@ -137,7 +137,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: the CPUs this process may use)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    p.add_argument("--min-ratio", type=float, default=0.0, help="exit 1 if node/bare is below this")
+    p.add_argument("--min-ratio", type=float, default=0.0, help="exit 1 if node/bare (between rows) is below this")
+    p.add_argument("--min-step-ratio", type=float, default=0.0,
+                   help="exit 1 if node/bare per inner step (rounds' own work left out) is below this")
     p.add_argument("--out", type=Path, default=None, help="JSON of every run")
     p.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
@@ -151,8 +153,9 @@ def main(argv=None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-    if result["ratio"] < args.min_ratio:
-        print(f"node/bare {result['ratio']:.3f} is below {args.min_ratio}", file=sys.stderr)
+    if result["ratio"] < args.min_ratio or result["step_ratio"] < args.min_step_ratio:
+        print(f"node/bare {result['ratio']:.3f} (bound {args.min_ratio}), per inner step {result['step_ratio']:.3f} "
+              f"(bound {args.min_step_ratio})", file=sys.stderr)
         return 1
     return 0
 
