@@ -56,8 +56,10 @@ from dilocox import threads
 from dilocox.catchup import write
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from dilocox.consensus import JoinKind, Lineage, lineage_standing, settings_conflict
+from dilocox.diloco import host_losses
 from dilocox.model import ModelSpecError
-from dilocox.pipeline import PipelineBroken
+from dilocox.pipeline import PipelineBroken, pipeline_microbatches
+from dilocox.prefetch import Prefetcher
 from dilocox.stages import layer_range
 from dilocox.tokenizer import load_tokenizer
 from dilocox.workload import make_workload
@@ -102,7 +104,6 @@ class Node:
             raise ModelSpecError(f"the {cfg.model if self.workload.kind == 'image' else 'synthetic'} workload has no "
                                  f"pipeline stages: use --stage 0/1")
         if self.staged:  # the batch's pipeline micro-batches: --micro-batch-size sequences each, else --microbatches
-            from dilocox.pipeline import pipeline_microbatches  # ModelSpecError naming the values
             pipeline_microbatches(self.workload.batch_size, cfg.microbatches, cfg.micro_batch_size or 0,
                                   cfg.num_stages, cfg.pipeline_schedule)
         self.H = cfg.inner_steps
@@ -570,9 +571,6 @@ class Node:
         a thread of their own (dilocox/prefetch.py; the shard's position counts those consumed). The losses
         stay on the device and are read every ``every`` steps and at the round's end, one host sync each:
         the status board's loss and tokens/s change then, its inner step at every step."""
-        from dilocox.diloco import host_losses
-        from dilocox.prefetch import Prefetcher
-
         every = 10
         st = self.state
         if self.staged:
