@@ -511,26 +511,42 @@ class Node:
         losses, compute_s, skip = done
         malloc.trim()  # the inner steps' freed activations back to the kernel before the round's buffers
         r = self.state.round  # a stage node may have adopted its replica's round
-        pseudo_gradient = self.state.pseudo_gradient(final=True)  # before any re-base
-        if not all(torch.isfinite(g).all() for g in pseudo_gradient):
+        # synchronous sparse rounds fold theta - x into the error feedback when encoding it (OuterRounds.folds):
+        # it is read here only where something needs it first
+        pseudo_gradient = None if self.rounds.folds() else self.state.pseudo_gradient(final=True)
+
+        def held() -> list[torch.Tensor]:
+            """The pseudo-gradient before anything moves theta or x (a re-sync keeps the round's progress as it)."""
+            nonlocal pseudo_gradient
+            if pseudo_gradient is None:
+                pseudo_gradient = self.state.pseudo_gradient(final=True)
+            return pseudo_gradient
+
+        if not (self.state.progress_finite() if pseudo_gradient is None else
+                all(torch.isfinite(g).all() for g in pseudo_gradient)):
             self._resync("pseudo-gradient holds NaN/Inf (diverged replica); not sent")
             return
-        self.state.end_round_control(pseudo_gradient, skip)  # SCAFFOLD's c_i (no-op for DiLoCo)
+        if pseudo_gradient is not None:
+            self.state.end_round_control(pseudo_gradient, skip)  # SCAFFOLD's c_i (no-op for DiLoCo)
         previous = self.rounds.take_pending()
         if previous is not None:  # delayed: apply round r-1 (normally finished long ago)
+            held()
             self._set_state(State.AVERAGING)
             self._settle(self.rounds.finish(previous))
             if self.state.round > r:  # settling r-1 re-synced us past round r: our compute of r is superseded
                 return
         if self.ahead is not None and self.ahead.behind():  # joined ahead: theta_{r-1} should be served soon
+            held()
             self.ahead.wait(self.cfg.outer_round_deadline, self.leave_requested.is_set)
         if self.state.outer_step != r - 1:  # we missed theta_{r-1} (joined late, failed round): fetch it
+            held()
             self._resync(f"round {r} needs the parameters of outer step {r - 1}", keep_round=True)
             if self.state.outer_step != r - 1:
                 return
         checked_at = time.monotonic()
         lineage = None if self.staged else self._lineage(r - 1, alone=self._applied_alone_at == r - 1)
         if lineage is not None:  # a split round left us in a minority lineage of theta: join the prevailing one
+            held()
             self._resync(f"round {r}: the live replicas' prevailing theta at outer step {r - 1} is {lineage} (a "
                          f"strict majority's, or the largest lineage's), ours is {self.state.digest}", keep_round=True)
             if self.state.outer_step != r - 1:

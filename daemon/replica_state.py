@@ -9,6 +9,7 @@ is copied under a lock because hivemind reads it from another thread).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import random
@@ -215,6 +216,32 @@ class ReplicaState:
         its end (synchronous rounds then keep no copy of theta when it changes: ``OuterSchedule.theta_changing``)."""
         return self.schedule.pseudo_gradient(self.inner.params, final)
 
+    def folds(self) -> bool:
+        """Whether the round's contribution is folded into the error feedback in place (``fold_contribution``):
+        sparse compression, synchronous rounds, DiLoCo (SCAFFOLD's c_i update reads the pseudo-gradient)."""
+        return isinstance(self.compressor, SparseCompressor) and not self.schedule.overlapped \
+            and self.control is None
+
+    def fold_contribution(self):
+        """The round's sparse contribution computed from theta and x without holding the pseudo-gradient
+        (``SparseCompressor.fold``; only where ``folds``). Until the round is applied (``compressor.commit``) or
+        not (``abandon``), neither theta nor the parameters may change. Raises ValueError for a pseudo-gradient
+        that is not finite (the error feedback is then zeroed)."""
+        return self.compressor.fold(self.schedule.reference(final=True), self.inner.params)
+
+    def abandon(self, compression) -> None:
+        """The round of ``compression`` (a compressor's round, or None) was not applied: a folded contribution
+        gives back to the error feedback what it took (``SparseCompressor.abandon``); other rounds never
+        changed it."""
+        if compression is not None and isinstance(self.compressor, SparseCompressor):
+            self.compressor.abandon(compression)
+
+    def progress_finite(self) -> bool:
+        """Whether the local parameters hold only finite values (theta does: every update is checked), read
+        slice by slice (no mask of the parameters' size)."""
+        return all(bool(torch.isfinite(part).all()) for p in self.inner.params
+                   for part in p.detach().reshape(-1).split(1 << 22))
+
     def drop_progress(self) -> None:
         """Abandon the current round's local progress (re-base onto theta); nothing of it is sent."""
         self.schedule.rebase(self.inner.params)
@@ -363,6 +390,7 @@ class ReplicaState:
         before = (self.checkpoint_state(), [p.detach().clone() for p in self.inner.params])
         # theta is loaded in place (OuterOptimizer.load_state): keep a copy, not the live tensors, to roll back to
         before[0]["global_params"] = [p.detach().clone() for p in before[0]["global_params"]]
+        before[0]["compression"] = copy.deepcopy(before[0]["compression"])  # the sparse codec's are live views
         try:
             with self._theta_lock:
                 self.schedule.theta_changing()

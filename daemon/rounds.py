@@ -155,10 +155,17 @@ class OuterRounds:
                            **(self.audits.gather_fields(self.state.round) if self.audits is not None else {}))
 
     # ------------------------------------------------------------------ starting
-    def start(self, pseudo_gradient: list[torch.Tensor], weight: int, compute_s: float,
+    def folds(self) -> bool:
+        """Whether ``start`` takes no pseudo-gradient (None): synchronous sparse rounds fold it into the error
+        feedback where it is computed (``ReplicaState.fold_contribution``), 8 bytes per parameter less at the
+        round's peak; not with a red-team attack, which rewrites the pseudo-gradient."""
+        return not self.delayed and self.attack is None and self.state.folds()
+
+    def start(self, pseudo_gradient: Optional[list[torch.Tensor]], weight: int, compute_s: float,
               losses: list[float], read_since: Optional[float] = None) -> Union[PendingRound, Finished]:
-        """Send round ``state.round``'s pseudo-gradient (``weight``: inner steps it covers) into the
-        all-reduce, or make it a solo round; Finished(RESYNC) if others already applied the round.
+        """Send round ``state.round``'s pseudo-gradient (``weight``: inner steps it covers; None where ``folds``:
+        computed here) into the all-reduce, or make it a solo round; Finished(RESYNC) if others already applied
+        the round, or if a folded pseudo-gradient is not finite.
         ``read_since``: a read of the membership records made at or after this ``time.monotonic()`` value serves
         the decision however old (the node's lineage check moments before: with 32 nodes on 2 cores the steps
         between took longer than FRESH_S, and the start read again, about once a round); else one FRESH_S old."""
@@ -186,7 +193,14 @@ class OuterRounds:
         if self.attack is not None:
             pseudo_gradient = self.attack.pseudo_gradient([g.clone() for g in pseudo_gradient], r)
         encode_began = time.monotonic()
-        compression = self.state.compressor.begin(pseudo_gradient, self.state.pseudo_gradient_bounds(r), r)
+        if pseudo_gradient is None:  # folded into the error feedback (``folds``)
+            try:
+                compression = self.state.fold_contribution()
+            except ValueError as e:
+                self._cancel(early)
+                return Finished(r, RoundOutcome.RESYNC, reason=f"round {r}: {e}; not sent")
+        else:
+            compression = self.state.compressor.begin(pseudo_gradient, self.state.pseudo_gradient_bounds(r), r)
         encoded = dict(sent_at=time.monotonic(), encode_s=time.monotonic() - encode_began)
         if not self.delayed and self.attack is None:
             # synchronous: neither theta nor the parameters move until the round is applied, so theta - x is
@@ -356,6 +370,8 @@ class OuterRounds:
             return self._finish_locally(p, p.early)
         waited_from = time.monotonic()
         checked = self._exchanged(p)  # the exchange's result, checked against the group
+        if checked.outcome in (RoundOutcome.CANCELLED, RoundOutcome.RESYNC):
+            self.state.abandon(p.compression)  # not applied here (a re-sync may reset the error feedback anyway)
         if checked.outcome == RoundOutcome.CANCELLED:
             return Finished(p.index, RoundOutcome.CANCELLED)
         if checked.outcome == RoundOutcome.RESYNC:
@@ -393,6 +409,8 @@ class OuterRounds:
         with self.state.changing():
             if outcome in (RoundOutcome.APPLIED, RoundOutcome.ADOPTED, RoundOutcome.UNITED) and result is not None:
                 self.state.compressor.commit(p.compression)  # ours went out (not when the round went on without us)
+            else:
+                self.state.abandon(p.compression)  # before theta moves: a folded contribution is undone from it
             # SCAFFOLD's quiet restart counts from a round with an outsized contribution: the group's, or the update's
             outsized = checked.adopted.outsized if checked.adopted is not None else \
                 outcome == RoundOutcome.APPLIED and result is not None and self.state.outsized(result.scales)
@@ -404,6 +422,8 @@ class OuterRounds:
                          checked.adopted.digest)
         elif checked.chain:
             self._apply_chain(p.index, checked.chain)
+        if result is not None:
+            result.release()  # applied: the dense aggregate is not held through the round's record and checkpoint
         info = self._info(p, group_size, outcome, result, waited_from)
         info.apply_s, info.outsized = time.monotonic() - apply_began, outsized
         if checked.chain:  # the row names the theta we hold: the chain's last outer step

@@ -148,12 +148,12 @@ class StateTransfer:
         a donor that fails mid-download), and a donor that is the only one serves them back to back. Not the
         all-reduce's measured rate: that is a lower bound (it counts waiting for the slowest member), and with
         a 4 s all-reduce of 18 KB it shut joiners out for a minute."""
-        meta, tensors = self.state.served()
         now = time.monotonic()
         served = self.averager.states_served() if self.averager is not None else 0
         if now < self._busy_until and served <= self._served_before:
             logger.info("state requested while serving another joiner: redirecting it to other donors")
             return None, []
+        meta, tensors = self.state.served()  # after the busy check: a redirected joiner costs no copy of theta
         size = sum(t.numel() * t.element_size() for t in tensors)
         self._busy_until = now + self.cfg.request_timeout + 8 * size / ((self.cfg.bandwidth_mbps or 100) * 1e6)
         self._served_before = served

@@ -218,7 +218,7 @@ class DenseCompressor:
     def digest(self) -> str:
         h = hashlib.sha256(str(self.rank).encode())
         for t in self.shared_tensors():
-            h.update(t.contiguous().numpy().tobytes())
+            h.update(t.contiguous().numpy())
         return h.hexdigest()[:8]
 
     def begin(self, pseudo_gradient: Sequence[torch.Tensor], bounds: Sequence[float],

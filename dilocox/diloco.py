@@ -342,5 +342,5 @@ def params_digest(tensors: list[torch.Tensor]) -> str:
     """Hex SHA-256 (first 16 hex digits) of the fp32 bytes of ``tensors`` in order: equal iff bit-identical."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy())  # the buffer itself: no bytes copy
     return h.hexdigest()[:16]

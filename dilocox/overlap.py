@@ -97,6 +97,12 @@ class OuterSchedule:
         if self.aliased and not self.taken:
             self.round_start = [p.clone() for p in self.outer.global_params]
 
+    def reference(self, final: bool = False) -> list[torch.Tensor]:
+        """The tensors the round's pseudo-gradient is measured from (``pseudo_gradient`` = reference - x): theta
+        itself in synchronous rounds unless ``theta_changing`` kept a copy. ``final`` as in ``pseudo_gradient``."""
+        self.taken = self.taken or final
+        return self.round_start
+
     @torch.no_grad()
     def pseudo_gradient(self, local_params: list[torch.Tensor], final: bool = False) -> list[torch.Tensor]:
         """delta = reference - x(now): theta_{t-1} - x in synchronous rounds and after a ``merge``,

@@ -126,6 +126,11 @@ class RoundResult:
     phases: Dict[str, float] = field(default_factory=dict)  # seconds per phase: matchmaking, gather, aggregate
     finished_at: float = field(default_factory=time.monotonic)  # time.monotonic() when the result was complete
 
+    def release(self) -> None:
+        """The aggregate was applied (and whatever serves it keeps its own copy): drop ``tensors``, a full
+        fp32 copy of the parameters, before the round is recorded and checkpointed."""
+        self.tensors = []
+
 
 def group_bits(round_index: int) -> str:
     return format(round_index % (1 << GROUP_BITS), f"0{GROUP_BITS}b")

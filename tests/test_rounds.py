@@ -872,3 +872,51 @@ def test_exclusions_drop_an_equivocator_for_ten_rounds_then_ask_audits_and_admis
     assert ex.admitted("stranger") == "no certificate" and ex.admitted("honest") is None
     now["round"] = 3 + EXCLUDE_ROUNDS + 1
     assert ex.admitted("two-faced") is None
+
+
+@pytest.mark.parametrize("ending", ["applied", "skipped", "alone", "resync"])
+def test_a_folded_round_keeps_its_error_feedback_only_when_the_swarm_applied_it(tmp_path, ending):
+    """Synchronous sparse rounds fold theta - x into the error feedback in place (no pseudo-gradient held through
+    the exchange). Applied: the buffer is bit for bit the one a prepared round leaves, and the payload the same.
+    Not applied (skipped, applied alone with our whole pseudo-gradient, re-sync): the buffer is back to what it
+    was, up to fp32 rounding."""
+    st = computed_round(tmp_path, compression="sparse")
+    before = st.compressor.codec.flat.clone()
+    st.compressor.codec.flat.copy_(torch.randn_like(before) * 1e-3)  # a buffer from earlier rounds
+    before = st.compressor.codec.flat.clone()
+    payload, expected = st.compressor.codec.prepare(st.pseudo_gradient())  # changes nothing
+    averaged = [torch.full_like(p, 1e-3) for p in st.outer.global_params]
+
+    def answer(rnd):
+        if ending == "alone":
+            raise RoundFailed("no group formed")
+        return RoundResult(averaged, {q: RoundGather(outer_step=0, start_digest=rnd.gather.start_digest, weight=2.0)
+                                      for q in "mab"}, 100, 100, 100, 0.1, 1000)
+
+    mine = params_digest(averaged)
+    results = dict(applied={"a": mine, "b": mine}, skipped={"a": "x", "b": "y"}, alone={},
+                   resync={"a": "group", "b": "group"})[ending]
+    peers = [Peer(peer_id=q, outer_step=0, round=1) for q in "ab"]
+    rounds = rounds_for(st, FakeProgress(peers, results=results), transport=FakeTransport(answer=answer))
+    assert rounds.folds()
+    p = rounds.start(None, 2, 1.0, [2.0])
+    assert p.compression.payload == payload and p.compression.new_error is None
+    done = rounds.finish(p)
+    outcome = dict(applied=RoundOutcome.APPLIED, skipped=RoundOutcome.SKIPPED, alone=RoundOutcome.APPLIED_ALONE,
+                   resync=RoundOutcome.RESYNC)[ending]
+    assert done.outcome == outcome
+    if ending == "applied":
+        assert torch.equal(st.compressor.codec.flat, expected)
+    else:
+        assert not torch.equal(st.compressor.codec.flat, expected)
+        torch.testing.assert_close(st.compressor.codec.flat, before, rtol=0, atol=1e-8)
+
+
+def test_a_folded_round_is_not_started_from_parameters_that_are_not_finite(tmp_path):
+    """A diverged replica's NaN reaches the fold: the round is not sent and the node is told to re-sync."""
+    st = computed_round(tmp_path, compression="sparse")
+    with torch.no_grad():
+        st.params[0].view(-1)[3] = float("nan")
+    assert not st.progress_finite()
+    done = rounds_for(st, FakeProgress([Peer(peer_id="a", outer_step=0, round=1)])).start(None, 2, 1.0, [2.0])
+    assert done.outcome == RoundOutcome.RESYNC and "non-finite" in done.reason

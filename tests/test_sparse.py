@@ -396,7 +396,7 @@ def test_malformed_contributions_are_rejected_and_the_rest_aggregates():
 def test_encode_rejects_bad_input_and_keeps_its_buffers():
     codec = SparseCodec(SHAPES, CFG)
     codec.encode(randn(SHAPES, 3))
-    before = codec.state_dict()
+    before = {"error": [t.clone() for t in codec.state_dict()["error"]]}
     with pytest.raises(ValueError, match="shapes"):
         codec.encode(randn(SHAPES[:2], 4))
     bad = randn(SHAPES, 5)
@@ -550,3 +550,41 @@ def test_fuzzed_contributions_never_crash_the_decoder(rice, data):
     except ContributionError:
         return
     assert [tuple(t.shape) for t in out] == SHAPES and all(bool(torch.isfinite(t).all()) for t in out)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fold_gives_encodes_payload_and_buffer_bit_for_bit(monkeypatch, threads):
+    """``fold(theta, x)`` computes theta - x into the error feedback in place: the same payload and buffer bits as
+    ``encode(theta - x)`` round after round, whatever the thread count; ``unfold`` puts the buffer back up to
+    fp32 rounding."""
+    import dilocox.threads
+
+    monkeypatch.setattr(dilocox.threads, "_budget", threads)
+    shapes, cfg = [(3_000, 70), (5_001,), (13,)], SparseConfig(chunk=4096, topk=128, rice=True)
+    encoded, folded = SparseCodec(shapes, cfg), SparseCodec(shapes, cfg)
+    for r in range(3):
+        theta = randn(shapes, 10 + r)
+        x = [t + 0.01 * d for t, d in zip(theta, randn(shapes, 20 + r))]
+        assert folded.fold(theta, x) == encoded.encode([t - u for t, u in zip(theta, x)])
+        assert torch.equal(folded.flat.view(torch.int32), encoded.flat.view(torch.int32))
+    before = folded.flat.clone()
+    folded.unfold(folded.fold(theta, x), theta, x)
+    torch.testing.assert_close(folded.flat, before, rtol=0, atol=4 * float(before.abs().max()) * 2 ** -23)
+
+
+def test_fold_refuses_what_does_not_fit_and_zeroes_the_buffer_after_a_non_finite_value():
+    shapes, cfg = [(500,), (70, 3)], SparseConfig(chunk=64, topk=4)
+    codec = SparseCodec(shapes, cfg)
+    theta = randn(shapes, 1)
+    codec.fold(theta, [t * 0.5 for t in theta])
+    kept = codec.flat.clone()
+    with pytest.raises(ValueError, match="do not match"):
+        codec.fold(theta, [torch.zeros(500), torch.zeros(3, 70)])
+    assert torch.equal(codec.flat, kept)  # a shape mismatch changes nothing
+    bad = [t.clone() for t in theta]
+    bad[1][5, 1] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.fold(theta, bad)
+    assert not codec.flat.any()  # half-updated: zeroed, not left half one round's
+    with pytest.raises(ContributionError):
+        codec.unfold(b"not a payload", theta, theta)

@@ -8,7 +8,7 @@ chunk (dilocox/sparse/quantizer.py) and packed as dilocox/sparse/wire.py describ
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -25,6 +25,8 @@ from dilocox.sparse.wire import (
     layout,
     numel,
     pack_bits,
+    parse,
+    positions,
     rice_streams,
     split,
 )
@@ -38,6 +40,13 @@ def _decay_add(out: np.ndarray, e: np.ndarray, delta: np.ndarray, beta: float) -
     with np.errstate(over="ignore", invalid="ignore"):  # overflow: the caller finds the inf and refuses
         np.multiply(e, np.float32(beta), out=out)
         out += delta
+
+def _host(x: torch.Tensor) -> np.ndarray:
+    """A slice of the parameters as CPU fp32 numpy (no copy where it already is one)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        x = x.to("cpu", torch.float32)
+    return x.numpy()
+
 
 def _encode(chunks: np.ndarray, topk: int, pad: int, bits: int, idx: np.ndarray, codes: np.ndarray,
             scale: np.ndarray) -> bool:
@@ -110,8 +119,14 @@ class SparseCodec:
         if any(d < 0 for s in self.shapes for d in s):
             raise ValueError(f"negative dimension in shapes {self.shapes}")
         self.layout = layout(numel(self.shapes), cfg)
-        self._flat = torch.zeros(self.layout.n)
-        self.error = split(self._flat, self.shapes)
+        # whole chunks: ``fold`` encodes in place (the padding after the n values stays 0)
+        self._flat = torch.zeros(self.layout.nchunks * cfg.chunk)
+        self.error = split(self._flat[:self.layout.n], self.shapes)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The error-feedback buffer as one flat view (n values, in the order of ``shapes``)."""
+        return self._flat[:self.layout.n]
 
     def payload_bytes(self) -> int:
         """Length of every payload this codec encodes (Rice-coded indices: the largest valid length)."""
@@ -136,20 +151,93 @@ class SparseCodec:
         got = [tuple(g.shape) for g in pseudo_gradient]
         if got != self.shapes:
             raise ValueError(f"pseudo-gradient shapes {got} do not match the codec's {self.shapes}")
-        lay, cfg = self.layout, self.cfg
-        chunk, topk = cfg.chunk, cfg.topk
-        full = torch.empty(lay.nchunks * chunk)  # e, then zeros up to a whole number of chunks
-        e = full[:lay.n]
+        lay = self.layout
+        full = torch.empty(lay.nchunks * self.cfg.chunk)  # e, then zeros up to a whole number of chunks
         old, new, o, jobs = self._flat.numpy(), full.numpy(), 0, []
         for g in pseudo_gradient:  # e <- beta e + delta: the fp32 product rounded, then the sum (never fused)
             delta = g.detach().to("cpu", torch.float32).reshape(-1).numpy()
             jobs += [(new[o + a:o + b], old[o + a:o + b], delta[a:b]) for a, b in slices(len(delta))]
             o += len(delta)
-        thread_map(lambda job: _decay_add(*job, cfg.beta), jobs)
+        thread_map(lambda job: _decay_add(*job, self.cfg.beta), jobs)
         new[lay.n:] = 0.0
+        payload = self._select(new)
+        if payload is None:
+            if not all(bool(torch.isfinite(g).all()) for g in pseudo_gradient):
+                raise ValueError("pseudo-gradient holds non-finite values")
+            raise ValueError("beta x error-feedback buffer + pseudo-gradient overflows fp32")
+        return payload, full[:lay.n]
+
+    def fold(self, reference: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> bytes:
+        """``encode`` of the pseudo-gradient reference - local (DiLoCo's theta_{t-1} - x; ``local`` on any device),
+        computed slice by slice into our buffer: neither the pseudo-gradient nor a second buffer is held (4 + 4
+        bytes per value less than ``prepare``), and payload and buffer get the bits ``encode`` gives them.
+        ``unfold`` puts the buffer back if the round is not applied.
+
+        Raises ValueError if the tensors do not match ``shapes`` (buffer unchanged), or if the pseudo-gradient
+        holds non-finite values or beta x buffer + pseudo-gradient overflows fp32: the buffer, part-way
+        updated, is then zeroed."""
+        got, other = [tuple(t.shape) for t in reference], [tuple(t.shape) for t in local]
+        if got != self.shapes or other != self.shapes:
+            raise ValueError(f"pseudo-gradient shapes {got} / {other} do not match the codec's {self.shapes}")
+        e, beta = self._flat.numpy(), self.cfg.beta
+
+        def fold_slice(job) -> bool:
+            out, ref, x = job
+            delta = np.subtract(ref, _host(x))  # as torch's theta - x: one rounded difference
+            if not np.isfinite(delta).all():
+                return False
+            _decay_add(out, out, delta, beta)
+            return True
+
+        if not all(thread_map(fold_slice, self._jobs(e, reference, local))):
+            self.reset()
+            raise ValueError("pseudo-gradient holds non-finite values")
+        payload = self._select(e)
+        if payload is None:
+            self.reset()
+            raise ValueError("beta x error-feedback buffer + pseudo-gradient overflows fp32")
+        return payload
+
+    def unfold(self, payload: bytes, reference: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> None:
+        """Undo the ``fold`` that returned ``payload``, whose round was not applied, with ``reference`` and
+        ``local`` as they were then: e <- (e + sent - (reference - local)) / beta, slice by slice. The buffer is
+        then what it was before the fold up to fp32 rounding (a few ulps), not bit for bit; with beta 0 it is
+        zeroed (nothing of it would survive the next decay). Raises ValueError (buffer unchanged) if ``payload``
+        is not one of our encodings."""
+        lay, cfg = self.layout, self.cfg
+        idx, values = parse(payload, lay.n, cfg)
+        e = self._flat.numpy()
+        if cfg.beta == 0:
+            self.reset()
+            return
+        e[positions(idx, lay, cfg)] += values
+        inverse = np.float32(1.0 / cfg.beta)
+
+        def unfold_slice(job) -> None:
+            out, ref, x = job
+            out -= np.subtract(ref, _host(x))
+            out *= inverse
+
+        thread_map(unfold_slice, self._jobs(e, reference, local))
+
+    def _jobs(self, e: np.ndarray, reference: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> list:
+        """(e's slice, the reference's slice, local's slice) over all tensors, in runs of ``slices``."""
+        jobs, o = [], 0
+        for ref, x in zip(reference, local):
+            r = ref.detach().reshape(-1).numpy()
+            flat = x.detach().reshape(-1)
+            jobs += [(e[o + a:o + b], r[a:b], flat[a:b]) for a, b in slices(len(r))]
+            o += len(r)
+        return jobs
+
+    def _select(self, new: np.ndarray) -> Optional[bytes]:
+        """Encode the padded buffer ``new`` (beta e + delta, zeros after the first n values) in place: top-k of
+        each chunk, quantized, subtracted from ``new``; the payload, or None if a value is not finite."""
+        lay, cfg = self.layout, self.cfg
+        chunk, topk = cfg.chunk, cfg.topk
         header = HEADER.pack(MAGIC, VERSION, cfg.bits, RICE_FLAG if cfg.rice else 0, lay.n, cfg.chunk, cfg.topk)
         if lay.n == 0:
-            return header, e
+            return header
         chunks = new.reshape(lay.nchunks, chunk)
         nfull = lay.nchunks - 1 if lay.last < topk else lay.nchunks  # chunks that send topk values
         idx = np.empty((lay.nchunks, topk), dtype=np.int64)
@@ -157,9 +245,7 @@ class SparseCodec:
         scale = np.empty(lay.nchunks, dtype=np.float32)
         if not _encode(chunks[:nfull], topk, lay.nchunks * chunk - lay.n if nfull == lay.nchunks else 0, cfg.bits,
                        idx[:nfull], codes[:nfull], scale[:nfull]) or not np.isfinite(chunks[nfull:, :lay.last]).all():
-            if not all(bool(torch.isfinite(g).all()) for g in pseudo_gradient):
-                raise ValueError("pseudo-gradient holds non-finite values")
-            raise ValueError("beta x error-feedback buffer + pseudo-gradient overflows fp32")
+            return None
         if nfull < lay.nchunks:  # a last chunk shorter than topk sends all its values (the rest: padding, value 0)
             last = chunks[-1]
             vals = last[:topk].copy()
@@ -174,15 +260,15 @@ class SparseCodec:
         if not cfg.rice:
             out = b"".join((header, scales, pack_bits(idx, cfg.index_bits), pack_bits(codes, cfg.bits)))
             assert len(out) == lay.total
-            return out, e
+            return out
         unary_bits, remainders, unary = rice_streams(idx, lay, cfg)
         out = b"".join((header, UNARY.pack(unary_bits), scales, remainders, unary, pack_bits(codes, cfg.bits)))
         assert len(out) == lay.rice_total(unary_bits)
-        return out, e
+        return out
 
     def commit(self, new_error: torch.Tensor) -> None:
         """Adopt the buffer a ``prepare`` left (its round was applied)."""
-        self._flat.copy_(new_error)
+        self._flat[:self.layout.n].copy_(new_error)
 
     def restore(self, tensors: Sequence[torch.Tensor], whole: bool = False) -> None:
         """e <- e + tensors: return to the buffer what the swarm did not apply of a committed contribution
@@ -200,14 +286,16 @@ class SparseCodec:
             flat = flat / self.cfg.beta
         if not bool(torch.isfinite(flat).all()):
             raise ValueError("tensors to restore hold non-finite values")
-        self._flat.add_(flat)
+        self._flat[:self.layout.n].add_(flat)
 
     def reset(self) -> None:
         """Zero the buffers (e.g. after adopting another trajectory's parameters)."""
         self._flat.zero_()
 
     def state_dict(self) -> dict:
-        return {"error": [t.clone() for t in self.error]}
+        """{"error": the buffers}: views of the live buffers, not copies (a checkpoint is written before the next
+        encode changes them; clone them to keep them longer)."""
+        return {"error": list(self.error)}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Adopt saved buffers; raises ValueError (and keeps ours) if they do not fit or are not finite."""

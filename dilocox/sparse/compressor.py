@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -17,23 +17,25 @@ from dilocox.sparse.wire import SparseConfig, decode, parse, positions
 
 
 class SparseRound:
-    """One round's sparse contribution (``SparseCompressor.begin``): ``payload`` to all-gather, the
-    error-feedback buffer it leaves (adopted by ``SparseCompressor.commit`` if the round is applied)
-    and its figures in ``stats`` (dilocox.compression.RoundStats)."""
+    """One round's sparse contribution (``SparseCompressor.begin`` or ``fold``): ``payload`` to all-gather, the
+    error-feedback buffer it leaves (``new_error``, adopted by ``SparseCompressor.commit`` if the round is applied;
+    None for a folded round, already in the buffer) and its figures in ``stats`` (dilocox.compression.RoundStats).
+    ``folded``: (reference, local) a folded round was computed from, for ``SparseCompressor.abandon``."""
 
     num_phases = 1
 
-    def __init__(self, codec: "SparseCompressor", pseudo_gradient: Sequence[torch.Tensor]):
+    def __init__(self, codec: "SparseCompressor", payload: bytes, new_error: Optional[torch.Tensor],
+                 folded: Optional[tuple] = None):
         from dilocox.compression import RoundStats
 
-        self.codec = codec
-        self.payload, self.new_error = codec.codec.prepare(pseudo_gradient)
+        self.codec, self.payload, self.new_error, self.folded = codec, payload, new_error, folded
+        buffer = new_error if new_error is not None else codec.codec.flat
         # ||M - C(M)|| / ||M|| with M = beta e + delta, without another full copy: M equals the new buffer except at
         # the sent positions, where it is the new buffer plus the sent value
         lay, cfg = codec.codec.layout, codec.codec.cfg
         idx, values = parse(self.payload, lay.n, cfg)
-        left = self.new_error.numpy()[positions(idx, lay, cfg)].astype(np.float64)
-        err2 = float(torch.linalg.vector_norm(self.new_error)) ** 2 if lay.n else 0.0
+        left = buffer.numpy()[positions(idx, lay, cfg)].astype(np.float64)
+        err2 = float(torch.linalg.vector_norm(buffer)) ** 2 if lay.n else 0.0
         m2 = err2 + float(np.sum((left + values) ** 2 - left ** 2))
         self.stats = RoundStats(rank=0, bits=codec.cfg.bits, payload_bytes=len(self.payload),
                                 relative_error=math.sqrt(err2 / m2) if m2 > 0 else 0.0)
@@ -105,10 +107,28 @@ class SparseCompressor(LocalState):
 
     def begin(self, pseudo_gradient: Sequence[torch.Tensor], bounds=None, round_index: int = 1) -> SparseRound:
         """This round's contribution; nothing changes until ``commit``."""
-        return SparseRound(self, pseudo_gradient)
+        return SparseRound(self, *self.codec.prepare(pseudo_gradient))
+
+    def fold(self, reference: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> SparseRound:
+        """This round's contribution from the pseudo-gradient reference - local, folded into the error feedback
+        in place (``SparseCodec.fold``: the payload ``begin`` would give, 8 bytes per value less). The round is
+        then committed already; ``abandon`` undoes it, and needs ``reference`` and ``local`` unchanged until then
+        (a synchronous round: neither theta nor the parameters move before its outer step). Raises ValueError as
+        ``SparseCodec.fold`` does."""
+        return SparseRound(self, self.codec.fold(reference, local), None, folded=(list(reference), list(local)))
 
     def commit(self, rnd: SparseRound) -> None:
-        self.codec.commit(rnd.new_error)
+        """The round was applied: adopt the buffer it leaves (a folded round's is in place already)."""
+        if rnd.new_error is not None:
+            self.codec.commit(rnd.new_error)
+        rnd.folded = None
+
+    def abandon(self, rnd: SparseRound) -> None:
+        """The round was not applied: the buffer stays (a prepared round) or is put back (a folded one,
+        ``SparseCodec.unfold``: up to fp32 rounding). A second call does nothing."""
+        if rnd.folded is not None:
+            self.codec.unfold(rnd.payload, *rnd.folded)
+            rnd.folded = None
 
     def digest(self) -> str:
         c = self.cfg
