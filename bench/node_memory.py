@@ -58,7 +58,17 @@ def run_pair(values: str, step_s: float, inner_steps: int, rounds: int, extra: l
             for n in (a, b):
                 if n.proc.poll() is None:
                     n.terminate()
-        return dict(peak=peak, outcomes=[r["outcome"] for r in a.metrics()])
+        rows = a.metrics()
+        return dict(peak=peak, outcomes=[r["outcome"] for r in rows], phases=phases(rows))
+
+
+PHASES = ("compute_s", "encode_s", "exchange_s", "aggregate_s", "apply_s", "wait_s", "duration_s")
+
+
+def phases(rows: list[dict]) -> dict:
+    """Median seconds per phase over the group rounds after the first (RoundInfo's fields in metrics.jsonl)."""
+    grouped = [r for r in rows if r.get("group_size", 1) > 1][1:]
+    return {k: statistics.median(float(r.get(k, 0.0)) for r in grouped) for k in PHASES} if grouped else {}
 
 
 def main(argv=None) -> int:
@@ -77,7 +87,8 @@ def main(argv=None) -> int:
         n, _ = parse_spec(f"synthetic:{spec}:0")
         got = run_pair(spec, args.step_s, args.inner_steps, args.rounds, extra, args.timeout)
         per = {k: (v - footprint) / n for k, v in got["peak"].items()}
-        rows.append(dict(values=n, spec=spec, peak=got["peak"], bytes_per_value=per, outcomes=got["outcomes"]))
+        rows.append(dict(values=n, spec=spec, peak=got["peak"], bytes_per_value=per, outcomes=got["outcomes"],
+                         phases=got["phases"]))
         print(f"{spec}: peak {', '.join(f'{k} {v / 1e9:.2f} GB' for k, v in got['peak'].items())}; "
               f"{', '.join(f'{k} {v:.1f}' for k, v in per.items())} bytes/value; rounds {got['outcomes']}", flush=True)
     print(f"\nEMULATED workload (synthetic), 2 nodes, H = {args.inner_steps}, {args.rounds} rounds, flags "
@@ -86,6 +97,10 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['spec']} | {' / '.join(f'{v / 1e9:.2f} GB' for v in r['peak'].values())} | "
               f"{statistics.median(r['bytes_per_value'].values()):.1f} |")
+    print("\nnode a, median seconds per group round after the first:\n")
+    print("| values | " + " | ".join(PHASES) + " |\n|---|" + "---|" * len(PHASES))
+    for r in rows:
+        print(f"| {r['spec']} | " + " | ".join(f"{r['phases'].get(k, float('nan')):.2f}" for k in PHASES) + " |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(dict(footprint=footprint, rows=rows, flags=extra), indent=1))

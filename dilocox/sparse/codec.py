@@ -4,6 +4,10 @@ error-feedback buffer (the package docstring's e_r).
 Top-k by threshold per chunk, ties at the threshold to the lowest positions, one cache-sized block of chunks
 at a time, split between threads (the same bits whatever their count); the sent values are quantized per
 chunk (dilocox/sparse/quantizer.py) and packed as dilocox/sparse/wire.py describes.
+
+Two ways in: ``prepare``/``commit`` take a pseudo-gradient and leave the buffer unchanged until the round is
+applied; ``fold``/``unfold`` compute theta - x slice by slice straight into the buffer (no pseudo-gradient, no
+second buffer: the synchronous round's path), with the same payload and buffer bits.
 """
 
 from __future__ import annotations
