@@ -178,7 +178,8 @@ class OuterRounds:
             followed = self.checks.follow(r, reason)
             if followed.outcome == RoundOutcome.RESYNC:
                 return Finished(r, RoundOutcome.RESYNC, reason=reason)
-            p = PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started, checked=Future())
+            p = PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started, checked=Future(),
+                             recompute=self.state.pseudo_gradient)
             p.checked.set_result(followed)  # finish() applies it as it applies any checked round
             return p
         if early is not None and early.index != r:
@@ -188,7 +189,9 @@ class OuterRounds:
         # formed (going solo would leave the others a partial result); it gives up by itself if nobody came
         if action == StartAction.SOLO and early is None:
             self._cancel(early)
-            return PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started)
+            # a folded round (pseudo_gradient None) is not encoded: a solo round applies theta - x, read then
+            return PendingRound(r, pseudo_gradient, None, None, compute_s, losses, started,
+                                recompute=self.state.pseudo_gradient)
         honest = pseudo_gradient
         if self.attack is not None:
             pseudo_gradient = self.attack.pseudo_gradient([g.clone() for g in pseudo_gradient], r)

@@ -920,3 +920,28 @@ def test_a_folded_round_is_not_started_from_parameters_that_are_not_finite(tmp_p
     assert not st.progress_finite()
     done = rounds_for(st, FakeProgress([Peer(peer_id="a", outer_step=0, round=1)])).start(None, 2, 1.0, [2.0])
     assert done.outcome == RoundOutcome.RESYNC and "non-finite" in done.reason
+
+
+def test_a_folded_round_alone_in_the_swarm_applies_theta_minus_x_read_at_its_end(tmp_path):
+    """Nobody else is there: the round is solo before anything is encoded, and applies the whole pseudo-gradient,
+    read from theta and x when it is applied (the error feedback is untouched)."""
+    st = computed_round(tmp_path, compression="sparse")
+    theta0 = [t.clone() for t in st.outer.global_params]
+    delta = st.pseudo_gradient()
+    before = st.compressor.codec.flat.clone()
+    rounds = rounds_for(st, FakeProgress())
+    solo = rounds.start(None, 2, 1.0, [2.0])
+    assert isinstance(solo, PendingRound) and solo.future is None and solo.compression is None
+    done = rounds.finish(solo)
+    assert done.outcome == RoundOutcome.SOLO and st.outer_step == 1
+    assert torch.equal(st.compressor.codec.flat, before)
+    lr = st.outer.lr_at(1)
+    for t0, d, t1 in zip(theta0, delta, st.outer.global_params):  # momentum-free outer SGD: theta -= lr delta
+        torch.testing.assert_close(t1, t0 - lr * d)
+    assert params_digest([p.detach() for p in st.params]) == st.digest
+
+
+def test_a_folded_round_others_already_completed_follows_them_without_a_pseudo_gradient(tmp_path):
+    st = computed_round(tmp_path, compression="sparse")
+    late = rounds_for(st, FakeProgress([Peer(outer_step=2, round=3)])).start(None, 2, 1.0, [])
+    assert late.outcome == RoundOutcome.RESYNC and "already completed" in late.reason
