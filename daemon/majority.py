@@ -104,7 +104,7 @@ class MajorityUpdate:
         outsized contribution (served with our result; a union is outsized if one of its groups was)."""
         uniting = result is not None and self.fetch_result is not None and self.offer_result is not None
         if uniting:  # before anyone can ask: the other groups fetch it if the round has no majority
-            self.offer_result(index, AppliedUpdate(index, parent_digest, params_digest(result), holders, list(result),
+            self.offer_result(index, AppliedUpdate(index, parent_digest, params_digest(result), holders, result,
                                                    outsized))
         deadline = time.monotonic() + self.wait_s
         reason = ""

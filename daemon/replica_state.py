@@ -269,8 +269,8 @@ class ReplicaState:
         from it). ``on_applied`` gets the update, for joiners that missed it (dilocox/catchup.py)."""
         parent = self.digest
         with self._theta_lock:
-            if averaged is not None:
-                self.schedule.update_theta(list(averaged), group_size, outer_step=index)
+            if averaged is not None:  # read tensor by tensor: a sparse aggregate is never made dense whole
+                self.schedule.update_theta(averaged, group_size, outer_step=index)
                 if self.control is not None:  # c from the aggregate every member holds: no channel of its own
                     self.control.derive_c_from_aggregate(list(averaged), self.lr_sum(index), 1, 1)
             if self.control is not None:  # --scaffold-reset-every, --scaffold-reset-quiet
@@ -282,9 +282,7 @@ class ReplicaState:
                                 restart.value)
             self.outer_step, self.digest = index, params_digest(self.outer.global_params)
         self.snapshot()
-        self.on_applied(AppliedUpdate(index, parent, self.digest, max(1, group_size),
-                                      None if averaged is None else [a.to("cpu", torch.float32) for a in averaged],
-                                      outsized))
+        self.on_applied(AppliedUpdate(index, parent, self.digest, max(1, group_size), averaged, outsized))
 
     # ------------------------------------------------------------------ state transfer
     def snapshot(self) -> None:

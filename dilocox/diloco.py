@@ -267,11 +267,21 @@ class OuterOptimizer:
         return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, local_params)]
 
     @torch.no_grad()
-    def step(self, averaged_pseudo_gradient: list[torch.Tensor], outer_step: Optional[int] = None) -> None:
+    def step(self, averaged_pseudo_gradient: Sequence[torch.Tensor], outer_step: Optional[int] = None) -> None:
         """theta_t = outer_optimizer(theta_{t-1}, Delta_t) (DiLoCo step 4); ``outer_step`` t sets the
-        learning rate to ``lr_at(t)`` first (None: the last one set)."""
+        learning rate to ``lr_at(t)`` first (None: the last one set). ``averaged_pseudo_gradient``: tensors of
+        theta's shapes, or a sequence that yields them one at a time (dilocox.sparse.SparseAggregate).
+
+        Momentum-free SGD (the sparse default) applies each tensor as it is read, theta_i.add_(g_i, alpha=-lr):
+        what torch's SGD does for CPU tensors without momentum (optim/sgd.py ``_single_tensor_sgd``), the same
+        bits, without holding every tensor's gradient at once."""
         if outer_step is not None:
             self.outer_optimizer.param_groups[0]["lr"] = self.lr_at(outer_step)
+        group = self.outer_optimizer.param_groups[0]
+        if not self.has_momentum and group["weight_decay"] == 0 and not group["maximize"]:
+            for p, g in zip(self.global_params, averaged_pseudo_gradient):
+                p.add_(g.to(torch.float32), alpha=-group["lr"])
+            return
         # torch's SGD adds the momentum into the gradient in place with Nesterov on its foreach path (optim/sgd.py,
         # _multi_tensor_sgd): only then is a copy needed to leave the caller's aggregate as it was
         nesterov = self.outer_optimizer.param_groups[0]["nesterov"]

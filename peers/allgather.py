@@ -46,7 +46,7 @@ from dilocox.peers.deadlines import LinkSnapshot, group_download_deadline
 from dilocox.peers.transport import Hooks, RoundInput, Screen, matchmaking_schedule
 
 from dilocox.consensus import canonical_digest
-from dilocox.sparse.aggregate import aggregate_scaled
+from dilocox.sparse.aggregate import aggregate_sparse
 from dilocox.sparse.compressor import SparseRound
 
 logger = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class AllGatherTransport:
         weights = {p: metas[p].weight for p in got}
         shapes = rnd.codec.shapes
         try:
-            mean, rejected, scaled = aggregate_scaled(got, weights, shapes, rnd.codec.cfg, rule=rule,
+            mean, rejected, scaled = aggregate_sparse(got, weights, shapes, rnd.codec.cfg, rule=rule,
                                                       norm_bound=norm_bound)
         except ValueError as e:
             _log_drops(round_index, dropped)  # why nothing was left, ours included

@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pydantic.v1 as pydantic
 import torch
@@ -108,7 +108,7 @@ class RoundResult:
     fetched); ``sent_since()`` adds what went under the round's keys after that (group-mates that fetched our
     payload or result later), read when the round is recorded (daemon/rounds.py)."""
 
-    tensors: List[torch.Tensor]      # the averaged, decompressed pseudo-gradient
+    tensors: Sequence[torch.Tensor]  # the averaged pseudo-gradient: dense tensors, or a SparseAggregate reading as them
     gathered: Dict[str, Optional[RoundGather]]  # peer_id -> metadata of phase 1 (None if malformed)
     payload_bytes: int               # our encoded contribution, all phases (what one reducer would receive)
     bytes_sent: int

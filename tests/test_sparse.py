@@ -588,3 +588,59 @@ def test_fold_refuses_what_does_not_fit_and_zeroes_the_buffer_after_a_non_finite
     assert not codec.flat.any()  # half-updated: zeroed, not left half one round's
     with pytest.raises(ContributionError):
         codec.unfold(b"not a payload", theta, theta)
+
+
+def test_a_sparse_aggregate_reads_as_the_dense_one_tensor_by_tensor():
+    """The group's aggregate is kept as (sorted positions, values); read tensor by tensor it gives the dense
+    aggregate's bits, positions crossing tensor boundaries included, and the outer step applied from it gives
+    the dense step's theta bit for bit while holding one dense tensor at a time (numpy allocations traced)."""
+    import tracemalloc
+
+    from dilocox.diloco import OuterOptimizer
+    from dilocox.sparse import SparseAggregate
+
+    shapes = [(300, 400), (7,), (1000, 130), (5,)]
+    n = sum(math.prod(s) for s in shapes)
+    rng = np.random.default_rng(3)
+    support = np.sort(rng.choice(n, size=n // 20, replace=False)).astype(np.int64)
+    support = np.union1d(support, [0, 120_000 - 1, 120_000, 120_006, 120_007, n - 1]).astype(np.int64)
+    values = rng.standard_normal(len(support)).astype(np.float32)
+    values[3] = -0.0
+    agg = SparseAggregate(support, values, shapes)
+    dense = np.zeros(n, dtype=np.float32)
+    dense[support] = values
+    assert len(agg) == 4 and [tuple(t.shape) for t in agg] == shapes
+    flat = torch.cat([t.reshape(-1) for t in agg])
+    assert torch.equal(flat.view(torch.int32), torch.from_numpy(dense).view(torch.int32))
+    assert torch.equal(agg[-1], agg[3]) and len(agg[1:3]) == 2 and agg.nbytes == 12 * len(support)
+    with pytest.raises(IndexError):
+        agg[4]
+    theta = randn(shapes, 9)
+    sparse_step = OuterOptimizer(theta, outer_lr=2.5, outer_momentum=0.0, nesterov=False)
+    dense_step = OuterOptimizer(theta, outer_lr=2.5, outer_momentum=0.0, nesterov=False)
+    dense_step.step(list(agg), 1)
+    tracemalloc.start()
+    sparse_step.step(agg, 1)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+               for a, b in zip(sparse_step.global_params, dense_step.global_params))
+    assert peak < 1.5 * 4 * max(math.prod(s) for s in shapes) < 4 * n  # one tensor at a time, not all of them
+
+
+def test_the_momentum_free_outer_step_has_torch_sgds_bits():
+    from dilocox.diloco import OuterOptimizer
+
+    shapes = [(1000, 37), (4097,)]
+    theta = randn(shapes, 4)
+    ours = OuterOptimizer(theta, outer_lr=2.5, outer_momentum=0.0, nesterov=False, outer_lr_final=4.5, ramp_steps=3)
+    ref = [t.clone() for t in theta]
+    sgd = torch.optim.SGD(ref, lr=2.5, momentum=0.0)
+    for step in (1, 2, 3):
+        grads = [1e-3 * g for g in randn(shapes, 40 + step)]
+        ours.step(grads, step)
+        sgd.param_groups[0]["lr"] = ours.lr_at(step)
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        sgd.step()
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(ours.global_params, ref))

@@ -52,7 +52,7 @@ same bits. ``python -m bench.codec_speed`` times this against an older version a
 the outputs to compare between machines.
 """
 
-from dilocox.sparse.aggregate import aggregate, aggregate_scaled, union
+from dilocox.sparse.aggregate import SparseAggregate, aggregate, aggregate_scaled, aggregate_sparse, union
 from dilocox.sparse.codec import SparseCodec
 from dilocox.sparse.compressor import LocalState, SparseCompressor, SparseRound
 from dilocox.sparse.quantizer import decode_rows, encode_rows, quantize_rows
@@ -82,6 +82,7 @@ from dilocox.sparse.wire import (
 
 __all__ = ["HEADER", "HEADER_BYTES", "MAGIC", "RICE_FLAG", "SCALE_BYTES", "SUPPORTED_BITS", "UNARY", "VERSION",
            "ContributionError", "Layout", "LocalState", "SparseCodec", "SparseCompressor", "SparseConfig",
-           "SparseRound", "aggregate", "aggregate_scaled", "decode", "decode_positions", "decode_rows",
+           "SparseAggregate", "SparseRound", "aggregate", "aggregate_scaled", "aggregate_sparse", "decode",
+           "decode_positions", "decode_rows",
            "encode_positions", "encode_rows", "layout", "pack_bits", "parse", "payload_bytes", "positions",
            "quantize_rows", "sent_positions", "union", "unpack_bits"]
