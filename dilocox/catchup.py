@@ -26,10 +26,12 @@ import math
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from dilocox.diloco import OuterOptimizer, params_digest
 from dilocox.scaffold import ControlVariates
+from dilocox.sparse.aggregate import SparseAggregate
 
 FORMAT = 1
 HEADER_BYTES = 64 * 1024  # bound on everything of an encoded update that is not tensor data
@@ -53,7 +55,7 @@ class AppliedUpdate:
     parent_digest: str
     digest: str
     group_size: int
-    aggregate: Optional[list[torch.Tensor]]
+    aggregate: Optional[Sequence[torch.Tensor]]  # dense tensors, or a SparseAggregate reading as them
     outsized: bool = False
 
 
@@ -71,9 +73,18 @@ def encode(update: AppliedUpdate) -> bytes:
 
 
 def write(update: AppliedUpdate, f: BinaryIO) -> None:
-    """``encode(update)``'s bytes written to the binary file ``f`` (no copy of them held in memory)."""
+    """``encode(update)``'s bytes written to the binary file ``f`` (no copy of them held in memory). A
+    SparseAggregate is written from its positions and values (a +0.0 among them is kept: it decodes the same)."""
     parts = None
-    if update.aggregate is not None:
+    if isinstance(update.aggregate, SparseAggregate):  # its positions are known: no dense tensor, no scan
+        parts = []
+        for i, shape in enumerate(update.aggregate.shapes):
+            idx, values = update.aggregate.part(i)
+            if 2 * len(idx) < math.prod(shape):
+                parts.append(dict(indices=torch.from_numpy(idx.astype(np.int32)), values=torch.from_numpy(values)))
+            else:
+                parts.append(dict(dense=update.aggregate[i].reshape(-1)))
+    elif update.aggregate is not None:
         parts = []
         for t in update.aggregate:
             flat = t.detach().to("cpu", torch.float32).reshape(-1)

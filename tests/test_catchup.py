@@ -337,3 +337,25 @@ def test_a_pending_quiet_restart_survives_a_checkpoint_file(tmp_path):
         s.apply_outer(aggregate(st, 2), 2, group_size=2)
         s.apply_outer(aggregate(st, 3), 3, group_size=2)
     assert fresh.start_digest() == st.start_digest() and all(float(c.abs().sum()) == 0 for c in st.control.c)
+
+
+def test_a_sparse_aggregate_is_written_from_its_positions_and_decodes_to_the_dense_bits():
+    """The daemon's applied updates are SparseAggregates: written from their positions (a +0.0 among the values
+    included), they decode to what the dense aggregate decodes to, bit for bit, at a fraction of theta's bytes."""
+    import numpy as np
+
+    from dilocox.sparse import SparseAggregate
+
+    shapes = [(200, 300), (10,), (5000,)]
+    n = 65_010
+    rng = np.random.default_rng(2)
+    support = np.sort(rng.choice(n, size=3000, replace=False)).astype(np.int64)
+    support = np.union1d(support, np.arange(60_000, 60_010)).astype(np.int64)  # all of the 10-value tensor
+    values = rng.standard_normal(len(support)).astype(np.float32)
+    values[:2] = [0.0, -0.0]
+    agg = SparseAggregate(support, values, shapes)
+    sparse, dense = (AppliedUpdate(3, "a" * 16, "b" * 16, 2, a) for a in (agg, list(agg)))
+    got, want = decode(encode(sparse), shapes), decode(encode(dense), shapes)
+    assert all(torch.equal(g.view(torch.int32), w.view(torch.int32)) for g, w in zip(got.aggregate, want.aggregate))
+    assert all(torch.equal(g.view(torch.int32), a.view(torch.int32)) for g, a in zip(got.aggregate, agg))
+    assert len(encode(sparse)) < 4 * n / 4

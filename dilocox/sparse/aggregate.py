@@ -48,6 +48,11 @@ class SparseAggregate(Sequence[torch.Tensor]):
         out[self.support[a:b] - self._offsets[i]] = self.values[a:b]
         return torch.from_numpy(out).view(self.shapes[i])
 
+    def part(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tensor i's (flat positions within it, int64 ascending; its values there), views where they can be."""
+        a, b = self._bounds[i], self._bounds[i + 1]
+        return self.support[a:b] - self._offsets[i], self.values[a:b]
+
     @property
     def nbytes(self) -> int:
         """Bytes held (positions and values)."""
