@@ -114,7 +114,7 @@ class RoundChecks:
         if self.majority is not None:  # one update per round, even where matchmaking split it
             _, holders = canonical_digest(results)
             settled = self.majority.resolve(p.index, set(starts), len(holders), self.state.digest, result.tensors,
-                                            len(result.inputs), self.state.outsized(result.scales))
+                                            len(result.inputs), self.state.outsized(result.scales), result_digest)
             if settled.standing in (Standing.ADOPT, Standing.UNION) and settled.update is None:
                 if self.leave_requested.is_set():  # leaving: nothing to re-sync for; the checkpoint keeps r - 1
                     return Checked(RoundOutcome.CANCELLED)

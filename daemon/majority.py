@@ -96,16 +96,18 @@ class MajorityUpdate:
         self._roster: dict[str, tuple[object, float]] = {}
 
     def resolve(self, index: int, group: set[str], holders: int, parent_digest: str,
-                result: Optional[Sequence[torch.Tensor]] = None, weight: int = 0, outsized: bool = False) -> Resolution:
+                result: Optional[Sequence[torch.Tensor]] = None, weight: int = 0, outsized: bool = False,
+                result_digest: Optional[str] = None) -> Resolution:
         """Round ``index``: ``group`` is our group's peer_ids (ours included), ``holders`` how many of them
         hold our result ``result`` (the group's aggregate; None: this member cannot unite), ``parent_digest``
         our theta's digest at outer step index - 1; ``weight``: the contributions in our result (the inputs
         our record lists; 0: ``holders``), our group's weight in a union; ``outsized``: our group's round had an
-        outsized contribution (served with our result; a union is outsized if one of its groups was)."""
+        outsized contribution (served with our result; a union is outsized if one of its groups was);
+        ``result_digest``: ``params_digest(result)`` where the caller has it already (a pass over the aggregate)."""
         uniting = result is not None and self.fetch_result is not None and self.offer_result is not None
         if uniting:  # before anyone can ask: the other groups fetch it if the round has no majority
-            self.offer_result(index, AppliedUpdate(index, parent_digest, params_digest(result), holders, result,
-                                                   outsized))
+            digest = result_digest or params_digest(result)
+            self.offer_result(index, AppliedUpdate(index, parent_digest, digest, holders, result, outsized))
         deadline = time.monotonic() + self.wait_s
         reason = ""
         seen, seen_since = None, 0.0  # the union's groups at the last poll, and since when unchanged
