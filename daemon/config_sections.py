@@ -316,6 +316,10 @@ class OuterSection(Section):
         "local", description="overlapped rounds: while a round's update is in flight, start the next round from "
                              "theta advanced by our own contribution (local: a lookahead the merge undoes, "
                              "measured in docs/algorithms.md) or from where the last round ended (none)")
+    max_delay_steps: Optional[int] = Field(
+        None, ge=0, description="adaptive: the most inner steps of the next round by which a round's update may join "
+                                "late; at that step the node waits for the exchange (none: a tenth of inner_steps, "
+                                "at least 1, where the measured quality held; more for links that need it)")
     overlap_wait: float = Field(0.05, ge=0, le=1,
                                 description="adaptive: at a round's end, wait for its exchange up to this fraction of "
                                             "the round's compute time; if it lands in time the next round starts "

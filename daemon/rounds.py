@@ -115,6 +115,9 @@ class OuterRounds:
         self.audits = audits
         self.delayed = cfg.overlap != "none"  # overlapped: round r's exchange runs while round r + 1 computes
         self.merge_early = cfg.overlap == "adaptive" and cfg.num_stages == 1  # merge as soon as it is in
+        # adaptive: the most inner steps of the next round an update may be late by (tau <= H/10 held the quality
+        # rows, docs/algorithms.md); beyond it the node waits for the exchange
+        self.max_delay_steps = cfg.max_delay_steps if cfg.max_delay_steps is not None else max(1, cfg.inner_steps // 10)
         self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")  # exchanges run here
         self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")  # adaptive: checks
         self.pending: Optional[PendingRound] = None  # delayed overlap: the all-reduce in flight
@@ -312,13 +315,21 @@ class OuterRounds:
         self.state.begin_round()
 
     def overlap_budget_s(self, round_compute_s: float, wait_fraction: float) -> float:
-        """Adaptive overlap: how long the round's end waits for its exchange. ``wait_fraction`` of the round's
-        compute (an exchange that short costs little utilization and buys a synchronous round); all of it
-        (inf) when the recent exchanges took longer than a whole round's compute: overlap could not hide them
-        and would still cost a full round of delay in quality (docs/algorithms.md, "Overlapped rounds")."""
-        if self.exchange_s is not None and self.exchange_s >= round_compute_s:
+        """Adaptive overlap: how long the round's end waits for its exchange, from the recent exchanges' length E
+        (the longest of the last EXCHANGE_WINDOW, seconds from the end of the inner steps to the result):
+        - nothing measured yet: ``wait_fraction`` of the round's compute;
+        - E within that fraction: the fraction (the exchange should land in it, for a synchronous round at a
+          utilization cost of at most the fraction);
+        - E longer than the fraction but shorter than the round's compute: 0, no wait that would only be lost
+          (the exchange overlaps the next round, whose delay ``max_delay_steps`` bounds);
+        - E at least a whole round's compute: all of it (inf): overlap could not hide it and would still cost a
+          round of delay in quality (docs/algorithms.md, "Overlapped rounds")."""
+        budget = wait_fraction * round_compute_s
+        if self.exchange_s is None:
+            return budget
+        if self.exchange_s >= round_compute_s:
             return float("inf")
-        return wait_fraction * round_compute_s
+        return budget if self.exchange_s <= budget else 0.0
 
     def wait_briefly(self, budget_s: float) -> bool:
         """Adaptive overlap, between a round's end and the next round's first inner step: wait up to ``budget_s``
@@ -327,14 +338,23 @@ class OuterRounds:
         p = self.pending
         if p is None or not self.merge_early or budget_s <= 0:
             return False
+        if not self._wait_landed(p, budget_s):
+            return False
+        return self.finish_early(0)
+
+    def _wait_landed(self, p: PendingRound, budget_s: float) -> bool:
+        """Wait up to ``budget_s`` for round p's exchange (and its check) to be done, adding the time to
+        ``p.waited_s``; False if a leave request ended the wait."""
         began, deadline = time.monotonic(), time.monotonic() + budget_s
         waiting = p.checked or p.future
-        while waiting is not None and not waiting.done() and time.monotonic() < deadline:
-            if self.leave_requested.is_set():
-                return False
-            time.sleep(0.005)
-        p.waited_s = time.monotonic() - began
-        return self.finish_early(0)
+        try:
+            while waiting is not None and not waiting.done() and time.monotonic() < deadline:
+                if self.leave_requested.is_set():
+                    return False
+                time.sleep(0.005)
+            return True
+        finally:
+            p.waited_s += time.monotonic() - began
 
     def take_pending(self) -> Optional[PendingRound]:
         p, self.pending = self.pending, None
@@ -350,9 +370,14 @@ class OuterRounds:
     def finish_early(self, inner_step: int) -> bool:
         """Overlapped rounds, between inner steps: once the pending round's exchange is in (or it was solo),
         check it and update theta now rather than at the round's end; ``adaptive`` also merges it into the
-        local parameters now (dilocox/overlap.py), ``inner_step`` steps into the round. Tried once per round;
-        a round that needs a re-sync is left to the round's end. True if theta was updated."""
+        local parameters now (dilocox/overlap.py), ``inner_step`` steps into the round, and waits for an exchange
+        still out once ``inner_step`` reaches ``max_delay_steps`` (the delay's cap: beyond it the quality rows
+        do not hold). Tried once per round; a round that needs a re-sync is left to the round's end. True if
+        theta was updated."""
         p = self.pending
+        if p is not None and self.merge_early and not p.early_tried and inner_step >= self.max_delay_steps:
+            if not self._wait_landed(p, float("inf")):
+                return False
         if p is None or p.early_tried or (p.future is not None and (
                 not p.future.done() or isinstance(p.future.exception(), RoundCancelled))) or (
                 p.checked is not None and not p.checked.done()):

@@ -328,12 +328,14 @@ def test_held_rounds_start_from_a_lookahead_by_our_own_share(tmp_path):
 
 
 def test_adaptive_waits_for_exchanges_a_round_cannot_hide(state):
-    """overlap_budget_s: a short wait (the fraction of the round's compute) while exchanges fit in a round; the
-    whole exchange once the recent ones took longer than a round's compute (overlap could not hide them)."""
+    """overlap_budget_s, from the recent exchanges' length: the fraction of the round's compute while they fit in
+    it (a synchronous round for a short wait); no wait where they are longer (it would only be lost: the exchange
+    overlaps); the whole exchange once they took longer than a round's compute (overlap could not hide them)."""
     rounds = rounds_for(state, FakeProgress(), overlap="adaptive")
     assert rounds.overlap_budget_s(10.0, 0.05) == pytest.approx(0.5)  # nothing measured yet
-    for exchange_s, expected in ((2.0, 0.5), (12.0, float("inf")), (1.0, float("inf")), (1.0, float("inf")),
-                                 (1.0, 0.5)):  # the longest of the last three decides
+    for exchange_s, expected in ((0.3, 0.5), (2.0, 0.0), (12.0, float("inf")), (1.0, float("inf")),
+                                 (1.0, float("inf")), (1.0, 0.0), (0.4, 0.0), (0.4, 0.0), (0.4, 0.5)):
+        # the longest of the last three decides
         rounds.observe_exchange(exchange_s)
         assert rounds.overlap_budget_s(10.0, 0.05) == expected, (exchange_s, rounds.exchange_s)
 
@@ -945,3 +947,23 @@ def test_a_folded_round_others_already_completed_follows_them_without_a_pseudo_g
     st = computed_round(tmp_path, compression="sparse")
     late = rounds_for(st, FakeProgress([Peer(outer_step=2, round=3)])).start(None, 2, 1.0, [])
     assert late.outcome == RoundOutcome.RESYNC and "already completed" in late.reason
+
+
+def test_adaptive_waits_at_the_delay_cap_for_an_exchange_still_out(tmp_path):
+    """--max-delay-steps (default H/10): below the cap an update still out is left to overlap; at the cap the node
+    waits for it, then applies and merges it there, so no round's update joins more than the cap late."""
+    state = computed_round(tmp_path, inner_steps=20, overlap="adaptive")
+    rounds = rounds_for(state, FakeProgress(), overlap="adaptive")
+    assert rounds.max_delay_steps == 2  # 20 // 10
+    p = pending(state, None)
+    result = p.future.result()
+    digest = params_digest(result.tensors)
+    rounds.progress.results = {"a": digest, "b": digest}
+    p.future = Future()
+    rounds.hold(p)
+    assert not rounds.finish_early(1) and state.outer_step == 0  # under the cap: not waited for
+    threading.Timer(0.3, p.future.set_result, (result,)).start()
+    began = time.monotonic()
+    assert rounds.finish_early(2) and state.outer_step == 1  # at the cap: waited for, applied and merged
+    assert 0.2 < time.monotonic() - began < 5 and p.merged_at == 2 and p.waited_s >= 0.2
+    assert rounds_for(state, FakeProgress(), overlap="adaptive", max_delay_steps=7).max_delay_steps == 7
