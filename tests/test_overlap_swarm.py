@@ -25,9 +25,9 @@ def _stop(nodes) -> None:
 
 @pytest.mark.swarm  # 54 s: in the swarm suite, to keep `make test` within its 12 minutes
 def test_adaptive_overlap_with_a_sign_flipper_and_a_joiner(tmp_path):
-    # the tiny model's rounds (40 steps, ~1 s of compute per node here) are shorter than the exchange (matchmaking
-    # alone takes 2 s): overlap could not hide it, so once that is measured a round's end waits for its update
-    # (tau = 0, a synchronous round) instead of paying a full round of delay
+    # the tiny model's rounds (40 steps, ~1 s of compute per node here) are about as long as the exchange: the
+    # update joins by the delay's cap (--max-delay-steps, default 40 // 10 = 4 inner steps, where the node waits for
+    # it) or, once exchanges longer than a round's compute are measured, at the round's start (tau = 0)
     args = ADAPTIVE + ["--run-id", "adaptive", "--min-replicas", "3", "--inner-steps", "40"]
     a = start(tmp_path, "a", args)
     b = start(tmp_path, "b", args + ["--join", a.join_maddr])
@@ -42,9 +42,8 @@ def test_adaptive_overlap_with_a_sign_flipper_and_a_joiner(tmp_path):
         for n in (a, b):
             rows = [r for r in n.metrics() if r["outcome"] == "applied"]
             assert all(r["overlap"] == "adaptive" and 0 <= r["overlap_steps"] <= 40 for r in rows), rows
-            # the first rounds measure the exchange (in CI, with exchanges of 0.2-0.9 s at first, b's taus were 8, 29,
-            # 40, then 0): judged from the third applied round on
-            assert sum(r["overlap_steps"] == 0 for r in rows[2:]) >= len(rows[2:]) / 2, rows
+            # a round that needs a re-sync is left to the round's end (tau = 40); the others join by the cap
+            assert sum(r["overlap_steps"] <= 4 for r in rows) >= len(rows) - 1, [r["overlap_steps"] for r in rows]
             assert all(r["exchange_s"] > 0 and r["encode_s"] > 0 and r["apply_s"] > 0 for r in rows), rows
             assert f"contribution of {flipper} scaled by" in n.err_path.read_text()  # norm bound + CenteredClip
         c = start(tmp_path, "c", args + ["--join", a.join_maddr])
@@ -69,10 +68,13 @@ def test_adaptive_overlap_with_a_sign_flipper_and_a_joiner(tmp_path):
 @pytest.mark.swarm
 def test_the_delay_follows_the_link(tmp_path):
     """An emulated model whose rounds (30 steps of 0.1 s) outlast the exchange on loopback: with no wait at the
-    round's end (--overlap-wait 0) the update joins the local parameters part-way through the next round
-    (0 < tau < H: once the exchange and its check are done), and the round's end does not wait."""
+    round's end (--overlap-wait 0) and the delay's cap lifted (--max-delay-steps 29) the update joins the local
+    parameters part-way through the next round (0 < tau < H: once the exchange and its check are done), and the
+    round's end does not wait. The exception is documented behaviour: after an exchange as long as a round's
+    compute (a loaded CI machine), the next round's end waits for its exchange (tau = 0)."""
     args = FAST + ["--overlap", "adaptive", "--overlap-wait", "0", "--run-id", "follows", "--min-replicas", "2",
-                   "--inner-steps", "30", "--workload", "synthetic:200k:0.1", "--eval-every", "100"]
+                   "--inner-steps", "30", "--workload", "synthetic:200k:0.1", "--eval-every", "100",
+                   "--max-delay-steps", "29"]
     a = start(tmp_path, "a", args)
     b = start(tmp_path, "b", args + ["--join", a.join_maddr])
     try:
@@ -82,7 +84,9 @@ def test_the_delay_follows_the_link(tmp_path):
         for n in (a, b):
             rows = [r for r in n.metrics() if r["outcome"] == "applied"]
             taus = [r["overlap_steps"] for r in rows]
-            assert all(0 < t < 30 for t in taus), taus
+            long = [max([r["exchange_s"] for r in rows[max(0, i - 3):i]], default=0.0) >= 3.0 for i in range(len(rows))]
+            rows = [r for r, waited in zip(rows, long) if not waited]
+            assert len(rows) >= 2 and all(0 < r["overlap_steps"] < 30 for r in rows), (taus, long)
             # tau follows the exchange's length in steps of 0.1 s (rounded up, plus the step in progress): never
             # before it ends, and after it only as long as the check takes (the group's result reports, asked with
             # --request-timeout 1 s; seen once in CI: 0.07 s of exchange, merged 6 steps in)
