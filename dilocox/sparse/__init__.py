@@ -36,7 +36,8 @@ a published port of its ``TopKCompressor`` and ``SparseLoCo.step``, and in Templ
 
 Modules: ``wire`` (the payload format: config, layout, bit packing, Rice-coded indices, validation and decoding
 of untrusted bytes), ``quantizer`` (the per-chunk values' codes), ``codec`` (top-k with error feedback:
-SparseCodec), ``aggregate`` (the union of the sent positions and the group's weighted or robust aggregate),
+SparseCodec), ``aggregate`` (the union of the sent positions and the group's weighted or robust aggregate, kept sparse:
+SparseAggregate),
 ``compressor`` (the daemon's compressor around the codec) and ``threads`` (work split between threads, the
 same bits whatever their count). This package re-exports their public names.
 
