@@ -45,6 +45,7 @@ def _decay_add(out: np.ndarray, e: np.ndarray, delta: np.ndarray, beta: float) -
         np.multiply(e, np.float32(beta), out=out)
         out += delta
 
+
 def _host(x: torch.Tensor) -> np.ndarray:
     """A slice of the parameters as CPU fp32 numpy (no copy where it already is one)."""
     if x.device.type != "cpu" or x.dtype != torch.float32:
