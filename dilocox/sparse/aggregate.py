@@ -30,9 +30,8 @@ class SparseAggregate(Sequence[torch.Tensor]):
     def __init__(self, support: np.ndarray, values: np.ndarray, shapes: Sequence[Sequence[int]]):
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         self.support, self.values = support, values
-        offsets = np.cumsum([0] + [math.prod(s) for s in self.shapes])
-        self._offsets = offsets
-        self._bounds = np.searchsorted(support, offsets)  # tensor i's positions: support[bounds[i]:bounds[i + 1]]
+        self._offsets = np.cumsum([0] + [math.prod(s) for s in self.shapes])
+        self._bounds = np.searchsorted(support, self._offsets)  # tensor i's positions: support[bounds[i]:bounds[i + 1]]
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -43,9 +42,9 @@ class SparseAggregate(Sequence[torch.Tensor]):
         if not -len(self) <= i < len(self):
             raise IndexError(f"tensor {i} of {len(self)}")
         i %= len(self)
-        a, b = self._bounds[i], self._bounds[i + 1]
         out = np.zeros(self._offsets[i + 1] - self._offsets[i], dtype=np.float32)
-        out[self.support[a:b] - self._offsets[i]] = self.values[a:b]
+        positions, values = self.part(i)
+        out[positions] = values
         return torch.from_numpy(out).view(self.shapes[i])
 
     def part(self, i: int) -> tuple[np.ndarray, np.ndarray]:
