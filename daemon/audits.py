@@ -11,12 +11,14 @@ Per round r, on the training thread:
   come from round r-1's contribution digests (``audit_pairs`` over ``round_randomness``), and if we audit someone,
   the audit thread fetches its S_{r-1} and S_r, recomputes its H inner steps on its data and checks the three links
   (``full_audit``). A lie puts the peer into our ``accusations`` (published in our signed membership record) and
-  excludes it from the contributions we accept.
+  into our exclusion votes (``verified``).
 * ``review(members)``: an accusation another member published is checked by recomputing the same round here. If
-  it holds, the accused is excluded; if not, it counts against the accuser, and STRIKES of those exclude it.
+  it holds, we vote against the accused too; if not, it counts against the accuser, and STRIKES of those make us
+  vote against the accuser.
 
-Exclusion drops the peer's contributions from every later round this node aggregates (``excluded``); a certified
-swarm's operator is asked, in the log, to revoke its certificate. A peer that does not serve its committed state is
+A vote excludes nobody by itself: a round's group drops a peer once most of the group votes against it, on every
+member from the same round (daemon/exclusions.py, dilocox/exclusion.py); a certified swarm's operator is asked, in
+the log, to revoke its certificate. A peer that does not serve its committed state is
 logged and counted, not accused: a broken link looks the same (docs/security.md, "Audits").
 """
 
@@ -113,7 +115,8 @@ class Audits:
         self._strikes: Counter = Counter()
         self._lock = threading.Lock()
         self.accusations: dict[str, int] = {}   # accused peer_id -> round we found it lied in (published)
-        self._excluded: dict[str, str] = {}     # peer_id -> why its contributions are no longer accepted
+        self._excluded: dict[str, str] = {}     # peer_id -> why we vote to exclude it (``verified``)
+        self._found: dict[str, int] = {}        # peer_id -> the round its lie was in (for a slanderer: its accusation)
         self.outcomes: Counter = Counter()      # AuditOutcome -> audits done here (ours and verifications)
         # one audit at a time, on a daemon thread: a recomputation in flight never holds up the process's exit
         self._jobs: queue.Queue = queue.Queue()
@@ -194,12 +197,17 @@ class Audits:
                     self._jobs.put((kept[-1], accused, None))
 
     def excluded(self, peer_id: str) -> Optional[str]:
-        """Why ``peer_id``'s contributions are no longer accepted, or None."""
+        """Why we vote to exclude ``peer_id``, or None."""
         return self._excluded.get(peer_id)
 
+    def verified(self) -> dict[str, int]:
+        """Our exclusion votes: peer_id -> the round in which it lied, as found or checked here (any thread)."""
+        with self._lock:
+            return dict(self._found)
+
     def summary(self) -> dict:
-        """For metrics.jsonl: peers excluded by audits, our accusations, and audits done here by outcome."""
-        return dict(audit_excluded=sorted(self._excluded), audit_accusations=dict(self.accusations),
+        """For metrics.jsonl: peers we vote to exclude, our accusations, and audits done here by outcome."""
+        return dict(audit_votes=sorted(self._excluded), audit_accusations=dict(self.accusations),
                     audit_outcomes={o.value: n for o, n in self.outcomes.items()})
 
     def wait_idle(self, timeout_s: float) -> bool:
@@ -236,21 +244,22 @@ class Audits:
         if outcome == AuditOutcome.LIED:
             self._judged.add((peer, r))
             self.accusations[peer] = r
-            self._exclude(peer, f"its round {r} does not match its recomputation ({stats})")
+            self._exclude(peer, r, f"its round {r} does not match its recomputation ({stats})")
         elif outcome == AuditOutcome.HONEST and accuser is not None:
             self._strikes[accuser] += 1
             logger.warning("audit: %s holds up on recomputation (%s): the accusation counts against %s (%d of %d)",
                            what, stats, accuser, self._strikes[accuser], STRIKES)
             if self._strikes[accuser] >= STRIKES:
-                self._exclude(accuser, f"{STRIKES} of its accusations did not hold up")
+                self._exclude(accuser, r, f"{STRIKES} of its accusations did not hold up")
         else:
             logger.info("audit of %s: %s %s", what, outcome.value, stats)
 
-    def _exclude(self, peer: str, why: str) -> None:
+    def _exclude(self, peer: str, r: int, why: str) -> None:
         if peer in self._excluded:
             return
-        self._excluded[peer] = why
-        logger.warning("audit: excluding %s from later rounds: %s", peer, why)
+        with self._lock:
+            self._excluded[peer], self._found[peer] = why, r
+        logger.warning("audit: voting to exclude %s from later rounds: %s", peer, why)
         if self.cfg.authority:
             logger.warning("audit: the swarm authority's operator should revoke the certificate of %s", peer)
 

@@ -70,6 +70,7 @@ class RoundChecks:
                 return self.follow(p.index, f"round {p.index} went on without us ({e})")
             logger.warning("round %d: %s; applying our own pseudo-gradient", p.index, e)
             return Checked(RoundOutcome.APPLIED_ALONE)
+        self.exclusions.group_decided(p.index, result.excluded)  # the same on every member of the group
         self.deadlines.observe_group(p.compute_s, [g.compute_s for g in result.gathered.values() if g])
         starts = {q: g.start_digest for q, g in result.gathered.items()
                   if g is not None and g.outer_step == p.index - 1}

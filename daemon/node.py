@@ -282,8 +282,9 @@ class Node:
         self.transfer.attach(self.averagers[sizes[0]], self.updates, self.results, ahead=self.ahead is not None,
                              link=self.contributions.link if self.contributions else None)
         self.state.on_snapshot = self.transfer.published
-        self.exclusions = Exclusions(lambda: self.state.round, self.audits.excluded if self.audits else None,
+        self.exclusions = Exclusions(lambda: self.state.round, self.audits.verified if self.audits else None,
                                      self.contributions.admitted if self.contributions is not None else None)
+        self.progress.ignore(self.exclusions.excluded)  # an excluded peer's records count for nothing here
         self.rounds = OuterRounds(cfg, self.state, self.progress, self._make_transport(sizes), self.leave_requested,
                                   self.deadlines, self.exclusions, self.contributions, self.attack,
                                   fetch_update=self.transfer.fetch_update if self.updates is not None else None,
@@ -793,7 +794,7 @@ class Node:
                       loss=sum(losses) / len(losses), tokens_total=s.tokens_total,
                       tokens_per_second=s.tokens_per_second, overlap=self.cfg.overlap,
                       compute_utilization=utilization, device_peak_bytes=_device_peak_bytes(), time=time.time(),
-                      membership=self.swarm.traffic(),
+                      membership=self.swarm.traffic(), excluded=self.exclusions.ledger(),
                       **(self.audits.summary() if self.audits else {}))
         logger.info("round %s", json.dumps(record, sort_keys=True))
         if self._metrics:

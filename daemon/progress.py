@@ -63,6 +63,12 @@ class ProgressTracker:
         self._unstored = 0  # heartbeats in a row whose record no DHT peer (nor our own storage) took
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ignored: Callable[[str], Optional[str]] = lambda peer_id: None
+
+    def ignore(self, excluded: Callable[[str], Optional[str]]) -> None:
+        """Leave out of ``others`` every member for which ``excluded(peer_id)`` gives a reason (a peer its group
+        excluded: daemon/exclusions.py), so that no decision made from the records counts it."""
+        self._ignored = excluded
 
     @property
     def peer_id(self) -> str:
@@ -151,9 +157,11 @@ class ProgressTracker:
         return [m for m, _ in self.swarm.members(max_age_s, caller=reader(), since=since)]
 
     def others(self, max_age_s: float = 1.0, since: Optional[float] = None) -> List[MemberRecord]:
-        """Other live members holding our stage (of other replicas): the ones we average with (``members``)."""
+        """Other live members holding our stage (of other replicas): the ones we average with (``members``), less
+        those excluded (``ignore``)."""
         return [m for m in self.members(max_age_s, since) if m.peer_id != self.peer_id
-                and m.stage_index == self.stage_index and m.num_stages == self.num_stages]
+                and m.stage_index == self.stage_index and m.num_stages == self.num_stages
+                and self._ignored(m.peer_id) is None]
 
     def exchanged_at(self, result_step: int) -> Optional[float]:
         """``time.monotonic()`` when the result-digest exchange of round ``result_step`` began reading (after our

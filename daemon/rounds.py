@@ -154,7 +154,7 @@ class OuterRounds:
         return RoundGather(outer_step=self.state.round - 1, start_digest=self.state.start_digest(),
                            weight=float(weight), bandwidth_bps=self.bandwidth_bps(), compute_s=compute_s,
                            client_mode=self.cfg.client_mode, link_bps=link.bps if link else 0.0,
-                           link_latency_s=link.latency_s if link else 0.0,
+                           link_latency_s=link.latency_s if link else 0.0, exclusion_votes=self.exclusions.votes(),
                            **(self.audits.gather_fields(self.state.round) if self.audits is not None else {}))
 
     # ------------------------------------------------------------------ starting

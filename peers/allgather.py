@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Dict, Optional, Tuple, TypeVar
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, TypeVar
 
 import pydantic.v1 as pydantic
 import torch
@@ -46,6 +46,7 @@ from dilocox.peers.deadlines import LinkSnapshot, group_download_deadline
 from dilocox.peers.transport import Hooks, RoundInput, Screen, matchmaking_schedule
 
 from dilocox.consensus import canonical_digest
+from dilocox.exclusion import group_exclusions
 from dilocox.sparse.aggregate import aggregate_sparse
 from dilocox.sparse.compressor import SparseRound
 
@@ -102,22 +103,31 @@ class SparseGather(pydantic.BaseModel):
     payload_bytes: Optional[pydantic.conint(ge=0)] = None
 
 
+class Screened(NamedTuple):
+    """What ``screen_gathered`` found: ``metas`` peer_id -> its RoundGather, or None if malformed, not admitted or
+    excluded (it cannot vote); ``announced`` peer_id -> (payload sha256 or None if not announced, length to expect);
+    ``dropped`` peer_id -> why its contribution is dropped; ``excluded`` peer_id -> why the group's exclusion vote
+    left it out (also in ``dropped``)."""
+
+    metas: Dict[str, Optional[RoundGather]]
+    announced: Dict[str, Tuple[Optional[str], int]]
+    dropped: Dict[str, str]
+    excluded: Dict[str, str]
+
+
 def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: float, payload_bytes: int,
-                    admitted: Optional[Callable[[str], Optional[str]]] = None,
-                    ) -> Tuple[Dict[str, Optional[RoundGather]], Dict[str, Tuple[Optional[str], int]], Dict[str, str]]:
+                    admitted: Optional[Callable[[str], Optional[str]]] = None) -> Screened:
     """The rules every member applies to the group's gathered metadata before any download.
 
     ``gathered``: peer_id -> the dict it sent (untrusted); ``payload_bytes``: the codec's largest valid
     payload length; ``admitted(peer_id)``: None if the peer may take part, else why not (a certified swarm; such a
-    peer neither votes nor contributes). Returns (peer_id -> its RoundGather, or None if malformed or not
-    admitted: it cannot vote; peer_id ->
-    (payload sha256 or None if not announced, length to expect); peer_id -> why its
-    contribution is dropped). Dropped: malformed metadata; a start other than the group's canonical
-    start digest among members at outer step ``round_index - 1`` (dilocox.consensus.canonical_digest),
-    including any other outer step; a weight above ``max_weight``. Pure: every member that sees the
-    same gathered data drops the same peers."""
+    peer neither votes nor contributes). Dropped: malformed metadata; a member the group's exclusion vote leaves out
+    of this round (dilocox/exclusion.py: a strict majority of the members with valid metadata voted against it); a
+    start other than the group's canonical start digest among members at outer step ``round_index - 1``
+    (dilocox.consensus.canonical_digest), including any other outer step; a weight above ``max_weight``. Pure: every
+    member that sees the same gathered data drops the same peers."""
     metas: Dict[str, Optional[RoundGather]] = {}
-    announced: Dict[str, Tuple[str, int]] = {}
+    announced: Dict[str, Tuple[Optional[str], int]] = {}
     dropped: Dict[str, str] = {}
     for peer, data in gathered.items():
         refusal = admitted(peer) if admitted is not None else None
@@ -140,6 +150,9 @@ def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: f
             continue
         else:
             announced[peer] = (extra.payload_sha256, extra.payload_bytes)
+    excluded = group_exclusions({p: m.exclusion_votes for p, m in metas.items() if m is not None}, round_index)
+    for peer, why in excluded.items():
+        metas[peer], dropped[peer] = None, why
     starts = {p: m.start_digest for p, m in metas.items() if m is not None and m.outer_step == round_index - 1}
     canon, _ = canonical_digest(starts)
     for peer, m in metas.items():
@@ -149,7 +162,7 @@ def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: f
             dropped[peer] = f"started from other parameters (outer step {m.outer_step}, digest {m.start_digest})"
         elif not m.weight <= max_weight:
             dropped[peer] = f"weight {m.weight} exceeds the round's {max_weight:g} inner steps"
-    return metas, announced, dropped
+    return Screened(metas, announced, dropped, excluded)
 
 
 class AllGatherTransport:
@@ -221,8 +234,8 @@ class AllGatherTransport:
         started = time.monotonic()
         rnd = rnd.result() if isinstance(rnd, Future) else rnd
         payload = mine["payload"]
-        metas, announced, dropped = screen_gathered(res.gathered, round_index, max_weight, rnd.codec.payload_bytes(),
-                                                    admitted or server.admitted)
+        metas, announced, dropped, excluded = screen_gathered(res.gathered, round_index, max_weight,
+                                                              rnd.codec.payload_bytes(), admitted or server.admitted)
         wanted = {p: announced[p] for p in announced if p != me and p not in dropped}
         # clients (no inbound connections) never dial clients: a reachable member relays between them
         clients = frozenset(p for p, m in metas.items() if m is not None and m.client_mode)
@@ -259,7 +272,7 @@ class AllGatherTransport:
         inputs = {p: hashlib.sha256(b).hexdigest()[:16] for p, b in got.items() if p not in dropped}
         return RoundResult(mean, metas, len(payload), sent, received, res.allreduce_s + time.monotonic() - started,
                            int(2 * (n - 1) / n * 4 * numel), fp32_bytes=4 * numel, sent_since=sent_since,
-                           dropped=dropped, inputs=inputs,
+                           dropped=dropped, excluded=excluded, inputs=inputs,
                            contributions={p: b for p, b in got.items() if p not in dropped},
                            download_deadline_s=fetch_s,
                            link_bps=server.link.snapshot().bps, scales=scaled,

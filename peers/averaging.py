@@ -28,6 +28,7 @@ import pydantic.v1 as pydantic
 import torch
 from dilocox.peers import lifecycle
 from dilocox.peers.codec import NarrowingCompression, narrowest_dtype
+from dilocox.peers.records import at_most_max_peers
 from dilocox.peers.transport import Hooks
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
@@ -77,6 +78,11 @@ class RoundGather(pydantic.BaseModel):
     state_bytes: pydantic.conint(ge=0, le=1 << 40) = 0
     data_position: pydantic.conint(ge=0) = 0
     shard_key: pydantic.conint(ge=0, lt=1 << 63) = 0
+    # the group's exclusion vote (dilocox/exclusion.py): peer_id -> the round in which the sender found, or checked by
+    # recomputing it, that the peer lied
+    exclusion_votes: Dict[pydantic.constr(strict=True, max_length=64), pydantic.conint(ge=1)] = {}
+
+    _few_votes = pydantic.validator("exclusion_votes", allow_reuse=True)(at_most_max_peers)
 
 
 def group_limits(gathered: Dict[str, Optional[RoundGather]]) -> Tuple[float, float]:
@@ -118,6 +124,9 @@ class RoundResult:
     fp32_bytes: int = 0              # our pseudo-gradient as fp32 (4 bytes a value; 0: not stated)
     sent_since: Callable[[], int] = _nothing_since  # bytes sent under the round's keys after the exchange returned
     dropped: Dict[str, str] = field(default_factory=dict)  # peer_id -> why its contribution was not used
+    # peer_id -> why: the members the group's exclusion vote left out of this round (dilocox/exclusion.py), also in
+    # ``dropped``; the same on every member of the group
+    excluded: Dict[str, str] = field(default_factory=dict)
     inputs: Dict[str, str] = field(default_factory=dict)   # sparse: peer_id -> digest of the payload used
     contributions: Dict[str, bytes] = field(default_factory=dict)  # sparse: peer_id -> the payload used (audits)
     download_deadline_s: float = 0.0  # sparse: the deadline the downloads had (peers/deadlines.py; 0: none)

@@ -17,7 +17,7 @@ from hivemind.dht.schema import conbytes
 MAX_PEERS = 1024  # peers a record's lists and maps may name
 
 
-def _at_most_max_peers(cls, value):
+def at_most_max_peers(cls, value):
     if len(value) > MAX_PEERS:
         raise ValueError(f"{len(value)} peers: at most {MAX_PEERS}")
     return value
@@ -79,7 +79,7 @@ class MemberRecord(_Record):
     # audits (daemon/audits.py): peer_id -> the round whose recomputation showed that peer lied
     accusations: Dict[pydantic.constr(strict=True, max_length=64), pydantic.conint(ge=1)] = {}
 
-    _few_peers = pydantic.validator("undialable", "accusations", "union", allow_reuse=True)(_at_most_max_peers)
+    _few_peers = pydantic.validator("undialable", "accusations", "union", allow_reuse=True)(at_most_max_peers)
 
     class Config:
         fields = {name: {"alias": short} for name, short in dict(
@@ -100,7 +100,7 @@ class InputsRecord(_Record):
     result_step: pydantic.conint(ge=0)
     inputs: Dict[pydantic.constr(strict=True, max_length=64), pydantic.constr(strict=True, max_length=16)]
 
-    _few_peers = pydantic.validator("inputs", allow_reuse=True)(_at_most_max_peers)
+    _few_peers = pydantic.validator("inputs", allow_reuse=True)(at_most_max_peers)
 
     class Config:
         fields = {"peer_id": {"alias": "p"}, "result_step": {"alias": "rs"}, "inputs": {"alias": "in"}}

@@ -378,7 +378,7 @@ class ReduceScatterTransport:
         server.add_traffic(res.bytes_sent, res.bytes_received)
         started = time.monotonic()
         rnd = rnd.result() if isinstance(rnd, Future) else rnd
-        metas, _, dropped = screen_gathered(res.gathered, round_index, max_weight, 0, admitted or server.admitted)
+        metas, _, dropped, _ = screen_gathered(res.gathered, round_index, max_weight, 0, admitted or server.admitted)
         group = sorted(p for p, m in metas.items() if m is not None and p not in dropped)
         if me not in group:
             if metas.get(me) is None:

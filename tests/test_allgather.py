@@ -40,7 +40,8 @@ def test_screen_keeps_the_canonical_group_and_names_each_drop():
         "pc": meta(link_bps=-1.0),                          # a link rate is not negative
         "pd": meta(link_latency_s=float("inf")),            # nor infinite
     }
-    metas, announced, dropped = screen_gathered(gathered, round_index=5, max_weight=20.0, payload_bytes=100)
+    metas, announced, dropped, excluded = screen_gathered(gathered, round_index=5, max_weight=20.0, payload_bytes=100)
+    assert not excluded
     assert set(announced) - set(dropped) == {"p1", "p2", "p3"}
     assert announced["p1"] == (SHA, 100)
     assert "started from other parameters" in dropped["p4"] and "outer step 3" in dropped["p5"]
@@ -50,7 +51,7 @@ def test_screen_keeps_the_canonical_group_and_names_each_drop():
         assert metas[p] is None
     assert metas["p4"] is not None  # it parsed: it may vote, its contribution is not used
     # a round matched before its payloads existed announces no digest: the codec's length is expected
-    _, announced, dropped = screen_gathered({"p1": {k: v for k, v in meta().items() if not k.startswith("payload")}},
+    _, announced, dropped, _ = screen_gathered({"p1": {k: v for k, v in meta().items() if not k.startswith("payload")}},
                                             5, 20.0, payload_bytes=116)
     assert announced == {"p1": (None, 116)} and not dropped
 
@@ -60,6 +61,32 @@ def test_screen_is_the_same_for_every_member_whatever_the_order():
     first = screen_gathered(gathered, 5, 20.0, 100)[2]
     again = screen_gathered(dict(reversed(list(gathered.items()))), 5, 20.0, 100)[2]
     assert first == again and set(first) == {"p3", "p4", "p5"}  # the tie goes to the smallest peer id's digest
+
+
+def test_the_group_excludes_whom_most_of_it_voted_against_from_the_same_round_on_every_member():
+    """Members that found a lie at different times vote in their gathered metadata; the round that drops the liar is
+    the first in which most of the group lists it, the same on every member, whatever its own verdict."""
+    def gathered_at(votes_of: dict) -> dict:
+        return {p: dict(meta(), exclusion_votes=votes_of.get(p, {})) for p in ("h1", "h2", "h3", "l1", "l2")}
+
+    # h1 found l1's lie of round 3, h2 checked it a round later, h3 has not yet; l2 (l1's accomplice) votes against h1
+    timeline = {4: {"h1": {"l1": 3}, "l2": {"h1": 3}}, 5: {"h1": {"l1": 3}, "h2": {"l1": 3}, "l2": {"h1": 3}},
+                6: {"h1": {"l1": 3}, "h2": {"l1": 3}, "h3": {"l1": 3}, "l2": {"h1": 3}}}
+    out = {r: screen_gathered(gathered_at(v), r, 20.0, 100) for r, v in timeline.items()}
+    assert not out[4].excluded and not out[5].excluded  # 1 and 2 of 5: not a majority (no member drops anyone yet)
+    assert set(out[6].excluded) == {"l1"} and "3 of the group's 5 members" in out[6].excluded["l1"]
+    assert out[6].metas["l1"] is None and out[6].dropped["l1"] == out[6].excluded["l1"]
+    assert set(out[6].announced) - set(out[6].dropped) == {"h1", "h2", "h3", "l2"}  # a minority cannot exclude h1
+    # every member screens the same bytes, in whatever order they came
+    again = screen_gathered(dict(reversed(list(gathered_at(timeline[6]).items()))), 6, 20.0, 100)
+    assert again.excluded == out[6].excluded and again.dropped == out[6].dropped
+    # a vote counts from the round after the lie it names; votes of members that are not in the group do not count
+    assert not screen_gathered(gathered_at({p: {"l1": 6} for p in ("h1", "h2", "h3")}), 6, 20.0, 100).excluded
+    assert not screen_gathered({**{p: dict(meta(), exclusion_votes={"x": 1}) for p in ("h1", "h2")}, "h3": meta()},
+                               6, 20.0, 100).excluded
+    # votes are bounded and typed like the rest of the metadata
+    bad = screen_gathered({"h1": dict(meta(), exclusion_votes={"l1": 0}), "h2": meta()}, 6, 20.0, 100)
+    assert bad.dropped["h1"].startswith("malformed metadata") and not bad.excluded
 
 
 @pytest.fixture(scope="module")

@@ -85,14 +85,16 @@ GATHERED = st.dictionaries(
     st.one_of(VALUES, st.fixed_dictionaries({}, optional={
         "outer_step": SCALARS, "start_digest": SCALARS, "weight": SCALARS, "bandwidth_bps": SCALARS,
         "compute_s": SCALARS, "payload_sha256": st.one_of(SCALARS, st.just("ab" * 32)),
-        "payload_bytes": SCALARS, "extra": SCALARS})),
+        "payload_bytes": SCALARS, "exclusion_votes": st.one_of(SCALARS, st.dictionaries(
+            st.text(max_size=8), st.one_of(SCALARS, st.integers(-2, 200)), max_size=4)), "extra": SCALARS})),
     max_size=6)
 
 
 @given(gathered=GATHERED, round_index=st.integers(0, 100), max_weight=st.floats(0, 1e6))
 def test_gathered_metadata(gathered, round_index, max_weight):
-    metas, announced, dropped = screen_gathered(gathered, round_index, max_weight, 1000)
+    metas, announced, dropped, excluded = screen_gathered(gathered, round_index, max_weight, 1000)
     assert set(metas) == set(gathered)
+    assert all(metas[p] is None and dropped[p] == why for p, why in excluded.items())
     assert set(announced) - set(dropped) <= {p for p, m in metas.items() if m is not None}
     for sha, size in announced.values():
         assert size <= 1000

@@ -47,6 +47,11 @@ def test_members_whose_inputs_differ_find_the_contributor_and_agreeing_ones_publ
         assert swarms[0].inputs_of(1) == {}
         record = next(m for m in a.others(max_age_s=0.0) if m.peer_id == b.peer_id)
         assert record.inputs_digest == inputs_digest(same) and record.num_inputs == 3
+        # a peer its group excluded counts for nothing in the records' decisions (daemon/exclusions.py)
+        a.ignore(lambda peer_id: "excluded" if peer_id == b.peer_id else None)
+        assert b.peer_id not in {m.peer_id for m in a.others(max_age_s=0.0)}
+        assert b.peer_id in {m.peer_id for m in a.members(max_age_s=0.0)}
+        a.ignore(lambda peer_id: None)
 
         # round 2: contributor c served b other bytes than a
         theirs = {**same, "c": "9" * 16}

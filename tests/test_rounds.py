@@ -862,16 +862,22 @@ def test_a_transport_failure_with_nobody_else_applying_applies_our_own(state):
     assert done.outcome == RoundOutcome.APPLIED_ALONE and state.outer_step == 1
 
 
-def test_exclusions_drop_an_equivocator_for_ten_rounds_then_ask_audits_and_admission():
+def test_exclusions_drop_an_equivocator_for_ten_rounds_and_leave_audited_lies_to_the_group():
     from dilocox.daemon.exclusions import EXCLUDE_ROUNDS
 
     now = {"round": 3}
-    ex = Exclusions(lambda: now["round"], audited=lambda q: "lied in round 2" if q == "liar" else None,
+    ex = Exclusions(lambda: now["round"], verified=lambda: {"liar": 2},
                     admission=lambda q: "no certificate" if q == "stranger" else None)
     ex.equivocated(3, {"two-faced": "a"})
     assert "excluded until round 13" in ex.admitted("two-faced")
-    assert ex.admitted("liar") == "excluded by audit: lied in round 2"
     assert ex.admitted("stranger") == "no certificate" and ex.admitted("honest") is None
+    # a lie our audits found is a vote, not an exclusion of our own: the group decides, alike on every member
+    assert ex.admitted("liar") is None and ex.excluded("liar") is None and ex.votes() == {"liar": 2}
+    ex.group_decided(4, {"liar": "excluded by 3 of the group's 5 members: it lied in round 2", "slow": "voted"})
+    assert "excluded by its group in round 4" in ex.excluded("liar") and ex.ledger() == {"liar": 4, "slow": 4}
+    assert ex.votes() == {"liar": 2, "slow": 3}  # the ledger keeps being voted, so later joiners keep the decision
+    ex.group_decided(6, {"liar": "again"})
+    assert ex.ledger()["liar"] == 4
     now["round"] = 3 + EXCLUDE_ROUNDS + 1
     assert ex.admitted("two-faced") is None
 

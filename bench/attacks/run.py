@@ -79,7 +79,7 @@ def run_cell(attack: str | None, malicious: int, defense: str, replicas: int, ou
             n.terminate(signal.SIGKILL)
     rows = [n.metrics() for n in honest]
     liars = {r["peer_id"] for n in nodes if n not in honest for r in n.metrics()[:1]}
-    excluded = [next((r["outer_step"] for r in rs if liars & set(r.get("audit_excluded", ()))), None) for rs in rows]
+    excluded = [next((r["outer_step"] for r in rs if liars & set(r.get("excluded", ()))), None) for rs in rows]
     finals = [r[-1]["val_loss"] for r in rows if r]
     splits = sum(len(d) > 1 for d in digests_by_step(honest).values())
     cell = dict(attack=attack or "clean", malicious=malicious if attack else 0, defense=defense,
@@ -87,10 +87,13 @@ def run_cell(attack: str | None, malicious: int, defense: str, replicas: int, ou
                 skipped=sum(r["outcome"] == "skipped" for rs in rows for r in rs),
                 crashed=sum(c != 0 for c in codes), splits=splits,
                 dropped=sum(len(r.get("dropped", [])) for rs in rows for r in rs),
-                # audits: outer step at which each honest node first excluded a liar (None: never); honest peers
-                # any honest node excluded (false exclusions)
+                # audits: outer step at which each honest node's group first excluded a liar (None: never); honest
+                # peers any honest node voted against or saw excluded (false exclusions)
                 liar_excluded_at=excluded if defense == "audits" else [],
-                honest_excluded=len({p for rs in rows for r in rs for p in r.get("audit_excluded", ())} - liars),
+                honest_excluded=len({p for rs in rows for r in rs
+                                     for p in [*r.get("audit_votes", ()), *r.get("excluded", ())]} - liars),
+                resynced=sum(r["outcome"] == "resynced" for rs in rows for r in rs),
+                alone=sum(r["outcome"] == "applied_alone" for rs in rows for r in rs),
                 seconds=round(time.monotonic() - started))
     if attack == "backdoor" or attack is None:
         cell["backdoor_rate"] = _backdoor_rate(honest[0].workdir / "ckpt", seed)
