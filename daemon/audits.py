@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 
 from dilocox import audit
+from dilocox.assignment import ASSIGNED_SEED, assigned_shard_key
 from dilocox.sparse.wire import ContributionError
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,25 @@ def decode_state(blob: bytes, params: list[torch.Tensor], param_groups: list) ->
         raise ValueError("start state: the error-feedback buffer holds NaN or Inf")
     return {"state": {i: v for i, v in per_param.items() if v}, "param_groups": copy.deepcopy(param_groups)}, \
         [e.float() for e in error]
+
+
+def data_lie(cfg, peer: str, r: int, meta, meta_next) -> str:
+    """Why ``peer``'s round r did not draw the data it had to (empty: it did), from its commitments of rounds r and
+    r + 1 (``data_position``, ``shard_key``). Assigned data (``cfg.assigned_data``: dilocox/assignment.py): round r
+    draws batches 0..H-1 of the stream assigned to (run_id, peer, r). Chosen data: a full round draws exactly H
+    batches, so the next commitment continues the same stream at position + H, and after its first commitment a peer
+    cannot pick its data."""
+    if cfg.assigned_data:
+        key = assigned_shard_key(cfg.run_id, peer, r)
+        if (meta.shard_key, meta.data_position) != (key, 0):
+            return (f"its round {r} drew batches from position {meta.data_position} of shard {meta.shard_key}, not "
+                    f"the data assigned to it (shard {key} from 0): data of its own choosing")
+        return ""
+    continued = (meta.shard_key, meta.data_position + cfg.inner_steps)
+    if (meta_next.shard_key, meta_next.data_position) != continued:
+        return (f"its data stream jumped from position {meta.data_position} of shard {meta.shard_key} to "
+                f"{meta_next.data_position} of {meta_next.shard_key}")
+    return ""
 
 
 class Audits:
@@ -272,11 +292,9 @@ class Audits:
         if meta is None or meta_next is None or payload is None or not meta.state_sha256 \
                 or not meta_next.state_sha256:
             return AuditOutcome.SKIPPED, "no commitment or contribution kept for it"
-        continued = (meta.shard_key, meta.data_position + self.cfg.inner_steps)
-        if (meta_next.shard_key, meta_next.data_position) != continued:
-            # a full round draws exactly H batches: after its first commitment a peer cannot pick its data
-            return AuditOutcome.LIED, (f"its data stream jumped from position {meta.data_position} of shard "
-                                       f"{meta.shard_key} to {meta_next.data_position} of {meta_next.shard_key}")
+        lie = data_lie(self.cfg, peer, r, meta, meta_next)
+        if lie:
+            return AuditOutcome.LIED, lie
         blobs = {}
         for k, m in ((r, meta), (r + 1, meta_next)):
             got, failed = self.server.fetch({peer: (m.state_sha256, m.state_bytes)}, f"state/{k}",
@@ -291,7 +309,7 @@ class Audits:
             opt_next, e_next = decode_state(blobs[r + 1], inner.params, groups)
         except ValueError as e:
             return AuditOutcome.LIED, str(e)
-        shard = self.workload.shard(self.cfg.seed, meta.shard_key)
+        shard = self.workload.shard(ASSIGNED_SEED if self.cfg.assigned_data else self.cfg.seed, meta.shard_key)
         batches = [shard.batch_at(meta.data_position + i) for i in range(self.cfg.inner_steps)]
         delta, opt_rec = audit.recompute(inner, rec.theta, opt, batches, (r - 1) * self.cfg.inner_steps)
         try:

@@ -22,8 +22,8 @@ import typing
 from pathlib import Path
 from typing import Optional
 
-from dilocox.daemon.config_sections import SCAFFOLD_QUIET as SCAFFOLD_QUIET
 from dilocox.daemon.config_sections import (
+    IMAGE_DATA,
     SCAFFOLD_QUIET_AFTER,
     SECTIONS,
     CompressionSection,
@@ -37,8 +37,10 @@ from dilocox.daemon.config_sections import (
     RoundsSection,
     SecuritySection,
     TrainingSection,
+    data_digest,
     tokenizer_digest,
 )
+from dilocox.daemon.config_sections import SCAFFOLD_QUIET as SCAFFOLD_QUIET
 from pydantic import ConfigDict, ValidationError, model_validator
 
 # the aggregation rules' version (dilocox/robust.py: RULES_VERSION), written here so that --help imports no torch
@@ -101,12 +103,19 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
         """ceil(T / H): the rounds the outer learning rate ramps over (OuterOptimizer's ``ramp_steps``)."""
         return max(1, -(-self.schedule_steps // self.inner_steps))
 
+    @property
+    def assigned_data(self) -> bool:
+        """Round r's batches are assigned by the swarm (dilocox/assignment.py): text data, whole models, no
+        --data-seed (a replica that picks its stream, and image clients, which hold private shares, choose theirs)."""
+        return self.data_seed is None and self.num_stages == 1 and not self.workload and self.data not in IMAGE_DATA
+
     def swarm_settings(self) -> str:
         """The settings every replica of a swarm must share for theta to stay bit-identical and codes to decode
         (docs/operations.md, "Nodes of one swarm must agree on"), as one line. Not in it: what separates swarms
         already (run_id, stages, compression, model and rank_max name the DHT keys and averager prefixes), the
         seed (a joiner downloads theta), and per-node choices (sparse_beta, data, timeouts, devices, a synthetic
-        workload's STEP_S)."""
+        workload's STEP_S). With audits the data is in it (its digest, and whether it is assigned, else the seed its
+        streams are drawn with): an auditor recomputes a member's round on the member's data."""
         outer = f"lr={self.outer_lr!r}" if self.outer_lr_final in (None, self.outer_lr) else \
             f"lr={self.outer_lr!r}->{self.outer_lr_final!r} over {self.ramp_rounds} rounds"
         parts = [f"H={self.inner_steps} T={self.schedule_steps}"]
@@ -121,8 +130,9 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
                   f"outer=sgd({outer},momentum={self.outer_momentum!r},nesterov={self.nesterov})",
                   f"algorithm={self.outer_algorithm} aggregation={self.aggregation}(norm_bound={self.norm_bound!r},"
                   f"rules=v{RULES_VERSION})"]
-        if self.audit_rate:
-            parts.append(f"audits={self.audit_rate!r}")
+        if self.audit_rate:  # an auditor recomputes a member's round on the member's data: the same data, drawn alike
+            data = "assigned" if self.assigned_data else f"chosen(seed={self.seed})"
+            parts.append(f"audits={self.audit_rate!r} data={data}:sha256:{data_digest(self.data)}")
         if self.outer_algorithm == "scaffold" and self.scaffold_reset_every:
             parts.append(f"scaffold_reset_every={self.scaffold_reset_every}")
         if self.outer_algorithm == "scaffold" and self.scaffold_reset_quiet:

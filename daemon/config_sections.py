@@ -9,6 +9,8 @@ bytes for sizes, outer steps for ``*_every``. Imports no torch (``--help`` reads
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -21,6 +23,34 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # (written here, not imported, so that --help imports no torch; tests/test_config.py checks they match)
 SCAFFOLD_QUIET_AFTER = 3
 SCAFFOLD_QUIET = dict(factor=0.5, rounds=5, outsized=4.0, every=20)
+
+
+IMAGE_DATA = ("fashion-mnist", "mnist")  # dilocox/vision.py's SPECS (tests/test_config.py checks they match)
+
+
+@functools.lru_cache(maxsize=8)
+def data_digest(spec: str) -> str:
+    """16 hex digits of a SHA-256 naming the training data ``spec`` holds, equal on machines that hold the same data
+    wherever it lies: a prepared folder's index.json (dilocox/shards.py), a file's bytes, a folder's files (relative
+    names and bytes, sorted), else the spec itself (builtin:, hf:, the image datasets). Reads the data once a
+    process (cached). Raises ValueError naming the path when it cannot be read."""
+    path = Path(spec)
+    h = hashlib.sha256()
+    try:
+        if (path / "index.json").is_file():
+            h.update(b"prepared\0" + (path / "index.json").read_bytes())
+        elif path.is_file() or path.is_dir():
+            files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+            for f in files:
+                h.update(b"file\0" + str(f.relative_to(path) if f != path else "").encode() + b"\0")
+                with f.open("rb") as stream:
+                    for block in iter(lambda: stream.read(1 << 20), b""):
+                        h.update(block)
+        else:
+            h.update(b"spec\0" + spec.encode())
+    except OSError as e:
+        raise ValueError(f"data {spec!r}: cannot read {e.filename} ({e.strerror})") from e
+    return h.hexdigest()[:16]
 
 
 def tokenizer_digest(spec: str) -> str:
@@ -173,7 +203,10 @@ class DataSection(Section):
                                               "(iid, label-shards:K, classes:K, dirichlet:ALPHA; seeded by seed)")
     num_clients: int = Field(1, ge=1, description="image data: clients the training set is split among; this node "
                                                    "trains client data_seed mod num_clients")
-    data_seed: Optional[int] = Field(None, description="this replica's data shard key (default: derived from peer_id)")
+    data_seed: Optional[int] = Field(None, description="pick this replica's own data stream (shard key); unset, the "
+                                                       "swarm assigns text data per round from run_id, peer_id and "
+                                                       "the round, which audits check (dilocox/assignment.py); image "
+                                                       "clients: derived from peer_id")
     data_parts: int = Field(1, ge=1, description="text: cut the training stream into this many disjoint contiguous "
                                                  "parts; this replica trains part data_seed mod data_parts (1: "
                                                  "windows drawn from the whole stream)")

@@ -53,6 +53,7 @@ from dilocox.peers.swarm import Swarm
 from dilocox.peers.transport import Hooks, Screen, Transport
 
 from dilocox import threads
+from dilocox.assignment import assigned_shard_key
 from dilocox.catchup import write
 from dilocox.checkpoint import load_latest_checkpoint, save_checkpoint
 from dilocox.consensus import JoinKind, Lineage, lineage_standing, settings_conflict
@@ -596,6 +597,8 @@ class Node:
                 val_loss, val_accuracy = st.evaluate()
                 self.board.update(val_loss=val_loss, val_accuracy=val_accuracy)
         losses, start = [], time.monotonic()
+        if self.cfg.assigned_data:  # the swarm chooses the round's batches (dilocox/assignment.py)
+            st.assign_data(assigned_shard_key(self.cfg.run_id, self.swarm.peer_id, st.round), skip)
         if self.audits is not None:  # the round's start state, committed before anyone knows who audits it
             self.audits.commit(st.round, skip)
         self._set_state(State.TRAINING, inner_step=skip)

@@ -23,6 +23,7 @@ from dilocox.daemon.status import StageMemory
 
 import dilocox
 from dilocox import exact_mean
+from dilocox.assignment import ASSIGNED_SEED
 from dilocox.catchup import AppliedUpdate, Replayed, replay
 from dilocox.compression import CompressionConfig, DenseCompressor
 from dilocox.diloco import InnerConfig, OuterOptimizer, params_digest, resolve_precision, training_device
@@ -178,6 +179,12 @@ class ReplicaState:
         return [exact_mean.pseudo_gradient_bound(lr_sum, self.cfg.weight_decay * self.decay_factor,
                                                   float(p.abs().max()), self.step_bound)
                 for p in self.outer.global_params]
+
+    def assign_data(self, shard_key: int, position: int) -> None:
+        """Draw the round's batches from the assigned stream ``shard_key`` (dilocox/assignment.py), from batch
+        ``position`` on (the inner steps a joiner skips)."""
+        self.shard = self.workload.shard(ASSIGNED_SEED, shard_key)
+        self.shard.position = position
 
     def state_bytes(self) -> int:
         """Bytes of theta + momentum, what a state transfer moves (the compression state is small)."""

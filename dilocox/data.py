@@ -12,9 +12,9 @@ A data spec is one of:
 Tokens are raw UTF-8 bytes by default (vocabulary 256), or a tokenizer's ids (dilocox/tokenizer.py),
 with its end-of-text id between documents. Text given directly is tokenized in memory and the last
 ``val_fraction`` of every document is held out for validation; a prepared folder holds its own split.
-Each replica draws training windows from the whole training stream with its own seeded generator
-(its deterministic shard of the sample sequence); the position in that sequence is kept so a
-checkpoint can resume it.
+A replica draws training windows from the whole training stream with a seeded generator (a deterministic shard of
+the sample sequence, ``ReplicaShard``): in a text swarm the stream of each round is assigned by the swarm
+(dilocox/assignment.py), else it is the replica's own, and its position is kept so a checkpoint can resume it.
 """
 
 from __future__ import annotations

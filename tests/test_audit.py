@@ -127,6 +127,26 @@ def test_a_liar_that_fits_its_error_feedback_breaks_the_previous_link(setting):
     assert audit.relative_error(claimed, s["delta0"]) > audit.Thresholds().max_link_error
 
 
+def test_honest_training_on_data_of_its_own_choosing_fails_recomputation_on_the_assigned_batches(setting):
+    """A contributor that trains honestly, but on batches it picked (here another stream of the same corpus: a slice
+    it favours), commits an honest-looking start state; recomputed on the batches the swarm assigned it
+    (dilocox/assignment.py), its contribution does not fit. (A committed stream other than the assigned one is caught
+    before any recomputation: daemon/audits.py ``data_lie``. This one commits the assigned stream and trains on its
+    own.)"""
+    s = setting
+    spec = ModelSpec.resolve("tiny")
+    corpus = Corpus.from_spec("builtin:shakespeare", spec.seq_len)
+    chosen = ReplicaShard(corpus.train, spec.seq_len, spec.batch_size, 0, 99)
+    cheat = InnerLoop(build_stage(spec, 0, 0, 1), InnerConfig(lr=4e-4, warmup_steps=2, total_steps=10 * H))
+    delta, _ = audit.recompute(cheat, s["theta"], s["start"][0], [chosen.batch_at(i) for i in range(H)], H)
+    codec = SparseCodec(s["shapes"], SPARSE)
+    codec.load_state_dict({"error": s["start"][1]})
+    payload, e_next = codec.prepare(delta)
+    report = _full(s, payload, s["start"][1], _shaped(e_next, delta))
+    assert report.verdict == AuditVerdict.LIED, report.stats
+    assert report.stats["contribution_error"] > audit.Thresholds().max_link_error, report.stats
+
+
 def test_the_cheap_checks(setting):
     s = setting
     prefix, _ = audit.recompute(s["auditor"], s["theta"], s["start"][0], s["batches"][:2], H)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dilocox.daemon.audits import STRIKES, AuditOutcome, Audits, decode_state, encode_state
+from dilocox.daemon.audits import STRIKES, AuditOutcome, Audits, data_lie, decode_state, encode_state
 
 
 def _audits(verdicts: dict) -> Audits:
@@ -104,14 +104,41 @@ def test_a_data_stream_that_does_not_continue_is_a_lie():
     def meta(position, shard=7):
         return SimpleNamespace(state_sha256="ab" * 32, state_bytes=10, data_position=position, shard_key=shard)
 
-    a = Audits(SimpleNamespace(audit_rate=1.0, authority=None, averaging_timeout=1.0, inner_steps=20), state=None,
-               workload=None, server=None, me="me")
+    a = Audits(SimpleNamespace(audit_rate=1.0, authority=None, averaging_timeout=1.0, inner_steps=20,
+                               assigned_data=False), state=None, workload=None, server=None, me="me")
     for nxt, verdict in ((meta(140), AuditOutcome.LIED), (meta(120, shard=8), AuditOutcome.LIED)):
         a._rounds = {3: SimpleNamespace(theta=[], gathered={"p": meta(100)}, contributions={"p": b"c"}),
                      4: SimpleNamespace(theta=[], gathered={"p": nxt}, contributions={"p": b"c"})}
         outcome, why = a.audit(3, "p")
         assert outcome == verdict and "data stream jumped" in why
     a.shutdown()
+
+
+def test_assigned_data_is_the_only_data_a_round_may_draw():
+    """In a text swarm without --data-seed the swarm assigns round r's batches to (run_id, peer_id, r): a commitment to
+    any other stream, or to another position in it, is a lie before anything is fetched or recomputed, even where the
+    stream continues the last round's."""
+    from dilocox.assignment import assigned_shard_key
+
+    cfg = SimpleNamespace(assigned_data=True, run_id="run", inner_steps=20)
+
+    def meta(shard, position):
+        return SimpleNamespace(shard_key=shard, data_position=position)
+
+    assigned = {r: assigned_shard_key("run", "p", r) for r in (3, 4)}
+    assert data_lie(cfg, "p", 3, meta(assigned[3], 0), meta(assigned[4], 0)) == ""
+    for bad in (meta(assigned[3], 20), meta(7, 0), meta(assigned_shard_key("run", "q", 3), 0),
+                meta(assigned_shard_key("other-run", "p", 3), 0)):
+        assert "data of its own choosing" in data_lie(cfg, "p", 3, bad, meta(assigned[4], 0))
+    # a chosen stream (--data-seed) must continue where the last round ended
+    chosen = SimpleNamespace(assigned_data=False, run_id="run", inner_steps=20)
+    assert data_lie(chosen, "p", 3, meta(7, 100), meta(7, 120)) == ""
+    assert "jumped" in data_lie(chosen, "p", 3, meta(7, 100), meta(8, 120))
+    # the assignment is the same everywhere, and differs by peer, round and swarm
+    keys = {assigned_shard_key(run, peer, r) for run in ("a", "b") for peer in ("p", "q") for r in range(50)}
+    assert len(keys) == 200 and all(0 <= k < 1 << 63 for k in keys)
+    with pytest.raises(ValueError, match="round"):
+        assigned_shard_key("a", "p", -1)
 
 
 def test_a_round_that_a_re_sync_moved_onto_another_theta_withdraws_its_commitment():

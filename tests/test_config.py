@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import pytest
 from dilocox.daemon.config import ConfigError, add_flags, load_config
+from dilocox.daemon.config_sections import IMAGE_DATA, data_digest
 
 
 def parse(argv):
@@ -121,6 +123,40 @@ def test_swarm_settings_cover_what_replicas_must_share_and_nothing_per_node():
     short = load_config(parse(["--inner-steps", "30", "--max-outer-steps", "20"]), {})
     assert short.schedule_steps == 600 and "over 20 rounds" in short.swarm_settings()
     assert load_config(parse(["--inner-steps", "30"]), {}).schedule_steps == 10_000
+
+
+def test_with_audits_the_data_and_how_it_is_drawn_are_swarm_settings(tmp_path):
+    """An auditor recomputes a member's round on the member's data: with --audit-rate, members must hold the same
+    data (its digest, wherever it lies) and draw it alike (assigned, or chosen streams of one seed)."""
+    from dilocox import vision
+
+    assert set(IMAGE_DATA) == set(vision.SPECS)
+    text = tmp_path / "a" / "corpus.txt"
+    text.parent.mkdir()
+    text.write_text("to be or not to be\n" * 50)
+    copy = tmp_path / "b" / "corpus.txt"
+    copy.parent.mkdir()
+    copy.write_text(text.read_text())
+
+    def settings(*flags):
+        return load_config(parse(["--audit-rate", "0.5", *flags]), {}).swarm_settings()
+
+    assert load_config(parse([]), {}).assigned_data and "data=assigned" in settings()
+    assert settings("--data", str(text)) == settings("--data", str(copy))  # the same bytes elsewhere
+    other = tmp_path / "other.txt"
+    other.write_text("other text\n" * 50)
+    assert settings("--data", str(text)) != settings("--data", str(other))
+    # a member that picks its stream cannot join an assigned swarm, and chosen streams share their seed
+    assert settings("--data-seed", "3") != settings() and "chosen(seed=0)" in settings("--data-seed", "3")
+    assert settings("--data-seed", "3") == settings("--data-seed", "4") != settings("--data-seed", "3", "--seed", "1")
+    assert not load_config(parse(["--data", "mnist", "--model", "cnn"]), {}).assigned_data  # private client shares
+    assert data_digest(str(tmp_path / "missing")) != data_digest("builtin:shakespeare")  # a spec names itself
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / "x.txt").write_text("x")
+    (tmp_path / "locked" / "x.txt").chmod(0)
+    if os.geteuid() != 0:
+        with pytest.raises(ValueError, match="cannot read"):
+            data_digest(str(tmp_path / "locked"))
 
 
 def test_scaffold_quiet_restart_flags_are_swarm_settings_and_need_a_norm_bound():

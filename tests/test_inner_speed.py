@@ -8,10 +8,12 @@ import argparse
 import copy
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from dilocox.assignment import assigned_shard_key
 from dilocox.data import Corpus, ReplicaShard
 from dilocox.diloco import (
     InnerConfig,
@@ -185,7 +187,8 @@ class _Node:
     """What Node._inner_steps reads of a whole-model node outside a swarm."""
 
     def __init__(self, state, board, H: int):
-        self.state, self.board, self.H = state, board, H
+        self.state, self.board, self.H, self.cfg = state, board, H, state.cfg
+        self.swarm = SimpleNamespace(peer_id="QmInnerSpeed")
         self.staged, self.audits, self.attack, self.ahead, self.pipeline = False, None, None, None, None
         self.leave_requested, self.rounds = threading.Event(), _Rounds()
 
@@ -220,6 +223,8 @@ def test_the_node_reads_losses_every_ten_steps_and_at_the_rounds_end(tmp_path):
     assert skip == 0 and 0 < compute_s <= time.monotonic() - started
     assert len(losses) == H and all(type(v) is float for v in losses)
     assert st.shard.position == H  # batches consumed, none drawn ahead left counted
+    # the swarm assigned the round's batches (text data, no --data-seed: dilocox/assignment.py)
+    assert cfg.assigned_data and st.shard.shard_key == assigned_shard_key(cfg.run_id, "QmInnerSpeed", st.round)
     at = [c["inner_step"] for c in seen if "loss" in c]
     assert at == [10, 20, H]
     assert [c["inner_step"] for c in seen if "inner_step" in c][-H:] == list(range(1, H + 1))

@@ -43,6 +43,7 @@ ATTACKS = {
     "equivocation": "bench.attacks.protocol:Equivocate",
     "backdoor": "bench.attacks.backdoor:Backdoor",
     "inner-product": "bench.attacks.gradient:InnerProduct",
+    "chosen-data": "bench.attacks.chosen:ChosenData",
 }
 # audits: the rate that catches 2 liars of 5 within 10 rounds with probability 0.99 (dilocox.audit.audit_rate_for)
 DEFENSES = {"none": ["--aggregation", "mean", "--norm-bound", "0"], "default": [], "audits": ["--audit-rate", "0.57"]}
@@ -63,7 +64,7 @@ def run_cell(attack: str | None, malicious: int, defense: str, replicas: int, ou
     nodes, started = [], time.monotonic()
     try:
         for r in range(replicas):
-            extra = ["--data-seed", str(r)] + (["--join", nodes[0].join_maddr] if nodes else [])
+            extra = ["--join", nodes[0].join_maddr] if nodes else []  # the swarm assigns each round's data
             if attack and r >= replicas - malicious:
                 extra += ["--attack", ATTACKS[attack]]
             nodes.append(LocalNode(f"r{r}", work / f"r{r}", args + extra))
