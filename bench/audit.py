@@ -9,7 +9,7 @@ audits it on the other count (on this CPU that alone gives the same bits).
 
 Every contribution of every round is put through all three checks, so each check's statistics are known for
 every honest and every lying node-round; the swarm acts on one check (``--check``, default recompute) for the
-pairs ``audit_pairs`` draws at ``--audit-rate`` from the round's result digests: a lie found by an honest
+pairs ``audit_targets`` draws at ``--audit-rate`` from the round's result digests: a lie found by an honest
 auditor excludes the liar from the next round on; a colluder accuses the honest peer it audits, the
 accusation is checked by recomputation, and a second failed accusation excludes the accuser. Attacks
 (malicious replicas are the last ones; colluders share their honest pseudo-gradients):
@@ -222,8 +222,8 @@ def _audit_round(reps, r, theta, auditor, shapes, rows, active, excluded, strike
         return
     members = [reps[i].peer for i in sorted(verdicts)]
     digests = {reps[i].peer: hashlib.sha256(reps[i].payloads[r]).hexdigest() for i in verdicts}
-    pairs = audit.audit_pairs(members, audit.round_randomness(r, digests), rate)
-    for auditor_peer, target_peer in pairs.items():
+    targets = audit.audit_targets(members, audit.round_randomness(r, digests), lambda peer: rate)
+    for auditor_peer, target_peer in [(a, t) for a, ts in targets.items() for t in ts]:
         a, t = int(auditor_peer[1:]), int(target_peer[1:])
         if a not in active:
             continue

@@ -28,14 +28,17 @@ import copy
 import hashlib
 import io
 import logging
+import math
 import queue
 import threading
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional
+from typing import BinaryIO, Optional
 
 import torch
+from dilocox.peers.spill import Spill
 
 from dilocox import audit
 from dilocox.assignment import ASSIGNED_SEED, assigned_shard_key
@@ -65,11 +68,31 @@ class RoundRecord:
     inputs: dict
 
 
+def write_state(f: BinaryIO, optimizer_state: dict, error: list[torch.Tensor]) -> None:
+    """A start state written to ``f``: torch.save of tensors and numbers only (``torch.load(weights_only=True)``
+    reads it)."""
+    torch.save({"optimizer": optimizer_state, "error": [e.detach().cpu() for e in error]}, f)
+
+
 def encode_state(optimizer_state: dict, error: list[torch.Tensor]) -> bytes:
-    """A start state as bytes: torch.save of tensors and numbers only (``torch.load(weights_only=True)`` reads it)."""
+    """``write_state``'s bytes in memory."""
     buf = io.BytesIO()
-    torch.save({"optimizer": optimizer_state, "error": [e.detach().cpu() for e in error]}, buf)  # copies the bytes
+    write_state(buf, optimizer_state, error)
     return buf.getvalue()
+
+
+def write_tensors(f: BinaryIO, tensors: list[torch.Tensor]) -> None:
+    """fp32 tensors written to ``f`` back to back as raw little-endian bytes (``read_tensors`` maps them back)."""
+    for t in tensors:
+        f.write(t.detach().to("cpu", torch.float32).contiguous().numpy().data)
+
+
+def read_tensors(buffer, shapes: list[tuple]) -> list[torch.Tensor]:
+    """``write_tensors``'s tensors as views of ``buffer`` (bytes or a read-only map: no copy; not to be written)."""
+    with warnings.catch_warnings():  # a read-only map: torch warns that writing to the views is undefined
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buffer, dtype=torch.float32)
+    return [part.view(shape) for part, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
 
 
 def decode_state(blob: bytes, params: list[torch.Tensor], param_groups: list) -> tuple[dict, list[torch.Tensor]]:
@@ -122,16 +145,20 @@ def data_lie(cfg, peer: str, r: int, meta, meta_next) -> str:
 
 class Audits:
     """One node's audits. ``state``: daemon.replica_state.ReplicaState (whole model, sparse, DiLoCo);
-    ``server``: a ContributionServer of its own namespace for start states; ``me``: our peer_id."""
+    ``server``: a ContributionServer of its own namespace for start states; ``me``: our peer_id; ``spill``: where
+    the kept start states and thetas live (files mapped read-only, peers/spill.py: the page cache holds them, not
+    the node's memory)."""
 
-    def __init__(self, cfg, state, workload, server, me: str):
+    def __init__(self, cfg, state, workload, server, me: str, spill: Optional[Spill] = None):
         self.cfg, self.state, self.workload, self.server, self.me = cfg, state, workload, server, me
+        self.spill = spill or Spill()
         self.rate = cfg.audit_rate
         self.thresholds = audit.Thresholds()
         self._commits: dict[int, dict] = {}  # round -> our commitment (gather fields)
-        self._thetas: dict[int, list] = {}   # round -> theta at its start
+        self._thetas: dict[int, list] = {}   # round -> theta at its start (views of a spilled file)
         self._rounds: dict[int, RoundRecord] = {}
         self._judged: set = set()  # (accused, round) checked here
+        self._seen: dict[str, int] = {}  # peer_id -> the first round we saw it contribute (probation, ``rate_of``)
         self._strikes: Counter = Counter()
         self._lock = threading.Lock()
         self.accusations: dict[str, int] = {}   # accused peer_id -> round we found it lied in (published)
@@ -151,12 +178,14 @@ class Audits:
         if first_step != 0:
             return
         st = self.state
-        blob = encode_state(st.inner.inner_optimizer.state_dict(), st.compressor.error)  # serialized now: no copy
+        optimizer_state = st.inner.inner_optimizer.state_dict()  # references: written to the file now, not copied
+        blob = self.spill.keep(lambda f: write_state(f, optimizer_state, st.compressor.error))
         self.server.offer(f"state/{r}", blob)
+        theta = self.spill.keep(lambda f: write_tensors(f, st.outer.global_params))
         with self._lock:
             self._commits[r] = dict(state_sha256=hashlib.sha256(blob).hexdigest(), state_bytes=len(blob),
                                     data_position=st.shard.position, shard_key=st.shard.shard_key)
-            self._thetas[r] = [t.clone() for t in st.outer.global_params]
+            self._thetas[r] = read_tensors(theta, [tuple(t.shape) for t in st.outer.global_params])
             for old in [k for k in self._commits if k <= r - KEEP_ROUNDS]:
                 self._commits.pop(old)
                 self._thetas.pop(old, None)
@@ -181,6 +210,10 @@ class Audits:
         """Round r was applied from ``result`` (peers.averaging.RoundResult): keep it; audit round r - 1 if the
         round's randomness draws us."""
         with self._lock:
+            # the first round we see: in a swarm past its first probation, those already in it are not newcomers
+            elder = not self._seen and r > self.cfg.audit_probation + 1
+            for peer in result.inputs:
+                self._seen.setdefault(peer, r - self.cfg.audit_probation if elder else r)
             theta = self._thetas.get(r)
             if theta is not None:
                 self._rounds[r] = RoundRecord(theta, dict(result.gathered), dict(result.contributions),
@@ -191,9 +224,17 @@ class Audits:
         if prev is None or not self.rate:
             return
         digests = prev.inputs  # the contributions' digests, the same on every member that used the same contributions
-        target = audit.audit_pairs(sorted(digests), audit.round_randomness(r - 1, digests), self.rate).get(self.me)
-        if target is not None and target not in self._excluded:
-            self._jobs.put((r - 1, target, None))
+        for target in audit.audit_targets(sorted(digests), audit.round_randomness(r - 1, digests),
+                                          lambda peer: self.rate_of(peer, r - 1)).get(self.me, []):
+            if target not in self._excluded:
+                self._jobs.put((r - 1, target, None))
+
+    def rate_of(self, peer: str, r: int) -> float:
+        """The rate ``peer``'s round r is audited at: 1 while it is on probation (its first ``audit_probation``
+        rounds seen contributing here; a peer already contributing when we joined a swarm older than that counts as
+        seen long before), ``audit_rate`` after."""
+        first = self._seen.get(peer, r)
+        return 1.0 if r - first < self.cfg.audit_probation else self.rate
 
     def review(self, members) -> None:
         """Check the accusations other members publish (``members``: peers.records.MemberRecord list). Where we kept the

@@ -132,7 +132,8 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
                   f"rules=v{RULES_VERSION})"]
         if self.audit_rate:  # an auditor recomputes a member's round on the member's data: the same data, drawn alike
             data = "assigned" if self.assigned_data else f"chosen(seed={self.seed})"
-            parts.append(f"audits={self.audit_rate!r} data={data}:sha256:{data_digest(self.data)}")
+            parts.append(f"audits={self.audit_rate!r}(probation={self.audit_probation}) "
+                         f"data={data}:sha256:{data_digest(self.data)}")
         if self.outer_algorithm == "scaffold" and self.scaffold_reset_every:
             parts.append(f"scaffold_reset_every={self.scaffold_reset_every}")
         if self.outer_algorithm == "scaffold" and self.scaffold_reset_quiet:

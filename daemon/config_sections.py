@@ -149,9 +149,13 @@ class SecuritySection(Section):
     norm_bound: Optional[float] = Field(None, ge=0, description="sparse: clip each contribution to this multiple of "
                                                                 "the group's lower median norm first (0: off; "
                                                                 "default: 2 for sparse, 0 otherwise)")
-    audit_rate: float = Field(0.0, ge=0, le=1, description="sparse: probability that a member recomputes a drawn "
-                              "group-mate's round and accuses it if it lied (dilocox/audit.py; 0: off; 0.57 catches "
-                              "2 colluding liars of 5 within 10 rounds with probability 0.99)")
+    audit_rate: float = Field(0.0, ge=0, le=1, description="sparse: probability that a group-mate's round is "
+                              "recomputed by a member drawn to audit it, who accuses it if it lied (dilocox/audit.py; "
+                              "0: off; each member spends about this many rounds of compute a round on audits; 0.49 "
+                              "catches 2 colluding liars of 5 within 10 rounds with probability 0.99)")
+    audit_probation: int = Field(5, ge=0, description="with audits: a peer's first rounds seen contributing are "
+                                 "audited at rate 1 (a newcomer that lies is caught in its first rounds), later ones "
+                                 "at audit_rate")
     attack: Optional[str] = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
                                   description="red team only: MODULE:CLASS, an Attack plugged into this node "
                                               "(daemon/redteam.py)")

@@ -266,7 +266,8 @@ class Node:
                 self.audit_states = ContributionServer(self.swarm.replicate_p2p, f"{prefix}_audit", keep=KEEP_ROUNDS,
                                                        startup_timeout_s=cfg.startup_timeout, offer_wait_s=0.0,
                                                        admitted=self.progress.admitted if self.admission else None)
-                self.audits = Audits(cfg, self.state, self.workload, self.audit_states, self.swarm.peer_id)
+                self.audits = Audits(cfg, self.state, self.workload, self.audit_states, self.swarm.peer_id,
+                                     Spill(spill_directory(cfg.checkpoint_dir)))
         # sparse whole-model rounds derive matchmaking and the group wait from measurement (flags as caps);
         # all-reduce rounds and pipeline stages keep the flags
         measured = self.contributions.link if self.contributions and cfg.adaptive_deadlines and not self.staged \

@@ -97,37 +97,48 @@ def _uniform(randomness: bytes, label: str) -> float:
     return (int.from_bytes(word, "little") >> 11) / float(1 << 53)
 
 
-def audit_pairs(members: Sequence[str], randomness: bytes, rate: float) -> dict[str, str]:
-    """auditor -> audited group-mate: each member audits with probability ``rate``, a group-mate drawn uniformly
-    from the others. The same on every member for the same ``members`` (any order) and ``randomness``.
-    Raises ValueError for a rate outside [0, 1]."""
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"audit rate must be in [0, 1], got {rate}")
+def audit_targets(members: Sequence[str], randomness: bytes, rate_of: Callable[[str], float]) -> dict[str, list[str]]:
+    """auditor -> the group-mates it audits this round: each member t is audited with probability ``rate_of(t)``, by
+    one auditor drawn uniformly from the others. The same on every member for the same ``members`` (any order),
+    ``randomness`` and rates. Each member audits sum over t != it of rate_of(t) / (k - 1) group-mates a round on
+    average (k members): the mean rate. Raises ValueError for a rate outside [0, 1]."""
     peers = sorted(set(members))
-    pairs = {}
-    for auditor in peers:
-        others = [p for p in peers if p != auditor]
-        if others and _uniform(randomness, "audit?" + auditor) < rate:
-            pairs[auditor] = others[min(len(others) - 1, int(_uniform(randomness, "whom?" + auditor) * len(others)))]
-    return pairs
+    out: dict[str, list[str]] = {}
+    for target in peers:
+        rate = rate_of(target)
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"audit rate must be in [0, 1], got {rate} for {target}")
+        others = [p for p in peers if p != target]
+        if others and _uniform(randomness, "audit?" + target) < rate:
+            auditor = others[min(len(others) - 1, int(_uniform(randomness, "by?" + target) * len(others)))]
+            out.setdefault(auditor, []).append(target)
+    return out
 
 
 def catch_probability(rate: float, group_size: int, liars: int = 1, rounds: int = 1) -> float:
-    """Probability that a peer lying every round is audited by an honest group-mate within ``rounds`` rounds,
-    when ``liars`` of ``group_size`` members lie together (colluders never accuse each other):
-    1 - (1 - rate / (k - 1)) ^ (h rounds), with h = k - liars honest members."""
+    """Probability that a peer lying every round, audited at ``rate``, is audited by an honest group-mate within
+    ``rounds`` rounds, when ``liars`` of ``group_size`` members lie together (colluders never accuse each other): the
+    auditor is one of the k - 1 others, h = k - liars of them honest, so 1 - (1 - rate h / (k - 1)) ^ rounds."""
     if group_size < 2:
         return 0.0
     honest = group_size - liars
-    return 1.0 - (1.0 - rate / (group_size - 1)) ** (honest * rounds)
+    return 1.0 - (1.0 - rate * honest / (group_size - 1)) ** rounds
+
+
+def rounds_undetected(rate: float, group_size: int, liars: int = 1) -> float:
+    """Expected rounds a peer lying every round contributes before an honest audit of its lie: the mean of a
+    geometric draw with ``catch_probability(rate, group_size, liars)`` per round, counting the caught round (inf if
+    that is 0). The accusation's check and the group's vote add rounds after it (docs/security.md)."""
+    p = catch_probability(rate, group_size, liars)
+    return 1.0 / p if p > 0 else math.inf
 
 
 def audit_rate_for(group_size: int, liars: int = 1, rounds: int = 10, confidence: float = 0.99) -> float:
     """The least rate at which ``catch_probability(rate, group_size, liars, rounds) >= confidence``; raises
     ValueError when no rate reaches it (no honest member, or too few rounds)."""
     honest = group_size - liars
-    need = 1.0 - (1.0 - confidence) ** (1.0 / (honest * rounds)) if honest > 0 else math.inf
-    rate = need * (group_size - 1)
+    need = 1.0 - (1.0 - confidence) ** (1.0 / rounds)
+    rate = need * (group_size - 1) / honest if honest > 0 else math.inf
     if not (group_size >= 2 and rate <= 1.0):
         raise ValueError(f"no audit rate catches {liars} liar(s) of {group_size} within {rounds} rounds "
                          f"with probability {confidence}")

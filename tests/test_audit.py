@@ -4,6 +4,7 @@ full recomputation passes an honest contribution recomputed under other float se
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -20,33 +21,44 @@ SPARSE = SparseConfig(chunk=4096, topk=128, bits=2, beta=0.9, rice=True)
 H = 6
 
 
-def test_pairs_are_the_same_for_every_member_and_never_self():
+def test_targets_are_the_same_for_every_member_and_never_self():
     members = [f"peer{i}" for i in range(7)]
     rand = audit.round_randomness(3, {p: f"{i:016x}" for i, p in enumerate(members)})
-    pairs = audit.audit_pairs(members, rand, 1.0)
-    assert pairs == audit.audit_pairs(list(reversed(members)), rand, 1.0)
-    assert set(pairs) == set(members) and all(a != t and t in members for a, t in pairs.items())
-    assert audit.audit_pairs(members, rand, 0.0) == {}
-    assert audit.audit_pairs(["alone"], rand, 1.0) == {}
-    # another round's digests draw other pairs
+
+    def everyone(peer):
+        return 1.0
+
+    targets = audit.audit_targets(members, rand, everyone)
+    assert targets == audit.audit_targets(list(reversed(members)), rand, everyone)
+    audited = [t for ts in targets.values() for t in ts]
+    assert sorted(audited) == members and all(t != a for a, ts in targets.items() for t in ts)  # each once, not self
+    assert audit.audit_targets(members, rand, lambda peer: 0.0) == {}
+    assert audit.audit_targets(["alone"], rand, everyone) == {}
+    # per-target rates: a newcomer on probation is audited every round, the others at the low rate
+    assert "peer6" in [t for ts in audit.audit_targets(members, rand, lambda p: 1.0 if p == "peer6" else 0.0).values()
+                       for t in ts]
     other = audit.round_randomness(4, {p: f"{i:016x}" for i, p in enumerate(members)})
-    assert any(audit.audit_pairs(members, other, 1.0) != audit.audit_pairs(members, audit.round_randomness(
-        r, {p: "0" for p in members}), 1.0) for r in range(5, 9))
+    assert audit.audit_targets(members, other, everyone) != targets  # another round's digests draw other auditors
     with pytest.raises(ValueError, match="audit rate"):
-        audit.audit_pairs(members, rand, 1.5)
+        audit.audit_targets(members, rand, lambda peer: 1.5)
 
 
 def test_the_rate_and_the_catch_probability_agree_with_a_count():
-    """The drawn pairs audit a fixed peer about as often as catch_probability says (2 colluders of 5)."""
+    """The drawn targets audit a fixed liar by an honest member about as often as catch_probability says (2 colluders
+    of 5), and each member audits the mean rate's worth of group-mates a round."""
     members, liars, rate = [f"p{i}" for i in range(5)], {"p3", "p4"}, 0.6
-    caught = 0
+    caught, load = 0, 0
     for r in range(3000):
-        pairs = audit.audit_pairs(members, audit.round_randomness(r, {"x": str(r)}), rate)
-        caught += any(t == "p4" and a not in liars for a, t in pairs.items())
+        targets = audit.audit_targets(members, audit.round_randomness(r, {"x": str(r)}), lambda peer: rate)
+        caught += any("p4" in ts and a not in liars for a, ts in targets.items())
+        load += len(targets.get("p0", []))
     assert abs(caught / 3000 - audit.catch_probability(rate, 5, 2)) < 0.03
+    assert abs(load / 3000 - rate) < 0.03
     p = audit.audit_rate_for(5, liars=2, rounds=10, confidence=0.99)
     assert audit.catch_probability(p, 5, 2, rounds=10) == pytest.approx(0.99)
-    assert 0.5 < p < 0.6 and audit.audit_rate_for(5, liars=1) < p
+    assert 0.45 < p < 0.55 and audit.audit_rate_for(5, liars=1) < p
+    assert audit.rounds_undetected(0.1, 5, 1) == pytest.approx(10.0)  # 0.1 x 4/4 a round
+    assert audit.rounds_undetected(1.0, 5, 2) == pytest.approx(4 / 3) and audit.rounds_undetected(0.0, 5) == math.inf
     with pytest.raises(ValueError, match="no audit rate"):
         audit.audit_rate_for(5, liars=4, rounds=1)
 

@@ -114,6 +114,69 @@ def test_a_data_stream_that_does_not_continue_is_a_lie():
     a.shutdown()
 
 
+def test_kept_start_states_and_thetas_live_in_files_not_in_the_nodes_memory(tmp_path):
+    """A commitment's start state is served from a read-only map of an unlinked file (peers/spill.py), and the theta
+    an audit replays from is a view of another: kept rounds cost page cache, not the node's memory, and equal what
+    was committed however the live state moves on."""
+    import hashlib
+    import mmap
+
+    from dilocox.peers.spill import Spill
+
+    params = [torch.zeros(5, requires_grad=True), torch.zeros(2, 3, requires_grad=True)]
+    opt = torch.optim.AdamW(params, lr=0.1)
+    sum(p.sum() for p in params).backward()
+    opt.step()
+    theta = [torch.randn(5), torch.randn(2, 3)]
+    offered = {}
+    state = SimpleNamespace(inner=SimpleNamespace(inner_optimizer=opt),
+                            compressor=SimpleNamespace(error=[torch.ones(5), torch.ones(2, 3)]),
+                            shard=SimpleNamespace(position=0, shard_key=7), outer=SimpleNamespace(global_params=theta))
+    a = Audits(SimpleNamespace(audit_rate=1.0, authority=None, averaging_timeout=1.0), state=state, workload=None,
+               server=SimpleNamespace(offer=offered.__setitem__), me="me", spill=Spill(tmp_path / "served"))
+    a.commit(4, first_step=0)
+    blob = offered["state/4"]
+    assert isinstance(blob, mmap.mmap) and not list((tmp_path / "served").iterdir())  # mapped, already unlinked
+    assert a.gather_fields(4)["state_sha256"] == hashlib.sha256(blob).hexdigest()
+    assert bytes(blob) == encode_state(opt.state_dict(), state.compressor.error)
+    kept = [t.clone() for t in theta]
+    for t in theta:
+        t.add_(1.0)  # theta moves on; the round's start stays
+    assert all(torch.equal(k, t) for k, t in zip(kept, a._thetas[4]))
+    a.shutdown()
+
+
+def test_probation_audits_a_newcomer_every_round_then_at_the_low_rate():
+    """Peers seen contributing for fewer than audit_probation rounds are audited at rate 1, later at audit_rate; a
+    member that joins a swarm older than its probation takes those already in it as old."""
+    def audits():
+        return Audits(SimpleNamespace(audit_rate=0.1, audit_probation=3, authority=None, averaging_timeout=1.0),
+                      state=None, workload=None, server=None, me="me")
+
+    def seen(a, r, peers):
+        a.observe(r, SimpleNamespace(inputs={p: "d" for p in peers}, gathered={}, contributions={}))
+
+    young = audits()
+    seen(young, 1, ["a", "b"])
+    seen(young, 2, ["a", "b", "c"])
+    assert [young.rate_of("a", r) for r in (1, 2, 3, 4)] == [1.0, 1.0, 1.0, 0.1]
+    assert young.rate_of("c", 4) == 1.0 and young.rate_of("c", 5) == 0.1 and young.rate_of("new", 9) == 1.0
+    late = audits()
+    seen(late, 20, ["a", "b"])
+    seen(late, 21, ["a", "b", "c"])
+    assert late.rate_of("a", 20) == 0.1 and late.rate_of("c", 21) == 1.0 and late.rate_of("c", 24) == 0.1
+    # the drawn targets follow the rates: over rounds, a newcomer is audited every round by someone
+    from dilocox import audit
+
+    members = ["a", "b", "c", "me", "x"]
+    for r in range(50):
+        targets = audit.audit_targets(members, audit.round_randomness(r, {"r": str(r)}),
+                                      lambda p: 1.0 if p == "c" else 0.1)
+        assert "c" in [t for ts in targets.values() for t in ts]
+    young.shutdown()
+    late.shutdown()
+
+
 def test_assigned_data_is_the_only_data_a_round_may_draw():
     """In a text swarm without --data-seed the swarm assigns round r's batches to (run_id, peer_id, r): a commitment to
     any other stream, or to another position in it, is a lie before anything is fetched or recomputed, even where the
