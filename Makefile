@@ -170,8 +170,8 @@ bench-audit: install
 
 # the same defense in a real swarm: 5 nodes, 1 and 2 liars, default defense with and without audits (~15 min)
 bench-attacks-audits: install
-	$(PY) -m bench.attacks.run --defenses default audits --attacks inner-product --out runs/bench/attacks-audits/cells
-	$(PY) -m bench.attacks.run --defenses default audits --attacks sign-flip --out runs/bench/attacks-audits-sf/cells
+	$(PY) -m bench.attacks.run --defenses robust default --attacks inner-product sign-flip chosen-data \
+		--out runs/bench/attacks-audits/cells
 
 # the in-process audit bench on seed 0, three attacks, 2 liars, 8 rounds (~5 min)
 bench-audit-quick: install

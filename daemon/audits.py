@@ -33,6 +33,7 @@ import queue
 import threading
 import warnings
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from typing import BinaryIO, Optional
@@ -169,7 +170,8 @@ class Audits:
         self._jobs: queue.Queue = queue.Queue()
         self._stopping = threading.Event()
         threading.Thread(target=self._serve_jobs, name="audit", daemon=True).start()
-        self._inner = None  # the recomputation's own model and optimizer, built at the first audit
+        self._inner = None  # the recomputation's own model and optimizer, built for a run of audits, then let go
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-commit")
 
     # ------------------------------------------------------------------ our commitments
     def commit(self, r: int, first_step: int) -> None:
@@ -182,8 +184,10 @@ class Audits:
         blob = self.spill.keep(lambda f: write_state(f, optimizer_state, st.compressor.error))
         self.server.offer(f"state/{r}", blob)
         theta = self.spill.keep(lambda f: write_tensors(f, st.outer.global_params))
+        # hashed beside the inner steps: the digest is only needed when the round's metadata is gathered
+        digest = self._hasher.submit(lambda: hashlib.sha256(blob).hexdigest())
         with self._lock:
-            self._commits[r] = dict(state_sha256=hashlib.sha256(blob).hexdigest(), state_bytes=len(blob),
+            self._commits[r] = dict(state_sha256=digest, state_bytes=len(blob),
                                     data_position=st.shard.position, shard_key=st.shard.shard_key)
             self._thetas[r] = read_tensors(theta, [tuple(t.shape) for t in st.outer.global_params])
             for old in [k for k in self._commits if k <= r - KEEP_ROUNDS]:
@@ -201,9 +205,13 @@ class Audits:
             self._thetas.pop(r, None)
 
     def gather_fields(self, r: int) -> dict:
-        """Round r's commitment for the gathered metadata (empty: none made)."""
+        """Round r's commitment for the gathered metadata (empty: none made); waits for its digest if it is still
+        being computed."""
         with self._lock:
-            return dict(self._commits.get(r, {}))
+            fields = dict(self._commits.get(r, {}))
+        if isinstance(fields.get("state_sha256"), Future):
+            fields["state_sha256"] = fields["state_sha256"].result()
+        return fields
 
     # ------------------------------------------------------------------ rounds and accusations
     def observe(self, r: int, result) -> None:
@@ -279,6 +287,7 @@ class Audits:
 
     def shutdown(self) -> None:
         self._stopping.set()
+        self._hasher.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ the audit thread
     def _serve_jobs(self) -> None:
@@ -291,6 +300,8 @@ class Audits:
                 job.set()
             else:
                 self._run(*job)
+            if self._jobs.empty():  # the auditor's model and optimizer (16 bytes a parameter) only while auditing
+                self._inner = None
 
     def _run(self, r: int, peer: str, accuser: Optional[str]) -> None:
         if (accuser is not None and accuser in self._excluded) or self._stopping.is_set():

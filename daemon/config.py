@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from dilocox.daemon.config_sections import (
+    DEFAULT_AUDIT_RATE,
     IMAGE_DATA,
     SCAFFOLD_QUIET_AFTER,
     SECTIONS,
@@ -155,6 +156,16 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
         """First 16 hex digits of the SHA-256 of ``swarm_settings()``: what membership records carry."""
         return hashlib.sha256(self.swarm_settings().encode()).hexdigest()[:16]
 
+    @classmethod
+    def _auditable(cls, data: dict) -> bool:
+        """Whether the raw settings ``data`` describe rounds that can be recomputed: synchronous sparse DiLoCo rounds
+        of whole models on a real workload (the fields left out take their defaults)."""
+        def get(name):
+            value = data.get(name)
+            return cls.model_fields[name].default if value is None else value
+        return (get("compression"), get("overlap"), get("stage"), get("outer_algorithm"), get("workload")) == \
+            ("sparse", "none", "0/1", "diloco", None)
+
     @model_validator(mode="before")
     @classmethod
     def _outer_defaults(cls, data):
@@ -176,6 +187,8 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
             for name, value in defaults.items():
                 if data.get(name) is None:
                     data = {**data, name: value}
+            if data.get("audit_rate") is None:  # on where rounds can be recomputed (_check)
+                data = {**data, "audit_rate": DEFAULT_AUDIT_RATE if cls._auditable(data) else 0.0}
             if data.get("scaffold_reset_quiet") is None:  # on where it can act: SCAFFOLD with a norm bound
                 quiet = data.get("outer_algorithm") == "scaffold" and _nonzero(data.get("norm_bound"))
                 data = {**data, "scaffold_reset_quiet": SCAFFOLD_QUIET_AFTER if quiet else 0}

@@ -25,6 +25,7 @@ SCAFFOLD_QUIET_AFTER = 3
 SCAFFOLD_QUIET = dict(factor=0.5, rounds=5, outsized=4.0, every=20)
 
 
+DEFAULT_AUDIT_RATE = 0.1  # after the probation: about 0.1 rounds of compute a round per member (docs/security.md)
 IMAGE_DATA = ("fashion-mnist", "mnist")  # dilocox/vision.py's SPECS (tests/test_config.py checks they match)
 
 
@@ -149,10 +150,12 @@ class SecuritySection(Section):
     norm_bound: Optional[float] = Field(None, ge=0, description="sparse: clip each contribution to this multiple of "
                                                                 "the group's lower median norm first (0: off; "
                                                                 "default: 2 for sparse, 0 otherwise)")
-    audit_rate: float = Field(0.0, ge=0, le=1, description="sparse: probability that a group-mate's round is "
-                              "recomputed by a member drawn to audit it, who accuses it if it lied (dilocox/audit.py; "
-                              "0: off; each member spends about this many rounds of compute a round on audits; 0.49 "
-                              "catches 2 colluding liars of 5 within 10 rounds with probability 0.99)")
+    audit_rate: Optional[float] = Field(
+        None, ge=0, le=1, description="probability that a group-mate's round is recomputed by a member drawn to audit "
+        "it, who accuses it if it lied (dilocox/audit.py; each member spends about this many rounds of compute a round "
+        "on audits; 0.49 catches 2 colluding liars of 5 within 10 rounds with probability 0.99; 0: off; default: "
+        f"{DEFAULT_AUDIT_RATE} where rounds can be recomputed (synchronous sparse DiLoCo rounds of whole models on a "
+        "real workload), else off)")
     audit_probation: int = Field(5, ge=0, description="with audits: a peer's first rounds seen contributing are "
                                  "audited at rate 1 (a newcomer that lies is caught in its first rounds), later ones "
                                  "at audit_rate")

@@ -276,9 +276,9 @@ class Node:
                                         group_wait_cap_s=cfg.outer_round_deadline - cfg.averaging_timeout,
                                         request_timeout_s=cfg.request_timeout)
         # synchronous sparse whole-model rounds with catch-up: a (re-)joiner computes the next round while the
-        # swarm finishes the current one and merges its update mid-round (daemon/join_ahead.py); audits would
-        # see a round start other than theta_{r-1}, so not with them
-        if self.updates is not None and cfg.overlap == "none" and not self.staged and not cfg.audit_rate:
+        # swarm finishes the current one and merges its update mid-round (daemon/join_ahead.py); such a round
+        # starts from theta_{r-2}, which an auditor would not replay, so it commits nothing (_inner_steps)
+        if self.updates is not None and cfg.overlap == "none" and not self.staged:
             self.ahead = JoinAhead(self.state, self.progress, self.transfer.fetch_update, self._published_step,
                                    ThreadPoolExecutor(max_workers=1, thread_name_prefix="join-ahead"))
         self.transfer.attach(self.averagers[sizes[0]], self.updates, self.results, ahead=self.ahead is not None,
@@ -600,7 +600,9 @@ class Node:
         losses, start = [], time.monotonic()
         if self.cfg.assigned_data:  # the swarm chooses the round's batches (dilocox/assignment.py)
             st.assign_data(assigned_shard_key(self.cfg.run_id, self.swarm.peer_id, st.round), skip)
-        if self.audits is not None:  # the round's start state, committed before anyone knows who audits it
+        # the round's start state, committed before anyone knows who audits it; a round computed ahead (from
+        # theta_{r-2}) goes out unauditable, as a joiner's partial round does
+        if self.audits is not None and not (self.ahead is not None and self.ahead.behind()):
             self.audits.commit(st.round, skip)
         self._set_state(State.TRAINING, inner_step=skip)
         pin = torch.device(getattr(st.inner, "device", "cpu")).type == "cuda"

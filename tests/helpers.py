@@ -8,11 +8,16 @@ import psutil
 
 from tests.harness.localswarm import LocalNode, digests_by_step, node_env, peers_on_loopback  # noqa: F401 (re-exported)
 
-# Seconds-scale timeouts and a tiny model so a round takes ~2 s (matchmaking window dominates).
-FAST = ["--model", "tiny", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0",
-        "--request-timeout", "1", "--matchmaking-time", "2", "--averaging-timeout", "8",
-        "--outer-round-deadline", "30", "--announce-period", "1", "--inner-steps", "20",
-        "--warmup-steps", "10", "--total-steps", "2000", "--eval-batches", "2"]
+# Seconds-scale timeouts and a tiny model so a round takes ~2 s (matchmaking window dominates); every other
+# setting is the default.
+FAST_DEFAULTS = ["--model", "tiny", "--listen", "/ip4/127.0.0.1/tcp/0", "--status-addr", "127.0.0.1:0",
+                 "--request-timeout", "1", "--matchmaking-time", "2", "--averaging-timeout", "8",
+                 "--outer-round-deadline", "30", "--announce-period", "1", "--inner-steps", "20",
+                 "--warmup-steps", "10", "--total-steps", "2000", "--eval-batches", "2"]
+# The same without recomputation audits (on by default: a newcomer's first 5 rounds are each recomputed by a
+# group-mate, which doubles the CPU load of a young swarm on CI's 2 cores): tests whose subject is not audits.
+# tests/test_audit_swarm.py runs the defaults.
+FAST = FAST_DEFAULTS + ["--audit-rate", "0"]
 
 
 def start(workdir: Path, name: str, args: list[str]) -> LocalNode:

@@ -1,7 +1,8 @@
-"""Recomputation audits on real peers (daemon/audits.py): two small-norm liars of five, which the robust rule lets
-through, are audited, accused, checked by the other members and excluded by their group's vote from the same round
-on all of them, while the honest members never accuse each other, never skip, apply alone or re-sync around the
-exclusions, reach the last step while the pair keeps running, and keep one theta."""
+"""Recomputation audits on real peers with the defaults (daemon/audits.py; rate 0.1 after a 5-round probation at
+rate 1): two small-norm liars of five, which the robust rule lets through, are audited, accused, checked by the
+other members and excluded by their group's vote from the same round on all of them, while the honest members never
+accuse each other, never skip, apply alone or re-sync around the exclusions, reach the last step while the pair keeps
+running, and keep one theta."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import time
 
 import pytest
 
-from tests.helpers import FAST, start
+from tests.helpers import FAST_DEFAULTS, start
 
 pytestmark = [pytest.mark.integration, pytest.mark.swarm]  # 47 s: test-swarm (make test's budget)
 
 
 def test_two_small_norm_liars_are_caught_and_excluded_by_every_honest_member_from_the_same_round(tmp_path):
     steps = 14
-    args = FAST + ["--run-id", "audits", "--min-replicas", "5", "--audit-rate", "1.0", "--max-outer-steps", str(steps)]
+    args = FAST_DEFAULTS + ["--run-id", "audits", "--min-replicas", "5", "--max-outer-steps", str(steps)]
     a = start(tmp_path, "a", args)
     others = [start(tmp_path, n, args + ["--join", a.join_maddr]) for n in ("b", "c")]
     liars = [start(tmp_path, n, args + ["--join", a.join_maddr, "--attack", "bench.attacks.gradient:InnerProduct"])

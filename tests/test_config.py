@@ -8,7 +8,7 @@ import os
 
 import pytest
 from dilocox.daemon.config import ConfigError, add_flags, load_config
-from dilocox.daemon.config_sections import IMAGE_DATA, data_digest
+from dilocox.daemon.config_sections import DEFAULT_AUDIT_RATE, IMAGE_DATA, data_digest
 
 
 def parse(argv):
@@ -106,11 +106,15 @@ def test_bad_file(tmp_path):
 def test_swarm_settings_cover_what_replicas_must_share_and_nothing_per_node():
     base = load_config(parse(["--total-steps", "3000", "--inner-steps", "30"]), {})
     assert "lr=2.5->4.5 over 100 rounds" in base.swarm_settings() and len(base.settings_digest()) == 16
-    # per-node choices: the digest stays
-    for flags in (["--seed", "3"], ["--data-seed", "5"], ["--sparse-beta", "0.95"], ["--matchmaking-time", "10"],
-                  ["--max-outer-steps", "7"], ["--run-id", "other"], ["--checkpoint-dir", "/tmp/x"]):
+    # per-node choices: the digest stays (the seed and data too where nobody audits: --audit-rate 0)
+    for flags in (["--sparse-beta", "0.95"], ["--matchmaking-time", "10"], ["--max-outer-steps", "7"],
+                  ["--run-id", "other"], ["--checkpoint-dir", "/tmp/x"]):
         cfg = load_config(parse(["--total-steps", "3000", "--inner-steps", "30", *flags]), {})
         assert cfg.settings_digest() == base.settings_digest(), flags
+    unaudited = load_config(parse(["--total-steps", "3000", "--inner-steps", "30", "--audit-rate", "0"]), {})
+    for flags in (["--seed", "3"], ["--data-seed", "5"]):
+        cfg = load_config(parse(["--total-steps", "3000", "--inner-steps", "30", "--audit-rate", "0", *flags]), {})
+        assert cfg.settings_digest() == unaudited.settings_digest(), flags
     # what changes theta's outer steps or the codes: the digest changes
     for flags in (["--outer-lr", "2.5"], ["--outer-lr-final", "5"], ["--total-steps", "6000"],
                   ["--inner-steps", "20"], ["--inner-lr", "2e-3"], ["--aggregation", "median"],
@@ -203,8 +207,13 @@ def test_inner_optimizer_flags():
 
 def test_audit_rate_flag():
     on = load_config(parse(["--audit-rate", "0.6"]), {})
-    assert on.audit_rate == 0.6 and "audits=0.6" in on.swarm_settings()
-    assert "audits" not in load_config(parse([]), {}).swarm_settings()  # off by default: digests unchanged
+    assert on.audit_rate == 0.6 and "audits=0.6(probation=5)" in on.swarm_settings()
+    # on by default where rounds can be recomputed, off elsewhere (and with --audit-rate 0)
+    assert load_config(parse([]), {}).audit_rate == DEFAULT_AUDIT_RATE == 0.1
+    assert "audits" not in load_config(parse(["--audit-rate", "0"]), {}).swarm_settings()
+    for flags in (["--overlap", "adaptive"], ["--compression", "adaptive"], ["--compression", "shared"],
+                  ["--outer-algorithm", "scaffold"], ["--stage", "0/2"], ["--workload", "synthetic:1M:0.1"]):
+        assert load_config(parse(flags), {}).audit_rate == 0.0, flags
     for flags in (["--overlap", "adaptive"], ["--compression", "adaptive"], ["--outer-algorithm", "scaffold"],
                   ["--stage", "0/2"], ["--workload", "synthetic:1M:0.1"]):
         with pytest.raises(ConfigError, match="audit_rate needs synchronous sparse rounds"):

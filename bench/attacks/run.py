@@ -5,13 +5,15 @@ Each cell is a real swarm on loopback (tests/harness/localswarm.py): R replicas 
 running the daemon with ``--attack``; the same seed and data shards in every cell. Per cell: the
 honest nodes' validation loss at the end (mean over honest nodes) and its change against the clean
 run of the same defense, the backdoor success rate of an honest node's final parameters (the text
-backdoor only), rounds the honest nodes skipped, honest nodes that crashed, and outer steps at which
-honest nodes hold different parameters (a split). Writes runs/bench/attacks.{json,csv,png}.
-``--defenses audits`` adds recomputation audits (``--audit-rate 0.57``) to the default defense; its cells also
-give the outer step at which each honest node excluded a liar, and honest peers excluded (false exclusions).
+backdoor only), rounds the honest nodes skipped, re-synced or applied alone, honest nodes that crashed, and outer
+steps at which honest nodes hold different parameters (a split). Writes runs/bench/attacks.{json,csv,png}. The swarm
+assigns each replica's data per round (dilocox/assignment.py). Defenses: ``default`` (the daemon's: robust
+aggregation and recomputation audits at 0.1 after a 5-round probation), ``robust`` (without audits), ``none``,
+``audits-0.49``; audited cells also give the outer step at which each honest node's group excluded a liar, and
+honest peers voted against or excluded (false exclusions).
 
     python -m bench.attacks.run --replicas 5 --malicious 1 2 --outer-steps 12
-    python -m bench.attacks.run --defenses default audits --attacks inner-product sign-flip \
+    python -m bench.attacks.run --defenses robust default --attacks inner-product sign-flip \
         --out runs/bench/attacks-audits/cells
 """
 
@@ -45,8 +47,11 @@ ATTACKS = {
     "inner-product": "bench.attacks.gradient:InnerProduct",
     "chosen-data": "bench.attacks.chosen:ChosenData",
 }
-# audits: the rate that catches 2 liars of 5 within 10 rounds with probability 0.99 (dilocox.audit.audit_rate_for)
-DEFENSES = {"none": ["--aggregation", "mean", "--norm-bound", "0"], "default": [], "audits": ["--audit-rate", "0.57"]}
+# default: the daemon's defaults (norm bound + CenteredClip, audits at 0.1 after a 5-round probation at rate 1, the
+# group's exclusion vote, assigned data); robust: the same without audits; none: neither; audits-0.49: the rate that
+# catches 2 liars of 5 within 10 rounds with probability 0.99 (dilocox.audit.audit_rate_for)
+DEFENSES = {"none": ["--aggregation", "mean", "--norm-bound", "0", "--audit-rate", "0"], "default": [],
+            "robust": ["--audit-rate", "0"], "audits-0.49": ["--audit-rate", "0.49"]}
 COMMON = ["--model", "tiny", "--inner-steps", "20", "--warmup-steps", "10", "--request-timeout", "1",
           "--matchmaking-time", "2", "--averaging-timeout", "10", "--outer-round-deadline", "40",
           "--announce-period", "1", "--eval-batches", "4", "--listen", "/ip4/127.0.0.1/tcp/0",
@@ -90,7 +95,7 @@ def run_cell(attack: str | None, malicious: int, defense: str, replicas: int, ou
                 dropped=sum(len(r.get("dropped", [])) for rs in rows for r in rs),
                 # audits: outer step at which each honest node's group first excluded a liar (None: never); honest
                 # peers any honest node voted against or saw excluded (false exclusions)
-                liar_excluded_at=excluded if defense == "audits" else [],
+                liar_excluded_at=excluded if defense in ("default", "audits-0.49") else [],
                 honest_excluded=len({p for rs in rows for r in rs
                                      for p in [*r.get("audit_votes", ()), *r.get("excluded", ())]} - liars),
                 resynced=sum(r["outcome"] == "resynced" for rs in rows for r in rs),
