@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
 import logging
 import math
 import queue
@@ -36,8 +35,10 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import BinaryIO, Optional
 
+import safetensors.torch
 import torch
 from dilocox.peers.spill import Spill
 
@@ -69,17 +70,29 @@ class RoundRecord:
     inputs: dict
 
 
-def write_state(f: BinaryIO, optimizer_state: dict, error: list[torch.Tensor]) -> None:
-    """A start state written to ``f``: torch.save of tensors and numbers only (``torch.load(weights_only=True)``
-    reads it)."""
-    torch.save({"optimizer": optimizer_state, "error": [e.detach().cpu() for e in error]}, f)
+def state_tensors(optimizer_state: dict, error: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A start state as named CPU tensors (safetensors' layout): ``opt.{i}.{key}`` for parameter i's inner-optimizer
+    entries (a number as a 0-dim float64 tensor; None, SGD's absent momentum, left out) and ``error.{j}`` for the
+    error-feedback buffer. Views where the tensors are contiguous CPU ones: nothing is copied."""
+    out = {}
+    for i, entry in optimizer_state["state"].items():
+        for key, value in entry.items():
+            if value is not None:
+                out[f"opt.{i}.{key}"] = value.detach().cpu().contiguous() if isinstance(value, torch.Tensor) \
+                    else torch.tensor(float(value), dtype=torch.float64)
+    out.update({f"error.{j}": e.detach().cpu().contiguous() for j, e in enumerate(error)})
+    return out
+
+
+def write_state(path: Path, optimizer_state: dict, error: list[torch.Tensor]) -> None:
+    """A start state written to ``path`` by safetensors (a JSON header and the raw tensor bytes, written as they lie
+    in memory: no pickling, no serialized copy)."""
+    safetensors.torch.save_file(state_tensors(optimizer_state, error), str(path))
 
 
 def encode_state(optimizer_state: dict, error: list[torch.Tensor]) -> bytes:
     """``write_state``'s bytes in memory."""
-    buf = io.BytesIO()
-    write_state(buf, optimizer_state, error)
-    return buf.getvalue()
+    return safetensors.torch.save(state_tensors(optimizer_state, error))
 
 
 def write_tensors(f: BinaryIO, tensors: list[torch.Tensor]) -> None:
@@ -100,10 +113,21 @@ def decode_state(blob: bytes, params: list[torch.Tensor], param_groups: list) ->
     """(inner optimizer state_dict with OUR ``param_groups``, error-feedback buffer) from a peer's bytes. Raises
     ValueError naming what does not fit ``params`` (shapes, non-finite values, missing entries)."""
     try:
-        raw = torch.load(io.BytesIO(blob), weights_only=True)
-        state, error = raw["optimizer"]["state"], list(raw["error"])
-    except Exception as e:  # any unpickling or layout problem of untrusted bytes
+        raw = safetensors.torch.load(bytes(blob))
+    except Exception as e:  # any header or layout problem of untrusted bytes (safetensors validates both)
         raise ValueError(f"start state does not load: {type(e).__name__}: {str(e)[:120]}") from e
+    state: dict = {}
+    error_at: dict = {}
+    for name, value in raw.items():
+        kind, _, rest = name.partition(".")
+        index, _, key = rest.partition(".")
+        if not index.isdigit() or (kind, bool(key)) not in (("opt", True), ("error", False)):
+            raise ValueError(f"start state: unexpected entry {name[:80]!r}")
+        if kind == "opt":
+            state.setdefault(int(index), {})[key] = value
+        else:
+            error_at[int(index)] = value
+    error = [error_at[j] for j in sorted(error_at)] if sorted(error_at) == list(range(len(error_at))) else []
     audit_shapes = [tuple(p.shape) for p in params]
     if [tuple(getattr(e, "shape", ())) for e in error] != audit_shapes:
         raise ValueError("start state: the error-feedback buffer does not fit the model")
@@ -181,7 +205,7 @@ class Audits:
             return
         st = self.state
         optimizer_state = st.inner.inner_optimizer.state_dict()  # references: written to the file now, not copied
-        blob = self.spill.keep(lambda f: write_state(f, optimizer_state, st.compressor.error))
+        blob = self.spill.keep_path(lambda path: write_state(path, optimizer_state, st.compressor.error))
         self.server.offer(f"state/{r}", blob)
         theta = self.spill.keep(lambda f: write_tensors(f, st.outer.global_params))
         # hashed beside the inner steps: the digest is only needed when the round's metadata is gathered

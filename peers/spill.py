@@ -38,6 +38,21 @@ class Spill:
             return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # the map keeps the file once it is closed
 
 
+    def keep_path(self, write: Callable[[Path], None]) -> mmap.mmap | bytes:
+        """As ``keep``, for a writer that wants a path (a library that opens the file itself): ``write(path)`` runs on
+        a new file in ``directory``, which is mapped and unlinked as soon as it returns (or raises)."""
+        with tempfile.NamedTemporaryFile(dir=self.directory, prefix="served-", delete=False) as f:
+            path = Path(f.name)
+        try:
+            write(path)
+            with path.open("rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return b""
+                return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        finally:
+            path.unlink(missing_ok=True)
+
+
 def spill_directory(checkpoint_dir: Optional[str | os.PathLike]) -> Optional[Path]:
     """Where a node keeps its served payloads: ``<checkpoint_dir>/served`` if it has one, else None (TMPDIR)."""
     return None if checkpoint_dir is None else Path(checkpoint_dir) / "served"
