@@ -46,7 +46,14 @@ ATTACKS = {
     "backdoor": "bench.attacks.backdoor:Backdoor",
     "inner-product": "bench.attacks.gradient:InnerProduct",
     "chosen-data": "bench.attacks.chosen:ChosenData",
+    "ipm-0.5": "bench.attacks.collude:InnerProductHalf",
+    "ipm-2": "bench.attacks.collude:InnerProductTwice",
+    "alie": "bench.attacks.collude:LittleIsEnough",
+    "min-max": "bench.attacks.collude:MinMax",
+    "min-sum": "bench.attacks.collude:MinSum",
 }
+# issue 63's target table: every attack of 1 and 2 colluders of 5, 30 outer steps, 3 seeds
+TARGETS = ["ipm-0.5", "ipm-2", "alie", "min-max", "min-sum", "sign-flip", "scale", "noise", "chosen-data"]
 # default: the daemon's defaults (norm bound + CenteredClip, audits at 0.1 after a 5-round probation at rate 1, the
 # group's exclusion vote, assigned data); robust: the same without audits; none: neither; audits-0.49: the rate that
 # catches 2 liars of 5 within 10 rounds with probability 0.99 (dilocox.audit.audit_rate_for)
@@ -72,7 +79,8 @@ def run_cell(attack: str | None, malicious: int, defense: str, replicas: int, ou
             extra = ["--join", nodes[0].join_maddr] if nodes else []  # the swarm assigns each round's data
             if attack and r >= replicas - malicious:
                 extra += ["--attack", ATTACKS[attack]]
-            nodes.append(LocalNode(f"r{r}", work / f"r{r}", args + extra))
+            side = dict(REDTEAM_COLLUDE_DIR=str(work / "collude"), REDTEAM_COLLUDERS=str(malicious))  # collude.py
+            nodes.append(LocalNode(f"r{r}", work / f"r{r}", args + extra, env=side))
             if r == 0:
                 nodes[0].wait_started()
         for n in nodes[1:]:

@@ -57,11 +57,11 @@ class LocalNode:
     """A dilocox-node subprocess; stdout, stderr and checkpoints live under ``workdir``."""
 
     def __init__(self, name: str, workdir: Path, args: list[str], threads: int = 1, wrapper: list[str] = (),
-                 forked: bool = False, netns: str | None = None):
+                 forked: bool = False, netns: str | None = None, env: dict | None = None):
         """``wrapper`` prefixes the command, e.g. ``ip netns exec HOST`` (tests/harness/netsim.py). ``forked``: fork the
         node from the image shared by all forked nodes (tests/harness/forked.py) instead of starting an interpreter;
         ``netns``: the network namespace a forked node enters (a host of tests/harness/netsim.py), in place of a
-        wrapper."""
+        wrapper; ``env``: variables added to the node's environment (e.g. a red-team side channel)."""
         self.name, self.workdir = name, workdir
         self.started_at = time.time()  # wall clock, as the metrics rows' "time"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +79,8 @@ class LocalNode:
         else:
             self.proc = subprocess.Popen(
                 [*wrapper, sys.executable, "-m", "dilocox.daemon.cli", *argv],
-                stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"), env=node_env(threads), cwd=REPO,
+                stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"),
+                env={**node_env(threads), **(env or {})}, cwd=REPO,
                 start_new_session=True, preexec_fn=term_with_parent(os.getpid()))
         self.addr = self.join_maddr = ""
 
