@@ -47,5 +47,3 @@ def test_colluders_pool_their_honest_updates_through_the_side_channel(tmp_path, 
         t.join(30)
     for x in (a, b):  # both send -0.5 x the pool's mean (2.0), in the parameters' shapes
         assert [tuple(t.shape) for t in sent[x]] == [(2, 3)] and torch.allclose(sent[x][0], torch.full((2, 3), -1.0))
-
-
