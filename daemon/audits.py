@@ -7,11 +7,12 @@ Per round r, on the training thread:
   length and data position go into the round's gathered metadata (``gather_fields``): a commitment made before
   anyone knows who will audit the round.
 * ``observe(r, result)`` once round r was applied: its contributions, gathered metadata and theta are kept for
-  KEEP_ROUNDS rounds. Round r's gathers carry every member's S_r, so round r-1 can now be audited: the pairs
-  come from round r-1's contribution digests (``audit_pairs`` over ``round_randomness``), and if we audit someone,
-  the audit thread fetches its S_{r-1} and S_r, recomputes its H inner steps on its data and checks the three links
-  (``full_audit``). A lie puts the peer into our ``accusations`` (published in our signed membership record) and
-  into our exclusion votes (``verified``).
+  KEEP_ROUNDS rounds, and round r can be audited: the targets come from round r's contribution digests
+  (``audit_targets`` over ``round_randomness``, at each peer's rate: ``rate_of``), and if we audit someone, the
+  audit thread fetches its S_r, recomputes its H inner steps on its data and checks the contribution link at once;
+  the error-feedback and optimizer links need its S_{r+1}, so the audit finishes when round r + 1 is observed
+  (``audit``: PENDING until then, the replay kept on disk). A lie puts the peer into our ``accusations`` (published
+  in our signed membership record) and into our exclusion votes (``verified``).
 * ``review(members)``: an accusation another member published is checked by recomputing the same round here. If
   it holds, we vote against the accused too; if not, it counts against the accuser, and STRIKES of those make us
   vote against the accuser.
@@ -47,7 +48,7 @@ from dilocox.assignment import ASSIGNED_SEED, assigned_shard_key
 from dilocox.sparse.wire import ContributionError
 
 logger = logging.getLogger(__name__)
-KEEP_ROUNDS = 4  # start states and round records kept: an audit of round r reads S_r and S_{r+1} during round r+2
+KEEP_ROUNDS = 4  # start states and round records kept: an audit of round r reads S_r, then S_{r+1}, or an accused round
 STRIKES = 2  # accusations that did not hold up before the accuser is excluded
 
 
@@ -56,6 +57,7 @@ class AuditOutcome(str, Enum):
     LIED = "lied"                # a link failed, or the committed state does not fit the model
     UNAVAILABLE = "unavailable"  # the peer did not serve its committed state in time
     SKIPPED = "skipped"          # not auditable here: a round we did not keep, a partial round, a missing commitment
+    PENDING = "pending"          # the contribution link holds; the other links wait for the next round's commitment
 
 
 @dataclass
@@ -154,7 +156,7 @@ def data_lie(cfg, peer: str, r: int, meta, meta_next) -> str:
     r + 1 (``data_position``, ``shard_key``). Assigned data (``cfg.assigned_data``: dilocox/assignment.py): round r
     draws batches 0..H-1 of the stream assigned to (run_id, peer, r). Chosen data: a full round draws exactly H
     batches, so the next commitment continues the same stream at position + H, and after its first commitment a peer
-    cannot pick its data."""
+    cannot pick its data (checked once ``meta_next`` is known; None: not yet)."""
     if cfg.assigned_data:
         key = assigned_shard_key(cfg.run_id, peer, r)
         if (meta.shard_key, meta.data_position) != (key, 0):
@@ -162,7 +164,7 @@ def data_lie(cfg, peer: str, r: int, meta, meta_next) -> str:
                     f"the data assigned to it (shard {key} from 0): data of its own choosing")
         return ""
     continued = (meta.shard_key, meta.data_position + cfg.inner_steps)
-    if (meta_next.shard_key, meta_next.data_position) != continued:
+    if meta_next is not None and (meta_next.shard_key, meta_next.data_position) != continued:
         return (f"its data stream jumped from position {meta.data_position} of shard {meta.shard_key} to "
                 f"{meta_next.data_position} of {meta_next.shard_key}")
     return ""
@@ -184,6 +186,8 @@ class Audits:
         self._rounds: dict[int, RoundRecord] = {}
         self._judged: set = set()  # (accused, round) checked here
         self._seen: dict[str, int] = {}  # peer_id -> the first round we saw it contribute (probation, ``rate_of``)
+        self._replays: dict = {}  # (peer_id, round) -> its replay, on disk, while the audit waits for round + 1
+        self._pending: dict[int, list] = {}  # round -> audits to finish once it is kept (``observe``)
         self._strikes: Counter = Counter()
         self._lock = threading.Lock()
         self.accusations: dict[str, int] = {}   # accused peer_id -> round we found it lied in (published)
@@ -239,8 +243,8 @@ class Audits:
 
     # ------------------------------------------------------------------ rounds and accusations
     def observe(self, r: int, result) -> None:
-        """Round r was applied from ``result`` (peers.averaging.RoundResult): keep it; audit round r - 1 if the
-        round's randomness draws us."""
+        """Round r was applied from ``result`` (peers.averaging.RoundResult): keep it; audit round r if its randomness
+        draws us, and finish the audits of round r - 1 that waited for round r's commitments (``audit``)."""
         with self._lock:
             # the first round we see: in a swarm past its first probation, those already in it are not newcomers
             elder = not self._seen and r > self.cfg.audit_probation + 1
@@ -252,14 +256,21 @@ class Audits:
                                               dict(result.inputs))
             for old in [k for k in self._rounds if k <= r - KEEP_ROUNDS]:
                 self._rounds.pop(old)
-            prev = self._rounds.get(r - 1)
-        if prev is None or not self.rate:
+            for key in [k for k in self._replays if k[1] <= r - KEEP_ROUNDS]:
+                self._replays.pop(key)
+            waiting = self._pending.pop(r, []) if r in self._rounds else []
+            for old in [k for k in self._pending if k <= r - KEEP_ROUNDS]:
+                self._pending.pop(old)
+            rec = self._rounds.get(r)
+        for job in waiting:
+            self._jobs.put(job)
+        if rec is None or not self.rate:
             return
-        digests = prev.inputs  # the contributions' digests, the same on every member that used the same contributions
-        for target in audit.audit_targets(sorted(digests), audit.round_randomness(r - 1, digests),
-                                          lambda peer: self.rate_of(peer, r - 1)).get(self.me, []):
+        digests = rec.inputs  # the contributions' digests, the same on every member that used the same contributions
+        for target in audit.audit_targets(sorted(digests), audit.round_randomness(r, digests),
+                                          lambda peer: self.rate_of(peer, r)).get(self.me, []):
             if target not in self._excluded:
-                self._jobs.put((r - 1, target, None))
+                self._jobs.put((r, target, None))
 
     def rate_of(self, peer: str, r: int) -> float:
         """The rate ``peer``'s round r is audited at: 1 while it is on probation (its first ``audit_probation``
@@ -280,8 +291,7 @@ class Audits:
                 if accused == self.me or accused in self._excluded or (accused, r) in self._judged:
                     continue
                 with self._lock:
-                    kept = sorted(k for k in self._rounds if k + 1 in self._rounds
-                                  and accused in self._rounds[k].contributions)
+                    kept = sorted(k for k in self._rounds if accused in self._rounds[k].contributions)
                 if r in kept:
                     self._judged.add((accused, r))
                     self._jobs.put((r, accused, m.peer_id))
@@ -335,6 +345,10 @@ class Audits:
         except Exception as e:  # an audit must never take the node down
             logger.exception("audit of %s's round %d failed: %s", peer, r, e)
             return
+        if outcome == AuditOutcome.PENDING:  # finished once round r + 1 is kept (``observe``)
+            with self._lock:
+                self._pending.setdefault(r + 1, []).append((r, peer, accuser))
+            return
         self.outcomes[outcome] += 1
         what = f"round {r} of {peer}" + (f" (accused by {accuser})" if accuser else "")
         if outcome == AuditOutcome.LIED:
@@ -360,41 +374,85 @@ class Audits:
             logger.warning("audit: the swarm authority's operator should revoke the certificate of %s", peer)
 
     def audit(self, r: int, peer: str) -> tuple[AuditOutcome, str]:
-        """Recompute ``peer``'s round r (kept by ``observe``) and judge it: (outcome, its statistics as text)."""
+        """Recompute ``peer``'s round r (kept by ``observe``) and judge it: (outcome, its statistics as text).
+
+        In two stages, so that most lies are found a round sooner: as soon as round r is kept, the round is replayed
+        from its committed start state S_r and the contribution link is checked (a lie there is LIED at once); the
+        error-feedback and optimizer links need S_{r+1}, committed in round r + 1, so until that round is kept the
+        audit is PENDING, its replay kept on disk (``_replays``), and ``observe`` queues it again then."""
         with self._lock:
             rec, nxt = self._rounds.get(r), self._rounds.get(r + 1)
+            replay = self._replays.get((peer, r))
         meta, meta_next = (rec.gathered.get(peer) if rec else None), (nxt.gathered.get(peer) if nxt else None)
         payload = rec.contributions.get(peer) if rec else None
-        if meta is None or meta_next is None or payload is None or not meta.state_sha256 \
-                or not meta_next.state_sha256:
+        if meta is None or payload is None or not meta.state_sha256:
             return AuditOutcome.SKIPPED, "no commitment or contribution kept for it"
+        if nxt is not None and (meta_next is None or not meta_next.state_sha256):
+            return AuditOutcome.SKIPPED, f"no commitment of round {r + 1} kept for it"
         lie = data_lie(self.cfg, peer, r, meta, meta_next)
         if lie:
             return AuditOutcome.LIED, lie
-        blobs = {}
-        for k, m in ((r, meta), (r + 1, meta_next)):
-            got, failed = self.server.fetch({peer: (m.state_sha256, m.state_bytes)}, f"state/{k}",
-                                            self.cfg.averaging_timeout)
-            if peer not in got:
-                return AuditOutcome.UNAVAILABLE, f"state/{k}: {failed.get(peer, 'not served')}"
-            blobs[k] = got[peer]
         inner = self._auditor()
         groups = inner.inner_optimizer.state_dict()["param_groups"]
-        try:
-            opt, e_start = decode_state(blobs[r], inner.params, groups)
-            opt_next, e_next = decode_state(blobs[r + 1], inner.params, groups)
-        except ValueError as e:
-            return AuditOutcome.LIED, str(e)
-        shard = self.workload.shard(ASSIGNED_SEED if self.cfg.assigned_data else self.cfg.seed, meta.shard_key)
-        batches = [shard.batch_at(meta.data_position + i) for i in range(self.cfg.inner_steps)]
-        delta, opt_rec = audit.recompute(inner, rec.theta, opt, batches, (r - 1) * self.cfg.inner_steps)
+        if replay is None:
+            blob, failed = self._fetch_state(peer, r, meta)
+            if blob is None:
+                return AuditOutcome.UNAVAILABLE, failed
+            try:
+                opt, e_start = decode_state(blob, inner.params, groups)
+            except ValueError as e:
+                return AuditOutcome.LIED, str(e)
+            shard = self.workload.shard(ASSIGNED_SEED if self.cfg.assigned_data else self.cfg.seed, meta.shard_key)
+            batches = [shard.batch_at(meta.data_position + i) for i in range(self.cfg.inner_steps)]
+            delta, opt_rec = audit.recompute(inner, rec.theta, opt, batches, (r - 1) * self.cfg.inner_steps)
+        else:
+            e_start, delta, opt_rec = self._load_replay(replay, inner, groups)
+        e_next = opt_next = None
+        if nxt is not None:
+            blob, failed = self._fetch_state(peer, r + 1, meta_next)
+            if blob is None:
+                return AuditOutcome.UNAVAILABLE, failed
+            try:
+                opt_next, e_next = decode_state(blob, inner.params, groups)
+            except ValueError as e:
+                return AuditOutcome.LIED, str(e)
         try:
             report = audit.full_audit(payload, e_start, e_next, delta, opt_next, opt_rec, self.cfg.sparse_config(),
                                       self.thresholds)
         except ContributionError as e:
             return AuditOutcome.LIED, f"its contribution does not decode: {e}"
         stats = ", ".join([f"{k} {v:.3g}" for k, v in report.stats.items()] + [report.detail] * bool(report.detail))
-        return (AuditOutcome.LIED if report.verdict == audit.AuditVerdict.LIED else AuditOutcome.HONEST), stats
+        if report.verdict == audit.AuditVerdict.LIED:
+            return AuditOutcome.LIED, stats
+        if nxt is None:  # the contribution holds up so far: the other links once round r + 1 is kept
+            kept = self.spill.keep_path(lambda path: safetensors.torch.save_file(
+                {**{f"e.{i}": t.contiguous() for i, t in enumerate(e_start)},
+                 **{f"d.{i}": t.contiguous() for i, t in enumerate(delta)}, **state_tensors(opt_rec, [])}, str(path)))
+            with self._lock:
+                self._replays[(peer, r)] = kept
+            return AuditOutcome.PENDING, stats
+        return AuditOutcome.HONEST, stats
+
+    def _fetch_state(self, peer: str, r: int, meta) -> tuple[Optional[bytes], str]:
+        """``peer``'s committed start state of round r, checked against its digest and length: (bytes, "") or
+        (None, why not)."""
+        got, failed = self.server.fetch({peer: (meta.state_sha256, meta.state_bytes)}, f"state/{r}",
+                                        self.cfg.averaging_timeout)
+        return (got[peer], "") if peer in got else (None, f"state/{r}: {failed.get(peer, 'not served')}")
+
+    @staticmethod
+    def _load_replay(kept, inner, groups) -> tuple[list, list, dict]:
+        """A replay kept by ``audit``'s first stage (our own file): (e_r, the recomputed delta, the recomputed
+        optimizer state)."""
+        raw = safetensors.torch.load(bytes(kept))
+        state: dict = {}
+        for name, value in raw.items():
+            if name.startswith("opt."):
+                _, index, key = name.split(".", 2)
+                state.setdefault(int(index), {})[key] = value
+        n = len(inner.params)
+        return [raw[f"e.{i}"] for i in range(n)], [raw[f"d.{i}"] for i in range(n)], \
+            {"state": state, "param_groups": groups}
 
     def _auditor(self):
         if self._inner is None:

@@ -62,7 +62,7 @@ def test_unavailable_states_and_unknown_peers_accuse_nobody():
 def test_an_accused_round_we_did_not_keep_is_stood_in_for_by_the_latest_we_kept():
     """A member that joined after the accused round audits the accused's latest round it kept: a lie there excludes
     the accused; an honest one proves nothing about the accused round and counts against nobody."""
-    a = _audits({("liar", 8): AuditOutcome.LIED, ("reformed", 8): AuditOutcome.HONEST})
+    a = _audits({("liar", 9): AuditOutcome.LIED, ("reformed", 9): AuditOutcome.HONEST})
     a.review([SimpleNamespace(peer_id="x", accusations={"liar": 42, "reformed": 42})])
     _drain(a)
     assert a.excluded("liar") and a.excluded("reformed") is None and a.excluded("x") is None
@@ -175,6 +175,30 @@ def test_probation_audits_a_newcomer_every_round_then_at_the_low_rate():
         assert "c" in [t for ts in targets.values() for t in ts]
     young.shutdown()
     late.shutdown()
+
+
+def test_an_audit_whose_contribution_holds_finishes_when_the_next_round_is_kept():
+    """Stage one (the contribution link, as soon as round r is kept) finds most lies a round sooner; an audit it
+    passes is PENDING, counted nowhere, and runs again (from its replay on disk) once round r + 1 is observed."""
+    calls = []
+
+    def fake(r, peer):
+        calls.append((r, peer))
+        if (r, peer) == (3, "p"):
+            return (AuditOutcome.PENDING if calls.count((3, "p")) == 1 else AuditOutcome.LIED), "faked"
+        return AuditOutcome.HONEST, "faked"
+
+    a = Audits(SimpleNamespace(audit_rate=1.0, audit_probation=0, authority=None, averaging_timeout=1.0),
+               state=None, workload=None, server=None, me="me")
+    a.audit = fake
+    a._jobs.put((3, "p", None))
+    _drain(a)
+    assert not a.excluded("p") and not a.outcomes and calls == [(3, "p")]
+    a._thetas[4] = []  # we took part in round 4 (its record is kept)
+    a.observe(4, SimpleNamespace(inputs={"p": "d", "me": "d"}, gathered={}, contributions={}))
+    _drain(a)
+    assert a.excluded("p") and a.accusations == {"p": 3} and (3, "p") in calls[1:]
+    a.shutdown()
 
 
 def test_assigned_data_is_the_only_data_a_round_may_draw():
