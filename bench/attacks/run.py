@@ -173,13 +173,17 @@ def _plot(cells: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     labels = [f"{c['attack']}\nm={c['malicious']} {c['defense']}" for c in cells]
+    names = ["blue", "orange", "green", "red"]  # matplotlib's first colours, C0-C3
+    defenses = list(dict.fromkeys(c["defense"] for c in cells))[:len(names)]
+    colour = {d: f"C{i}" for i, d in enumerate(defenses)}
     ax.bar(range(len(cells)), [100 * c["vs_clean"] for c in cells],
-           color=["C0" if c["defense"] == "default" else "C3" for c in cells])
+           color=[colour.get(c["defense"], "C7") for c in cells])
     ax.axhline(2, color="k", ls="--", lw=0.8)
     ax.set_xticks(range(len(cells)), labels, rotation=70, fontsize=7)
     ax.set_ylabel("honest validation loss vs clean run (%)")
     ax.set_yscale("symlog")
-    ax.set_title("attacks on a real swarm (blue: default defense, red: plain mean)")
+    key = ", ".join(f"{names[i]}: {d}" for i, d in enumerate(defenses))
+    ax.set_title(f"attacks on a real swarm, 5 replicas ({key}; dashed: +2%)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
