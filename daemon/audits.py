@@ -387,6 +387,8 @@ class Audits:
         payload = rec.contributions.get(peer) if rec else None
         if meta is None or payload is None or not meta.state_sha256:
             return AuditOutcome.SKIPPED, "no commitment or contribution kept for it"
+        if meta.client_mode:  # behind a NAT: nobody can dial it for its committed state, and no member relays that
+            return AuditOutcome.SKIPPED, "a client (--client-mode): its committed state cannot be fetched"
         if nxt is not None and (meta_next is None or not meta_next.state_sha256):
             return AuditOutcome.SKIPPED, f"no commitment of round {r + 1} kept for it"
         lie = data_lie(self.cfg, peer, r, meta, meta_next)

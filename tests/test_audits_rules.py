@@ -102,7 +102,8 @@ def test_a_data_stream_that_does_not_continue_is_a_lie():
     """A full round draws H batches: the next commitment must continue the same shard at position + H (checked before
     anything is fetched or recomputed)."""
     def meta(position, shard=7):
-        return SimpleNamespace(state_sha256="ab" * 32, state_bytes=10, data_position=position, shard_key=shard)
+        return SimpleNamespace(state_sha256="ab" * 32, state_bytes=10, data_position=position, shard_key=shard,
+                               client_mode=False)
 
     a = Audits(SimpleNamespace(audit_rate=1.0, authority=None, averaging_timeout=1.0, inner_steps=20,
                                assigned_data=False), state=None, workload=None, server=None, me="me")
