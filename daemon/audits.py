@@ -397,13 +397,10 @@ class Audits:
         inner = self._auditor()
         groups = inner.inner_optimizer.state_dict()["param_groups"]
         if replay is None:
-            blob, failed = self._fetch_state(peer, r, meta)
-            if blob is None:
-                return AuditOutcome.UNAVAILABLE, failed
-            try:
-                opt, e_start = decode_state(blob, inner.params, groups)
-            except ValueError as e:
-                return AuditOutcome.LIED, str(e)
+            state = self._committed_state(peer, r, meta, inner, groups)
+            if isinstance(state[0], AuditOutcome):
+                return state
+            opt, e_start = state
             shard = self.workload.shard(ASSIGNED_SEED if self.cfg.assigned_data else self.cfg.seed, meta.shard_key)
             batches = [shard.batch_at(meta.data_position + i) for i in range(self.cfg.inner_steps)]
             delta, opt_rec = audit.recompute(inner, rec.theta, opt, batches, (r - 1) * self.cfg.inner_steps)
@@ -411,13 +408,10 @@ class Audits:
             e_start, delta, opt_rec = self._load_replay(replay, inner, groups)
         e_next = opt_next = None
         if nxt is not None:
-            blob, failed = self._fetch_state(peer, r + 1, meta_next)
-            if blob is None:
-                return AuditOutcome.UNAVAILABLE, failed
-            try:
-                opt_next, e_next = decode_state(blob, inner.params, groups)
-            except ValueError as e:
-                return AuditOutcome.LIED, str(e)
+            state = self._committed_state(peer, r + 1, meta_next, inner, groups)
+            if isinstance(state[0], AuditOutcome):
+                return state
+            opt_next, e_next = state
         try:
             report = audit.full_audit(payload, e_start, e_next, delta, opt_next, opt_rec, self.cfg.sparse_config(),
                                       self.thresholds)
@@ -435,12 +429,17 @@ class Audits:
             return AuditOutcome.PENDING, stats
         return AuditOutcome.HONEST, stats
 
-    def _fetch_state(self, peer: str, r: int, meta) -> tuple[Optional[bytes], str]:
-        """``peer``'s committed start state of round r, checked against its digest and length: (bytes, "") or
-        (None, why not)."""
+    def _committed_state(self, peer: str, r: int, meta, inner, groups) -> tuple:
+        """``peer``'s committed start state of round r, fetched and checked against its digest and length, then
+        decoded for ``inner``: (optimizer state, error feedback), or (UNAVAILABLE / LIED, why)."""
         got, failed = self.server.fetch({peer: (meta.state_sha256, meta.state_bytes)}, f"state/{r}",
                                         self.cfg.averaging_timeout)
-        return (got[peer], "") if peer in got else (None, f"state/{r}: {failed.get(peer, 'not served')}")
+        if peer not in got:
+            return AuditOutcome.UNAVAILABLE, f"state/{r}: {failed.get(peer, 'not served')}"
+        try:
+            return decode_state(got[peer], inner.params, groups)
+        except ValueError as e:
+            return AuditOutcome.LIED, str(e)
 
     @staticmethod
     def _load_replay(kept, inner, groups) -> tuple[list, list, dict]:
