@@ -17,6 +17,9 @@ Per round r, on the training thread:
   it holds, we vote against the accused too; if not, it counts against the accuser, and STRIKES of those make us
   vote against the accuser.
 
+Audits run one at a time on the audit thread, checks of other members' accusations and the second stage of audits
+first (URGENT), then the rounds drawn for us: a vote waits on the former, and a liar counts in every round it waits.
+
 A vote excludes nobody by itself: a round's group drops a peer once most of the group votes against it, on every
 member from the same round (daemon/exclusions.py, dilocox/exclusion.py); a certified swarm's operator is asked, in
 the log, to revoke its certificate. A peer that does not serve its committed state is
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import logging
 import math
 import queue
@@ -50,6 +54,9 @@ from dilocox.sparse.wire import ContributionError
 logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 4  # start states and round records kept: an audit of round r reads S_r, then S_{r+1}, or an accused round
 STRIKES = 2  # accusations that did not hold up before the accuser is excluded
+# the audit queue's order: what a vote waits on (checking another member's accusation, finishing an audit whose
+# contribution link held) before the rounds drawn for us, and wait_idle's marker behind both
+URGENT, ROUTINE, LAST = 0, 1, 2
 
 
 class AuditOutcome(str, Enum):
@@ -194,8 +201,10 @@ class Audits:
         self._excluded: dict[str, str] = {}     # peer_id -> why we vote to exclude it (``verified``)
         self._found: dict[str, int] = {}        # peer_id -> the round its lie was in (for a slanderer: its accusation)
         self.outcomes: Counter = Counter()      # AuditOutcome -> audits done here (ours and verifications)
-        # one audit at a time, on a daemon thread: a recomputation in flight never holds up the process's exit
-        self._jobs: queue.Queue = queue.Queue()
+        # one audit at a time, on a daemon thread: a recomputation in flight never holds up the process's exit;
+        # entries (priority, order, job), URGENT first (the module docstring says why)
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
         self._stopping = threading.Event()
         threading.Thread(target=self._serve_jobs, name="audit", daemon=True).start()
         self._inner = None  # the recomputation's own model and optimizer, built for a run of audits, then let go
@@ -263,14 +272,14 @@ class Audits:
                 self._pending.pop(old)
             rec = self._rounds.get(r)
         for job in waiting:
-            self._jobs.put(job)
+            self._put(job, URGENT)
         if rec is None or not self.rate:
             return
         digests = rec.inputs  # the contributions' digests, the same on every member that used the same contributions
         for target in audit.audit_targets(sorted(digests), audit.round_randomness(r, digests),
                                           lambda peer: self.rate_of(peer, r)).get(self.me, []):
             if target not in self._excluded:
-                self._jobs.put((r, target, None))
+                self._put((r, target, None), ROUTINE)
 
     def rate_of(self, peer: str, r: int) -> float:
         """The rate ``peer``'s round r is audited at: 1 while it is on probation (its first ``audit_probation``
@@ -294,10 +303,10 @@ class Audits:
                     kept = sorted(k for k in self._rounds if accused in self._rounds[k].contributions)
                 if r in kept:
                     self._judged.add((accused, r))
-                    self._jobs.put((r, accused, m.peer_id))
+                    self._put((r, accused, m.peer_id), URGENT)
                 elif kept and (accused, -kept[-1]) not in self._judged:  # negative: a stand-in round
                     self._judged.add((accused, -kept[-1]))
-                    self._jobs.put((kept[-1], accused, None))
+                    self._put((kept[-1], accused, None), URGENT)
 
     def excluded(self, peer_id: str) -> Optional[str]:
         """Why we vote to exclude ``peer_id``, or None."""
@@ -316,7 +325,7 @@ class Audits:
     def wait_idle(self, timeout_s: float) -> bool:
         """Block until every queued audit is done (True) or ``timeout_s`` passes (False)."""
         done = threading.Event()
-        self._jobs.put(done)
+        self._put(done, LAST)
         return done.wait(timeout_s)
 
     def shutdown(self) -> None:
@@ -324,10 +333,13 @@ class Audits:
         self._hasher.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ the audit thread
+    def _put(self, job, priority: int) -> None:
+        self._jobs.put((priority, next(self._order), job))
+
     def _serve_jobs(self) -> None:
         while not self._stopping.is_set():
             try:
-                job = self._jobs.get(timeout=0.5)
+                _, _, job = self._jobs.get(timeout=0.5)
             except queue.Empty:
                 continue
             if isinstance(job, threading.Event):
@@ -338,8 +350,8 @@ class Audits:
                 self._inner = None
 
     def _run(self, r: int, peer: str, accuser: Optional[str]) -> None:
-        if (accuser is not None and accuser in self._excluded) or self._stopping.is_set():
-            return
+        if self._stopping.is_set() or (accuser if accuser is not None else peer) in self._excluded:
+            return  # a slanderer's accusation, or a peer we already vote against: nothing to learn
         try:
             outcome, stats = self.audit(r, peer)
         except Exception as e:  # an audit must never take the node down

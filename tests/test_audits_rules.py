@@ -4,6 +4,7 @@ what a failed accusation costs the accuser, and that a peer's start state is che
 from __future__ import annotations
 
 import io
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -67,6 +68,31 @@ def test_an_accused_round_we_did_not_keep_is_stood_in_for_by_the_latest_we_kept(
     _drain(a)
     assert a.excluded("liar") and a.excluded("reformed") is None and a.excluded("x") is None
     assert a._strikes == {} and a.outcomes == {AuditOutcome.LIED: 1, AuditOutcome.HONEST: 1}
+    a.shutdown()
+
+
+def test_another_members_accusation_is_checked_before_the_rounds_drawn_for_us():
+    """Each round a vote waits, the liar's contribution counts: checking an accusation jumps the queue of routine
+    audits (the one already running finishes first)."""
+    started, gate, calls = threading.Event(), threading.Event(), []
+
+    def fake(r, peer):
+        started.set()
+        gate.wait(10)
+        calls.append((r, peer))
+        return (AuditOutcome.LIED if peer == "liar" else AuditOutcome.HONEST), "faked"
+
+    a = Audits(SimpleNamespace(audit_rate=1.0, audit_probation=0, authority=None, averaging_timeout=1.0),
+               state=None, workload=None, server=None, me="me")
+    a.audit = fake
+    for r in (1, 2, 3):  # with one other member, every round draws us to audit it
+        a._thetas[r] = []
+        a.observe(r, SimpleNamespace(inputs={"p": "d", "me": "d"}, gathered={}, contributions={"p": b"", "liar": b""}))
+    assert started.wait(10)
+    a.review([SimpleNamespace(peer_id="x", accusations={"liar": 2})])
+    gate.set()
+    _drain(a)
+    assert calls == [(1, "p"), (2, "liar"), (2, "p"), (3, "p")] and a.excluded("liar")
     a.shutdown()
 
 
@@ -192,7 +218,8 @@ def test_an_audit_whose_contribution_holds_finishes_when_the_next_round_is_kept(
     a = Audits(SimpleNamespace(audit_rate=1.0, audit_probation=0, authority=None, averaging_timeout=1.0),
                state=None, workload=None, server=None, me="me")
     a.audit = fake
-    a._jobs.put((3, "p", None))
+    a._thetas[3] = []
+    a.observe(3, SimpleNamespace(inputs={"p": "d", "me": "d"}, gathered={}, contributions={}))
     _drain(a)
     assert not a.excluded("p") and not a.outcomes and calls == [(3, "p")]
     a._thetas[4] = []  # we took part in round 4 (its record is kept)
