@@ -11,7 +11,14 @@ middle value, so that in a pair with one attacker the bound is the smaller norm,
 * ``centered-clip``: CenteredClip (Karimireddy et al., arXiv 2012.10333; as used by BTARD,
   Gorbunov et al., arXiv 2106.11257): from v_0 = the coordinate-wise median,
   v_{l+1} = v_l + sum_i w_i (x_i - v_l) min(1, tau / ||x_i - v_l||) / sum_i w_i, ``iterations`` times,
-  with tau = the median of ||x_i - v_0|| (ours: a scale-free clipping radius);
+  with tau = the median of ||x_i - v_0|| (ours: a scale-free clipping radius). Before it, the **opposition
+  screen** (k >= 3): a contribution whose inner product with v_0 is negative points against what most of the
+  group agrees on; if at most (k - 1) // 2 do, they are left out (scale 0 in the report) and the norm bound and
+  the rule run anew over the others. Why: with 2 of 5 sign-flipped or inner-product-manipulated rows (IPM, Xie et
+  al., arXiv 1903.03936) CenteredClip's fixed point moves about (2/3) tau towards them, which points against the
+  honest mean once tau exceeds that mean's norm, as it does for sparse contributions of different supports; the
+  median of a majority still points the honest way. FLTrust (Cao et al., arXiv 2012.13995) likewise drops updates
+  of negative cosine with a reference, there a trusted server's update, here the group's median;
 * ``trimmed-mean``: coordinate-wise, drop the floor(``trim`` k) largest and smallest values of each
   coordinate and average the rest (unweighted);
 * ``median``: coordinate-wise median (unweighted; the lower middle value for even k).
@@ -42,7 +49,8 @@ CPU's vector width or the thread count could change. Precisely:
   step v + (sum over the rows in sorted peer order of c_i (x_i - v)), c_i = w_i / W * min(1, tau / d_i)
   (w_i / W if d_i = 0), d_i = norm(x_i - v) and tau the median of norm(x_i - v_0), the middle value or
   (a + b) / 2 for even k. The norm bound scales row i by min(1, limit / norm(x_i)), limit = norm_bound
-  x the lower middle norm. Scalars are Python floats (IEEE doubles) in exactly these expressions.
+  x the lower middle norm; the screen's inner products are tree_sum(x_i * v_0) over the bounded rows, and a row is
+  opposed if that is < 0.0. Scalars are Python floats (IEEE doubles) in exactly these expressions.
 
 The implementation works on the columns in cache-sized batches of whole blocks with numpy's
 elementwise loops (one rounding per operation: numpy never contracts a multiply and an add, whatever
@@ -68,9 +76,9 @@ import torch
 from dilocox.threads import cpu_budget
 
 BLOCK = 1 << 14  # leaves of one pairwise tree (module docstring); part of the determinism contract
-# bumped whenever the rules' bits change (2: norms summed by the fixed pairwise tree, not math.fsum): part of
-# the swarm settings, so nodes whose aggregates would differ in the last bits refuse to share a swarm
-RULES_VERSION = 2
+# bumped whenever the rules' bits change (2: norms summed by the fixed pairwise tree, not math.fsum; 3: centered-clip's
+# opposition screen): part of the swarm settings, so nodes whose aggregates would differ refuse to share a swarm
+RULES_VERSION = 3
 _KEEP = 64  # halving levels below this width run once over all blocks' partial sums (same tree, fewer calls)
 BATCH_BLOCKS = 1  # tree blocks (columns / BLOCK) per batch (speed only): k x 16384 float64 stay in a core's cache
 
@@ -271,11 +279,12 @@ def _weighted_rows(d: np.ndarray, coefs: np.ndarray, out: np.ndarray) -> np.ndar
 
 def aggregate_rows(x: torch.Tensor | np.ndarray, weights: Sequence[float], rule: Aggregation | str,
                    norm_bound: float = 2.0, trim: float = 0.2, iterations: int = 3, batch_blocks: int | None = None,
-                   workers: int | None = None) -> tuple[torch.Tensor, list[float]]:
+                   workers: int | None = None, screen_opposed: bool = True) -> tuple[torch.Tensor, list[float]]:
     """The rule on a (k, m) matrix of rows in sorted peer order (float32 or float64, finite, without -0.0):
-    (float64 vector of m values, the norm-bound scale of each row). ``aggregate`` on a matrix; reads ``x``
-    only. Speed only: ``batch_blocks``, tree blocks processed at a time; ``workers``, threads (default
-    cpu_budget()).
+    (float64 vector of m values, the scale of each row: 1, the norm bound's < 1, or 0 for a row the opposition
+    screen left out). ``aggregate`` on a matrix; reads ``x`` only. ``screen_opposed`` False: centered-clip
+    without its screen (for measurements; members of a swarm always screen). Speed only: ``batch_blocks``, tree
+    blocks processed at a time; ``workers``, threads (default cpu_budget()).
 
     The rule's first sweep over the rows runs with the norms' sweep, as if no row were scaled, and again
     only if one is: a round without an outsized contribution reads the rows once less."""
@@ -287,14 +296,14 @@ def aggregate_rows(x: torch.Tensor | np.ndarray, weights: Sequence[float], rule:
     w = [float(v) for v in weights]
     rows = _Rows(x, batch_blocks or BATCH_BLOCKS, workers or cpu_budget())
     try:
-        out = _aggregate(rows, w, rule, norm_bound, trim, iterations)
+        out = _aggregate(rows, w, rule, norm_bound, trim, iterations, screen_opposed)
     finally:
         rows.close()
     return torch.from_numpy(out[:m]), rows.scales
 
 
 def _aggregate(rows: _Rows, w: list[float], rule: Aggregation, norm_bound: float, trim: float,
-               iterations: int) -> np.ndarray:
+               iterations: int, screen_opposed: bool = True) -> np.ndarray:
     k = rows.k
     out = np.empty(rows.padded)
     parts = rows.parts()
@@ -306,13 +315,18 @@ def _aggregate(rows: _Rows, w: list[float], rule: Aggregation, norm_bound: float
             _weighted_rows(xd, coefs, out[lo:hi])
             out[lo:hi] += 0.0  # the sum from +0.0: a zero is +0.0
     elif rule == Aggregation.CENTERED_CLIP:
-        def first(ws, xd, lo, hi):  # v_0 = the lower median, and the tree of each ||x_i - v_0||^2
+        dot_parts = rows.parts() if screen_opposed and k >= 3 else None
+
+        def first(ws, xd, lo, hi):  # v_0 = the lower median, the tree of each ||x_i - v_0||^2 and of each <x_i, v_0>
             vb = out[lo:hi]
             vb[:] = _order_stats(list(xd), ((k - 1) // 2,))[0]
             d = ws.d[:, :hi - lo]
             np.subtract(xd, vb, out=d)
             d *= d
             rows.tree(ws, d, lo, hi, parts)
+            if dot_parts is not None:
+                np.multiply(xd, vb, out=d)
+                rows.tree(ws, d, lo, hi, dot_parts)
     else:
         cut = min(int(math.floor(trim * k)), (k - 1) // 2) if rule == Aggregation.TRIMMED_MEAN else None
         wanted = tuple(range(cut, k - cut)) if cut is not None else ((k - 1) // 2,)
@@ -346,7 +360,28 @@ def _aggregate(rows: _Rows, w: list[float], rule: Aggregation, norm_bound: float
     else:
         rows.sweep(first)
     if rule == Aggregation.CENTERED_CLIP and k > 1:
+        if dot_parts is not None:
+            opposed = [i for i, dot in enumerate(_finish_tree(dot_parts)) if dot < 0.0]
+            if opposed and len(opposed) <= (k - 1) // 2:  # a minority: the median is still the others'
+                return _without(rows, opposed, w, rule, norm_bound, trim, iterations)
         _centered_clip(rows, w, iterations, out, [math.sqrt(s) for s in _finish_tree(parts)])
+    return out
+
+
+def _without(rows: _Rows, opposed: list[int], w: list[float], rule: Aggregation, norm_bound: float, trim: float,
+             iterations: int) -> np.ndarray:
+    """The rule over the rows not in ``opposed`` (the norm bound measured anew among them, no second screen);
+    ``rows.scales`` becomes 0.0 for an opposed row and the kept rows' scales."""
+    keep = [i for i in range(rows.k) if i not in opposed]
+    sub = _Rows(rows.x[keep], rows.width // BLOCK, rows.workers)
+    try:
+        out = _aggregate(sub, [w[i] for i in keep], rule, norm_bound, trim, iterations, screen_opposed=False)
+    finally:
+        sub.close()
+    scales = [0.0] * rows.k
+    for i, s in zip(keep, sub.scales):
+        scales[i] = s
+    rows.scales = scales
     return out
 
 
@@ -407,17 +442,19 @@ def bound_norms(rows: list[torch.Tensor], norm_bound: float) -> tuple[list[torch
 
 
 def aggregate(vectors: Mapping[str, torch.Tensor], weights: Mapping[str, float], rule: Aggregation | str,
-              norm_bound: float = 2.0, trim: float = 0.2, iterations: int = 3) -> tuple[torch.Tensor, dict]:
+              norm_bound: float = 2.0, trim: float = 0.2, iterations: int = 3,
+              screen_opposed: bool = True) -> tuple[torch.Tensor, dict]:
     """The group's aggregate of ``vectors`` (peer_id -> flat float tensor, all of one length, finite) under ``rule``.
 
     ``weights``: peer_id -> finite weight > 0 (validated by the caller). ``norm_bound``: multiple of the
     lower median norm each contribution is clipped to (0 or inf: no bounding). Returns (float64 vector,
-    report: {"clipped": {peer: scale < 1}, "rule": value}). Raises ValueError on no vectors or an
-    unknown rule."""
+    report: {"clipped": {peer: scale < 1, 0 where the opposition screen left it out}, "rule": value}). Raises
+    ValueError on no vectors or an unknown rule."""
     rule = Aggregation(rule)
     peers = sorted(vectors)
     if not peers:
         raise ValueError("no contribution to aggregate")
     out, scales = aggregate_rows(_matrix([vectors[p] for p in peers]), [float(weights[p]) for p in peers], rule,
-                                 norm_bound=norm_bound, trim=trim, iterations=iterations)
+                                 norm_bound=norm_bound, trim=trim, iterations=iterations,
+                                 screen_opposed=screen_opposed)
     return out, dict(rule=rule.value, clipped={p: s for p, s in zip(peers, scales) if s < 1.0})

@@ -135,6 +135,66 @@ def test_the_rules_have_the_bits_of_the_reference(rule, k):
             assert same_bits(f32, want) and not np.signbit(got[got == 0]).any()
 
 
+@pytest.mark.parametrize("k", [3, 4, 5, 8])
+def test_the_opposition_screen_has_the_bits_of_the_reference(k):
+    """centered-clip leaves out a minority of rows pointing against the coordinate-wise median (scale 0) and runs
+    anew over the others, with the bits of the reference; never more than a minority."""
+    for m, batch in ((17, None), (40_000, None), (70_000, 3)):
+        for flipped in range(1, k):
+            rows = rows_for(k, m, seed=m + k, attacker=True)
+            rows[:flipped] *= -1.0
+            rows += 0.0
+            w = [1.0 + 3 * i for i in range(k)]
+            got, scales = aggregate_rows(rows, w, "centered-clip", batch_blocks=batch)
+            assert same_bits(got, reference_aggregate(list(torch.from_numpy(rows)), w, "centered-clip")), (k, m)
+            dropped = [i for i, s in enumerate(scales) if s == 0.0]
+            if flipped <= (k - 1) // 2:
+                assert dropped == list(range(flipped)), (k, m, flipped, scales)
+            else:  # no minority flipped: whichever side the median takes, never more than a minority goes
+                assert len(dropped) <= (k - 1) // 2, (k, m, flipped)
+
+
+def sparse_honest(k: int, n: int = 4000, seed: int = 0, keep: float = 0.1, spread: float = 2.0) -> dict:
+    """Rows like top-k pseudo-gradients: one direction plus ``spread`` x as much noise, each row the ``keep`` x n
+    largest values of its own (so the supports overlap only in part)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, generator=g, dtype=torch.float64)
+    out = {}
+    for i in range(k):
+        r = base + spread * torch.randn(n, generator=g, dtype=torch.float64)
+        top = r.abs().topk(int(keep * n)).indices
+        out[f"p{i}"] = torch.zeros(n, dtype=torch.float64).index_copy_(0, top, r[top])
+    return out
+
+
+@pytest.mark.parametrize("attack", ["sign-flip", "ipm"])
+def test_two_colluders_of_five_cannot_turn_centered_clip_around(attack):
+    """2 of 5 sparse contributions sign-flipped x1000, or both the inner-product attack (-2 x the honest mean):
+    plain CenteredClip (the reference without the screen) moves off the honest mean, for IPM to its opposite; with
+    the screen both colluders are left out and the aggregate is the honest rows'."""
+    v = sparse_honest(5, seed=4)
+    honest_mean = sum(v[p] for p in ("p0", "p1", "p2")) / 3
+    for p in ("p3", "p4"):
+        v[p] = -1000 * v[p] if attack == "sign-flip" else -2.0 * honest_mean
+    peers = sorted(v)
+
+    def cos(a):
+        return float(a @ honest_mean) / (norm(a) * norm(honest_mean))
+
+    plain = reference_aggregate([v[p] for p in peers], [20.0] * 5, "centered-clip", screen_opposed=False)
+    screened, report = aggregate(v, dict.fromkeys(v, 20.0), "centered-clip")
+    assert cos(plain) < (0.0 if attack == "ipm" else 0.8) and cos(screened) > 0.99, (cos(plain), cos(screened))
+    assert report["clipped"]["p3"] == report["clipped"]["p4"] == 0.0
+
+
+def test_the_screen_leaves_honest_rows_alone():
+    """Honest sparse rows of a wide spread all point along the median: nobody is left out."""
+    for seed in range(5):
+        v = sparse_honest(5, seed=seed, spread=4.0)
+        _, report = aggregate(v, dict.fromkeys(v, 20.0), "centered-clip")
+        assert 0.0 not in report["clipped"].values(), (seed, report)
+
+
 def test_the_same_bits_with_one_thread_or_two_and_any_batching():
     x = rows_for(5, 100_000, seed=1, attacker=True) + 0.0
     threads = torch.get_num_threads()

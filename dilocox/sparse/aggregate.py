@@ -204,6 +204,9 @@ def aggregate_sparse(contributions: Mapping[str, bytes], weights: Mapping[str, f
     del rows
     values = compact.numpy().astype(np.float32)  # rounded to nearest
     scaled = {peer: float(scale) for peer, scale in zip(peers, scales) if scale < 1.0}
-    for peer, scale in scaled.items():  # the caller reports drops; clipping is the rule's business
-        logger.info("contribution of %s scaled by %.3g to the group's norm bound", peer, scale)
+    for peer, scale in scaled.items():  # the caller reports drops; clipping and screening are the rule's business
+        if scale == 0.0:
+            logger.info("contribution of %s left out: it points against the group's coordinate-wise median", peer)
+        else:
+            logger.info("contribution of %s scaled by %.3g to the group's norm bound", peer, scale)
     return SparseAggregate(support, values, shapes), rejected, scaled
