@@ -144,9 +144,11 @@ class SecuritySection(Section):
                                                           "(dilocox-ctl authority issue)")
     revocations: Optional[Path] = Field(None, description="the authority's revoked.json: read at start and whenever "
                                                           "it changes, and passed on to the swarm")
-    aggregation: Optional[Literal["mean", "centered-clip", "trimmed-mean", "median"]] = Field(
+    aggregation: Optional[Literal["mean", "centered-clip", "centered-clip-plain", "trimmed-mean", "median"]] = Field(
         None, description="how a sparse round's contributions are combined (dilocox/robust.py; default: "
-                          "centered-clip for sparse, mean otherwise and with --outer-algorithm scaffold)")
+                          "centered-clip for sparse, mean otherwise and with --outer-algorithm scaffold; "
+                          "centered-clip-plain: without the screen that leaves out a minority pointing against the "
+                          "group's median, for strongly non-IID data)")
     norm_bound: Optional[float] = Field(None, ge=0, description="sparse: clip each contribution to this multiple of "
                                                                 "the group's lower median norm first (0: off; "
                                                                 "default: 2 for sparse, 0 otherwise)")

@@ -49,8 +49,7 @@ SETTINGS = [
     Setting("scaffold+badsfl/cclip-nb2", attack="badsfl", rule="centered-clip", norm_bound=2.0),
     # the DiLoCo default's aggregation on label shards, with and without its opposition screen (dilocox/robust.py)
     Setting("fedavg/cclip-nb2", algorithm="fedavg", rule="centered-clip", norm_bound=2.0),
-    Setting("fedavg/cclip-nb2-unscreened", algorithm="fedavg", rule="centered-clip", norm_bound=2.0,
-            screen_opposed=False),
+    Setting("fedavg/cclip-nb2-unscreened", algorithm="fedavg", rule="centered-clip-plain", norm_bound=2.0),
     Setting("scaffold+badsfl/nb2", attack="badsfl", norm_bound=2.0),
     Setting("scaffold+badsfl/derived", attack="badsfl", c_mode="derived"),
     Setting("scaffold+badsfl/c-decay", attack="badsfl", c_decay=0.2),

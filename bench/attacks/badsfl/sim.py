@@ -173,7 +173,6 @@ class Setting:
     c_reset: int = 0                # c and every c_i restart at zero after rounds R, 2R, ... (0: off)
     c_unclipped: bool = False       # c learns from unclipped contributions only; a clipped client keeps its c_i
     norm_drop: bool = False         # a contribution over the norm bound is dropped, not clipped
-    screen_opposed: bool = True     # centered-clip's opposition screen (dilocox/robust.py; False: the plain rule)
     c_reset_quiet: int = 0          # c and every c_i restart at zero Q rounds after the last outsized round (0: off)
     c_quiet_factor: float = 0.0     # ... or are scaled by this factor (0: the restart) ...
     c_quiet_rounds: int = 1         # ... in this many rounds in a row
@@ -420,8 +419,7 @@ class Federation(Contributions):
             agg, admitted = outcome.aggregate, outcome.admitted
             report = dict(clipped=sorted(set(vectors) - set(admitted)))  # FLAME's rejected clients
         else:
-            agg, report = robust.aggregate(vectors, weights, s.rule, norm_bound=s.norm_bound,
-                                           screen_opposed=s.screen_opposed)
+            agg, report = robust.aggregate(vectors, weights, s.rule, norm_bound=s.norm_bound)
             if s.norm_drop and report["clipped"]:  # the rule again over the contributions within the bound
                 admitted = [key for key in admitted if key not in report["clipped"]]
                 agg, _ = robust.aggregate({key: vectors[key] for key in admitted}, weights, s.rule, norm_bound=0.0)
