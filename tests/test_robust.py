@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.robust_screen import sparse_rows
 from dilocox.robust import Aggregation, aggregate, aggregate_rows, bound_norms, norm, tree_sum
 from tests.robust_reference import reference_aggregate, reference_tree_sum, same_bits
 
@@ -154,25 +155,12 @@ def test_the_opposition_screen_has_the_bits_of_the_reference(k):
                 assert len(dropped) <= (k - 1) // 2, (k, m, flipped)
 
 
-def sparse_honest(k: int, n: int = 4000, seed: int = 0, keep: float = 0.1, spread: float = 2.0) -> dict:
-    """Rows like top-k pseudo-gradients: one direction plus ``spread`` x as much noise, each row the ``keep`` x n
-    largest values of its own (so the supports overlap only in part)."""
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randn(n, generator=g, dtype=torch.float64)
-    out = {}
-    for i in range(k):
-        r = base + spread * torch.randn(n, generator=g, dtype=torch.float64)
-        top = r.abs().topk(int(keep * n)).indices
-        out[f"p{i}"] = torch.zeros(n, dtype=torch.float64).index_copy_(0, top, r[top])
-    return out
-
-
 @pytest.mark.parametrize("attack", ["sign-flip", "ipm"])
 def test_two_colluders_of_five_cannot_turn_centered_clip_around(attack):
     """2 of 5 sparse contributions sign-flipped x1000, or both the inner-product attack (-2 x the honest mean):
     plain CenteredClip (centered-clip-plain) moves off the honest mean, for IPM to its opposite; with
     the screen both colluders are left out and the aggregate is the honest rows'."""
-    v = sparse_honest(5, seed=4)
+    v = sparse_rows(5, seed=4)
     honest_mean = sum(v[p] for p in ("p0", "p1", "p2")) / 3
     for p in ("p3", "p4"):
         v[p] = -1000 * v[p] if attack == "sign-flip" else -2.0 * honest_mean
@@ -189,7 +177,7 @@ def test_two_colluders_of_five_cannot_turn_centered_clip_around(attack):
 def test_the_screen_leaves_honest_rows_alone():
     """Honest sparse rows of a wide spread all point along the median: nobody is left out."""
     for seed in range(5):
-        v = sparse_honest(5, seed=seed, spread=4.0)
+        v = sparse_rows(5, seed=seed, spread=4.0)
         _, report = aggregate(v, dict.fromkeys(v, 20.0), "centered-clip")
         assert 0.0 not in report["clipped"].values(), (seed, report)
 
