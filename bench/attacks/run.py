@@ -137,7 +137,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=5)
     ap.add_argument("--malicious", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    ap.add_argument("--attacks", nargs="*", default=list(ATTACKS), choices=list(ATTACKS),
+                    help="none: the clean run alone (a control, e.g. with fewer --replicas)")
     ap.add_argument("--defenses", nargs="+", default=["default", "none"], choices=list(DEFENSES))
     ap.add_argument("--outer-steps", type=int, default=12)
     ap.add_argument("--seed", type=int, default=7)
