@@ -107,6 +107,8 @@ def run_cell(attack: str | None, malicious: int, defense: str, replicas: int, ou
                 honest_excluded=len({p for rs in rows for r in rs
                                      for p in [*r.get("audit_votes", ()), *r.get("excluded", ())]} - liars),
                 resynced=sum(r["outcome"] == "resynced" for rs in rows for r in rs),
+                # rounds an honest node's group went on without it (its contribution lost, the swarm's update adopted)
+                adopted=sum(r["outcome"] == "adopted" for rs in rows for r in rs),
                 alone=sum(r["outcome"] == "applied_alone" for rs in rows for r in rs),
                 seconds=round(time.monotonic() - started))
     if attack == "backdoor" or attack is None:
