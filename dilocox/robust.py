@@ -12,10 +12,13 @@ middle value, so that in a pair with one attacker the bound is the smaller norm,
   Gorbunov et al., arXiv 2106.11257): from v_0 = the coordinate-wise median,
   v_{l+1} = v_l + sum_i w_i (x_i - v_l) min(1, tau / ||x_i - v_l||) / sum_i w_i, ``iterations`` times,
   with tau = the median of ||x_i - v_0|| (ours: a scale-free clipping radius). Before it, the **opposition
-  screen** (k >= 3): a contribution whose inner product with v_0 is negative points against what most of the
+  screen** (odd k >= 3): a contribution whose inner product with v_0 is negative points against what most of the
   group agrees on; if at most (k - 1) // 2 do, they are left out (scale 0 in the report) and the norm bound and
-  the rule run anew over the others. Why: with 2 of 5 sign-flipped or inner-product-manipulated rows (IPM, Xie et
-  al., arXiv 1903.03936) CenteredClip's fixed point moves about (2/3) tau towards them, which points against the
+  the rule run anew over the others; if more do, the group shares no direction and its aggregate is zero (every
+  scale 0): a zero update costs one round where any other can cost the model. An even group is not screened: its
+  lower median is one of a half's values, so two colluders of four would make it theirs and screen out an honest
+  member (seen on real nodes). Why: with 2 of 5 sign-flipped or inner-product-manipulated rows (IPM, Xie et al.,
+  arXiv 1903.03936) CenteredClip's fixed point moves about (2/3) tau towards them, which points against the
   honest mean once tau exceeds that mean's norm, as it does for sparse contributions of different supports; the
   median of a majority still points the honest way. FLTrust (Cao et al., arXiv 2012.13995) likewise drops updates
   of negative cosine with a reference, there a trusted server's update, here the group's median;
@@ -323,7 +326,9 @@ def _aggregate(rows: _Rows, w: list[float], rule: Aggregation, norm_bound: float
             _weighted_rows(xd, coefs, out[lo:hi])
             out[lo:hi] += 0.0  # the sum from +0.0: a zero is +0.0
     elif rule in _CLIPS:
-        dot_parts = rows.parts() if rule == Aggregation.CENTERED_CLIP and screen_opposed and k >= 3 else None
+        # odd k only: in an even group the lower median is one of a half's values, so a half of colluders would make
+        # it theirs and screen out an honest member (seen on real nodes: 2 of 4, the model's loss 5.6 -> 103)
+        dot_parts = rows.parts() if rule == Aggregation.CENTERED_CLIP and screen_opposed and k >= 3 and k % 2 else None
 
         def first(ws, xd, lo, hi):  # v_0 = the lower median, the tree of each ||x_i - v_0||^2 and of each <x_i, v_0>
             vb = out[lo:hi]
@@ -372,6 +377,10 @@ def _aggregate(rows: _Rows, w: list[float], rule: Aggregation, norm_bound: float
             opposed = [i for i, dot in enumerate(_finish_tree(dot_parts)) if dot < 0.0]
             if opposed and len(opposed) <= (k - 1) // 2:  # a minority: the median is still the others'
                 return _without(rows, opposed, w, rule, norm_bound, trim, iterations)
+            if opposed:  # half the group or more against its own median: no direction it shares, nothing applied
+                rows.scales = [0.0] * k
+                out[:] = 0.0
+                return out
         _centered_clip(rows, w, iterations, out, [math.sqrt(s) for s in _finish_tree(parts)])
     return out
 

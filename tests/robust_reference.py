@@ -70,11 +70,14 @@ def reference_aggregate(rows: list[torch.Tensor], w: list[float], rule: str, nor
         out = weighted(kept, [1.0 / len(kept)] * len(kept))
     else:
         v = ordered()[(k - 1) // 2].copy()
-        opposed = [i for i, r in enumerate(rows) if k >= 3 and screen_opposed and reference_tree_sum(r * v) < 0.0]
+        screened = k >= 3 and k % 2 and screen_opposed
+        opposed = [i for i, r in enumerate(rows) if screened and reference_tree_sum(r * v) < 0.0]
         if opposed and len(opposed) <= (k - 1) // 2:
             keep = [i for i in range(k) if i not in opposed]
             return reference_aggregate([given[i] for i in keep], [w[i] for i in keep], rule, norm_bound, trim,
                                        iterations, screen_opposed=False)
+        if opposed:
+            return torch.zeros(len(rows[0]), dtype=torch.float64)
         dist = sorted(reference_norm(r - v) for r in rows)
         tau = dist[k // 2] if k % 2 else (dist[k // 2 - 1] + dist[k // 2]) / 2
         total = math.fsum(w)
