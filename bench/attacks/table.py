@@ -59,6 +59,7 @@ def plot(table: dict, seeds: list[int], path: Path, title: str) -> None:
     ax.axhline(0, color="k", lw=0.5)
     ax.set_xticks(range(len(keys)), [f"{a}\n{m} of 5" for a, m in keys], rotation=60, fontsize=8)
     ax.set_ylabel("honest validation loss vs clean run (%)")
+    ax.set_yscale("symlog", linthresh=5)  # linear to 5%, where the target is; an outlier does not flatten the rest
     ax.set_title(f"{title} (dashed: the +2% target)")
     ax.legend(fontsize=8)
     fig.tight_layout()
