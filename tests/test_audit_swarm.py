@@ -62,9 +62,11 @@ def test_two_small_norm_liars_are_caught_and_excluded_by_every_honest_member_fro
         late = [r for n in honest for r in n.metrics()
                 if r["outer_step"] >= excluded_from and r["outcome"] == "applied"]
         assert late and all(r["group_size"] <= len(honest) for r in late), late
-        # the honest members audit each other too, and find each other honest (no false accusation: checked above)
-        for n in honest:
-            n.wait_for(lambda p: p.metrics()[-1]["audit_outcomes"].get("honest", 0) >= 1, 90, "an honest audit")
+        # the honest members audit each other too, and find each other honest (no false accusation: checked above);
+        # who audits whom is drawn, so one member can go unpicked for every round (about 1 run in 10 here): the
+        # honest audits are counted over the honest members together
+        assert sum(n.metrics()[-1]["audit_outcomes"].get("honest", 0) for n in honest) >= 2, \
+            [n.metrics()[-1]["audit_outcomes"] for n in honest]
         # members that verified the lies at different rounds still agree on every round: nobody skips, applies alone
         # or re-syncs around the exclusions, and the rounds applied agree
         around = [(r["outer_step"], r["outcome"]) for n in honest for r in n.metrics()
