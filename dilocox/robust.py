@@ -377,7 +377,7 @@ def _aggregate(rows: _Rows, w: list[float], rule: Aggregation, norm_bound: float
             opposed = [i for i, dot in enumerate(_finish_tree(dot_parts)) if dot < 0.0]
             if opposed and len(opposed) <= (k - 1) // 2:  # a minority: the median is still the others'
                 return _without(rows, opposed, w, rule, norm_bound, trim, iterations)
-            if opposed:  # half the group or more against its own median: no direction it shares, nothing applied
+            if opposed:  # a majority against its own median: no direction the group shares, nothing applied
                 rows.scales = [0.0] * k
                 out[:] = 0.0
                 return out
