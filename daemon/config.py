@@ -45,7 +45,7 @@ from dilocox.daemon.config_sections import SCAFFOLD_QUIET as SCAFFOLD_QUIET
 from pydantic import ConfigDict, ValidationError, model_validator
 
 # the aggregation rules' version (dilocox/robust.py: RULES_VERSION), written here so that --help imports no torch
-RULES_VERSION = 3
+RULES_VERSION = 4
 ENV_PREFIX = "DILOCOX_"
 
 

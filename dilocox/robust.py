@@ -12,19 +12,22 @@ middle value, so that in a pair with one attacker the bound is the smaller norm,
   Gorbunov et al., arXiv 2106.11257): from v_0 = the coordinate-wise median,
   v_{l+1} = v_l + sum_i w_i (x_i - v_l) min(1, tau / ||x_i - v_l||) / sum_i w_i, ``iterations`` times,
   with tau = the median of ||x_i - v_0|| (ours: a scale-free clipping radius). Before it, the **opposition
-  screen** (odd k >= 3): a contribution whose inner product with v_0 is negative points against what most of the
-  group agrees on; if at most (k - 1) // 2 do, they are left out (scale 0 in the report) and the norm bound and
-  the rule run anew over the others; if more do, the group shares no direction and its aggregate is zero (every
-  scale 0): a zero update costs one round where any other can cost the model. An even group is not screened: its
-  lower median is one of a half's values, so two colluders of four would make it theirs and screen out an honest
-  member (seen on real nodes). Why: with 2 of 5 sign-flipped or inner-product-manipulated rows (IPM, Xie et al.,
+  screen** (k >= 3): a contribution whose inner product with v_0 is negative points against what most of the
+  group agrees on. Odd k: if at most (k - 1) // 2 are opposed, they are left out (scale 0 in the report) and the
+  norm bound and the rule run anew over the others; if more are, the group shares no direction and its aggregate
+  is zero (every scale 0): a zero update costs one round where any other can cost the model. Even k: either middle
+  value of a coordinate can be one half's (two colluders of four made the lower one theirs and an odd-style screen
+  left out an honest member, seen on real nodes), so a row is tested against the lower and the upper middle value,
+  v_0 and v_0': if k / 2 or more rows are opposed to either, the halves disagree and the aggregate is zero; else
+  the rows opposed to both are left out and the rule runs anew over the others. Why: with 2 of 5 sign-flipped or
+  inner-product-manipulated rows (IPM, Xie et al.,
   arXiv 1903.03936) CenteredClip's fixed point moves about (2/3) tau towards them, which points against the
   honest mean once tau exceeds that mean's norm, as it does for sparse contributions of different supports; the
   median of a majority still points the honest way. FLTrust (Cao et al., arXiv 2012.13995) likewise drops updates
   of negative cosine with a reference, there a trusted server's update, here the group's median;
 * ``centered-clip-plain``: CenteredClip without the screen, for strongly non-IID swarms, where honest
-  contributions can point against the median (one class per client, groups of ten all screened: 2.2 points of
-  clean accuracy in ``make bench-badsfl``'s setting, docs/results/2026-12-06-attacks-screen.md);
+  contributions can point against the median (one class per client, groups of ten screened by the odd-group rule:
+  2.2 points of clean accuracy in ``make bench-badsfl``'s setting, docs/results/2026-12-06-attacks-screen.md);
 * ``trimmed-mean``: coordinate-wise, drop the floor(``trim`` k) largest and smallest values of each
   coordinate and average the rest (unweighted);
 * ``median``: coordinate-wise median (unweighted; the lower middle value for even k).
@@ -55,8 +58,9 @@ CPU's vector width or the thread count could change. Precisely:
   step v + (sum over the rows in sorted peer order of c_i (x_i - v)), c_i = w_i / W * min(1, tau / d_i)
   (w_i / W if d_i = 0), d_i = norm(x_i - v) and tau the median of norm(x_i - v_0), the middle value or
   (a + b) / 2 for even k. The norm bound scales row i by min(1, limit / norm(x_i)), limit = norm_bound
-  x the lower middle norm; the screen's inner products are tree_sum(x_i * v_0) over the bounded rows, and a row is
-  opposed if that is < 0.0. Scalars are Python floats (IEEE doubles) in exactly these expressions.
+  x the lower middle norm; the screen's inner products are tree_sum(x_i * v_0) (k even: and tree_sum(x_i * v_0'),
+  v_0' the upper middle values) over the bounded rows, and a row is opposed if that is < 0.0. Scalars are
+  Python floats (IEEE doubles) in exactly these expressions.
 
 The implementation works on the columns in cache-sized batches of whole blocks with numpy's
 elementwise loops (one rounding per operation: numpy never contracts a multiply and an add, whatever
@@ -83,8 +87,9 @@ from dilocox.threads import cpu_budget
 
 BLOCK = 1 << 14  # leaves of one pairwise tree (module docstring); part of the determinism contract
 # bumped whenever the rules' bits change (2: norms summed by the fixed pairwise tree, not math.fsum; 3: centered-clip's
-# opposition screen): part of the swarm settings, so nodes whose aggregates would differ refuse to share a swarm
-RULES_VERSION = 3
+# opposition screen; 4: the screen in even groups): part of the swarm settings, so nodes whose aggregates would
+# differ refuse to share a swarm
+RULES_VERSION = 4
 _KEEP = 64  # halving levels below this width run once over all blocks' partial sums (same tree, fewer calls)
 BATCH_BLOCKS = 1  # tree blocks (columns / BLOCK) per batch (speed only): k x 16384 float64 stay in a core's cache
 
@@ -326,13 +331,16 @@ def _aggregate(rows: _Rows, w: list[float], rule: Aggregation, norm_bound: float
             _weighted_rows(xd, coefs, out[lo:hi])
             out[lo:hi] += 0.0  # the sum from +0.0: a zero is +0.0
     elif rule in _CLIPS:
-        # odd k only: in an even group the lower median is one of a half's values, so a half of colluders would make
-        # it theirs and screen out an honest member (seen on real nodes: 2 of 4, the model's loss 5.6 -> 103)
-        dot_parts = rows.parts() if rule == Aggregation.CENTERED_CLIP and screen_opposed and k >= 3 and k % 2 else None
+        screened = rule == Aggregation.CENTERED_CLIP and screen_opposed and k >= 3
+        dot_parts = rows.parts() if screened else None
+        # even k: the upper middle value too, as either middle can be one half's values (module docstring)
+        upper_parts = rows.parts() if screened and not k % 2 else None
+        middles = ((k - 1) // 2, k // 2) if upper_parts is not None else ((k - 1) // 2,)
 
         def first(ws, xd, lo, hi):  # v_0 = the lower median, the tree of each ||x_i - v_0||^2 and of each <x_i, v_0>
             vb = out[lo:hi]
-            vb[:] = _order_stats(list(xd), ((k - 1) // 2,))[0]
+            stats = _order_stats(list(xd), middles)
+            vb[:] = stats[0]
             d = ws.d[:, :hi - lo]
             np.subtract(xd, vb, out=d)
             d *= d
@@ -340,6 +348,9 @@ def _aggregate(rows: _Rows, w: list[float], rule: Aggregation, norm_bound: float
             if dot_parts is not None:
                 np.multiply(xd, vb, out=d)
                 rows.tree(ws, d, lo, hi, dot_parts)
+            if upper_parts is not None:
+                np.multiply(xd, stats[1], out=d)
+                rows.tree(ws, d, lo, hi, upper_parts)
     else:
         cut = min(int(math.floor(trim * k)), (k - 1) // 2) if rule == Aggregation.TRIMMED_MEAN else None
         wanted = tuple(range(cut, k - cut)) if cut is not None else ((k - 1) // 2,)
@@ -374,15 +385,28 @@ def _aggregate(rows: _Rows, w: list[float], rule: Aggregation, norm_bound: float
         rows.sweep(first)
     if rule in _CLIPS and k > 1:
         if dot_parts is not None:
-            opposed = [i for i, dot in enumerate(_finish_tree(dot_parts)) if dot < 0.0]
-            if opposed and len(opposed) <= (k - 1) // 2:  # a minority: the median is still the others'
-                return _without(rows, opposed, w, rule, norm_bound, trim, iterations)
-            if opposed:  # a majority against its own median: no direction the group shares, nothing applied
+            left_out, nothing = _screen(_finish_tree(dot_parts),
+                                        _finish_tree(upper_parts) if upper_parts is not None else None)
+            if nothing:  # no direction the group shares: nothing applied
                 rows.scales = [0.0] * k
                 out[:] = 0.0
                 return out
+            if left_out:  # a minority against what the others share
+                return _without(rows, left_out, w, rule, norm_bound, trim, iterations)
         _centered_clip(rows, w, iterations, out, [math.sqrt(s) for s in _finish_tree(parts)])
     return out
+
+
+def _screen(dots: list[float], upper_dots: list[float] | None) -> tuple[list[int], bool]:
+    """The opposition screen's verdict from each row's inner product with the lower middle value (and, k even,
+    with the upper one): (rows left out, whether nothing is applied), by the module docstring's rule."""
+    k = len(dots)
+    opposed = [i for i, dot in enumerate(dots) if dot < 0.0]
+    if upper_dots is None:  # k odd: a minority opposed is left out, a majority gets nothing applied
+        return opposed, len(opposed) > (k - 1) // 2
+    against_upper = [i for i, dot in enumerate(upper_dots) if dot < 0.0]
+    return ([i for i in opposed if i in against_upper],
+            len(set(opposed) | set(against_upper)) >= k // 2)
 
 
 def _without(rows: _Rows, opposed: list[int], w: list[float], rule: Aggregation, norm_bound: float, trim: float,

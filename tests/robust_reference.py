@@ -69,15 +69,22 @@ def reference_aggregate(rows: list[torch.Tensor], w: list[float], rule: str, nor
         kept = [s[i] for i in range(cut, k - cut)]
         out = weighted(kept, [1.0 / len(kept)] * len(kept))
     else:
-        v = ordered()[(k - 1) // 2].copy()
-        screened = k >= 3 and k % 2 and screen_opposed
+        s = ordered()
+        v, upper = s[(k - 1) // 2].copy(), s[k // 2]
+        screened = k >= 3 and screen_opposed
         opposed = [i for i, r in enumerate(rows) if screened and reference_tree_sum(r * v) < 0.0]
-        if opposed and len(opposed) <= (k - 1) // 2:
-            keep = [i for i in range(k) if i not in opposed]
+        if k % 2:  # odd: a minority against the median is left out, a majority gets nothing applied
+            out_, zero = opposed, len(opposed) > (k - 1) // 2
+        else:  # even: against both middle values is left out, half against either gets nothing applied
+            against_upper = [i for i, r in enumerate(rows) if screened and reference_tree_sum(r * upper) < 0.0]
+            out_ = [i for i in opposed if i in against_upper]
+            zero = len(set(opposed) | set(against_upper)) >= k // 2
+        if zero:
+            return torch.zeros(len(rows[0]), dtype=torch.float64)
+        if out_:
+            keep = [i for i in range(k) if i not in out_]
             return reference_aggregate([given[i] for i in keep], [w[i] for i in keep], rule, norm_bound, trim,
                                        iterations, screen_opposed=False)
-        if opposed:
-            return torch.zeros(len(rows[0]), dtype=torch.float64)
         dist = sorted(reference_norm(r - v) for r in rows)
         tau = dist[k // 2] if k % 2 else (dist[k // 2 - 1] + dist[k // 2]) / 2
         total = math.fsum(w)

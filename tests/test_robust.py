@@ -136,10 +136,11 @@ def test_the_rules_have_the_bits_of_the_reference(rule, k):
             assert same_bits(f32, want) and not np.signbit(got[got == 0]).any()
 
 
-@pytest.mark.parametrize("k", [3, 5, 7])
+@pytest.mark.parametrize("k", [3, 4, 5, 6, 7, 8])
 def test_the_opposition_screen_has_the_bits_of_the_reference(k):
-    """centered-clip leaves out a minority of rows pointing against the coordinate-wise median (scale 0) and runs
-    anew over the others, with the bits of the reference; if more than a minority are opposed, the aggregate is 0."""
+    """centered-clip leaves out a minority of rows pointing against the coordinate-wise median (scale 0; k even:
+    against both middle values) and runs anew over the others, with the bits of the reference; if more than a
+    minority are opposed (k even: half to either middle value), the aggregate is 0."""
     for m, batch in ((17, None), (40_000, None), (70_000, 3)):
         for flipped in range(1, k):
             rows = rows_for(k, m, seed=m + k, attacker=True)
@@ -174,15 +175,36 @@ def test_two_colluders_of_five_cannot_turn_centered_clip_around(attack):
     assert report["clipped"]["p3"] == report["clipped"]["p4"] == 0.0
 
 
-def test_an_even_group_is_not_screened():
-    """Two sign flippers of four (an honest member missed the group): the lower median is the flippers' values, and
-    a screen against it left out an honest member (seen on real nodes); an even group runs plain CenteredClip."""
-    v = sparse_rows(4, seed=2, spread=1.0)
-    v["p2"], v["p3"] = -1000 * v["p2"], -1000 * v["p3"]
+@pytest.mark.parametrize("seed", range(4))
+def test_half_of_an_even_group_cannot_turn_it_around(seed):
+    """Two colluders of four (an honest member missed the group) sending -2 x the honest mean: plain CenteredClip
+    applies their direction; each middle value is one half's, so the screen sees the halves oppose and applies
+    nothing. No honest row is left out while the colluders stay in (that is what an odd-style screen against the
+    lower median did on real nodes: the model's loss 5.6 -> 103)."""
+    v = sparse_rows(4, seed=seed, spread=1.0)
+    honest_mean = (v["p0"] + v["p1"]) / 2
+    v["p2"] = v["p3"] = -2.0 * honest_mean
     w = dict.fromkeys(v, 20.0)
     screened, report = aggregate(v, w, "centered-clip")
     plain, _ = aggregate(v, w, "centered-clip-plain")
-    assert 0.0 not in report["clipped"].values() and torch.equal(screened, plain)
+    assert float(plain @ honest_mean) < 0.0
+    assert not screened.any() and set(report["clipped"].values()) == {0.0}
+
+
+@pytest.mark.parametrize("k, colluders", [(4, 1), (6, 1), (6, 2), (8, 3)])
+def test_a_minority_of_an_even_group_is_left_out(k, colluders):
+    """A minority of sign flippers (x1000) in an even group is opposed to both middle values: left out, and the
+    aggregate is the honest rows' direction."""
+    for seed in range(3):
+        v = sparse_rows(k, seed=seed, spread=1.0)
+        names = sorted(v)
+        honest_mean = sum(v[p] for p in names[colluders:]) / (k - colluders)
+        for p in names[:colluders]:
+            v[p] = -1000.0 * v[p]
+        out, report = aggregate(v, dict.fromkeys(v, 20.0), "centered-clip")
+        left_out = {p for p, s in report["clipped"].items() if s == 0.0}
+        assert left_out == set(names[:colluders]), (seed, report)
+        assert float(out @ honest_mean) / (norm(out) * norm(honest_mean)) > 0.95
 
 
 def test_a_majority_against_the_median_gets_nothing_applied():
@@ -195,10 +217,11 @@ def test_a_majority_against_the_median_gets_nothing_applied():
     assert aggregate_rows(x, [1.0] * 3, "centered-clip-plain", norm_bound=0.0)[0].any()
 
 
-def test_the_screen_leaves_honest_rows_alone():
-    """Honest sparse rows of a wide spread all point along the median: nobody is left out."""
+@pytest.mark.parametrize("k", [4, 5, 6])
+def test_the_screen_leaves_honest_rows_alone(k):
+    """Honest sparse rows of a wide spread all point along the median (both middle values): nobody is left out."""
     for seed in range(5):
-        v = sparse_rows(5, seed=seed, spread=4.0)
+        v = sparse_rows(k, seed=seed, spread=4.0)
         _, report = aggregate(v, dict.fromkeys(v, 20.0), "centered-clip")
         assert 0.0 not in report["clipped"].values(), (seed, report)
 
