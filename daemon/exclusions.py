@@ -9,7 +9,8 @@ goes into our gathered metadata as a vote (``votes``), and a round's group drops
 votes against it: every member decides from the same gathered bytes, so all exclude it from the same round. From
 then on the peer is in our ledger (``group_decided``): we keep voting against it, and its membership records count
 for nothing here (``excluded``: daemon/progress.py leaves them out of matchmaking decisions, the majority that picks a
-round's update, donors and join points). The transport's screen asks ``admitted`` for every gathered member
+round's update, donors and join points), and a group this node leads refuses them in matchmaking (``on_ledger``:
+peers/refusals.py). The transport's screen asks ``admitted`` for every gathered member
 (peers/transport.py ``Screen``).
 """
 
@@ -31,8 +32,10 @@ class Exclusions:
 
     def __init__(self, current_round: Callable[[], int],
                  verified: Optional[Callable[[], Mapping[str, int]]] = None,
-                 admission: Optional[Callable[[str], Optional[str]]] = None):
+                 admission: Optional[Callable[[str], Optional[str]]] = None,
+                 on_ledger: Optional[Callable[[list[str]], None]] = None):
         self.current_round, self.verified, self.admission = current_round, verified, admission
+        self.on_ledger = on_ledger  # called with every ledger peer (sorted) when one joins it: matchmaking refuses them
         self.until: dict[str, int] = {}  # peer_id -> last round its contributions are dropped (equivocation)
         self._ledger: dict[str, tuple[int, str]] = {}  # peer_id -> (round its group first excluded it in, why)
         self._lock = threading.Lock()
@@ -49,11 +52,14 @@ class Exclusions:
     def group_decided(self, r: int, excluded: Mapping[str, str]) -> None:
         """Round r's group excluded ``excluded`` (peer_id -> why; ``RoundResult.excluded``): they go into the ledger."""
         with self._lock:
-            for peer, why in excluded.items():
-                if peer not in self._ledger:
-                    self._ledger[peer] = (r, why)
-                    logger.warning("round %d: the group excluded %s (%s); it counts for nothing from now on", r, peer,
-                                   why)
+            new = [peer for peer in excluded if peer not in self._ledger]
+            for peer in new:
+                self._ledger[peer] = (r, excluded[peer])
+                logger.warning("round %d: the group excluded %s (%s); it counts for nothing from now on", r, peer,
+                               excluded[peer])
+            ledger = sorted(self._ledger)
+        if new and self.on_ledger is not None:
+            self.on_ledger(ledger)
 
     def votes(self) -> dict[str, int]:
         """Our exclusion votes for the round's gathered metadata (``RoundGather.exclusion_votes``): peer_id -> the

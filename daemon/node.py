@@ -48,6 +48,7 @@ from dilocox.peers.contributions import ContributionServer
 from dilocox.peers.deadlines import RoundDeadlines
 from dilocox.peers.identity import is_new_identity, load_or_create_identity
 from dilocox.peers.reducescatter import ReduceScatterTransport
+from dilocox.peers.refusals import CAPACITY as REFUSED_CAPACITY
 from dilocox.peers.spill import Spill, spill_directory
 from dilocox.peers.swarm import Swarm
 from dilocox.peers.transport import Hooks, Screen, Transport
@@ -285,7 +286,8 @@ class Node:
                              link=self.contributions.link if self.contributions else None)
         self.state.on_snapshot = self.transfer.published
         self.exclusions = Exclusions(lambda: self.state.round, self.audits.verified if self.audits else None,
-                                     self.contributions.admitted if self.contributions is not None else None)
+                                     self.contributions.admitted if self.contributions is not None else None,
+                                     on_ledger=self._refuse_in_matchmaking)
         self.progress.ignore(self.exclusions.excluded)  # an excluded peer's records count for nothing here
         self.rounds = OuterRounds(cfg, self.state, self.progress, self._make_transport(sizes), self.leave_requested,
                                   self.deadlines, self.exclusions, self.contributions, self.attack,
@@ -322,6 +324,13 @@ class Node:
         """Serve our group's result of round ``index`` (an AppliedUpdate whose digest is the result's) to the
         other groups of a split round (daemon/majority.py)."""
         self.results.offer(result_key(index), self.spill.keep(partial(write, result)))
+
+    def _refuse_in_matchmaking(self, peers: list[str]) -> None:
+        """Groups this node leads take none of ``peers`` (the exclusion ledger) in as followers."""
+        if len(peers) > REFUSED_CAPACITY:
+            logger.warning("%d excluded peers: matchmaking refuses the first %d", len(peers), REFUSED_CAPACITY)
+        for averager in self.averagers.values():
+            averager.refuse(peers[:REFUSED_CAPACITY])
 
     def _make_averagers(self, prefix: str, sizes: list[int]) -> None:
         """One averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors), or one for
@@ -801,6 +810,7 @@ class Node:
                       tokens_per_second=s.tokens_per_second, overlap=self.cfg.overlap,
                       compute_utilization=utilization, device_peak_bytes=_device_peak_bytes(), time=time.time(),
                       membership=self.swarm.traffic(), excluded=self.exclusions.ledger(),
+                      refused_joins=sum(a.refused_joins() for a in self.averagers.values()),
                       **(self.audits.summary() if self.audits else {}))
         logger.info("round %s", json.dumps(record, sort_keys=True))
         if self._metrics:

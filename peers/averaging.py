@@ -11,6 +11,8 @@
 * State: ``get_current_state`` (the documented override point) serves the node's global
   parameters, outer momentum and metadata to joiners; ``state_sharing_priority`` is the donor's
   outer_step so joiners download from the most advanced peer.
+* Refusals: ``refuse`` names peers (those the node's group excluded) that a group this averager leads does not take
+  in as followers (``rpc_join_group``, hivemind's handler of join requests; peers/refusals.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from dilocox.peers import lifecycle
 from dilocox.peers.codec import NarrowingCompression, narrowest_dtype
 from dilocox.peers.records import at_most_max_peers
+from dilocox.peers.refusals import RefusedPeers
 from dilocox.peers.transport import Hooks
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
@@ -185,6 +188,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         # states streamed whole to joiners, counted in the averager process and read in this one: shared memory
         # made before the fork below
         self._states_served = mp.get_context("fork").Value("L", 0)
+        self._refused = RefusedPeers()  # shared with the averager process, which answers join requests
         lifecycle.before_fork()  # start=True below forks
         super().__init__(
             [torch.zeros(max(size, 1), dtype=torch.float32)],
@@ -236,6 +240,26 @@ class PseudoGradientAverager(DecentralizedAverager):
         if sent:
             with self._states_served.get_lock():
                 self._states_served.value += 1
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's handler of a follower's join request (averager process): a peer in ``refuse``'s set is
+        answered PROTOCOL_VIOLATION (hivemind's follower then asks its next leader), any other as hivemind does."""
+        if context.remote_id.to_base58() in self._refused:
+            self._refused.refused()
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    def refuse(self, peer_ids) -> None:
+        """Refuse exactly ``peer_ids`` (base58 strings) as followers in matchmaking from now on (peers/refusals.py);
+        any thread. Raises ValueError past ``refusals.CAPACITY`` peers."""
+        self._refused.replace(peer_ids)
+
+    def refused_joins(self) -> int:
+        """Join requests refused since start (``rpc_join_group``); readable from this process."""
+        return self._refused.refusals
 
     def states_served(self) -> int:
         """States streamed whole to joiners since start (``rpc_download_state``); readable from this process."""

@@ -40,7 +40,7 @@ def test_two_small_norm_liars_are_caught_and_excluded_by_every_honest_member_fro
                 assert all(s in r["excluded"] for r in rows[first:]), brief
         # the group's vote excludes each from one round, the same on every honest member whose own group decided it
         # (dilocox/exclusion.py); a member whose group matchmaking split off in that round (with the excluded pair,
-        # which still takes part in matchmaking: docs/security.md) adopted the majority's update, recorded with the
+        # which can still lead groups of its own: docs/security.md) adopted the majority's update, recorded with the
         # rounds it followed, and takes the decision from the next group that makes it
         ledgers = [n.metrics()[-1]["excluded"] for n in honest]
         assert all(set(ledger) == ids for ledger in ledgers), ledgers
@@ -58,6 +58,8 @@ def test_two_small_norm_liars_are_caught_and_excluded_by_every_honest_member_fro
         # the excluded pair keeps running and matching, yet every honest member reaches the last step
         for n in honest:
             n.wait_for(lambda p: any(r["outer_step"] >= steps for r in p.metrics()), 150, "the last outer step")
+        # groups the honest members lead refuse the excluded pair in matchmaking (peers/refusals.py)
+        assert sum(n.metrics()[-1]["refused_joins"] for n in honest) >= 1, [n.metrics()[-1] for n in honest]
         # from that round on the rounds count honest members only
         late = [r for n in honest for r in n.metrics()
                 if r["outer_step"] >= excluded_from and r["outcome"] == "applied"]
