@@ -644,3 +644,27 @@ def test_the_momentum_free_outer_step_has_torch_sgds_bits():
             p.grad = g.clone()
         sgd.step()
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(ours.global_params, ref))
+
+
+def test_half_of_a_group_of_four_against_the_other_half_gets_nothing_applied(caplog):
+    """Two contributions of four sign-flipped x1000 (the seed-13 group of docs/results/2026-12-06-attacks-screen.md):
+    each middle value is one half's, the screen applies nothing (every scale 0) and says so once; with one flipped of
+    four, that one is left out and the others' rule applies."""
+    base = randn(SHAPES, 7)
+    grads = [[b + 0.3 * n for b, n in zip(base, randn(SHAPES, 200 + i))] for i in range(4)]
+    for i in (2, 3):
+        grads[i] = [-1000.0 * t for t in grads[i]]
+    payloads = {f"peer{i}": SparseCodec(SHAPES, CFG).encode(g) for i, g in enumerate(grads)}
+    weights = dict.fromkeys(payloads, 20.0)
+    with caplog.at_level("INFO", logger="dilocox.sparse.aggregate"):
+        out, rejected, scaled = sparse.aggregate_scaled(payloads, weights, SHAPES, CFG, rule="centered-clip")
+    assert rejected == {} and all(not o.any() for o in out) and set(scaled.values()) == {0.0}
+    assert "nothing applied: the contributions of peer0, peer1, peer2, peer3 share no direction" in caplog.text
+    assert "left out" not in caplog.text
+    del payloads["peer2"]
+    payloads["peer4"] = SparseCodec(SHAPES, CFG).encode([b + 0.3 * n for b, n in zip(base, randn(SHAPES, 204))])
+    out, _, scaled = sparse.aggregate_scaled(payloads, dict.fromkeys(payloads, 20.0), SHAPES, CFG,
+                                             rule="centered-clip")
+    flat, honest = torch.cat([o.reshape(-1) for o in out]), torch.cat([b.reshape(-1) for b in base])
+    assert {p for p, s in scaled.items() if s == 0.0} == {"peer3"}
+    assert float(flat @ honest) / float(flat.norm() * honest.norm()) > 0.5

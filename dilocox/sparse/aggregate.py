@@ -204,6 +204,10 @@ def aggregate_sparse(contributions: Mapping[str, bytes], weights: Mapping[str, f
     del rows
     values = compact.numpy().astype(np.float32)  # rounded to nearest
     scaled = {peer: float(scale) for peer, scale in zip(peers, scales) if scale < 1.0}
+    if len(peers) > 1 and all(scale == 0.0 for scale in scales):
+        logger.warning("nothing applied: the contributions of %s share no direction (the opposition screen: too many "
+                       "point against the group's coordinate-wise median)", ", ".join(peers))
+        return SparseAggregate(support, values, shapes), rejected, scaled
     for peer, scale in scaled.items():  # the caller reports drops; clipping and screening are the rule's business
         if scale == 0.0:
             logger.info("contribution of %s left out: it points against the group's coordinate-wise median", peer)
