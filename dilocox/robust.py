@@ -20,10 +20,9 @@ middle value, so that in a pair with one attacker the bound is the smaller norm,
   left out an honest member, seen on real nodes), so a row is tested against the lower and the upper middle value,
   v_0 and v_0': if k / 2 or more rows are opposed to either, the halves disagree and the aggregate is zero; else
   the rows opposed to both are left out and the rule runs anew over the others. Why: with 2 of 5 sign-flipped or
-  inner-product-manipulated rows (IPM, Xie et al.,
-  arXiv 1903.03936) CenteredClip's fixed point moves about (2/3) tau towards them, which points against the
-  honest mean once tau exceeds that mean's norm, as it does for sparse contributions of different supports; the
-  median of a majority still points the honest way. FLTrust (Cao et al., arXiv 2012.13995) likewise drops updates
+  inner-product-manipulated rows (IPM, Xie et al., arXiv 1903.03936) CenteredClip's fixed point moves about
+  (2/3) tau towards them, which points against the honest mean once tau exceeds that mean's norm, as it does for
+  sparse contributions of different supports; the median of a majority still points the honest way. FLTrust (Cao et al., arXiv 2012.13995) likewise drops updates
   of negative cosine with a reference, there a trusted server's update, here the group's median;
 * ``centered-clip-plain``: CenteredClip without the screen, for strongly non-IID swarms, where honest
   contributions can point against the median (one class per client, groups of ten screened by the odd-group rule:
