@@ -22,8 +22,9 @@ middle value, so that in a pair with one attacker the bound is the smaller norm,
   the rows opposed to both are left out and the rule runs anew over the others. Why: with 2 of 5 sign-flipped or
   inner-product-manipulated rows (IPM, Xie et al., arXiv 1903.03936) CenteredClip's fixed point moves about
   (2/3) tau towards them, which points against the honest mean once tau exceeds that mean's norm, as it does for
-  sparse contributions of different supports; the median of a majority still points the honest way. FLTrust (Cao et al., arXiv 2012.13995) likewise drops updates
-  of negative cosine with a reference, there a trusted server's update, here the group's median;
+  sparse contributions of different supports; the median of a majority still points the honest way. FLTrust (Cao
+  et al., arXiv 2012.13995) likewise drops updates of negative cosine with a reference, there a trusted server's
+  update, here the group's median;
 * ``centered-clip-plain``: CenteredClip without the screen, for strongly non-IID swarms, where honest
   contributions can point against the median (one class per client, groups of ten screened by the odd-group rule:
   2.2 points of clean accuracy in ``make bench-badsfl``'s setting, docs/results/2026-12-06-attacks-screen.md);
