@@ -866,8 +866,9 @@ def test_exclusions_drop_an_equivocator_for_ten_rounds_and_leave_audited_lies_to
     from dilocox.daemon.exclusions import EXCLUDE_ROUNDS
 
     now = {"round": 3}
+    refused = []  # what the node hands its averagers (matchmaking refuses them), once per change of the ledger
     ex = Exclusions(lambda: now["round"], verified=lambda: {"liar": 2},
-                    admission=lambda q: "no certificate" if q == "stranger" else None)
+                    admission=lambda q: "no certificate" if q == "stranger" else None, on_ledger=refused.append)
     ex.equivocated(3, {"two-faced": "a"})
     assert "excluded until round 13" in ex.admitted("two-faced")
     assert ex.admitted("stranger") == "no certificate" and ex.admitted("honest") is None
@@ -877,7 +878,7 @@ def test_exclusions_drop_an_equivocator_for_ten_rounds_and_leave_audited_lies_to
     assert "excluded by its group in round 4" in ex.excluded("liar") and ex.ledger() == {"liar": 4, "slow": 4}
     assert ex.votes() == {"liar": 2, "slow": 3}  # the ledger keeps being voted, so later joiners keep the decision
     ex.group_decided(6, {"liar": "again"})
-    assert ex.ledger()["liar"] == 4
+    assert ex.ledger()["liar"] == 4 and refused == [["liar", "slow"]]
     now["round"] = 3 + EXCLUDE_ROUNDS + 1
     assert ex.admitted("two-faced") is None
 
