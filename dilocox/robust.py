@@ -26,8 +26,8 @@ middle value, so that in a pair with one attacker the bound is the smaller norm,
   et al., arXiv 2012.13995) likewise drops updates of negative cosine with a reference, there a trusted server's
   update, here the group's median;
 * ``centered-clip-plain``: CenteredClip without the screen, for strongly non-IID swarms, where honest
-  contributions can point against the median (one class per client, groups of ten screened by the odd-group rule:
-  2.2 points of clean accuracy in ``make bench-badsfl``'s setting, docs/results/2026-12-06-attacks-screen.md);
+  contributions can point against the median (one class per client, groups of ten: 1.4 points of clean accuracy
+  in the BadSFL harness's setting, docs/results/2026-12-06-robust-screen-even.md);
 * ``trimmed-mean``: coordinate-wise, drop the floor(``trim`` k) largest and smallest values of each
   coordinate and average the rest (unweighted);
 * ``median``: coordinate-wise median (unweighted; the lower middle value for even k).
