@@ -59,7 +59,9 @@ def plot(table: dict, seeds: list[int], path: Path, title: str) -> None:
     ax.axhline(0, color="k", lw=0.5)
     ax.set_xticks(range(len(keys)), [f"{a}\n{m} of 5" for a, m in keys], rotation=60, fontsize=8)
     ax.set_ylabel("honest validation loss vs clean run (%)")
-    ax.set_yscale("symlog", linthresh=5)  # linear to 5%, where the target is; an outlier does not flatten the rest
+    if max(abs(y) for y in ax.dataLim.intervaly) > 20:  # an outlier would flatten the rest: linear to 5%, then log
+        ax.set_yscale("symlog", linthresh=5)
+    ax.set_ylim(min(-3.0, ax.get_ylim()[0]), max(3.0, ax.get_ylim()[1]))  # the +2% line always in view
     ax.set_title(f"{title} (dashed: the +2% target)")
     ax.legend(fontsize=8)
     fig.tight_layout()
