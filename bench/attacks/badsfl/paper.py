@@ -72,6 +72,9 @@ KEY = ["scaffold", "scaffold+blackbox", "scaffold+badsfl", "scaffold+badsfl/defa
 # the published defenses the paper compares against (defenses.py): not in the default runs; when named by
 # --settings they run on every seed (make bench-badsfl-paper-defenses)
 COMPARED = [f"scaffold{a}/{d}" for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "")]
+# the daemon's whole SCAFFOLD default, alone and with the robust learning rate (run.py), against every attack
+COMPARED += [f"scaffold{a}/{d}" for d in ("daemon", "daemon-rlr", "daemon-mask")
+             for a in ("", "+blackbox", "+neurotoxin", "+badsfl")]
 # the default with SCAFFOLD's c restarted every 10 rounds (--scaffold-reset-every): likewise on every seed when named
 # (make bench-badsfl-paper-reset)
 COMPARED += ["scaffold+badsfl/default-reset10", "scaffold/default-reset10",

@@ -40,6 +40,9 @@ from bench.attacks.badsfl.sim import FederatedData, Setting, SimConfig, pretrain
 
 OUT = Path("runs/bench")
 DEFAULT_DEFENSE = dict(c_mode="derived", norm_bound=2.0)  # the daemon's for --outer-algorithm scaffold (mean)
+# ... and with its quiet restart of c (dilocox.scaffold.QuietRestart at the daemon's flags)
+DAEMON_SCAFFOLD = dict(DEFAULT_DEFENSE, c_reset_quiet=3, c_quiet_factor=0.5, c_quiet_rounds=5, c_outsized=4.0,
+                       c_quiet_every=20)
 OLD_DEFAULT = dict(c_mode="derived", rule="centered-clip", norm_bound=2.0)  # the earlier default
 SETTINGS = [
     *[Setting(f"fedavg{'' if a == 'none' else '+' + a}", algorithm="fedavg", attack=a)
@@ -97,6 +100,14 @@ SETTINGS = [
     # a probe, not a defense: the server's c set to the benign clients' mean c_i once the attack stops (sim.py,
     # c_reset_after_attack), so what persists after is what theta and the c_i hold, not the c the attacker moved
     Setting("scaffold+blackbox/reset-c", attack="blackbox", c_reset_after_attack=True),
+    # the daemon's whole default for --outer-algorithm scaffold (derived c, norm bound 2, mean, the quiet restart:
+    # default-quiet3-half5-every20), alone and with the robust learning rate on theta (dilocox/sign_agreement.py,
+    # threshold ceil(0.35 k): 4 of 10 or 11 contributions), reversed (rlr, the paper's) or dropped (mask) where
+    # fewer agree, against every attack
+    *[Setting(f"scaffold{'' if a == 'none' else '+' + a}/{name}", attack=a, **DAEMON_SCAFFOLD, **extra)
+      for name, extra in (("daemon", {}), ("daemon-rlr", dict(sign_rule="flip", min_agreement=0.35)),
+                          ("daemon-mask", dict(sign_rule="mask", min_agreement=0.35)))
+      for a in ("none", "blackbox", "neurotoxin", "badsfl")],
     # the published defenses the BadSFL paper compares against (defenses.py), with the paper's dc channel
     *[Setting(f"scaffold{a}/{d}", attack=a[1:] or "none", defense=d)
       for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "")],

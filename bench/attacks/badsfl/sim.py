@@ -11,7 +11,9 @@ aggregator; SCAFFOLD in its per-contribution hook). Per round t (1-based) of one
      as on a node) on an ``ImageShard`` over its ``partition`` share; SCAFFOLD adds the daemon's
      correction x <- x - lr (c - c_i) after each step and option II's ``ControlVariates.client_update``.
   3. Aggregation: ``dilocox.robust.aggregate`` of the flattened pseudo-gradients (rule mean, centered-clip,
-     trimmed-mean or median; ``norm_bound``: each clipped to that multiple of the lower median norm), weights = K.
+     trimmed-mean or median; ``norm_bound``: each clipped to that multiple of the lower median norm), weights = K;
+     then ``sign_rule`` (flip or mask, dilocox/sign_agreement.py: the robust learning rate) on the coordinates
+     whose sign agreement over the admitted contributions is under ceil(``min_agreement`` x their count).
   4. Outer step: ``OuterOptimizer.step`` with lr 1, momentum 0 (FedAvg: theta <- theta - mean delta =
      the mean of the local models) or DiLoCo's Nesterov (lr 0.7, momentum 0.9; ``outer="nesterov"``).
   5. SCAFFOLD's c: ``c_mode="channel"``: clients upload dc_i, ``server_update(mean_S dc, |S|, N)``
@@ -91,7 +93,7 @@ from bench.attacks.badsfl.attacks import (
 from bench.attacks.badsfl.client import local_round, scaffold_hook
 from bench.attacks.badsfl.defenses import Defense
 from bench.federation import Contributions, flatten, unflatten
-from dilocox import robust, vision
+from dilocox import robust, sign_agreement, vision
 from dilocox.diloco import InnerConfig, InnerLoop
 from dilocox.partition import partition
 from dilocox.scaffold import ControlVariates, QuietRestart, Restart
@@ -180,6 +182,8 @@ class Setting:
     c_quiet_every: int = 0          # c_reset_quiet: also restart at multiples of this while outsized rounds come
     defense: str = "none"           # a published baseline instead of ``rule`` (defenses.py: flame, dp-prune, sparsefed)
     c_reset_after_attack: bool = False  # the server's c <- the benign clients' mean c_i at the end of attack_stop
+    sign_rule: str = "off"          # robust learning rate on the rule's aggregate (dilocox/sign_agreement.py)
+    min_agreement: float = 0.0      # ... its threshold: |sum of signs| >= ceil(this x contributions)
 
 
 PIXEL = (slice(23, 27), slice(23, 27))  # the pixel trigger: a 4x4 white square by the bottom-right corner
@@ -423,6 +427,11 @@ class Federation(Contributions):
             if s.norm_drop and report["clipped"]:  # the rule again over the contributions within the bound
                 admitted = [key for key in admitted if key not in report["clipped"]]
                 agg, _ = robust.aggregate({key: vectors[key] for key in admitted}, weights, s.rule, norm_bound=0.0)
+            # the signs of what the rule admitted (a contribution the screen left out has scale 0)
+            counted = [key for key in admitted if report["clipped"].get(key, 1.0) > 0.0] \
+                if isinstance(report["clipped"], dict) else admitted
+            agg, report["sign_low"] = sign_agreement.apply(agg, [vectors[key] for key in counted], s.min_agreement,
+                                                           s.sign_rule)
         self.admitted = admitted
         return agg, report
 
@@ -484,6 +493,7 @@ class Federation(Contributions):
                     agg_vs_mean_cos=round(float(agg64 @ mean) / denom, 4) if denom > 0 else None,
                     agg_vs_mean_norm=round(float(agg64.norm() / mean.norm()), 4) if float(mean.norm()) > 0 else None,
                     c_gap=None if c_gap is None else float(f"{c_gap:.6g}"),
+                    sign_low=report.get("sign_low", 0),
                     c_gap_cos=None if c_gap_cos is None else round(c_gap_cos, 4))
 
     def benign_mean_c_i(self) -> list[torch.Tensor]:
