@@ -116,3 +116,27 @@ def test_the_harness_applies_it_after_the_daemons_scaffold_default(tmp_path):
     # the same contributions in round 1, and an aggregate that differs where fewer than 2 of 4 agree
     assert rlr[0][0]["clients"] == plain[0][0]["clients"]
     assert not all(torch.equal(a, b) for a, b in zip(rlr[1].outer.global_params, plain[1].outer.global_params))
+
+
+def test_the_gated_rule_acts_in_rounds_with_an_outsized_contribution_only(tmp_path):
+    from bench.attacks.badsfl.run import BY_NAME, QUICK
+    from bench.attacks.badsfl.sim import FederatedData, Federation, SimConfig
+    from dilocox.vision import DEBIAN_FASHION_MNIST
+
+    if not DEBIAN_FASHION_MNIST.is_dir():
+        pytest.skip("Debian's dataset-fashion-mnist is not installed (.ci/run installs it)")
+    torch.set_num_threads(1)
+    cfg = dataclasses.replace(SimConfig(**QUICK), per_round=4)
+    cfg = dataclasses.replace(cfg, knobs=dataclasses.replace(cfg.knobs, lr_factor=20.0, step_factor=4))
+    data = FederatedData(cfg)
+    theta0 = [p.detach().clone() for p in vision.build_image_model(cfg.model, data.num_classes, 0).parameters()]
+    runs = {n: Federation(cfg, BY_NAME[n], data, theta0) for n in
+            ("scaffold/daemon-rlr-gated", "scaffold/daemon-rlr", "scaffold+blackbox/daemon-rlr-gated")}
+    out = {n: [fed.round(t) for t in range(1, cfg.rounds + 1)] for n, fed in runs.items()}
+    assert all(r["sign_low"] == 0 for r in out["scaffold/daemon-rlr-gated"])  # no attack: it never acts
+    assert all(r["sign_low"] > 0 for r in out["scaffold/daemon-rlr"])
+    attacked = out["scaffold+blackbox/daemon-rlr-gated"]
+    window = range(cfg.attack_start, cfg.attack_stop + 1)
+    # the boosted attacker (20x lr, 4x steps) is outsized in its window; outside it nothing is
+    assert all(r["sign_low"] == 0 for t, r in enumerate(attacked, 1) if t not in window)
+    assert all(r["attacker_norm_ratio"] > 8 and r["sign_low"] > 0 for t, r in enumerate(attacked, 1) if t in window)

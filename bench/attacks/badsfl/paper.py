@@ -73,7 +73,8 @@ KEY = ["scaffold", "scaffold+blackbox", "scaffold+badsfl", "scaffold+badsfl/defa
 # --settings they run on every seed (make bench-badsfl-paper-defenses)
 COMPARED = [f"scaffold{a}/{d}" for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "")]
 # the daemon's whole SCAFFOLD default, alone and with the robust learning rate (run.py), against every attack
-COMPARED += [f"scaffold{a}/{d}" for d in ("daemon", "daemon-rlr", "daemon-mask")
+COMPARED += [f"scaffold{a}/{d}" for d in ("daemon", "daemon-rlr", "daemon-mask", "daemon-rlr-gated",
+                                                      "daemon-rlr2-gated")
              for a in ("", "+blackbox", "+neurotoxin", "+badsfl")]
 # the default with SCAFFOLD's c restarted every 10 rounds (--scaffold-reset-every): likewise on every seed when named
 # (make bench-badsfl-paper-reset)

@@ -102,11 +102,14 @@ SETTINGS = [
     Setting("scaffold+blackbox/reset-c", attack="blackbox", c_reset_after_attack=True),
     # the daemon's whole default for --outer-algorithm scaffold (derived c, norm bound 2, mean, the quiet restart:
     # default-quiet3-half5-every20), alone and with the robust learning rate on theta (dilocox/sign_agreement.py,
-    # threshold ceil(0.35 k): 4 of 10 or 11 contributions), reversed (rlr, the paper's) or dropped (mask) where
-    # fewer agree, against every attack
+    # threshold ceil(0.35 k): 4 of 10 or 11 contributions; rlr2: ceil(0.15 k), 2), reversed (rlr, the paper's) or
+    # dropped (mask) where fewer agree, in every round or (gated) in rounds with an outsized contribution only (the
+    # quiet restart's c_outsized: 4 x the bound), against every attack
     *[Setting(f"scaffold{'' if a == 'none' else '+' + a}/{name}", attack=a, **DAEMON_SCAFFOLD, **extra)
       for name, extra in (("daemon", {}), ("daemon-rlr", dict(sign_rule="flip", min_agreement=0.35)),
-                          ("daemon-mask", dict(sign_rule="mask", min_agreement=0.35)))
+                          ("daemon-mask", dict(sign_rule="mask", min_agreement=0.35)),
+                          ("daemon-rlr-gated", dict(sign_rule="flip", min_agreement=0.35, sign_when="outsized")),
+                          ("daemon-rlr2-gated", dict(sign_rule="flip", min_agreement=0.15, sign_when="outsized")))
       for a in ("none", "blackbox", "neurotoxin", "badsfl")],
     # the published defenses the BadSFL paper compares against (defenses.py), with the paper's dc channel
     *[Setting(f"scaffold{a}/{d}", attack=a[1:] or "none", defense=d)

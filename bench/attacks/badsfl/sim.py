@@ -13,7 +13,9 @@ aggregator; SCAFFOLD in its per-contribution hook). Per round t (1-based) of one
   3. Aggregation: ``dilocox.robust.aggregate`` of the flattened pseudo-gradients (rule mean, centered-clip,
      trimmed-mean or median; ``norm_bound``: each clipped to that multiple of the lower median norm), weights = K;
      then ``sign_rule`` (flip or mask, dilocox/sign_agreement.py: the robust learning rate) on the coordinates
-     whose sign agreement over the admitted contributions is under ceil(``min_agreement`` x their count).
+     whose sign agreement over the admitted contributions is under ceil(``min_agreement`` x their count), in
+     every round or (``sign_when="outsized"``) only in rounds with a contribution the bound scaled below
+     1 / ``c_outsized``.
   4. Outer step: ``OuterOptimizer.step`` with lr 1, momentum 0 (FedAvg: theta <- theta - mean delta =
      the mean of the local models) or DiLoCo's Nesterov (lr 0.7, momentum 0.9; ``outer="nesterov"``).
   5. SCAFFOLD's c: ``c_mode="channel"``: clients upload dc_i, ``server_update(mean_S dc, |S|, N)``
@@ -184,6 +186,8 @@ class Setting:
     c_reset_after_attack: bool = False  # the server's c <- the benign clients' mean c_i at the end of attack_stop
     sign_rule: str = "off"          # robust learning rate on the rule's aggregate (dilocox/sign_agreement.py)
     min_agreement: float = 0.0      # ... its threshold: |sum of signs| >= ceil(this x contributions)
+    sign_when: str = "always"       # ... in every round, or "outsized": in rounds the norm bound scaled a
+                                    # contribution below 1 / c_outsized (an attacker's boosted update)
 
 
 PIXEL = (slice(23, 27), slice(23, 27))  # the pixel trigger: a 4x4 white square by the bottom-right corner
@@ -430,8 +434,10 @@ class Federation(Contributions):
             # the signs of what the rule admitted (a contribution the screen left out has scale 0)
             counted = [key for key in admitted if report["clipped"].get(key, 1.0) > 0.0] \
                 if isinstance(report["clipped"], dict) else admitted
+            scales = report["clipped"].values() if isinstance(report["clipped"], dict) else []
+            fires = s.sign_when == "always" or any(0.0 < v < 1.0 / s.c_outsized for v in scales)
             agg, report["sign_low"] = sign_agreement.apply(agg, [vectors[key] for key in counted], s.min_agreement,
-                                                           s.sign_rule)
+                                                           s.sign_rule if fires else "off")
         self.admitted = admitted
         return agg, report
 
