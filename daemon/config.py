@@ -141,6 +141,9 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
             parts.append(f"scaffold_reset_quiet={self.scaffold_reset_quiet}(factor={self.scaffold_quiet_factor!r},"
                          f"rounds={self.scaffold_quiet_rounds},outsized={self.scaffold_outsized!r},"
                          f"every={self.scaffold_quiet_every})")
+        if self.robust_lr != "off":  # dilocox/sign_agreement.py: it changes the aggregate's bits
+            when = "always" if self.robust_lr_when == "always" else f"outsized:{self.robust_lr_outsized!r}"
+            parts.append(f"robust_lr={self.robust_lr}(agreement={self.robust_lr_agreement!r},when={when})")
         if self.compression == "sparse":
             parts.append(f"codes=sparse(chunk={self.sparse_chunk},topk={self.sparse_topk},bits={self.sparse_bits},"
                          f"rice={self.sparse_rice})")
@@ -200,6 +203,11 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
             raise ValueError(f"aggregation={self.aggregation} / norm_bound={self.norm_bound} need compression=sparse "
                              f"or shared: a butterfly all-reduce sums parts on reducers, which a robust rule cannot "
                              f"trust")
+        if self.robust_lr != "off" and (self.compression != "sparse"
+                                        or (self.robust_lr_when == "outsized" and not self.norm_bound)):
+            raise ValueError("robust_lr needs compression=sparse (every member holds every contribution to count "
+                             "their signs) and, with robust_lr_when=outsized, a norm bound (norm_bound > 0): a round "
+                             "is outsized when the bound scales a contribution")
         if self.scaffold_reset_quiet and (self.outer_algorithm != "scaffold" or not self.norm_bound):
             raise ValueError("scaffold_reset_quiet needs outer_algorithm=scaffold and a norm bound (compression="
                              "sparse, norm_bound > 0): a round is outsized when the bound scales a contribution")

@@ -161,6 +161,19 @@ class SecuritySection(Section):
     audit_probation: int = Field(5, ge=0, description="with audits: a peer's first rounds seen contributing are "
                                  "audited at rate 1 (a newcomer that lies is caught in its first rounds), later ones "
                                  "at audit_rate")
+    robust_lr: Literal["off", "flip", "mask"] = Field(
+        "off", description="the robust learning rate on a sparse round's aggregate (dilocox/sign_agreement.py; "
+        "Ozdayi et al., AAAI 2021): a coordinate whose contributions' signs agree less than --robust-lr-agreement is "
+        "reversed (flip: theta moves away from what a lone pusher, e.g. a backdoor, wants) or left out (mask); "
+        "off: never")
+    robust_lr_agreement: float = Field(
+        0.35, gt=0, le=1, description="--robust-lr: a coordinate needs |sum of the k contributions' signs| >= "
+                                      "ceil(this x k) (0.35: 4 of 10 or 11, 2 of 3 to 5)")
+    robust_lr_when: Literal["always", "outsized"] = Field(
+        "outsized", description="--robust-lr: in every round, or only in rounds where the norm bound scaled a "
+                                "contribution by less than 1 / --robust-lr-outsized (an attacker's boosted update; a "
+                                "swarm without one pays nothing)")
+    robust_lr_outsized: float = Field(4.0, gt=1, description="--robust-lr-when outsized: the factor")
     attack: Optional[str] = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
                                   description="red team only: MODULE:CLASS, an Attack plugged into this node "
                                               "(daemon/redteam.py)")

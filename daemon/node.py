@@ -62,6 +62,7 @@ from dilocox.diloco import host_losses
 from dilocox.model import ModelSpecError
 from dilocox.pipeline import PipelineBroken, pipeline_microbatches
 from dilocox.prefetch import Prefetcher
+from dilocox.sign_agreement import SignPolicy
 from dilocox.stages import layer_range
 from dilocox.tokenizer import load_tokenizer
 from dilocox.workload import make_workload
@@ -310,7 +311,9 @@ class Node:
         hooks = Hooks(self.attack.gather, self.attack.contribution) if self.attack is not None else Hooks()
         if not cfg.gathers:
             return ButterflyTransport(self.averagers, hooks)
-        screen = Screen(float(cfg.inner_steps), cfg.aggregation, cfg.norm_bound, self.exclusions.admitted)
+        sign = SignPolicy(cfg.robust_lr, cfg.robust_lr_agreement, cfg.robust_lr_when, cfg.robust_lr_outsized) \
+            if cfg.robust_lr != "off" else None
+        screen = Screen(float(cfg.inner_steps), cfg.aggregation, cfg.norm_bound, self.exclusions.admitted, sign)
         averager, me = self.averagers[sizes[0]], self.progress.peer_id
         if cfg.compression == "shared":
             return ReduceScatterTransport(averager, self.contributions, me, screen,

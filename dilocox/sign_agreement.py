@@ -11,6 +11,9 @@ small and the step on that coordinate is reversed (``SignRule.FLIP``, the paper'
 what the attacker pushed, so a backdoor that got in is unlearned) or left out (``SignRule.MASK``: nothing is
 applied there, so nothing new gets in, and nothing is unlearned).
 
+``SignPolicy`` is the rule as a swarm setting (the daemon's ``--robust-lr``): it can act only in rounds where the
+norm bound scaled a contribution far down (an attacker's boosted update), so a swarm without an attack pays nothing.
+
 Here theta = ``ceil(min_agreement * k)`` so one setting serves groups of any size (the paper fixes theta for 10
 agents a round; its theta = 4 of 10 is ``min_agreement`` 0.35 to 0.4). Signs and integer sums are exact, so every
 member of a group computes the same mask bit for bit from the same contributions, whatever its hardware.
@@ -21,8 +24,9 @@ Errors: ValueError for no rows, rows of different lengths, an unknown rule, or `
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from enum import Enum
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -82,3 +86,45 @@ def apply(aggregate: torch.Tensor, rows: Sequence[torch.Tensor], min_agreement: 
         raise ValueError(f"aggregate of {aggregate.numel()} values over contributions of {factors.numel()}")
     low = int((factors != 1.0).sum())
     return (aggregate.reshape(-1) * factors.to(aggregate.dtype) + 0.0).reshape(aggregate.shape), low
+
+
+class When(str, Enum):
+    """In which rounds a ``SignPolicy`` acts."""
+
+    ALWAYS = "always"
+    OUTSIZED = "outsized"  # rounds where the norm bound scaled a contribution below 1 / outsized
+
+
+@dataclass(frozen=True)
+class SignPolicy:
+    """The robust learning rate as a swarm setting: ``rule`` on coordinates under ``ceil(min_agreement x k)``, in
+    every round or (``when`` = OUTSIZED) only in rounds with an outsized contribution: one the norm bound scaled
+    by less than 1 / ``outsized`` (an attacker's boosted update; without an attack no round is outsized and the
+    policy costs nothing). A scale of 0 is a contribution the opposition screen left out, not an outsized one.
+
+    Errors: ValueError for ``min_agreement`` outside (0, 1] or ``outsized`` < 1."""
+
+    rule: SignRule = SignRule.FLIP
+    min_agreement: float = 0.35
+    when: When = When.OUTSIZED
+    outsized: float = 4.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "rule", SignRule(self.rule))
+        object.__setattr__(self, "when", When(self.when))
+        threshold(self.min_agreement, 1)
+        if not self.outsized >= 1.0:
+            raise ValueError(f"outsized {self.outsized!r}: expected a factor >= 1")
+
+    def acts(self, scales: Iterable[float]) -> bool:
+        """Whether a round whose rule scaled its contributions by ``scales`` (those below 1 suffice) gets the rule."""
+        if self.rule is SignRule.OFF:
+            return False
+        return self.when is When.ALWAYS or any(0.0 < float(s) < 1.0 / self.outsized for s in scales)
+
+    def apply(self, aggregate: torch.Tensor, rows: Sequence[torch.Tensor],
+              scales: Iterable[float]) -> tuple[torch.Tensor, int]:
+        """``apply`` (module function) with this policy's rule where ``acts(scales)``; else (aggregate, 0)."""
+        if not self.acts(scales):
+            return aggregate, 0
+        return apply(aggregate, rows, self.min_agreement, self.rule)

@@ -27,6 +27,8 @@ from dilocox.peers.deadlines import RoundTimes
 if TYPE_CHECKING:
     from dilocox.peers.averaging import RoundGather, RoundResult
 
+    from dilocox.sign_agreement import SignPolicy
+
 
 @dataclass(frozen=True)
 class RoundInput:
@@ -64,12 +66,14 @@ class Screen:
 
     ``max_weight``: the largest weight a member may claim (H inner steps); ``rule`` / ``norm_bound``: the
     aggregation rule and the norm bound applied before it (dilocox/robust.py); ``admitted(peer_id)``: None if
-    that member may contribute, else why not (None: the contribution server's admission alone)."""
+    that member may contribute, else why not (None: the contribution server's admission alone); ``sign``: the
+    robust learning rate on the rule's aggregate (dilocox/sign_agreement.py; None: off)."""
 
     max_weight: float
     rule: str = "mean"
     norm_bound: float = 0.0
     admitted: Optional[Callable[[str], Optional[str]]] = None
+    sign: Optional[SignPolicy] = None
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,26 @@ def test_with_audits_the_data_and_how_it_is_drawn_are_swarm_settings(tmp_path):
             data_digest(str(tmp_path / "locked"))
 
 
+def test_the_robust_learning_rate_is_a_swarm_setting_that_needs_all_gathered_rounds():
+    base = ["--outer-algorithm", "scaffold"]
+    assert "robust_lr" not in load_config(parse(base), {}).swarm_settings()
+    flip = load_config(parse([*base, "--robust-lr", "flip"]), {})
+    assert "robust_lr=flip(agreement=0.35,when=outsized:4.0)" in flip.swarm_settings()
+    digests = {load_config(parse([*base, *flags]), {}).settings_digest() for flags in (
+        [], ["--robust-lr", "flip"], ["--robust-lr", "mask"], ["--robust-lr", "flip", "--robust-lr-agreement", "0.2"],
+        ["--robust-lr", "flip", "--robust-lr-when", "always"], ["--robust-lr", "flip", "--robust-lr-outsized", "8"])}
+    assert len(digests) == 6  # each changes the aggregate's bits: replicas must agree on it
+    assert load_config(parse(["--robust-lr", "flip", "--robust-lr-when", "always", "--norm-bound", "0"]), {})
+    for flags, message in ((["--robust-lr", "flip", "--compression", "int8"], "needs compression=sparse"),
+                           (["--robust-lr", "flip", "--compression", "shared"], "needs compression=sparse"),
+                           (["--robust-lr", "flip", "--norm-bound", "0"], "a norm bound"),
+                           (["--robust-lr", "reverse"], "--robust-lr: Input should be"),
+                           (["--robust-lr", "flip", "--robust-lr-agreement", "0"], "--robust-lr-agreement"),
+                           (["--robust-lr", "flip", "--robust-lr-outsized", "1"], "--robust-lr-outsized")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(parse(flags), {})
+
+
 def test_scaffold_quiet_restart_flags_are_swarm_settings_and_need_a_norm_bound():
     base = ["--outer-algorithm", "scaffold"]
     quiet = load_config(parse([*base, "--scaffold-reset-quiet", "3", "--scaffold-quiet-factor", "0.5",

@@ -668,3 +668,40 @@ def test_half_of_a_group_of_four_against_the_other_half_gets_nothing_applied(cap
     flat, honest = torch.cat([o.reshape(-1) for o in out]), torch.cat([b.reshape(-1) for b in base])
     assert {p for p, s in scaled.items() if s == 0.0} == {"peer3"}
     assert float(flat @ honest) / float(flat.norm() * honest.norm()) > 0.5
+
+
+def test_the_robust_learning_rate_reverses_what_only_a_boosted_member_pushes(caplog):
+    """--robust-lr flip, gated on outsized rounds: four honest members share a direction, a fifth sends its own x100.
+    The norm bound scales it below 1/4, so the round is outsized: every position where fewer than 2 of the 5 signs
+    agree, those only the fifth sent among them, moves against it. The same fifth member at honest size leaves the
+    aggregate bit for bit as without the policy."""
+    from dilocox.sign_agreement import SignPolicy
+
+    base = randn(SHAPES, 11)
+    honest = [[b + 0.1 * n for b, n in zip(base, randn(SHAPES, 300 + i))] for i in range(4)]
+    own = randn(SHAPES, 99)
+    policy = SignPolicy("flip", 0.35, "outsized", 4.0)
+    for boost, acts in ((100.0, True), (1.0, False)):
+        payloads = {f"peer{i}": SparseCodec(SHAPES, CFG).encode(g) for i, g in enumerate(honest)}
+        payloads["peer9"] = SparseCodec(SHAPES, CFG).encode([boost * t for t in own])
+        weights = dict.fromkeys(payloads, 20.0)
+        plain, _, scaled = sparse.aggregate_sparse(payloads, weights, SHAPES, CFG, rule="mean", norm_bound=2.0)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="dilocox.sparse.aggregate"):
+            out, rejected, scaled2 = sparse.aggregate_sparse(payloads, weights, SHAPES, CFG, rule="mean",
+                                                             norm_bound=2.0, sign=policy)
+        assert rejected == {} and scaled == scaled2
+        assert policy.acts(scaled.values()) is acts
+        if not acts:
+            assert np.array_equal(out.values, plain.values) and "robust learning rate" not in caplog.text
+            continue
+        assert scaled["peer9"] < 0.25 and "robust learning rate:" in caplog.text and "reversed" in caplog.text
+        sent = {p: torch.cat([t.reshape(-1) for t in decode(b, SHAPES, CFG)]) for p, b in payloads.items()}
+        lone = (sent["peer9"] != 0) & torch.stack([sent[f"peer{i}"] == 0 for i in range(4)]).all(0)
+        flat, before = torch.cat([o.reshape(-1) for o in out]), torch.cat([o.reshape(-1) for o in plain])
+        assert int(lone.sum()) > 10
+        assert (torch.sign(flat[lone]) == -torch.sign(sent["peer9"][lone])).all()
+        assert torch.equal(flat[lone].abs(), before[lone].abs())
+        # where all four honest members sent the same sign, the step is theirs, as without the policy
+        agree = torch.stack([torch.sign(sent[f"peer{i}"]) for i in range(4)]).sum(0).abs() == 4
+        assert torch.equal(flat[agree & (sent["peer9"] == 0)], before[agree & (sent["peer9"] == 0)])

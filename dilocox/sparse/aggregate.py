@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
+from dilocox.sign_agreement import SignPolicy, threshold
 from dilocox.sparse.threads import thread_map
 from dilocox.sparse.wire import ContributionError, Layout, SparseConfig, layout, numel, parse
 from dilocox.threads import cpu_budget
@@ -147,13 +148,15 @@ def aggregate_scaled(contributions: Mapping[str, bytes], weights: Mapping[str, f
 
 def aggregate_sparse(contributions: Mapping[str, bytes], weights: Mapping[str, float],
                      shapes: Sequence[Sequence[int]], cfg: SparseConfig, rule: str = "mean", norm_bound: float = 0.0,
+                     sign: Optional[SignPolicy] = None,
                      **robust_kwargs) -> tuple[SparseAggregate, dict[str, str], dict[str, float]]:
     """The group's aggregate of the decoded contributions: (SparseAggregate, rejected peer -> reason, scaled peer
     -> the norm bound's scale < 1 of its contribution).
 
     A contribution is dropped if its weight is missing, not finite or <= 0, or its payload fails
     ``decode``'s validation. The accepted ones go through ``dilocox.robust`` (``rule``, ``norm_bound`` and
-    its other keyword arguments) in float64 over peer ids in sorted order, then the result is cast to fp32:
+    its other keyword arguments) in float64 over peer ids in sorted order, then ``sign`` (the robust learning rate,
+    dilocox/sign_agreement.py, on the signs of the rows the rule kept; exact), then the result is cast to fp32:
     the same inputs give the same bits on every member, whatever the dicts' order, its CPU or thread count.
     Raises ValueError if no contribution is accepted.
 
@@ -201,6 +204,13 @@ def aggregate_sparse(contributions: Mapping[str, bytes], weights: Mapping[str, f
     del ranks, parsed
     compact, scales = robust.aggregate_rows(rows, [accepted[p] for p in peers], rule, norm_bound=norm_bound,
                                             **robust_kwargs)
+    if sign is not None and sign.acts(scales):  # the signs of the contributions the rule kept (scale 0: left out)
+        kept = [torch.from_numpy(row) for row, scale in zip(rows, scales) if scale > 0.0]
+        if kept:
+            compact, low = sign.apply(compact, kept, scales)
+            logger.info("robust learning rate: %d of %d coordinates %s (|sum of signs| under %d of %d contributions)",
+                        low, len(support), "reversed" if sign.rule.value == "flip" else "left out",
+                        threshold(sign.min_agreement, len(kept)), len(kept))
     del rows
     values = compact.numpy().astype(np.float32)  # rounded to nearest
     scaled = {peer: float(scale) for peer, scale in zip(peers, scales) if scale < 1.0}
