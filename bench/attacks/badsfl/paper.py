@@ -76,6 +76,7 @@ COMPARED = [f"scaffold{a}/{d}" for d in ("flame", "dp-prune", "sparsefed") for a
 COMPARED += [f"scaffold{a}/{d}" for d in ("daemon", "daemon-rlr", "daemon-mask", "daemon-rlr-gated",
                                                       "daemon-rlr2-gated")
              for a in ("", "+blackbox", "+neurotoxin", "+badsfl")]
+COMPARED += [f"fedavg+{a}/cclip-nb2{tail}" for tail in ("", "-rlr-gated") for a in ("blackbox", "neurotoxin")]
 # the default with SCAFFOLD's c restarted every 10 rounds (--scaffold-reset-every): likewise on every seed when named
 # (make bench-badsfl-paper-reset)
 COMPARED += ["scaffold+badsfl/default-reset10", "scaffold/default-reset10",

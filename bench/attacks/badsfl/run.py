@@ -111,6 +111,13 @@ SETTINGS = [
                           ("daemon-rlr-gated", dict(sign_rule="flip", min_agreement=0.35, sign_when="outsized")),
                           ("daemon-rlr2-gated", dict(sign_rule="flip", min_agreement=0.15, sign_when="outsized")))
       for a in ("none", "blackbox", "neurotoxin", "badsfl")],
+    # the DiLoCo default's rule (centered-clip after a norm bound of 2, the screen) against the baselines, alone and
+    # with the robust learning rate gated on outsized rounds (4 x the bound), as --robust-lr flip sets it
+    *[Setting(f"fedavg+{a}/cclip-nb2{tail}", algorithm="fedavg", attack=a, rule="centered-clip", norm_bound=2.0,
+              **extra)
+      for tail, extra in (("", {}), ("-rlr-gated", dict(sign_rule="flip", min_agreement=0.35, sign_when="outsized",
+                                                         c_outsized=4.0)))
+      for a in ("blackbox", "neurotoxin")],
     # the published defenses the BadSFL paper compares against (defenses.py), with the paper's dc channel
     *[Setting(f"scaffold{a}/{d}", attack=a[1:] or "none", defense=d)
       for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "")],
