@@ -131,8 +131,13 @@ def test_the_gated_rule_acts_in_rounds_with_an_outsized_contribution_only(tmp_pa
     data = FederatedData(cfg)
     theta0 = [p.detach().clone() for p in vision.build_image_model(cfg.model, data.num_classes, 0).parameters()]
     runs = {n: Federation(cfg, BY_NAME[n], data, theta0) for n in
-            ("scaffold/daemon-rlr-gated", "scaffold/daemon-rlr", "scaffold+blackbox/daemon-rlr-gated")}
-    out = {n: [fed.round(t) for t in range(1, cfg.rounds + 1)] for n, fed in runs.items()}
+            ("scaffold/daemon-rlr-gated", "scaffold/daemon-rlr", "scaffold+blackbox/daemon-rlr-gated",
+             "scaffold+blackbox/daemon-drop4")}
+    out, admitted = {n: [] for n in runs}, []
+    for t in range(1, cfg.rounds + 1):
+        for n, fed in runs.items():
+            out[n].append(fed.round(t))
+        admitted.append(runs["scaffold+blackbox/daemon-drop4"].admitted)
     assert all(r["sign_low"] == 0 for r in out["scaffold/daemon-rlr-gated"])  # no attack: it never acts
     assert all(r["sign_low"] > 0 for r in out["scaffold/daemon-rlr"])
     attacked = out["scaffold+blackbox/daemon-rlr-gated"]
@@ -140,3 +145,9 @@ def test_the_gated_rule_acts_in_rounds_with_an_outsized_contribution_only(tmp_pa
     # the boosted attacker (20x lr, 4x steps) is outsized in its window; outside it nothing is
     assert all(r["sign_low"] == 0 for t, r in enumerate(attacked, 1) if t not in window)
     assert all(r["attacker_norm_ratio"] > 8 and r["sign_low"] > 0 for t, r in enumerate(attacked, 1) if t in window)
+    # drop4: the outsized attacker is left out of its window's rounds (not clipped into them); everyone else counts
+    attacker = f"c{data.attacker:02d}"
+    for t, r in enumerate(out["scaffold+blackbox/daemon-drop4"], 1):
+        chosen = {f"c{k:02d}" for k in r["clients"]}
+        assert set(admitted[t - 1]) == (chosen - {attacker} if t in window else chosen), t
+        assert attacker in chosen or t not in window  # forced into the window's rounds

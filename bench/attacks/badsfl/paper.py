@@ -74,7 +74,7 @@ KEY = ["scaffold", "scaffold+blackbox", "scaffold+badsfl", "scaffold+badsfl/defa
 COMPARED = [f"scaffold{a}/{d}" for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "")]
 # the daemon's whole SCAFFOLD default, alone and with the robust learning rate (run.py), against every attack
 COMPARED += [f"scaffold{a}/{d}" for d in ("daemon", "daemon-rlr", "daemon-mask", "daemon-rlr-gated",
-                                                      "daemon-rlr2-gated")
+                                                      "daemon-rlr2-gated", "daemon-drop4", "daemon-drop4-rlr-gated")
              for a in ("", "+blackbox", "+neurotoxin", "+badsfl")]
 COMPARED += [f"fedavg+{a}/cclip-nb2{tail}" for tail in ("", "-rlr-gated") for a in ("blackbox", "neurotoxin")]
 # the default with SCAFFOLD's c restarted every 10 rounds (--scaffold-reset-every): likewise on every seed when named

@@ -104,12 +104,16 @@ SETTINGS = [
     # default-quiet3-half5-every20), alone and with the robust learning rate on theta (dilocox/sign_agreement.py,
     # threshold ceil(0.35 k): 4 of 10 or 11 contributions; rlr2: ceil(0.15 k), 2), reversed (rlr, the paper's) or
     # dropped (mask) where fewer agree, in every round or (gated) in rounds with an outsized contribution only (the
-    # quiet restart's c_outsized: 4 x the bound), against every attack
+    # quiet restart's c_outsized: 4 x the bound), or (drop4) with an outsized contribution left out instead of
+    # clipped, against every attack
     *[Setting(f"scaffold{'' if a == 'none' else '+' + a}/{name}", attack=a, **DAEMON_SCAFFOLD, **extra)
       for name, extra in (("daemon", {}), ("daemon-rlr", dict(sign_rule="flip", min_agreement=0.35)),
                           ("daemon-mask", dict(sign_rule="mask", min_agreement=0.35)),
                           ("daemon-rlr-gated", dict(sign_rule="flip", min_agreement=0.35, sign_when="outsized")),
-                          ("daemon-rlr2-gated", dict(sign_rule="flip", min_agreement=0.15, sign_when="outsized")))
+                          ("daemon-rlr2-gated", dict(sign_rule="flip", min_agreement=0.15, sign_when="outsized")),
+                          ("daemon-drop4", dict(outsized_drop=True)),
+                          ("daemon-drop4-rlr-gated", dict(outsized_drop=True, sign_rule="flip", min_agreement=0.35,
+                                                          sign_when="outsized")))
       for a in ("none", "blackbox", "neurotoxin", "badsfl")],
     # the DiLoCo default's rule (centered-clip after a norm bound of 2, the screen) against the baselines, alone and
     # with the robust learning rate gated on outsized rounds (4 x the bound), as --robust-lr flip sets it

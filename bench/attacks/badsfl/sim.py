@@ -15,7 +15,8 @@ aggregator; SCAFFOLD in its per-contribution hook). Per round t (1-based) of one
      then ``sign_rule`` (flip or mask, dilocox/sign_agreement.py: the robust learning rate) on the coordinates
      whose sign agreement over the admitted contributions is under ceil(``min_agreement`` x their count), in
      every round or (``sign_when="outsized"``) only in rounds with a contribution the bound scaled below
-     1 / ``c_outsized``.
+     1 / ``c_outsized``. ``outsized_drop``: such a contribution is left out and the rule runs again over the rest
+     (its scale stays in the report, so the quiet restart still sees the round as outsized).
   4. Outer step: ``OuterOptimizer.step`` with lr 1, momentum 0 (FedAvg: theta <- theta - mean delta =
      the mean of the local models) or DiLoCo's Nesterov (lr 0.7, momentum 0.9; ``outer="nesterov"``).
   5. SCAFFOLD's c: ``c_mode="channel"``: clients upload dc_i, ``server_update(mean_S dc, |S|, N)``
@@ -184,6 +185,7 @@ class Setting:
     c_quiet_every: int = 0          # c_reset_quiet: also restart at multiples of this while outsized rounds come
     defense: str = "none"           # a published baseline instead of ``rule`` (defenses.py: flame, dp-prune, sparsefed)
     c_reset_after_attack: bool = False  # the server's c <- the benign clients' mean c_i at the end of attack_stop
+    outsized_drop: bool = False     # a contribution the bound scaled below 1 / c_outsized is left out, not clipped
     sign_rule: str = "off"          # robust learning rate on the rule's aggregate (dilocox/sign_agreement.py)
     min_agreement: float = 0.0      # ... its threshold: |sum of signs| >= ceil(this x contributions)
     sign_when: str = "always"       # ... in every round, or "outsized": in rounds the norm bound scaled a
@@ -431,6 +433,13 @@ class Federation(Contributions):
             if s.norm_drop and report["clipped"]:  # the rule again over the contributions within the bound
                 admitted = [key for key in admitted if key not in report["clipped"]]
                 agg, _ = robust.aggregate({key: vectors[key] for key in admitted}, weights, s.rule, norm_bound=0.0)
+            if s.outsized_drop and report["clipped"]:  # the rule again without the outsized contributions
+                out = sorted(k for k, v in report["clipped"].items() if 0.0 < v < 1.0 / s.c_outsized)
+                if out and len(out) < len(admitted):
+                    admitted = [key for key in admitted if key not in out]
+                    agg, again = robust.aggregate({key: vectors[key] for key in admitted}, weights, s.rule,
+                                                  norm_bound=s.norm_bound)
+                    report = dict(again, clipped={**again["clipped"], **{k: report["clipped"][k] for k in out}})
             # the signs of what the rule admitted (a contribution the screen left out has scale 0)
             counted = [key for key in admitted if report["clipped"].get(key, 1.0) > 0.0] \
                 if isinstance(report["clipped"], dict) else admitted
