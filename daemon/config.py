@@ -25,6 +25,7 @@ from typing import Optional
 from dilocox.daemon.config_sections import (
     DEFAULT_AUDIT_RATE,
     IMAGE_DATA,
+    SCAFFOLD_DROP_OUTSIZED,
     SCAFFOLD_QUIET_AFTER,
     SECTIONS,
     CompressionSection,
@@ -141,6 +142,8 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
             parts.append(f"scaffold_reset_quiet={self.scaffold_reset_quiet}(factor={self.scaffold_quiet_factor!r},"
                          f"rounds={self.scaffold_quiet_rounds},outsized={self.scaffold_outsized!r},"
                          f"every={self.scaffold_quiet_every})")
+        if self.drop_outsized:  # it changes which contributions the aggregate holds
+            parts.append(f"drop_outsized={self.drop_outsized!r}")
         if self.robust_lr != "off":  # dilocox/sign_agreement.py: it changes the aggregate's bits
             when = "always" if self.robust_lr_when == "always" else f"outsized:{self.robust_lr_outsized!r}"
             parts.append(f"robust_lr={self.robust_lr}(agreement={self.robust_lr_agreement!r},when={when})")
@@ -192,9 +195,11 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
                     data = {**data, name: value}
             if data.get("audit_rate") is None:  # on where rounds can be recomputed (_check)
                 data = {**data, "audit_rate": DEFAULT_AUDIT_RATE if cls._auditable(data) else 0.0}
+            quiet = data.get("outer_algorithm") == "scaffold" and _nonzero(data.get("norm_bound"))
             if data.get("scaffold_reset_quiet") is None:  # on where it can act: SCAFFOLD with a norm bound
-                quiet = data.get("outer_algorithm") == "scaffold" and _nonzero(data.get("norm_bound"))
                 data = {**data, "scaffold_reset_quiet": SCAFFOLD_QUIET_AFTER if quiet else 0}
+            if data.get("drop_outsized") is None:  # likewise
+                data = {**data, "drop_outsized": SCAFFOLD_DROP_OUTSIZED if quiet else 0.0}
         return data
 
     @model_validator(mode="after")
@@ -203,6 +208,10 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
             raise ValueError(f"aggregation={self.aggregation} / norm_bound={self.norm_bound} need compression=sparse "
                              f"or shared: a butterfly all-reduce sums parts on reducers, which a robust rule cannot "
                              f"trust")
+        if self.drop_outsized and (self.drop_outsized <= 1 or self.compression != "sparse" or not self.norm_bound):
+            raise ValueError(f"drop_outsized={self.drop_outsized} needs a factor > 1, compression=sparse and a norm "
+                             f"bound (norm_bound > 0): a contribution is outsized when the bound scales it by less "
+                             f"than 1 / the factor")
         if self.robust_lr != "off" and (self.compression != "sparse"
                                         or (self.robust_lr_when == "outsized" and not self.norm_bound)):
             raise ValueError("robust_lr needs compression=sparse (every member holds every contribution to count "

@@ -313,7 +313,8 @@ class Node:
             return ButterflyTransport(self.averagers, hooks)
         sign = SignPolicy(cfg.robust_lr, cfg.robust_lr_agreement, cfg.robust_lr_when, cfg.robust_lr_outsized) \
             if cfg.robust_lr != "off" else None
-        screen = Screen(float(cfg.inner_steps), cfg.aggregation, cfg.norm_bound, self.exclusions.admitted, sign)
+        screen = Screen(float(cfg.inner_steps), cfg.aggregation, cfg.norm_bound, self.exclusions.admitted, sign,
+                        cfg.drop_outsized)
         averager, me = self.averagers[sizes[0]], self.progress.peer_id
         if cfg.compression == "shared":
             return ReduceScatterTransport(averager, self.contributions, me, screen,

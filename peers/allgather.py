@@ -197,7 +197,7 @@ class AllGatherTransport:
         cancel, abandon, abandon_grace_s = rnd_in.cancel, rnd_in.abandon, self.abandon_grace_s
         scheduled_in_s, deadline_s = matchmaking_schedule(rnd_in.times, rnd_in.ready_in_s, self.request_timeout_s)
         max_weight, rule, norm_bound, admitted = screen.max_weight, screen.rule, screen.norm_bound, screen.admitted
-        sign = screen.sign
+        sign, drop_outsized = screen.sign, screen.drop_outsized
         tamper_gather, tamper_contribution = self.hooks.gather, self.hooks.contribution
         fetch_timeout_s, adaptive_deadline = self.fetch_timeout_s, self.adaptive_deadline
         key = group_bits(round_index) + "0"
@@ -257,7 +257,8 @@ class AllGatherTransport:
         shapes = rnd.codec.shapes
         try:
             mean, rejected, scaled = aggregate_sparse(got, weights, shapes, rnd.codec.cfg, rule=rule,
-                                                      norm_bound=norm_bound, sign=sign)
+                                                      norm_bound=norm_bound, sign=sign,
+                                                      drop_outsized=drop_outsized)
         except ValueError as e:
             _log_drops(round_index, dropped)  # why nothing was left, ours included
             raise RoundFailed(f"no usable contribution: {e}") from e

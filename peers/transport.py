@@ -67,13 +67,15 @@ class Screen:
     ``max_weight``: the largest weight a member may claim (H inner steps); ``rule`` / ``norm_bound``: the
     aggregation rule and the norm bound applied before it (dilocox/robust.py); ``admitted(peer_id)``: None if
     that member may contribute, else why not (None: the contribution server's admission alone); ``sign``: the
-    robust learning rate on the rule's aggregate (dilocox/sign_agreement.py; None: off)."""
+    robust learning rate on the rule's aggregate (dilocox/sign_agreement.py; None: off); ``drop_outsized``: F > 1
+    leaves out a contribution the norm bound scales by less than 1/F (0: off; dilocox/sparse/aggregate.py)."""
 
     max_weight: float
     rule: str = "mean"
     norm_bound: float = 0.0
     admitted: Optional[Callable[[str], Optional[str]]] = None
     sign: Optional[SignPolicy] = None
+    drop_outsized: float = 0.0
 
 
 @dataclass(frozen=True)

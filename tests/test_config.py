@@ -163,6 +163,22 @@ def test_with_audits_the_data_and_how_it_is_drawn_are_swarm_settings(tmp_path):
             data_digest(str(tmp_path / "locked"))
 
 
+def test_scaffold_leaves_outsized_contributions_out_by_default_and_it_is_a_swarm_setting():
+    base = ["--outer-algorithm", "scaffold"]
+    for flags, factor in ((base, 4.0), ([*base, "--norm-bound", "0"], 0.0), ([], 0.0),
+                          ([*base, "--drop-outsized", "0"], 0.0), (["--drop-outsized", "8"], 8.0)):
+        assert load_config(parse(flags), {}).drop_outsized == factor, flags
+    assert "drop_outsized=4.0" in load_config(parse(base), {}).swarm_settings()
+    assert "drop_outsized" not in load_config(parse([]), {}).swarm_settings()
+    digests = {load_config(parse([*base, *flags]), {}).settings_digest()
+               for flags in ([], ["--drop-outsized", "0"], ["--drop-outsized", "8"])}
+    assert len(digests) == 3
+    for flags in (["--drop-outsized", "1"], ["--drop-outsized", "4", "--norm-bound", "0"],
+                  ["--drop-outsized", "4", "--compression", "int8"]):
+        with pytest.raises(ConfigError, match="drop_outsized"):
+            load_config(parse(flags), {})
+
+
 def test_the_robust_learning_rate_is_a_swarm_setting_that_needs_all_gathered_rounds():
     base = ["--outer-algorithm", "scaffold"]
     assert "robust_lr" not in load_config(parse(base), {}).swarm_settings()

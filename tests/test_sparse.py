@@ -705,3 +705,32 @@ def test_the_robust_learning_rate_reverses_what_only_a_boosted_member_pushes(cap
         # where all four honest members sent the same sign, the step is theirs, as without the policy
         agree = torch.stack([torch.sign(sent[f"peer{i}"]) for i in range(4)]).sum(0).abs() == 4
         assert torch.equal(flat[agree & (sent["peer9"] == 0)], before[agree & (sent["peer9"] == 0)])
+
+
+def test_an_outsized_contribution_is_left_out_and_the_round_stays_outsized(caplog):
+    """--drop-outsized 4: a contribution the norm bound would scale below 1/4 is not clipped into the aggregate but
+    left out, and the rule runs again over the others; its scale stays in the report (the quiet restart and the
+    gated robust learning rate still see an outsized round). At honest size nothing changes, bit for bit."""
+    base = randn(SHAPES, 12)
+    honest = [[b + 0.1 * n for b, n in zip(base, randn(SHAPES, 400 + i))] for i in range(4)]
+    own = randn(SHAPES, 98)
+    for boost in (100.0, 1.0):
+        payloads = {f"peer{i}": SparseCodec(SHAPES, CFG).encode(g) for i, g in enumerate(honest)}
+        payloads["peer9"] = SparseCodec(SHAPES, CFG).encode([boost * t for t in own])
+        weights = dict.fromkeys(payloads, 20.0)
+        clipped, _, scaled = sparse.aggregate_sparse(payloads, weights, SHAPES, CFG, rule="mean", norm_bound=2.0)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="dilocox.sparse.aggregate"):
+            out, rejected, scaled2 = sparse.aggregate_sparse(payloads, weights, SHAPES, CFG, rule="mean",
+                                                             norm_bound=2.0, drop_outsized=4.0)
+        if boost == 1.0:
+            assert np.array_equal(out.values, clipped.values) and scaled2 == scaled and "outsized" not in caplog.text
+            continue
+        assert rejected == {} and scaled2["peer9"] == scaled["peer9"] < 0.25
+        assert "contribution of peer9 left out: the norm bound would scale it by" in caplog.text
+        assert "peer9 scaled by" not in caplog.text
+        del payloads["peer9"]
+        alone, _, _ = sparse.aggregate_sparse(payloads, weights, SHAPES, CFG, rule="mean", norm_bound=2.0)
+        flat = torch.cat([o.reshape(-1) for o in out])
+        assert torch.allclose(flat, torch.cat([o.reshape(-1) for o in alone]), rtol=1e-6, atol=1e-9)
+        assert not torch.allclose(flat, torch.cat([o.reshape(-1) for o in clipped]), rtol=1e-3)

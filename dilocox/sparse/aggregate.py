@@ -148,15 +148,17 @@ def aggregate_scaled(contributions: Mapping[str, bytes], weights: Mapping[str, f
 
 def aggregate_sparse(contributions: Mapping[str, bytes], weights: Mapping[str, float],
                      shapes: Sequence[Sequence[int]], cfg: SparseConfig, rule: str = "mean", norm_bound: float = 0.0,
-                     sign: Optional[SignPolicy] = None,
+                     sign: Optional[SignPolicy] = None, drop_outsized: float = 0.0,
                      **robust_kwargs) -> tuple[SparseAggregate, dict[str, str], dict[str, float]]:
     """The group's aggregate of the decoded contributions: (SparseAggregate, rejected peer -> reason, scaled peer
     -> the norm bound's scale < 1 of its contribution).
 
     A contribution is dropped if its weight is missing, not finite or <= 0, or its payload fails
     ``decode``'s validation. The accepted ones go through ``dilocox.robust`` (``rule``, ``norm_bound`` and
-    its other keyword arguments) in float64 over peer ids in sorted order, then ``sign`` (the robust learning rate,
-    dilocox/sign_agreement.py, on the signs of the rows the rule kept; exact), then the result is cast to fp32:
+    its other keyword arguments) in float64 over peer ids in sorted order; with ``drop_outsized`` F > 1, the
+    contributions the norm bound scaled by less than 1/F are left out and the rule runs again over the others (their
+    scales stay in the third value, so a round stays outsized); then ``sign`` (the robust learning rate,
+    dilocox/sign_agreement.py, on the signs of the rows the rule kept; exact); then the result is cast to fp32:
     the same inputs give the same bits on every member, whatever the dicts' order, its CPU or thread count.
     Raises ValueError if no contribution is accepted.
 
@@ -202,10 +204,25 @@ def aggregate_sparse(contributions: Mapping[str, bytes], weights: Mapping[str, f
     rows = np.zeros((len(peers), len(support)), dtype=np.float32)
     thread_map(_fill, [(row, ranks[:, i], parsed[p][1]) for i, (row, p) in enumerate(zip(rows, peers))])
     del ranks, parsed
-    compact, scales = robust.aggregate_rows(rows, [accepted[p] for p in peers], rule, norm_bound=norm_bound,
-                                            **robust_kwargs)
+    weights_in_order = [accepted[p] for p in peers]
+    compact, scales = robust.aggregate_rows(rows, weights_in_order, rule, norm_bound=norm_bound, **robust_kwargs)
+    outsized = [i for i, scale in enumerate(scales) if 0.0 < scale < 1.0 / drop_outsized] if drop_outsized else []
+    if outsized and len(outsized) < len(peers):  # the rule again without them; their scales stay in the report
+        keep = [i for i in range(len(peers)) if i not in outsized]
+        compact, again = robust.aggregate_rows(rows[keep], [weights_in_order[i] for i in keep], rule,
+                                               norm_bound=norm_bound, **robust_kwargs)
+        scales = list(scales)
+        for i, scale in zip(keep, again):
+            scales[i] = scale
+        rows = rows[keep]
+        kept_scales = list(again)
+        for i in outsized:
+            logger.info("contribution of %s left out: the norm bound would scale it by %.3g, under 1/%g (outsized)",
+                        peers[i], scales[i], drop_outsized)
+    else:
+        outsized, kept_scales = [], scales
     if sign is not None and sign.acts(scales):  # the signs of the contributions the rule kept (scale 0: left out)
-        kept = [torch.from_numpy(row) for row, scale in zip(rows, scales) if scale > 0.0]
+        kept = [torch.from_numpy(row) for row, scale in zip(rows, kept_scales) if scale > 0.0]
         if kept:
             compact, low = sign.apply(compact, kept, scales)
             logger.info("robust learning rate: %d of %d coordinates %s (|sum of signs| under %d of %d contributions)",
@@ -219,6 +236,8 @@ def aggregate_sparse(contributions: Mapping[str, bytes], weights: Mapping[str, f
                        "point against the group's coordinate-wise median)", ", ".join(peers))
         return SparseAggregate(support, values, shapes), rejected, scaled
     for peer, scale in scaled.items():  # the caller reports drops; clipping and screening are the rule's business
+        if peers.index(peer) in outsized:
+            continue
         if scale == 0.0:
             logger.info("contribution of %s left out: it points against the group's coordinate-wise median", peer)
         else:
