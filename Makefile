@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-robust-screen bench-traffic bench-quality bench-quality-shared bench-upload bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-node-overhead bench-node-memory bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-badsfl-settle bench-scrape bench-control \
+.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-robust-screen bench-traffic bench-quality bench-quality-shared bench-upload bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-node-overhead bench-node-memory bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-badsfl-settle bench-badsfl-theta bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -244,6 +244,22 @@ bench-badsfl-paper-quiet: install
 		scaffold+badsfl/default-quiet3-half5 scaffold+badsfl/default-quiet3-slow15 \
 		scaffold+badsfl/default-quiet3-half5-every10 scaffold+badsfl/default-quiet3-half5-every20 --ablations \
 		--report badsfl-paper-quiet
+
+# a backdoor in theta (docs/security.md): the daemon's SCAFFOLD default (derived c, norm bound 2, mean, the quiet
+# restart) with an outsized contribution clipped in (daemon) or left out (daemon-drop4, the default), and the robust
+# learning rate (rlr, mask, rlr-gated), against the pixel backdoors of an extra party that persist (paper-code-pixel),
+# beside clean SCAFFOLD; seed 0, then the default's cells on seeds 1 2 (about 2 h on 2 cores)
+THETA_OUT ?= runs/bench/badsfl-theta
+THETA_PCP = $(foreach s,scaffold+blackbox scaffold+badsfl,$(s):paper-code-pixel) \
+	$(foreach a,blackbox neurotoxin badsfl,$(foreach d,daemon daemon-drop4,scaffold+$(a)/$(d):paper-code-pixel)) \
+	$(foreach a,blackbox badsfl,$(foreach d,daemon-rlr daemon-rlr-gated,scaffold+$(a)/$(d):paper-code-pixel)) \
+	scaffold+blackbox/daemon-mask:paper-code-pixel scaffold+blackbox/daemon-drop4:paper-code
+bench-badsfl-theta: install
+	$(PY) -m bench.attacks.badsfl.paper --seeds 0 --ablations --settings scaffold scaffold/daemon-rlr \
+		scaffold/daemon-mask --pairs $(THETA_PCP) --report badsfl-theta --out $(THETA_OUT)
+	$(PY) -m bench.attacks.badsfl.paper --seeds 1 2 --ablation-seeds all --ablations --settings scaffold \
+		--pairs $(foreach a,blackbox neurotoxin badsfl,scaffold+$(a)/daemon-drop4:paper-code-pixel) \
+		--report badsfl-theta-seeds --out $(THETA_OUT)
 
 # a lone node's tokens/s with and without its metrics endpoint scraped 10 times a second, 1,000 scrapes (~3 min)
 bench-scrape: install

@@ -38,6 +38,12 @@ option II's dc), ``paper-code-memorize`` (paper-code with the public code's 45 m
 ``trigger="memorize"``, sim.py); beside fedavg+blackbox and scaffold+blackbox/reset-c (the server's c set to the
 benign clients' mean c_i when the attack stops) in paper-code-pixel. Each SCAFFOLD run's curve logs c_gap and
 c_gap_cos (sim.py) per round; its row reads c_gap at attack_stop and the mean c_gap_cos after it.
+
+A backdoor in theta (``make bench-badsfl-theta``): the daemon's whole SCAFFOLD default (run.py's ``/daemon``
+settings) against the extra party's pixel backdoors of paper-code-pixel, with an outsized contribution left out
+(``/daemon-drop4``, the daemon's --drop-outsized 4) and with the robust learning rate (``/daemon-rlr``,
+``-mask``, ``-rlr-gated``: dilocox/sign_agreement.py); each round's curve logs ``sign_low``, the coordinates it
+reversed or dropped.
 """
 
 from __future__ import annotations
