@@ -252,13 +252,13 @@ bench-badsfl-paper-quiet: install
 THETA_OUT ?= runs/bench/badsfl-theta
 THETA_PCP = $(foreach s,scaffold+blackbox scaffold+badsfl,$(s):paper-code-pixel) \
 	$(foreach a,blackbox neurotoxin badsfl,$(foreach d,daemon daemon-drop4,scaffold+$(a)/$(d):paper-code-pixel)) \
-	$(foreach a,blackbox badsfl,$(foreach d,daemon-rlr daemon-rlr-gated,scaffold+$(a)/$(d):paper-code-pixel)) \
-	scaffold+blackbox/daemon-mask:paper-code-pixel scaffold+blackbox/daemon-drop4:paper-code
+	$(foreach a,blackbox badsfl,$(foreach d,daemon-rlr daemon-mask daemon-rlr-gated,scaffold+$(a)/$(d):paper-code-pixel)) \
+	scaffold+badsfl/daemon-drop4-rlr-gated:paper-code-pixel scaffold+blackbox/daemon-drop4:paper-code
 bench-badsfl-theta: install
 	$(PY) -m bench.attacks.badsfl.paper --seeds 0 --ablations --settings scaffold scaffold/daemon-rlr \
-		scaffold/daemon-mask --pairs $(THETA_PCP) --report badsfl-theta --out $(THETA_OUT)
+		scaffold/daemon-mask scaffold/daemon scaffold/default --pairs $(THETA_PCP) --report badsfl-theta --out $(THETA_OUT)
 	$(PY) -m bench.attacks.badsfl.paper --seeds 1 2 --ablation-seeds all --ablations --settings scaffold \
-		--pairs $(foreach a,blackbox neurotoxin badsfl,scaffold+$(a)/daemon-drop4:paper-code-pixel) \
+		--pairs $(foreach a,blackbox badsfl,scaffold+$(a)/daemon-drop4:paper-code-pixel) \
 		--report badsfl-theta-seeds --out $(THETA_OUT)
 
 # a lone node's tokens/s with and without its metrics endpoint scraped 10 times a second, 1,000 scrapes (~3 min)
