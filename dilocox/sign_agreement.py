@@ -14,6 +14,11 @@ applied there, so nothing new gets in, and nothing is unlearned).
 ``SignPolicy`` is the rule as a swarm setting (the daemon's ``--robust-lr``): it can act only in rounds where the
 norm bound scaled a contribution far down (an attacker's boosted update), so a swarm without an attack pays nothing.
 
+In a sparse round (dilocox/sparse/aggregate.py) the rows are the decoded values on the union of the sent positions,
+zero where a member sent nothing, so a position few members sent has low agreement and is reversed too: every-round
+use there reverses most positions one member alone chose (measured only on the BadSFL harness's dense rounds;
+docs/security.md).
+
 Here theta = ``ceil(min_agreement * k)`` so one setting serves groups of any size (the paper fixes theta for 10
 agents a round; its theta = 4 of 10 is ``min_agreement`` 0.35 to 0.4). Signs and integer sums are exact, so every
 member of a group computes the same mask bit for bit from the same contributions, whatever its hardware.
