@@ -24,6 +24,15 @@ def start(workdir: Path, name: str, args: list[str]) -> LocalNode:
     return LocalNode(name, workdir / name, args).wait_started()
 
 
+def two_and_a_window_attacker(workdir: Path, args: list[str]) -> list[LocalNode]:
+    """Nodes a, b and s (``bench.attacks.gradient:ScaleThenStop``: 100x contributions in rounds 2 and 3) with
+    ``args``, b and s joining a."""
+    a = start(workdir, "a", args)
+    b = start(workdir, "b", args + ["--join", a.join_maddr])
+    attack = ["--attack", "bench.attacks.gradient:ScaleThenStop"]
+    return [a, b, start(workdir, "s", args + ["--join", a.join_maddr, *attack])]
+
+
 def dht_process(node: LocalNode) -> psutil.Process:
     """The node's DHT process: its child that launched p2pd (suspend it to play a peer too busy to answer)."""
     return next(p for p in psutil.Process(node.proc.pid).children() if any("p2pd" in c.name() for c in p.children()))

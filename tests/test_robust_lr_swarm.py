@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.helpers import FAST, start
+from tests.helpers import FAST, two_and_a_window_attacker
 
 pytestmark = [pytest.mark.integration, pytest.mark.swarm]
 
@@ -20,10 +20,7 @@ REVERSED = re.compile(r"robust learning rate: (\d+) of (\d+) coordinates reverse
 def test_only_the_boosted_rounds_are_reversed_and_every_member_agrees(tmp_path, algorithm):
     args = FAST + ["--run-id", f"rlr-{algorithm}", "--min-replicas", "3", "--outer-algorithm", algorithm,
                    "--robust-lr", "flip", "--max-outer-steps", "7"]
-    a = start(tmp_path, "a", args)
-    b = start(tmp_path, "b", args + ["--join", a.join_maddr])
-    attacker = start(tmp_path, "s", args + ["--join", a.join_maddr, "--attack", "bench.attacks.gradient:ScaleThenStop"])
-    nodes = [a, b, attacker]
+    nodes = two_and_a_window_attacker(tmp_path, args)
     try:
         for n in nodes:
             n.wait_for(lambda p: any(r["outer_step"] >= 6 for r in p.metrics()), 240, "outer step 6")

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.helpers import FAST, start
+from tests.helpers import FAST, two_and_a_window_attacker
 
 pytestmark = [pytest.mark.integration, pytest.mark.swarm]
 
@@ -21,10 +21,7 @@ RESTART = re.compile(r"outer step (\d+): SCAFFOLD's c and c_i restarted at zero 
 def test_every_member_shrinks_c_at_the_same_outer_steps_after_a_boosting_attacker_stops(tmp_path):
     args = FAST + ["--run-id", "quiet", "--min-replicas", "3", "--outer-algorithm", "scaffold",
                    "--scaffold-quiet-every", "5", "--max-outer-steps", "20"]
-    a = start(tmp_path, "a", args)
-    b = start(tmp_path, "b", args + ["--join", a.join_maddr])
-    attacker = start(tmp_path, "s", args + ["--join", a.join_maddr, "--attack", "bench.attacks.gradient:ScaleThenStop"])
-    nodes = [a, b, attacker]
+    nodes = two_and_a_window_attacker(tmp_path, args)
     try:
         for n in nodes:
             n.wait_for(lambda p: any(r["outer_step"] >= 3 + 3 + 4 for r in p.metrics()), 240, "the last halving")

@@ -670,6 +670,15 @@ def test_half_of_a_group_of_four_against_the_other_half_gets_nothing_applied(cap
     assert float(flat @ honest) / float(flat.norm() * honest.norm()) > 0.5
 
 
+def _four_honest_and_one(seed: int, boost: float) -> dict[str, bytes]:
+    """Payloads of four members sharing a direction (peer0-3) and a fifth with its own, ``boost`` x (peer9)."""
+    base = randn(SHAPES, seed)
+    honest = [[b + 0.1 * n for b, n in zip(base, randn(SHAPES, 100 * seed + i))] for i in range(4)]
+    payloads = {f"peer{i}": SparseCodec(SHAPES, CFG).encode(g) for i, g in enumerate(honest)}
+    payloads["peer9"] = SparseCodec(SHAPES, CFG).encode([boost * t for t in randn(SHAPES, 1000 + seed)])
+    return payloads
+
+
 def test_the_robust_learning_rate_reverses_what_only_a_boosted_member_pushes(caplog):
     """--robust-lr flip, gated on outsized rounds: four honest members share a direction, a fifth sends its own x100.
     The norm bound scales it below 1/4, so the round is outsized: every position where fewer than 2 of the 5 signs
@@ -677,13 +686,9 @@ def test_the_robust_learning_rate_reverses_what_only_a_boosted_member_pushes(cap
     aggregate bit for bit as without the policy."""
     from dilocox.sign_agreement import SignPolicy
 
-    base = randn(SHAPES, 11)
-    honest = [[b + 0.1 * n for b, n in zip(base, randn(SHAPES, 300 + i))] for i in range(4)]
-    own = randn(SHAPES, 99)
     policy = SignPolicy("flip", 0.35, "outsized", 4.0)
     for boost, acts in ((100.0, True), (1.0, False)):
-        payloads = {f"peer{i}": SparseCodec(SHAPES, CFG).encode(g) for i, g in enumerate(honest)}
-        payloads["peer9"] = SparseCodec(SHAPES, CFG).encode([boost * t for t in own])
+        payloads = _four_honest_and_one(11, boost)
         weights = dict.fromkeys(payloads, 20.0)
         plain, _, scaled = sparse.aggregate_sparse(payloads, weights, SHAPES, CFG, rule="mean", norm_bound=2.0)
         caplog.clear()
@@ -711,12 +716,8 @@ def test_an_outsized_contribution_is_left_out_and_the_round_stays_outsized(caplo
     """--drop-outsized 4: a contribution the norm bound would scale below 1/4 is not clipped into the aggregate but
     left out, and the rule runs again over the others; its scale stays in the report (the quiet restart and the
     gated robust learning rate still see an outsized round). At honest size nothing changes, bit for bit."""
-    base = randn(SHAPES, 12)
-    honest = [[b + 0.1 * n for b, n in zip(base, randn(SHAPES, 400 + i))] for i in range(4)]
-    own = randn(SHAPES, 98)
     for boost in (100.0, 1.0):
-        payloads = {f"peer{i}": SparseCodec(SHAPES, CFG).encode(g) for i, g in enumerate(honest)}
-        payloads["peer9"] = SparseCodec(SHAPES, CFG).encode([boost * t for t in own])
+        payloads = _four_honest_and_one(12, boost)
         weights = dict.fromkeys(payloads, 20.0)
         clipped, _, scaled = sparse.aggregate_sparse(payloads, weights, SHAPES, CFG, rule="mean", norm_bound=2.0)
         caplog.clear()

@@ -444,9 +444,10 @@ class Federation(Contributions):
             counted = [key for key in admitted if report["clipped"].get(key, 1.0) > 0.0] \
                 if isinstance(report["clipped"], dict) else admitted
             scales = report["clipped"].values() if isinstance(report["clipped"], dict) else []
-            fires = s.sign_when == "always" or any(0.0 < v < 1.0 / s.c_outsized for v in scales)
-            agg, report["sign_low"] = sign_agreement.apply(agg, [vectors[key] for key in counted], s.min_agreement,
-                                                           s.sign_rule if fires else "off")
+            report["sign_low"] = 0
+            if s.sign_rule != "off":  # the daemon's policy (--robust-lr), its gate included
+                policy = sign_agreement.SignPolicy(s.sign_rule, s.min_agreement, s.sign_when, s.c_outsized)
+                agg, report["sign_low"] = policy.apply(agg, [vectors[key] for key in counted], scales)
         self.admitted = admitted
         return agg, report
 
