@@ -201,6 +201,13 @@ class ContributionServer(ServicerBase):
         requester = context.remote_id.to_base58()
         refusal = self._refusal(requester)
         if refusal is not None:
+            # read (and drop) what it is sending first: a stream closed while the requester still writes reaches
+            # it as a broken pipe instead of this answer
+            received = 0
+            async for request in requests:
+                received += len(request.upload)
+                if received > self.max_upload_bytes:
+                    break
             yield ContributionChunk(error=f"not admitted: {refusal}")
             return
         key, upload = None, bytearray()
