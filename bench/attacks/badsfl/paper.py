@@ -121,6 +121,12 @@ ABLATIONS = {
     # each batch of 64; BTA on training images reads 8 of them (memorisation), BTA on the held-out images of
     # their classes (generalisation)
     "paper-code-memorize": dict(attacker_role="extra", trigger="memorize", knobs=dict(self_correction=False)),
+    # the pixel attacker as one of the 20 clients (sampled like them, after the window too), boosted as the paper's
+    # (5x lr, 6x steps) or not: an attacker whose update is no larger than an honest one's
+    "client-pixel": dict(trigger="pixel", knobs=dict(self_correction=False)),
+    "client-pixel-noboost": dict(trigger="pixel", knobs=dict(self_correction=False, lr_factor=1.0, step_factor=1)),
+    "paper-code-pixel-noboost": dict(attacker_role="extra", trigger="pixel",
+                                     knobs=dict(self_correction=False, lr_factor=1.0, step_factor=1)),
 }
 # make bench-badsfl-paper runs the first five; the paper-code ones are make bench-badsfl-paper-code
 DEFAULT_ABLATIONS = ["adamw", "no-boost", "no-discriminator", "short-pretrain", "fresh-optimizer"]
