@@ -47,6 +47,9 @@ from pydantic import ConfigDict, ValidationError, model_validator
 
 # the aggregation rules' version (dilocox/robust.py: RULES_VERSION), written here so that --help imports no torch
 RULES_VERSION = 4
+# the all-gather's wire rules, for the same reason (2: a row goes only to a request carrying the requester's own
+# payload's SHA-256, peers/contributions.py "Commitments": a node without it is refused every row)
+GATHER_VERSION = 2
 ENV_PREFIX = "DILOCOX_"
 
 
@@ -132,6 +135,8 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
                   f"outer=sgd({outer},momentum={self.outer_momentum!r},nesterov={self.nesterov})",
                   f"algorithm={self.outer_algorithm} aggregation={self.aggregation}(norm_bound={self.norm_bound!r},"
                   f"rules=v{RULES_VERSION})"]
+        if self.compression == "sparse":
+            parts.append(f"gather=v{GATHER_VERSION}")
         if self.audit_rate:  # an auditor recomputes a member's round on the member's data: the same data, drawn alike
             data = "assigned" if self.assigned_data else f"chosen(seed={self.seed})"
             parts.append(f"audits={self.audit_rate!r}(probation={self.audit_probation}) "

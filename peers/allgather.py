@@ -205,7 +205,7 @@ class AllGatherTransport:
 
         def offer(r: SparseRound) -> bytes:
             payload = r.payload if tamper_contribution is None else tamper_contribution(r.payload, round_index)
-            server.offer(key, payload)
+            server.offer(key, payload, committed=True)  # served only to members that committed theirs
             mine["payload"] = payload
             return payload
 
@@ -248,9 +248,12 @@ class AllGatherTransport:
         fetch_s = group_download_deadline(links, sum(size for _, size in announced.values()), fetch_timeout_s,
                                           relayed=len(clients) > 1) if adaptive_deadline else fetch_timeout_s
         stop = download_stop(cancel, abandon, abandon_grace_s)
-        got, failed = server.fetch(wanted, key, fetch_s, relays, no_direct, stop=stop)
+        got, failed = server.fetch(wanted, key, fetch_s, relays, no_direct, stop=stop,
+                                   commitment=hashlib.sha256(payload).hexdigest())
         fetched = time.monotonic()
         dropped.update(failed)
+        dropped.update(broken_commitments(got, lambda p: server.commitment(key, p)))
+        got = {p: b for p, b in got.items() if p not in dropped}
         if me in announced and me not in dropped:
             got[me] = payload
         weights = {p: metas[p].weight for p in got}
@@ -280,6 +283,19 @@ class AllGatherTransport:
                            link_bps=server.link.snapshot().bps, scales=scaled,
                            phases=dict(matchmaking=started - called, gather=fetched - started,
                                        aggregate=time.monotonic() - fetched))
+
+
+def broken_commitments(got: Dict[str, bytes], committed: Callable[[str], Optional[str]]) -> Dict[str, str]:
+    """peer_id -> why, for each member of ``got`` (peer_id -> its payload) whose payload is not the one it committed
+    to when it fetched from us (``committed(peer_id)``: the SHA-256 it sent, or None if it asked us nothing):
+    peers/contributions.py, "Commitments"."""
+    broken = {}
+    for peer, payload in got.items():
+        commitment = committed(peer)
+        if commitment is not None and hashlib.sha256(payload).hexdigest() != commitment:
+            broken[peer] = (f"its payload is not the one it committed to ({commitment[:12]}..) when it fetched ours "
+                            f"(a rushing or equivocating member)")
+    return broken
 
 
 def _log_drops(round_index: int, dropped: Dict[str, str]) -> None:

@@ -16,7 +16,18 @@ uploads under the key or upload name they went under, whenever they went: a roun
 
 Every request is checked first: the requester must be admitted (a certified swarm: peers/admission.py), an upload
 must fit ``max_upload_bytes``, and a refused request is answered with an error naming the reason; the server keeps
-serving. The rounds that use it are in peers/allgather.py (all-gather) and peers/reducescatter.py.
+serving.
+
+**Commitments.** A payload offered under a committed key (``offer(committed=True)``: a sparse round's all-gather) is
+served, and so are our copies under that key, only to a request that carries the requester's commitment: the
+SHA-256 of its own payload under the key (``fetch(commitment=...)``). The first commitment a requester sends under a
+key is kept (``commitment``; a different second one is refused), and the round drops a member whose payload does not
+match the commitment it sent us. So no member sees another's row before its own is fixed: a member matched early
+announces no digest in matchmaking, and without this it could fetch the honest rows first and craft its own against
+them (a rushing attack on the robust rule). Where it commits one payload to us and serves another to someone else,
+the members' input digests differ (daemon/checks.py: equivocation).
+
+The rounds that use it are in peers/allgather.py (all-gather) and peers/reducescatter.py.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ NOT_HELD = "not held"  # a relay's answer when it has no copy (yet) of the asked
 RELAY_WAIT_S = 2.0     # a relay waits this long for its copy before answering NOT_HELD
 RELAY_POLL_S = 0.5     # a fetcher asks the relays again after this pause while none holds a copy
 COPY_KEYS = 2          # rounds whose fetched contributions are kept to relay
+COMMITTED_KEYS = 8     # committed keys whose requesters' commitments are kept: a few rounds' worth
 EMPTY_RETRIES = 2      # an empty stream without an error is asked for again this often (see _Empty)
 # a member asked for its own contribution before offering it waits this long for the offer: group-mates whose
 # compute ended first, or an early round's all-gather, can ask while it still encodes (seconds at 100M values)
@@ -87,6 +99,8 @@ class ContributionServer(ServicerBase):
         self._refused: Dict[str, str] = {}
         self._offers: "OrderedDict[str, bytes]" = OrderedDict()
         self._copies: "OrderedDict[str, Dict[str, bytes]]" = OrderedDict()  # key -> owner -> checked payload
+        # committed key -> requester -> the SHA-256 of its own payload it sent with its first request under the key
+        self._commitments: "OrderedDict[str, Dict[str, str]]" = OrderedDict()
         self.dials = DialLog()
         self.link = LinkEstimate()  # our download rate and latency, measured on every round's downloads
         # key or upload name -> bytes sent under it (served, relayed or pushed), the newest SENT_KEYS
@@ -110,15 +124,42 @@ class ContributionServer(ServicerBase):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     # ------------------------------------------------------------------ serving
-    def offer(self, key: str, payload: bytes | mmap.mmap) -> None:
+    def offer(self, key: str, payload: bytes | mmap.mmap, committed: bool = False) -> None:
         """Serve ``payload`` under ``key`` (a round's group key) from now on: bytes, or a read-only map of a file
-        (peers/spill.py), served as it is, without a copy."""
+        (peers/spill.py), served as it is, without a copy. ``committed``: it, and our copies under ``key``, go only
+        to requests that carry a commitment (module docstring)."""
         with self._lock:
+            if committed and key not in self._commitments:
+                self._commitments[key] = {}
+                while len(self._commitments) > COMMITTED_KEYS:
+                    self._commitments.popitem(last=False)
             self._offers[key] = payload if isinstance(payload, (bytes, mmap.mmap)) else bytes(payload)
             self._offers.move_to_end(key)
             while len(self._offers) > self.keep or (self.max_bytes is not None and len(self._offers) > 1 and
                                                     sum(map(len, self._offers.values())) > self.max_bytes):
                 self._offers.popitem(last=False)
+
+    def commitment(self, key: str, peer: str) -> Optional[str]:
+        """The SHA-256 (hex) of its own payload that ``peer`` sent with its first request under committed ``key``,
+        or None (it asked us nothing under it, or the key is not committed or too old)."""
+        with self._lock:
+            return self._commitments.get(key, {}).get(peer)
+
+    def _commit(self, key: str, requester: str, commitment: str) -> Optional[str]:
+        """None if ``requester`` may be served under ``key``; else why not (no valid commitment, or another one
+        than its first under the key)."""
+        with self._lock:
+            table = self._commitments.get(key)
+            if table is None:
+                return None
+            if len(commitment) != 64 or any(ch not in "0123456789abcdef" for ch in commitment):
+                return "no commitment: a request under this key must carry the SHA-256 of the requester's own payload"
+            first = table.setdefault(requester, commitment)
+        if first != commitment:
+            logger.warning("refused %s under %r: it committed to %s.., now to %s..", requester[:16], key[:40],
+                           first[:12], commitment[:12])
+            return f"a different commitment: {requester[:16]} committed to another payload under this key"
+        return None
 
     def served_bytes(self, key: str) -> int:
         """Bytes sent under ``key`` so far, at any time and to all requesters: our payload, our copies of others'
@@ -181,6 +222,10 @@ class ContributionServer(ServicerBase):
             yield ContributionChunk(error=f"not admitted: {refusal}")
             return
         if request.owner and request.owner != self.peer_id:
+            why = self._commit(request.key, requester, request.commitment)
+            if why is not None:
+                yield ContributionChunk(error=why)
+                return
             payload = await self._copy(request.key, request.owner)
             if payload is None:
                 yield ContributionChunk(error=f"{NOT_HELD}: no copy of {request.owner[:16]}'s contribution")
@@ -188,7 +233,7 @@ class ContributionServer(ServicerBase):
             async for chunk in self._pieces(payload, request.key):
                 yield chunk
             return
-        async for chunk in self._serve_own(request.key, requester):
+        async for chunk in self._serve_own(request.key, requester, commitment=request.commitment):
             yield chunk
 
     async def rpc_exchange(self, requests: AsyncIterator[ContributionRequest],
@@ -238,11 +283,15 @@ class ContributionServer(ServicerBase):
             self._refused[requester] = refusal
         return refusal
 
-    async def _serve_own(self, key: str, requester: str,
-                         wait_s: Optional[float] = None) -> AsyncIterator[ContributionChunk]:
+    async def _serve_own(self, key: str, requester: str, wait_s: Optional[float] = None,
+                         commitment: str = "") -> AsyncIterator[ContributionChunk]:
         payload = await self._own(key, wait_s)
         if payload is None:
             yield ContributionChunk(error=f"no contribution under key {key[:40]!r}")
+            return
+        why = self._commit(key, requester, commitment)  # once offered: the offer says whether the key is committed
+        if why is not None:
+            yield ContributionChunk(error=why)
             return
         if self.tamper is not None:
             payload = self.tamper(payload, requester, key)
@@ -288,7 +337,8 @@ class ContributionServer(ServicerBase):
               relays: Tuple[str, ...] = (),
               no_direct: frozenset = frozenset(), stop: Optional[Callable[[], bool]] = None,
               check_every_s: float = 1.0,
-              uploads: Optional[Dict[str, Tuple[str, bytes]]] = None) -> Tuple[Dict[str, bytes], Dict[str, str]]:
+              uploads: Optional[Dict[str, Tuple[str, bytes]]] = None,
+              commitment: str = "") -> Tuple[Dict[str, bytes], Dict[str, str]]:
         """Download the payloads of ``wanted`` (peer_id -> (sha256 hex, exact length in bytes), or (None,
         the largest valid length) when nothing was announced) under ``key``, all at once, within
         ``timeout_s`` seconds. A peer is dialed directly unless it is in ``no_direct`` or a dial to it
@@ -298,29 +348,33 @@ class ContributionServer(ServicerBase):
 
         ``uploads``: peer_id -> (name, bytes) pushed to that peer with the request (``rpc_exchange``: the peer
         ``collect``s it; directly only, never through a relay), counted in ``served_bytes(name)`` and passed
-        through ``tamper`` with that name.
+        through ``tamper`` with that name. ``commitment``: the SHA-256 (hex) of our own payload under ``key``, sent
+        with every request (a committed key's servers answer nothing else; module docstring).
         ``stop()``, polled every ``check_every_s`` seconds, ends the wait early: the downloads in flight are
         cancelled and RoundFailed is raised (the round went on without us; waiting on a group-mate that
         left it would only delay our re-sync)."""
-        return self.start_fetch(wanted, key, timeout_s, relays, no_direct, uploads).result(stop, check_every_s)
+        return self.start_fetch(wanted, key, timeout_s, relays, no_direct, uploads,
+                                commitment).result(stop, check_every_s)
 
     def start_fetch(self, wanted: Dict[str, Tuple[Optional[str], int]], key: str, timeout_s: float,
                     relays: Tuple[str, ...] = (), no_direct: frozenset = frozenset(),
-                    uploads: Optional[Dict[str, Tuple[str, bytes]]] = None) -> "PendingFetch":
+                    uploads: Optional[Dict[str, Tuple[str, bytes]]] = None, commitment: str = "") -> "PendingFetch":
         """``fetch`` without waiting: the downloads run on our loop while the caller does something else (a
         reducer collects the uploads its group-mates push while its own go out); ``PendingFetch.result``
         waits for them."""
         if not wanted:
             return PendingFetch(None, {}, key, timeout_s)
         future = asyncio.run_coroutine_threadsafe(
-            self._fetch_all(wanted, key, timeout_s, tuple(relays), no_direct, dict(uploads or {})), self._loop)
+            self._fetch_all(wanted, key, timeout_s, tuple(relays), no_direct, dict(uploads or {}), commitment),
+            self._loop)
         return PendingFetch(future, wanted, key, timeout_s)
 
-    async def _fetch_all(self, wanted, key, timeout_s, relays, no_direct, uploads) -> Dict[str, object]:
+    async def _fetch_all(self, wanted, key, timeout_s, relays, no_direct, uploads, commitment) -> Dict[str, object]:
         peers, timings = sorted(wanted), []
         started = time.monotonic()
         outcomes = await asyncio.gather(*[asyncio.wait_for(self._fetch_one(p, *wanted[p], key, relays, no_direct,
-                                                                           timings, uploads.get(p)), timeout_s)
+                                                                           timings, uploads.get(p), commitment),
+                                                          timeout_s)
                                           for p in peers], return_exceptions=True)
         if timings:  # the direct downloads that succeeded measure our link (peers/deadlines.py); waits on a
             # dead peer or a relay's copy are no measure of it
@@ -337,7 +391,8 @@ class ContributionServer(ServicerBase):
         return out
 
     async def _fetch_one(self, peer: str, sha256: Optional[str], size: int, key: str, relays: Tuple[str, ...],
-                         no_direct: frozenset, timings: list, upload: Optional[Tuple[str, bytes]] = None) -> bytes:
+                         no_direct: frozenset, timings: list, upload: Optional[Tuple[str, bytes]] = None,
+                         commitment: str = "") -> bytes:
         """``peer``'s payload, from itself or from a relay (module docstring); ``upload`` (name, bytes) goes to
         the peer itself with the request. Raises ContributionError if the peer itself served bad bytes or no
         source could serve it."""
@@ -349,7 +404,7 @@ class ContributionServer(ServicerBase):
         while sources:
             for src in list(sources):
                 try:
-                    payload = await self._download(src, peer, sha256, size, key, timings, upload)
+                    payload = await self._download(src, peer, sha256, size, key, timings, upload, commitment)
                 except _NotHeld:
                     continue  # the relay has no copy yet: ask again after a pause
                 except _Empty as e:
@@ -392,7 +447,7 @@ class ContributionServer(ServicerBase):
                                 ("; ".join(f"{s[:12]}: {e}" for s, e in errors.items()) or "no relay") + ")")
 
     async def _download(self, src: str, peer: str, sha256: Optional[str], size: int, key: str,
-                        timings: list, upload: Optional[Tuple[str, bytes]] = None) -> bytes:
+                        timings: list, upload: Optional[Tuple[str, bytes]] = None, commitment: str = "") -> bytes:
         """One payload from ``src`` (``peer``'s own, or a relay's copy), pushing ``upload`` with the request. A
         direct download that succeeds appends (bytes, monotonic time of its first byte, of its last) to
         ``timings``."""
@@ -401,7 +456,8 @@ class ContributionServer(ServicerBase):
         buf = bytearray()
         total = 0  # the length the server stated (0: an older server stated none)
         if upload is None:
-            answer = await stub.rpc_contribution(ContributionRequest(key=key, owner="" if src == peer else peer))
+            answer = await stub.rpc_contribution(ContributionRequest(key=key, owner="" if src == peer else peer,
+                                                                     commitment=commitment))
         else:
             answer = await stub.rpc_exchange(self._upload_stream(key, src, *upload))
         async for chunk in answer:
@@ -426,6 +482,10 @@ class ContributionServer(ServicerBase):
                 raise ContributionError(f"truncated payload: {len(buf)} of the {size} bytes expected")
             if hashlib.sha256(buf).hexdigest() != sha256:
                 raise ContributionError("the bytes do not match the digest announced in matchmaking")
+        else:  # ... but the peer may have committed to them when it fetched from us
+            committed = self.commitment(key, peer)
+            if committed is not None and hashlib.sha256(buf).hexdigest() != committed:
+                raise ContributionError("the bytes do not match the commitment it sent when it fetched ours")
         if src == peer and first is not None:
             timings.append((len(buf), first, time.monotonic()))
         return bytes(buf)

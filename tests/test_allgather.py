@@ -242,7 +242,10 @@ def test_a_payload_fetched_after_our_round_ended_counts_in_that_round_and_in_our
                                                    RoundTimes(0.0, 10.0), threading.Event()))
     assert result.bytes_sent == 2 and result.sent_since() == 0  # nobody fetched ours yet
     assert result.fp32_bytes == 4 * 1000 and result.payload_bytes == len(rnd.payload)
-    got, failed = a.fetch({b_id: (None, len(rnd.payload))}, key, 30)  # our mate, late
+    # our mate, late; our payload goes only to a request that carries its commitment (peers/contributions.py)
+    _, failed = a.fetch({b_id: (None, len(rnd.payload))}, key, 30)
+    assert "no commitment" in failed[b_id] and result.sent_since() == 0
+    got, failed = a.fetch({b_id: (None, len(rnd.payload))}, key, 30, commitment=hashlib.sha256(theirs).hexdigest())
     assert not failed and len(got[b_id]) == len(rnd.payload)
     assert result.bytes_sent + result.sent_since() == 2 + len(rnd.payload)
     sent, received = b.traffic()

@@ -439,3 +439,13 @@ def test_the_configuration_doc_lists_each_sections_fields_and_its_example_loads(
     cfg = load_config({"config": f}, {})
     assert (cfg.model, cfg.inner_steps, cfg.data_parts, cfg.min_replicas, cfg.log_format) == \
         ("llama-150m", 500, 8, 4, "json")
+
+
+def test_the_gathers_wire_version_separates_sparse_swarms_that_would_refuse_each_others_requests():
+    """A node that sends no commitment with its requests gets no row from one that asks for it
+    (peers/contributions.py, "Commitments"): sparse swarms carry the all-gather's version, other modes do not."""
+    from dilocox.daemon import config
+
+    assert f"gather=v{config.GATHER_VERSION}" in load_config(parse([]), {}).swarm_settings()
+    for mode in ("none", "shared"):
+        assert "gather=" not in load_config(parse(["--compression", mode]), {}).swarm_settings()

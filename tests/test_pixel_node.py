@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from dilocox.daemon.redteam import AttackError
 
 from bench.attacks.badsfl.attacks import TARGET_CLASS
 from bench.attacks.badsfl.pixel_node import FIRST, LAST, BoostedPixelBackdoor, PixelBackdoor, harness_config
 from bench.attacks.badsfl.sim import PIXEL
-from dilocox.daemon.redteam import AttackError
 
 
 def _state(round_index: int):

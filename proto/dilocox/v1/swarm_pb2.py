@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/dilocox/v1/swarm.proto\x12\ndilocox.v1\"A\n\x13\x43ontributionRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0e\n\x06upload\x18\x03 \x01(\x0c\"E\n\x11\x43ontributionChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/dilocox/v1/swarm.proto\x12\ndilocox.v1\"U\n\x13\x43ontributionRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0e\n\x06upload\x18\x03 \x01(\x0c\x12\x12\n\ncommitment\x18\x04 \x01(\t\"E\n\x11\x43ontributionChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.dilocox.v1.swarm_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CONTRIBUTIONREQUEST']._serialized_start=44
-  _globals['_CONTRIBUTIONREQUEST']._serialized_end=109
-  _globals['_CONTRIBUTIONCHUNK']._serialized_start=111
-  _globals['_CONTRIBUTIONCHUNK']._serialized_end=180
+  _globals['_CONTRIBUTIONREQUEST']._serialized_end=129
+  _globals['_CONTRIBUTIONCHUNK']._serialized_start=131
+  _globals['_CONTRIBUTIONCHUNK']._serialized_end=200
 # @@protoc_insertion_point(module_scope)

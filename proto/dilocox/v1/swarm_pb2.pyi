@@ -5,14 +5,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ContributionRequest(_message.Message):
-    __slots__ = ("key", "owner", "upload")
+    __slots__ = ("key", "owner", "upload", "commitment")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     key: str
     owner: str
     upload: bytes
-    def __init__(self, key: _Optional[str] = ..., owner: _Optional[str] = ..., upload: _Optional[bytes] = ...) -> None: ...
+    commitment: str
+    def __init__(self, key: _Optional[str] = ..., owner: _Optional[str] = ..., upload: _Optional[bytes] = ..., commitment: _Optional[str] = ...) -> None: ...
 
 class ContributionChunk(_message.Message):
     __slots__ = ("data", "error", "total_bytes")
