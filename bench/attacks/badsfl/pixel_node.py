@@ -201,7 +201,8 @@ RUNS = {  # label -> (attack class or None, node flags, harness setting, boosted
 def summarize(label: str, source: str, seed: int, curve: list[dict], rounds: int) -> dict:
     late = [p["pta"] for p in curve if p["round"] > rounds - 20]
     at = {p["round"]: p["bta"] for p in curve}
-    return dict(run=label, source=source, seed=seed, bta_max=round(100 * max(at.values()), 1),
+    during = [b for r, b in at.items() if FIRST <= r <= LAST]
+    return dict(run=label, source=source, seed=seed, bta_window_max=round(100 * max(during), 1) if during else None,
                 bta_end=round(100 * at.get(rounds, float("nan")), 1),
                 pta_last20=round(100 * float(np.mean(late)), 1) if late else None,
                 to_50=persistence(curve, LAST, rounds, 0.5) if rounds in at and LAST in at else "n/a")
