@@ -89,7 +89,7 @@ class RoundChecks:
             if set(results) < set(starts) and self._dropped(p):  # leaving: nothing consumed, the checkpoint keeps r-1
                 return Checked(RoundOutcome.CANCELLED)
             verdict = judge_result(result_digest, results, members=len(starts))
-        self._exclude_equivocators(p.index, result.inputs)
+        self._exclude_equivocators(p.index, {**result.claimed, **result.inputs})
         # the exchange's last read serves (progress.exchanged_at), however long the steps since took
         unreported = [m for m in self.progress.others(FRESH_S, since=self.progress.exchanged_at(p.index))
                       if m.peer_id not in results]
@@ -188,7 +188,9 @@ class RoundChecks:
     def _exclude_equivocators(self, r: int, inputs: dict) -> None:
         """A contributor another member used with other bytes than we did served different bytes to
         different peers: it is excluded for a while (daemon/exclusions.py; the group's results
-        differed, so the round itself is skipped or re-synced by the verdict rules)."""
+        differed, so the round itself is skipped or re-synced by the verdict rules). ``inputs`` also holds what
+        a member committed to us where we did not use it (``RoundResult.claimed``): one that committed to one
+        payload and served another, as a rushing member must, is caught the same way."""
         if inputs:
             self.exclusions.equivocated(r, self.progress.input_conflicts(r, inputs, self.cfg.request_timeout))
 

@@ -254,6 +254,7 @@ class AllGatherTransport:
         dropped.update(failed)
         dropped.update(broken_commitments(got, lambda p: server.commitment(key, p)))
         got = {p: b for p, b in got.items() if p not in dropped}
+        claimed = {p: c[:16] for p in wanted if p not in got and (c := server.commitment(key, p)) is not None}
         if me in announced and me not in dropped:
             got[me] = payload
         weights = {p: metas[p].weight for p in got}
@@ -278,7 +279,7 @@ class AllGatherTransport:
         return RoundResult(mean, metas, len(payload), sent, received, res.allreduce_s + time.monotonic() - started,
                            int(2 * (n - 1) / n * 4 * numel), fp32_bytes=4 * numel, sent_since=sent_since,
                            dropped=dropped, excluded=excluded, inputs=inputs,
-                           contributions={p: b for p, b in got.items() if p not in dropped},
+                           contributions={p: b for p, b in got.items() if p not in dropped}, claimed=claimed,
                            download_deadline_s=fetch_s,
                            link_bps=server.link.snapshot().bps, scales=scaled,
                            phases=dict(matchmaking=started - called, gather=fetched - started,

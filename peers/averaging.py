@@ -132,6 +132,9 @@ class RoundResult:
     excluded: Dict[str, str] = field(default_factory=dict)
     inputs: Dict[str, str] = field(default_factory=dict)   # sparse: peer_id -> digest of the payload used
     contributions: Dict[str, bytes] = field(default_factory=dict)  # sparse: peer_id -> the payload used (audits)
+    # sparse: peer_id -> digest (as in ``inputs``) of the payload it committed to when it fetched ours, where we did not
+    # use that payload (peers/contributions.py, "Commitments"): what it claimed, for the equivocation check
+    claimed: Dict[str, str] = field(default_factory=dict)
     download_deadline_s: float = 0.0  # sparse: the deadline the downloads had (peers/deadlines.py; 0: none)
     link_bps: float = 0.0  # sparse: our measured download rate after this round (bit/s; 0: not measured)
     scales: Dict[str, float] = field(default_factory=dict)  # sparse: peer_id -> scale < 1 the norm bound gave it

@@ -70,7 +70,7 @@ def test_rows_go_only_to_committed_requesters_and_a_payload_must_match_its_commi
 @pytest.mark.integration
 def test_a_round_drops_an_early_mate_whose_row_is_not_the_one_it_committed_to():
     """An early round (no digest announced): the mate fetches our row with a commitment, then serves another row.
-    Our transport drops it with the reason and aggregates without it."""
+    Our transport drops it with the reason, aggregates without it and reports what it claimed."""
     with peers_on_loopback(2, "test_commitments_round") as peers:
         (a_id, a, _), (me_id, me, _) = peers
         key = group_bits(5) + "0"
@@ -102,3 +102,6 @@ def test_a_round_drops_an_early_mate_whose_row_is_not_the_one_it_committed_to():
         mate.join(20)
         assert "commitment" in result.dropped[a_id] and a_id not in result.contributions
         assert me.commitment(key, a_id) == sha(committed_to)
+        # what it claimed goes to the equivocation check (daemon/checks.py): members it served the crafted row name
+        # it with another digest
+        assert result.claimed == {a_id: sha(committed_to)[:16]}

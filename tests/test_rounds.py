@@ -839,6 +839,27 @@ def test_a_round_records_what_was_sent_under_its_keys_by_then_and_the_ratio_of_i
     assert info.compression_ratio == 533_760 / 4600
 
 
+def test_what_a_member_committed_to_us_joins_the_equivocation_check_beside_the_inputs_we_used(state):
+    """``RoundResult.claimed`` (the digest a member committed to when it fetched our row, where we did not use that
+    row): checked with the inputs, so the member it committed to and the members it served another row name it with
+    two digests (peers/contributions.py, "Commitments"), and it is excluded."""
+    averaged = [torch.full_like(p, 1e-3) for p in state.outer.global_params]
+    transport = FakeTransport(answer=lambda rnd: RoundResult(
+        averaged, {q: RoundGather(outer_step=0, start_digest=rnd.gather.start_digest, weight=2.0) for q in "mab"},
+        100, 100, 100, 0.1, 1000, inputs={"a": "a" * 16}, claimed={"b": "c" * 16}))
+
+    class Conflicts(FakeProgress):
+        def input_conflicts(self, result_step, inputs, timeout_s):
+            self.checked = dict(inputs)
+            return {"b": "a"}  # member a used other bytes of b than b committed to us
+
+    progress = Conflicts([Peer(peer_id=q, outer_step=0, round=1) for q in "ab"])
+    rounds = rounds_for(state, progress, transport=transport)
+    rounds.finish(rounds.start(state.pseudo_gradient(), 2, 1.0, [2.0]))
+    assert progress.checked == {"a": "a" * 16, "b": "c" * 16}
+    assert "excluded until" in rounds.exclusions.admitted("b")
+
+
 def test_the_node_totals_are_the_contribution_servers_count_where_there_is_one(state):
     """Sparse and shared rounds: every byte the server moved, in a round or not (peers/contributions.py
     ``traffic``); butterfly rounds (no server): the recorded rounds' sum the node passes in."""
