@@ -190,11 +190,17 @@ def harness_curve(seed: int, setting: str, boost: bool, cache: Path, **kw) -> di
     return run_setting(cfg, BY_NAME[setting], cache)
 
 
-RUNS = {  # label -> (attack class or None, node flags, harness setting, boosted)
+DENSE_SGD1 = ("--compression", "none", "--outer-lr", "1", "--outer-momentum", "0", "--no-nesterov")
+RUNS = {  # label -> (attack class or None, node flags, harness setting or None, boosted)
     "clean": (None, (), "scaffold/daemon-drop4", False),
     "pixel": ("PixelBackdoor", (), "scaffold+blackbox/daemon-drop4", False),
     "pixel-boosted": ("BoostedPixelBackdoor", (), "scaffold+blackbox/daemon-drop4", True),
     "pixel-boosted/no-drop": ("BoostedPixelBackdoor", ("--drop-outsized", "0"), "scaffold+blackbox/daemon", True),
+    # where the node and the harness differ: the node's sparse codes (top-k with error feedback) and outer lr 3.5,
+    # against the harness's dense pseudo-gradients and outer lr 1: the node with the harness's outer step (dense
+    # codes: no robust rule, as the harness's undefended SCAFFOLD), and with sparse codes at outer lr 1
+    "pixel/dense-lr1": ("PixelBackdoor", DENSE_SGD1, "scaffold+blackbox", False),
+    "pixel/sparse-lr1": ("PixelBackdoor", ("--outer-lr", "1"), None, False),
 }
 
 
@@ -227,7 +233,7 @@ def main(argv=None) -> None:
             todo = [("node", lambda: run_swarm(a.out / "swarm" / label.replace("/", "-"),
                                                cls and f"bench.attacks.badsfl.pixel_node:{cls}", seed, a.rounds,
                                                a.nodes, extra=flags))]
-            if not a.no_harness:
+            if not a.no_harness and setting is not None:
                 todo.append(("harness", lambda: harness_curve(seed, setting, boost, a.out / "cache",
                                                               rounds=a.rounds, nodes=a.nodes)))
             for source, go in todo:
