@@ -153,10 +153,8 @@ def run_swarm(work: Path, attack: Optional[str], seed: int, rounds: int = 60, no
             p.wait_started()
         honest = next(p for r, p in enumerate(procs) if r != evil)
         while honest.proc.poll() is None and time.monotonic() - started < timeout_s:
-            found = load_latest_checkpoint(honest.workdir / "ckpt")
-            if found is not None and int(found[1]["outer_step"]) not in curve:
-                curve[int(found[1]["outer_step"])] = probe(found[1]["global_params"])
-            time.sleep(0.3)
+            read_new(honest.workdir / "ckpt", curve, probe)
+            time.sleep(0.2)
         codes = [p.proc.wait(max(1.0, timeout_s - (time.monotonic() - started))) for p in procs if p is honest]
     finally:
         leave_all([p for p in procs if p.proc.poll() is None], 30)
@@ -171,6 +169,18 @@ def run_swarm(work: Path, attack: Optional[str], seed: int, rounds: int = 60, no
                 seconds=round(time.monotonic() - started),
                 curve=[dict(round=s, pta=pta, bta=bta, injecting=bool(attack) and FIRST <= s <= LAST)
                        for s, (pta, bta) in sorted(curve.items())])
+
+
+def read_new(directory: Path, curve: dict, probe: Probe) -> None:
+    """PTA/BTA of every checkpoint in ``directory`` (the node keeps its newest 3) whose outer step ``curve`` lacks;
+    a file removed or half-written while read is left for the next call or the end."""
+    for path in sorted(directory.glob("step-*.pt")):
+        try:
+            state = torch.load(path, weights_only=True)
+        except Exception:  # rotated away or still being written
+            continue
+        if int(state["outer_step"]) not in curve:
+            curve[int(state["outer_step"])] = probe(state["global_params"])
 
 
 def harness_config(seed: int, rounds: int = 60, nodes: int = 4, inner_steps: int = 20) -> SimConfig:
@@ -207,6 +217,9 @@ RUNS = {  # label -> (attack class or None, node flags, harness setting or None,
 def summarize(label: str, source: str, seed: int, curve: list[dict], rounds: int) -> dict:
     late = [p["pta"] for p in curve if p["round"] > rounds - 20]
     at = {p["round"]: p["bta"] for p in curve}
+    for r in range(min(at) + 1, rounds + 1):  # a round the poll missed reads as the one before it
+        at.setdefault(r, at[r - 1])
+    curve = [dict(round=r, bta=b) for r, b in sorted(at.items())]
     during = [b for r, b in at.items() if FIRST <= r <= LAST]
     return dict(run=label, source=source, seed=seed, bta_window_max=round(100 * max(during), 1) if during else None,
                 bta_end=round(100 * at.get(rounds, float("nan")), 1),
