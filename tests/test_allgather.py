@@ -10,20 +10,14 @@ import time
 import pytest
 import torch
 from dilocox.peers.allgather import CANCEL_GRACE_S, AllGatherTransport, after, download_stop, screen_gathered
-from dilocox.peers.averaging import PhaseResult, RoundFailed, RoundGather, group_bits
+from dilocox.peers.averaging import RoundFailed, RoundGather, group_bits
 from dilocox.peers.contributions import EMPTY_RETRIES, ContributionServer
 from dilocox.peers.deadlines import RoundTimes
 from dilocox.peers.transport import RoundInput, Screen
 
 from dilocox.sparse import SparseCompressor, SparseConfig
+from tests.fakes.gathering import SHA, GatheringAverager, meta
 from tests.helpers import peers_on_loopback
-
-SHA = "ab" * 32
-
-
-def meta(outer_step=4, start="d0", weight=20.0, sha=SHA, size=100, **extra):
-    return dict(RoundGather(outer_step=outer_step, start_digest=start, weight=weight).dict(),
-                payload_sha256=sha, payload_bytes=size, **extra)
 
 
 def test_screen_keeps_the_canonical_group_and_names_each_drop():
@@ -157,17 +151,6 @@ def test_a_fetch_stops_waiting_once_the_round_went_on_without_us(servers):
         assert "not received within 2s" in failed[a_id] and 1.9 < time.monotonic() - began < 6.0
     finally:
         a.offer_wait_s = 1.0
-
-
-class GatheringAverager:
-    """Stands in for the all-gather of metadata (tested with real peers in tests/test_partial_allreduce.py):
-    returns our gather and ``others``' as the group's."""
-
-    def __init__(self, others: dict, phase_bytes: int = 0):
-        self.others, self.phase_bytes = others, phase_bytes
-
-    def run_phase(self, bits, codes, gather, weight, control):
-        return PhaseResult(codes, {**self.others, "me": gather}, 0.1, self.phase_bytes, self.phase_bytes)
 
 
 def transport(averager, server, **kwargs) -> AllGatherTransport:

@@ -17,8 +17,8 @@ from dilocox.peers.deadlines import RoundTimes
 from dilocox.peers.transport import RoundInput, Screen
 
 from dilocox.sparse import SparseCompressor, SparseConfig
+from tests.fakes.gathering import GatheringAverager, meta
 from tests.helpers import peers_on_loopback
-from tests.test_allgather import GatheringAverager, meta
 
 
 def sha(b: bytes) -> str:
