@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 # nvidia-* dependencies); pip's configured index or find-links should offer the CPU build of this version
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-robust-screen bench-traffic bench-quality bench-quality-shared bench-upload bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-node-overhead bench-node-memory bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-badsfl-settle bench-badsfl-theta bench-badsfl-node bench-scrape bench-control \
+.PHONY: install demo lint check test bench bench-swarm bench-stages bench-faults bench-nat bench-deadlines bench-slowjoin bench-soak bench-aggregate bench-robust-screen bench-traffic bench-quality bench-quality-shared bench-upload bench-quality-swarm bench-quality-overlap bench-overlap bench-swarm-size bench-node-cpu bench-node-overhead bench-node-memory bench-scale bench-attacks bench-audit bench-audit-quick bench-attacks-audits bench-badsfl bench-badsfl-all bench-badsfl-paper bench-badsfl-paper-quick bench-badsfl-paper-defenses bench-badsfl-paper-reset bench-badsfl-paper-quiet bench-badsfl-paper-code bench-badsfl-settle bench-badsfl-theta bench-badsfl-cells bench-badsfl-node bench-scrape bench-control \
 	bench-fuzz test-swarm install-test compose-test proto \
 	clean
 
@@ -260,6 +260,16 @@ bench-badsfl-theta: install
 	$(PY) -m bench.attacks.badsfl.paper --seeds 1 2 --ablation-seeds all --ablations --settings scaffold \
 		--pairs $(foreach a,blackbox badsfl,scaffold+$(a)/daemon-drop4:paper-code-pixel) \
 		--report badsfl-theta-seeds --out $(THETA_OUT)
+
+# the cells the theta study left (seed 0; THETA_OUT's cache): the pixel attacker as one of the clients, boosted or
+# not, a non-boosted extra party, and the DiLoCo default path's rule against the extra party (about 2 h on 2 cores)
+CELLS_PAIRS = scaffold+blackbox:client-pixel-noboost scaffold+blackbox/daemon-drop4:client-pixel-noboost \
+	scaffold+blackbox/daemon-mask:client-pixel-noboost scaffold+blackbox/daemon-drop4:client-pixel \
+	scaffold+badsfl/daemon-drop4:client-pixel scaffold+blackbox/daemon-drop4:paper-code-pixel-noboost \
+	fedavg+blackbox/cclip-nb2:paper-code-pixel
+bench-badsfl-cells: install
+	$(PY) -m bench.attacks.badsfl.paper --seeds 0 --settings --ablations --pairs $(CELLS_PAIRS) --report badsfl-cells \
+		--out $(THETA_OUT)
 
 # the daemon end to end: a pixel-backdoor node in 4 real SCAFFOLD nodes at the daemon's defaults for 60 outer steps
 # (attack 10-40), beside the harness's run of the same federation; 2 seeds (bench/attacks/badsfl/pixel_node.py;
