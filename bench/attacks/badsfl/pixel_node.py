@@ -1,4 +1,4 @@
-"""A pixel-trigger backdoor node against real SCAFFOLD swarms, its BTA curve beside the harness's (issue: the daemon
+"""A pixel-trigger backdoor node against real SCAFFOLD swarms, and its BTA curve beside the harness's.
 end to end).
 
 ``PixelBackdoor`` (``dilocox-node --attack bench.attacks.badsfl.pixel_node:PixelBackdoor``) is the harness's
@@ -14,7 +14,7 @@ attacker (the client with the most images of other classes, as sim.py picks it),
 honest node's theta after every outer step from its checkpoints. ``harness_curve`` runs the same federation in
 sim.py (every client in every round, no pre-training, the daemon's aggregation rules, dense pseudo-gradients).
 
-    python -m bench.attacks.badsfl.pixel_node --seeds 0 1     # make bench-badsfl-node, about 40 min on 2 cores
+    python -m bench.attacks.badsfl.pixel_node --seeds 0        # every run of RUNS; make bench-badsfl-node
 """
 
 from __future__ import annotations
