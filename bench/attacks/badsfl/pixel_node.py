@@ -1,5 +1,4 @@
 """A pixel-trigger backdoor node against real SCAFFOLD swarms, and its BTA curve beside the harness's.
-end to end).
 
 ``PixelBackdoor`` (``dilocox-node --attack bench.attacks.badsfl.pixel_node:PixelBackdoor``) is the harness's
 black-box client attacker (sim.py, ``trigger="pixel"``) on a real node: in rounds ``first_round``..``last_round``
