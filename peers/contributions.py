@@ -222,13 +222,13 @@ class ContributionServer(ServicerBase):
             yield ContributionChunk(error=f"not admitted: {refusal}")
             return
         if request.owner and request.owner != self.peer_id:
-            why = self._commit(request.key, requester, request.commitment)
-            if why is not None:
-                yield ContributionChunk(error=why)
-                return
             payload = await self._copy(request.key, request.owner)
             if payload is None:
                 yield ContributionChunk(error=f"{NOT_HELD}: no copy of {request.owner[:16]}'s contribution")
+                return
+            why = self._commit(request.key, requester, request.commitment)  # we hold a copy once ours is offered
+            if why is not None:
+                yield ContributionChunk(error=why)
                 return
             async for chunk in self._pieces(payload, request.key):
                 yield chunk
