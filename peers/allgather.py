@@ -252,7 +252,8 @@ class AllGatherTransport:
                                    commitment=hashlib.sha256(payload).hexdigest())
         fetched = time.monotonic()
         dropped.update(failed)
-        dropped.update(broken_commitments(got, lambda p: server.commitment(key, p)))
+        digests = {p: hashlib.sha256(b).hexdigest() for p, b in got.items()}  # each payload hashed once
+        dropped.update(broken_commitments(digests, lambda p: server.commitment(key, p)))
         got = {p: b for p, b in got.items() if p not in dropped}
         claimed = {p: c[:16] for p in wanted if p not in got and (c := server.commitment(key, p)) is not None}
         if me in announced and me not in dropped:
@@ -275,7 +276,7 @@ class AllGatherTransport:
         served, sent_since = server.sent_under([key])
         sent = served + res.bytes_sent
         received = sum(len(b) for p, b in got.items() if p != me) + res.bytes_received
-        inputs = {p: hashlib.sha256(b).hexdigest()[:16] for p, b in got.items() if p not in dropped}
+        inputs = {p: (digests.get(p) or hashlib.sha256(b).hexdigest())[:16] for p, b in got.items() if p not in dropped}
         return RoundResult(mean, metas, len(payload), sent, received, res.allreduce_s + time.monotonic() - started,
                            int(2 * (n - 1) / n * 4 * numel), fp32_bytes=4 * numel, sent_since=sent_since,
                            dropped=dropped, excluded=excluded, inputs=inputs,
@@ -286,14 +287,14 @@ class AllGatherTransport:
                                        aggregate=time.monotonic() - fetched))
 
 
-def broken_commitments(got: Dict[str, bytes], committed: Callable[[str], Optional[str]]) -> Dict[str, str]:
-    """peer_id -> why, for each member of ``got`` (peer_id -> its payload) whose payload is not the one it committed
-    to when it fetched from us (``committed(peer_id)``: the SHA-256 it sent, or None if it asked us nothing):
-    peers/contributions.py, "Commitments"."""
+def broken_commitments(digests: Dict[str, str], committed: Callable[[str], Optional[str]]) -> Dict[str, str]:
+    """peer_id -> why, for each member of ``digests`` (peer_id -> the SHA-256 hex of the payload we got from it) whose
+    payload is not the one it committed to when it fetched from us (``committed(peer_id)``: the SHA-256 it sent, or
+    None if it asked us nothing): peers/contributions.py, "Commitments"."""
     broken = {}
-    for peer, payload in got.items():
+    for peer, digest in digests.items():
         commitment = committed(peer)
-        if commitment is not None and hashlib.sha256(payload).hexdigest() != commitment:
+        if commitment is not None and digest != commitment:
             broken[peer] = (f"its payload is not the one it committed to ({commitment[:12]}..) when it fetched ours "
                             f"(a rushing or equivocating member)")
     return broken
