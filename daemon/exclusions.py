@@ -9,8 +9,8 @@ goes into our gathered metadata as a vote (``votes``), and a round's group drops
 votes against it: every member decides from the same gathered bytes, so all exclude it from the same round. From
 then on the peer is in our ledger (``group_decided``): we keep voting against it, and its membership records count
 for nothing here (``excluded``: daemon/progress.py leaves them out of matchmaking decisions, the majority that picks a
-round's update, donors and join points), and a group this node leads refuses them in matchmaking (``on_ledger``:
-peers/refusals.py). The transport's screen asks ``admitted`` for every gathered member
+round's update, donors and join points), and matchmaking neither takes them in as followers nor asks them to lead
+(``on_ledger``: peers/refusals.py, peers/dht.py). The transport's screen asks ``admitted`` for every gathered member
 (peers/transport.py ``Screen``).
 """
 

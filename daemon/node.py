@@ -330,11 +330,11 @@ class Node:
         self.results.offer(result_key(index), self.spill.keep(partial(write, result)))
 
     def _refuse_in_matchmaking(self, peers: list[str]) -> None:
-        """Groups this node leads take none of ``peers`` (the exclusion ledger) in as followers."""
+        """Groups this node leads take none of ``peers`` (the exclusion ledger) in as followers, and its averagers
+        never ask one of them to lead or serve state: one set, the DHT's, shared by every averager."""
         if len(peers) > REFUSED_CAPACITY:
             logger.warning("%d excluded peers: matchmaking refuses the first %d", len(peers), REFUSED_CAPACITY)
-        for averager in self.averagers.values():
-            averager.refuse(peers[:REFUSED_CAPACITY])
+        self.swarm.dht.refused.replace(peers[:REFUSED_CAPACITY])
 
     def _make_averagers(self, prefix: str, sizes: list[int]) -> None:
         """One averager per buffer size the rank ladder needs (hivemind averagers have fixed tensors), or one for
@@ -353,7 +353,8 @@ class Node:
             self.averagers[size] = PseudoGradientAverager(
                 size, self.swarm.dht, f"{prefix}{size}", serve if size == sizes[0] else None,
                 matchmaking_time_s=floor_s, request_timeout_s=cfg.request_timeout,
-                averaging_timeout_s=cfg.averaging_timeout, target_group_size=cfg.max_group_size)
+                averaging_timeout_s=cfg.averaging_timeout, target_group_size=cfg.max_group_size,
+                refused=self.swarm.dht.refused)
 
     def _drain(self) -> None:
         if self.board.snapshot().state != State.STOPPED:

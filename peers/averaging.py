@@ -12,7 +12,9 @@
   parameters, outer momentum and metadata to joiners; ``state_sharing_priority`` is the donor's
   outer_step so joiners download from the most advanced peer.
 * Refusals: ``refuse`` names peers (those the node's group excluded) that a group this averager leads does not take
-  in as followers (``rpc_join_group``, hivemind's handler of join requests; peers/refusals.py).
+  in as followers (``rpc_join_group``, hivemind's handler of join requests; peers/refusals.py). Given the node's
+  DHT's set (``SupervisedDHT.refused``), the same peers are also never asked to lead: their declarations are left
+  out of the averager's reads of its group keys (peers/dht.py).
 """
 
 from __future__ import annotations
@@ -175,13 +177,15 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     Blocking calls; run them off the event loop. ``state_provider`` (on one averager per node)
     serves the node's state to joiners (``get_current_state``, hivemind's documented override).
+    ``refused``: the set ``refuse`` writes (made before this averager forks); the node passes its DHT's, so that
+    one ledger refuses a peer as a follower here and as a leader or donor in the DHT's reads.
     """
 
     def __init__(self, size: int, dht: DHT, prefix: str,
                  state_provider: Optional[Callable[[], Tuple[dict, List[torch.Tensor]]]] = None, *,
                  matchmaking_time_s: float, request_timeout_s: float, averaging_timeout_s: float,
                  part_size_bytes: int = DEFAULT_PART_SIZE_BYTES, target_group_size: Optional[int] = None,
-                 **averager_kwargs):
+                 refused: Optional[RefusedPeers] = None, **averager_kwargs):
         self._state_provider = state_provider
         # hivemind's control pipe is not thread-safe: the comm thread (step, set_group_bits) and the
         # training thread (priority, state download) must not write to it at once (it corrupts the stream)
@@ -191,7 +195,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         # states streamed whole to joiners, counted in the averager process and read in this one: shared memory
         # made before the fork below
         self._states_served = mp.get_context("fork").Value("L", 0)
-        self._refused = RefusedPeers()  # shared with the averager process, which answers join requests
+        # shared with the averager process, which answers join requests (and, the DHT's, reads declarations)
+        self._refused = refused if refused is not None else RefusedPeers()
         lifecycle.before_fork()  # start=True below forks
         super().__init__(
             [torch.zeros(max(size, 1), dtype=torch.float32)],

@@ -10,13 +10,16 @@ import functools
 import os
 import signal
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 import hivemind
 from dilocox.peers import lifecycle
 from dilocox.peers.nearstore import SearchSchedule, read_latest, store_near
+from dilocox.peers.refusals import RefusedPeers
 from hivemind.averaging.key_manager import is_valid_group
+from hivemind.p2p import PeerID
 from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 # Every DHT peer a publish or read asks answers with the whole members dictionary (every member's signed record,
 # about 0.65 KB each on the wire with Ed25519 signatures, 1.5 KB with RSA ones), so asking all N peers, as hivemind's
@@ -68,6 +71,12 @@ def start_dht(settings: dict, startup_timeout_s: float) -> "SupervisedDHT":
 
 
 
+async def _get_without_refused(dht: "SupervisedDHT", node, key, latest: bool, kwargs: dict):
+    """Runs in the DHT process (``DHT.run_coroutine``): what hivemind's ``DHT.get`` reads (``DHTNode.get``),
+    without the refused peers' declarations."""
+    return dht.without_refused(await node.get(key, latest=latest, **kwargs))
+
+
 def _averagers_key(key) -> bool:
     """A key of hivemind's averagers: a matchmaking group key, or where they declare the state they serve."""
     return isinstance(key, str) and (is_valid_group(key) or key.endswith(".all_averagers"))
@@ -104,20 +113,44 @@ class SupervisedDHT(hivemind.DHT):
     every peer of a swarm of up to 21) made each matchmaking read and declaration cost O(N) answers of O(N) entries:
     at 32 hosts in network namespaces, with rounds of 134 s and long matchmaking, 27.6 MB a node and round on the
     interfaces against 0.29 MB of contributions (bench.upload). Values are stored on MEMBER_REPLICAS peers
-    (``num_replicas``), so the MEMBER_READ_BEAM nearest hold them. Every other call is hivemind's own."""
+    (``num_replicas``), so the MEMBER_READ_BEAM nearest hold them.
 
-    def __init__(self, *args, **kwargs):
+    Its reads of the averagers' keys leave out the declarations of the peers in ``refused`` (peers/refusals.py: the
+    node's exclusion ledger, shared memory made here, before any averager is forked): an averager never asks an
+    excluded leader to take it in, nor downloads state from an excluded donor. hivemind keys both declarations by
+    the declaring averager's ``PeerID.to_bytes()`` (``GroupKeyManager.declare_averager``, the averager's state
+    declarations). A declaration read from the DHT is only a hint of whom to ask, so dropping one changes nothing
+    else. Every other call is hivemind's own."""
+
+    def __init__(self, *args, refused: Optional[RefusedPeers] = None, **kwargs):
         self._next_group_read: Dict[str, float] = {}  # group key -> monotonic time its next read may start
         self._schedule = SearchSchedule(MEMBER_SEARCH_S, MEMBER_REPLICAS)  # averagers' keys: direct or searched
+        self.refused = refused if refused is not None else RefusedPeers()
         super().__init__(*args, **kwargs)
 
     def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
-        if _averagers_key(key):
-            kwargs.setdefault("beam_size", MEMBER_READ_BEAM)
-            kwargs.setdefault("num_workers", MEMBER_READ_BEAM)
-        if return_future and latest and isinstance(key, str) and is_valid_group(key) and _in_event_loop():
-            return asyncio.ensure_future(self._paced_group_read(key, kwargs))
-        return super().get(key, latest=latest, return_future=return_future, **kwargs)
+        if not _averagers_key(key):
+            return super().get(key, latest=latest, return_future=return_future, **kwargs)
+        kwargs.setdefault("beam_size", MEMBER_READ_BEAM)
+        kwargs.setdefault("num_workers", MEMBER_READ_BEAM)
+        if return_future and latest and is_valid_group(key) and _in_event_loop():
+            return asyncio.ensure_future(self._unrefused(self._paced_group_read(key, kwargs)))
+        # hivemind's get, filtered in the DHT process (which holds this object's copy, with the same shared set)
+        return self.run_coroutine(functools.partial(_get_without_refused, key=key, latest=latest, kwargs=kwargs),
+                                  return_future=return_future)
+
+    def without_refused(self, found: Optional[ValueWithExpiration]) -> Optional[ValueWithExpiration]:
+        """``found`` (what ``get`` read under an averagers' key: a ValueWithExpiration of {subkey:
+        ValueWithExpiration}, or None) without the entries whose subkey is a refused peer's ``PeerID.to_bytes()``.
+        Anything else is returned as it is."""
+        if found is None or not isinstance(found.value, dict) or len(self.refused) == 0:
+            return found
+        kept = {subkey: item for subkey, item in found.value.items()
+                if not (isinstance(subkey, bytes) and PeerID(subkey).to_base58() in self.refused)}
+        return ValueWithExpiration(kept, found.expiration_time)
+
+    async def _unrefused(self, read):
+        return self.without_refused(await read)
 
     def store(self, key, value, expiration_time, subkey=None, return_future: bool = False, **kwargs):
         if _averagers_key(key):

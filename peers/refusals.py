@@ -7,8 +7,9 @@ process (``DecentralizedAverager.rpc_join_group``, the servicer method its follo
 live in shared memory made before that process is forked: the node writes them, the averager reads them when a peer
 asks to join a group it leads.
 
-What it does not do: a refused peer can still lead a group of its own and accept an honest follower that asks it
-first (hivemind's follower side has no public hook); that member then counts it for nothing as before.
+The node's DHT handle holds the set (``SupervisedDHT.refused``, peers/dht.py) and its reads of the averagers' keys
+leave out the refused peers' declarations, so a follower never asks a refused peer to lead it, nor a joiner to serve
+it state: one set, written by the node, read by the averager and DHT processes.
 """
 
 from __future__ import annotations
