@@ -208,8 +208,10 @@ class ReplicaState:
                                      after_step=after)
 
     def begin_round(self) -> None:
+        """The round's (re)start: the pseudo-gradient is measured from here, and SCAFFOLD's correction c - c_i is
+        read now, from the c the last outer step left, and stays fixed for the round's inner steps."""
         self.schedule.begin_round(self.inner.params)
-        if self.control is not None:  # c and c_i stay fixed for the round's inner steps
+        if self.control is not None:
             self._correction = self.control.correction()
 
     def end_round_control(self, pseudo_gradient: Sequence[torch.Tensor], first_step: int) -> None:
@@ -264,9 +266,10 @@ class ReplicaState:
         self.schedule.merge(self.inner.params)
 
     def rebase_and_begin(self) -> None:
-        """The round's end after an outer update: re-base the local parameters, start the next round."""
+        """The round's end after an outer update: re-base the local parameters, start the next round
+        (``begin_round``: with SCAFFOLD, the next round steps with the c that update gave)."""
         self.schedule.rebase(self.inner.params)
-        self.schedule.begin_round(self.inner.params)
+        self.begin_round()
 
     def apply_outer(self, averaged: Optional[Sequence[torch.Tensor]], index: int, group_size: int = 1,
                     outsized: bool = False) -> None:
@@ -338,9 +341,11 @@ class ReplicaState:
             self.compressor.load_shared(compression_rank, compression_shared)
             if keep_round:
                 self.schedule.rebase(self.inner.params)
+                if self.control is not None:  # the round's remaining steps correct with the downloaded c
+                    self._correction = self.control.correction()
             else:
                 self.inner.load_params(self.outer.global_params)
-                self.schedule.begin_round(self.inner.params)
+                self.begin_round()  # with SCAFFOLD: the downloaded c, our c_i zero
                 self.round = round_
             self.outer_step, self.digest = outer_step, digest
         self.snapshot()

@@ -155,3 +155,35 @@ def test_three_scaffold_nodes_on_label_shards(tmp_path):
     finally:
         for n in nodes:
             n.terminate(signal.SIGKILL)
+
+
+def test_every_round_steps_with_the_correction_its_outer_step_left(tmp_path, monkeypatch):
+    """As the node drives rounds: ``begin_round`` once at start, then ``rebase_and_begin`` after each outer step.
+    Each round's inner steps must correct with c - c_i as that step left them (SCAFFOLD, Algorithm 1 line 10), not
+    with the zero correction of the first round."""
+    from dilocox.daemon import replica_state
+
+    synthetic_fashion(tmp_path / "data")
+    st = scaffold_state(tmp_path, monkeypatch)
+    used: list[list[torch.Tensor]] = []
+    real = replica_state.apply_correction_step
+    monkeypatch.setattr(replica_state, "apply_correction_step",
+                        lambda params, correction, lr: (used.append([c.clone() for c in correction]),
+                                                        real(params, correction, lr)))
+    st.begin_round()
+    expected = []
+    for _ in range(3):
+        expected.append(st.control.correction())
+        for i in range(st.H):
+            st.inner_step(*st.shard.next_batch(), i)
+        delta = st.pseudo_gradient()
+        st.end_round_control(delta, 0)
+        st.apply_outer([d * 0.5 for d in delta], st.round)  # the mean with a client that did not move: c != c_i
+        st.round += 1
+        st.rebase_and_begin()
+    assert len(used) == 3 * st.H
+    assert all(float(c.abs().sum()) == 0 for c in expected[0])  # c = c_i = 0 before the first outer step
+    for r in (1, 2):
+        assert sum(float(c.abs().sum()) for c in expected[r]) > 0
+        for step in used[r * st.H:(r + 1) * st.H]:
+            assert all(torch.equal(a, b) for a, b in zip(step, expected[r])), f"round {r + 1}"
