@@ -207,9 +207,12 @@ RUNS = {  # label -> (attack class or None, node flags, harness setting or None,
     "pixel-boosted/no-drop": ("BoostedPixelBackdoor", ("--drop-outsized", "0"), "scaffold+blackbox/daemon", True),
     # where the node and the harness differ: the node's sparse codes (top-k with error feedback) and outer lr 3.5,
     # against the harness's dense pseudo-gradients and outer lr 1: the node with the harness's outer step (dense
-    # codes: no robust rule, as the harness's undefended SCAFFOLD), and with sparse codes at outer lr 1
-    "pixel/dense-lr1": ("PixelBackdoor", DENSE_SGD1, "scaffold+blackbox", False),
+    # codes: no robust rule; c derived from the aggregate, as the node does), with sparse codes at outer lr 1, and
+    # both without control variates (FedAvg: the node's DiLoCo path at the same outer step)
+    "pixel/dense-lr1": ("PixelBackdoor", DENSE_SGD1, "scaffold+blackbox/derived", False),
     "pixel/sparse-lr1": ("PixelBackdoor", ("--outer-lr", "1"), None, False),
+    "pixel/fedavg-dense-lr1": ("PixelBackdoor", DENSE_SGD1 + ("--outer-algorithm", "diloco"), "fedavg+blackbox",
+                               False),
 }
 
 

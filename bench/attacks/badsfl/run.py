@@ -95,6 +95,7 @@ SETTINGS = [
     Setting("scaffold+badsfl/default-quiet3-slow15", attack="badsfl", c_reset_quiet=3, c_quiet_factor=0.8,
             c_quiet_rounds=15, c_outsized=4.0, **DEFAULT_DEFENSE),
     Setting("scaffold/derived", c_mode="derived"),
+    Setting("scaffold+blackbox/derived", attack="blackbox", c_mode="derived"),
     Setting("scaffold+badsfl/derived-cclip-nb2", attack="badsfl", **OLD_DEFAULT),
     Setting("scaffold/derived-cclip-nb2", **OLD_DEFAULT),
     # a probe, not a defense: the server's c set to the benign clients' mean c_i once the attack stops (sim.py,
