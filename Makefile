@@ -271,13 +271,15 @@ bench-badsfl-cells: install
 	$(PY) -m bench.attacks.badsfl.paper --seeds 0 --settings --ablations --pairs $(CELLS_PAIRS) --report badsfl-cells \
 		--out $(THETA_OUT)
 
-# the daemon end to end: a pixel-backdoor node in 4 real SCAFFOLD nodes at the daemon's defaults for 60 outer steps
-# (attack 10-40), beside the harness's run of the same federation: every run on seed 0, the unboosted one on seed 1
-# too (bench/attacks/badsfl/pixel_node.py; about 75 min on 2 cores; NODE_OUT keeps finished runs)
+# the daemon end to end: a pixel-backdoor node in 4 real nodes for 60 outer steps (attack 10-40), beside the harness's
+# run of the same federation: every run on seed 0; on seed 1 the unboosted one at the defaults and the SCAFFOLD and
+# FedAvg pairs at the harness's outer step (bench/attacks/badsfl/pixel_node.py; about 90 min on 2 cores; NODE_OUT
+# keeps finished runs)
 NODE_OUT ?= runs/bench/badsfl-node
 bench-badsfl-node: install
 	$(PY) -m bench.attacks.badsfl.pixel_node --seeds 0 --out $(NODE_OUT)
-	$(PY) -m bench.attacks.badsfl.pixel_node --seeds 1 --runs pixel --out $(NODE_OUT)
+	$(PY) -m bench.attacks.badsfl.pixel_node --seeds 1 --runs pixel pixel/dense-lr1 pixel/fedavg-dense-lr1 \
+		--out $(NODE_OUT)
 
 # a lone node's tokens/s with and without its metrics endpoint scraped 10 times a second, 1,000 scrapes (~3 min)
 bench-scrape: install

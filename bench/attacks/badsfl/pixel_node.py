@@ -12,6 +12,7 @@ default: sparse compression, norm bound 2, mean, ``--drop-outsized 4``, the quie
 attacker (the client with the most images of other classes, as sim.py picks it), and reads PTA and BTA of an
 honest node's theta after every outer step from its checkpoints. ``harness_curve`` runs the same federation in
 sim.py (every client in every round, no pre-training, the daemon's aggregation rules, dense pseudo-gradients).
+``RUNS`` names each run's node flags (appended; the last of a repeated flag wins) and its harness setting.
 
     python -m bench.attacks.badsfl.pixel_node --seeds 0        # every run of RUNS; make bench-badsfl-node
 """
@@ -292,8 +293,7 @@ def plot(rows: list[dict], path: Path, nodes: int) -> None:
     axes[1].set_ylabel("PTA: clean test accuracy (%)")
     axes[1].set_xlabel(f"outer step (attack {FIRST}-{LAST}, shaded)")
     axes[0].legend(fontsize=7, ncol=2)
-    axes[0].set_title(f"Pixel backdoor: {nodes} real SCAFFOLD nodes at the daemon's defaults (solid) vs the harness "
-                      f"(dashed)")
+    axes[0].set_title(f"Pixel backdoor: {nodes} real nodes (solid) vs the harness (dashed); flags per run: RUNS")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
