@@ -76,8 +76,10 @@ OUTER_DEFAULTS = {
 # SCAFFOLD on non-IID shards: CenteredClip cost 4 points of clean accuracy over 3 seeds, the plain mean after
 # norm bounding about 1, and c derived from the aggregate is what stops BadSFL (make bench-badsfl; docs/security.md)
 SCAFFOLD_DEFAULTS = dict(aggregation="mean")
-# sparse SCAFFOLD keeps the constant outer lr it was measured with; dense SCAFFOLD keeps DiLoCo's 0.7 (Nesterov 0.9)
-SCAFFOLD_SPARSE_OUTER = dict(outer_lr=3.5, outer_lr_final=3.5)
+# sparse SCAFFOLD: the constant outer lr 1 its defenses were measured with (the BadSFL harness); 3.5 made theta swing
+# once the correction worked (4 label-shard nodes, 2 seeds: PTA 44-51% against 52-55%; docs/algorithms.md, SCAFFOLD).
+# Dense SCAFFOLD keeps DiLoCo's 0.7 (Nesterov 0.9)
+SCAFFOLD_SPARSE_OUTER = dict(outer_lr=1.0, outer_lr_final=1.0)
 
 
 # Pydantic runs the rules of the bases listed last first: rounds, pipeline, compression, control, model,

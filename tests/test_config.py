@@ -66,7 +66,7 @@ def test_scaffold_defaults_to_the_norm_bounded_mean_and_explicit_rules_win():
     assert (load_config({}, {}).aggregation, load_config({}, {}).norm_bound) == ("centered-clip", 2.0)
     scaffold = load_config(parse(["--outer-algorithm", "scaffold"]), {})
     assert (scaffold.aggregation, scaffold.norm_bound, scaffold.outer_lr, scaffold.outer_lr_final) == \
-        ("mean", 2.0, 3.5, 3.5)
+        ("mean", 2.0, 1.0, 1.0)
     # dense SCAFFOLD keeps DiLoCo's outer step: lr 3.5 under Nesterov 0.9 diverged (tests/test_scaffold_node.py)
     dense = load_config(parse(["--outer-algorithm", "scaffold", "--compression", "none"]), {})
     assert (dense.outer_lr, dense.outer_lr_final, dense.outer_momentum, dense.nesterov) == (0.7, None, 0.9, True)

@@ -206,10 +206,11 @@ RUNS = {  # label -> (attack class or None, node flags, harness setting or None,
     "pixel": ("PixelBackdoor", (), "scaffold+blackbox/daemon-drop4", False),
     "pixel-boosted": ("BoostedPixelBackdoor", (), "scaffold+blackbox/daemon-drop4", True),
     "pixel-boosted/no-drop": ("BoostedPixelBackdoor", ("--drop-outsized", "0"), "scaffold+blackbox/daemon", True),
-    # where the node and the harness differ: the node's sparse codes (top-k with error feedback) and outer lr 3.5,
-    # against the harness's dense pseudo-gradients and outer lr 1: the node with the harness's outer step (dense
-    # codes: no robust rule; c derived from the aggregate, as the node does), with sparse codes at outer lr 1, and
-    # both without control variates (FedAvg: the node's DiLoCo path at the same outer step)
+    # where the node and the harness differ: the node's sparse codes (top-k with error feedback) against the
+    # harness's dense pseudo-gradients (both at outer lr 1): the node with the harness's outer step (dense codes: no
+    # robust rule; c derived from the aggregate, as the node does), sparse codes at an explicit outer lr 1 (the
+    # default since outer lr 3.5 made theta swing), and both without control variates (FedAvg: the node's DiLoCo
+    # path at the same outer step)
     "pixel/dense-lr1": ("PixelBackdoor", DENSE_SGD1, "scaffold+blackbox/derived", False),
     "pixel/sparse-lr1": ("PixelBackdoor", ("--outer-lr", "1"), None, False),
     "pixel/fedavg-dense-lr1": ("PixelBackdoor", DENSE_SGD1 + ("--outer-algorithm", "diloco"), "fedavg+blackbox",
