@@ -2,10 +2,10 @@
 
 Per round r, on the training thread:
 
-* ``commit(r)`` at the start of the round's inner steps: the start state S_r (the inner optimizer's state and the
-  error-feedback buffer) is serialized, offered under ``state/r`` on its own ContributionServer, and its SHA-256,
-  length and data position go into the round's gathered metadata (``gather_fields``): a commitment made before
-  anyone knows who will audit the round.
+* ``commit(r)`` at the start of the round's inner steps: the start state S_r (the inner optimizer's state, the
+  error-feedback buffer and, with SCAFFOLD, our c_i) is serialized, offered under ``state/r`` on its own
+  ContributionServer, and its SHA-256, length and data position go into the round's gathered metadata
+  (``gather_fields``): a commitment made before anyone knows who will audit the round.
 * ``observe(r, result)`` once round r was applied: its contributions, gathered metadata and theta are kept for
   KEEP_ROUNDS rounds, and round r can be audited: the targets come from round r's contribution digests
   (``audit_targets`` over ``round_randomness``, at each peer's rate: ``rate_of``), and if we audit someone, the
@@ -29,6 +29,7 @@ logged and counted, not accused: a broken link looks the same (docs/security.md,
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -41,7 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import BinaryIO, Optional
+from typing import BinaryIO, Optional, Sequence
 
 import safetensors.torch
 import torch
@@ -71,18 +72,21 @@ class AuditOutcome(str, Enum):
 class RoundRecord:
     """What a round we took part in leaves for audits: theta at its start, the group's gathered metadata (peer_id ->
     RoundGather), the contributions we aggregated (peer_id -> payload) and their digests (``RoundResult.inputs``, what
-    members publish)."""
+    members publish), and with SCAFFOLD the swarm's c at the round's start (empty without)."""
 
     theta: list
     gathered: dict
     contributions: dict
     inputs: dict
+    control: list
 
 
-def state_tensors(optimizer_state: dict, error: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_tensors(optimizer_state: dict, error: list[torch.Tensor],
+                  control: Sequence[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
     """A start state as named CPU tensors (safetensors' layout): ``opt.{i}.{key}`` for parameter i's inner-optimizer
-    entries (a number as a 0-dim float64 tensor; None, SGD's absent momentum, left out) and ``error.{j}`` for the
-    error-feedback buffer. Views where the tensors are contiguous CPU ones: nothing is copied."""
+    entries (a number as a 0-dim float64 tensor; None, SGD's absent momentum, left out), ``error.{j}`` for the
+    error-feedback buffer and ``control.{j}`` for SCAFFOLD's c_i (none without). Views where the tensors are
+    contiguous CPU ones: nothing is copied."""
     out = {}
     for i, entry in optimizer_state["state"].items():
         for key, value in entry.items():
@@ -90,18 +94,20 @@ def state_tensors(optimizer_state: dict, error: list[torch.Tensor]) -> dict[str,
                 out[f"opt.{i}.{key}"] = value.detach().cpu().contiguous() if isinstance(value, torch.Tensor) \
                     else torch.tensor(float(value), dtype=torch.float64)
     out.update({f"error.{j}": e.detach().cpu().contiguous() for j, e in enumerate(error)})
+    out.update({f"control.{j}": c.detach().cpu().contiguous() for j, c in enumerate(control)})
     return out
 
 
-def write_state(path: Path, optimizer_state: dict, error: list[torch.Tensor]) -> None:
+def write_state(path: Path, optimizer_state: dict, error: list[torch.Tensor],
+                control: Sequence[torch.Tensor] = ()) -> None:
     """A start state written to ``path`` by safetensors (a JSON header and the raw tensor bytes, written as they lie
     in memory: no pickling, no serialized copy)."""
-    safetensors.torch.save_file(state_tensors(optimizer_state, error), str(path))
+    safetensors.torch.save_file(state_tensors(optimizer_state, error, control), str(path))
 
 
-def encode_state(optimizer_state: dict, error: list[torch.Tensor]) -> bytes:
+def encode_state(optimizer_state: dict, error: list[torch.Tensor], control: Sequence[torch.Tensor] = ()) -> bytes:
     """``write_state``'s bytes in memory."""
-    return safetensors.torch.save(state_tensors(optimizer_state, error))
+    return safetensors.torch.save(state_tensors(optimizer_state, error, control))
 
 
 def write_tensors(f: BinaryIO, tensors: list[torch.Tensor]) -> None:
@@ -118,28 +124,38 @@ def read_tensors(buffer, shapes: list[tuple]) -> list[torch.Tensor]:
     return [part.view(shape) for part, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
 
 
-def decode_state(blob: bytes, params: list[torch.Tensor], param_groups: list) -> tuple[dict, list[torch.Tensor]]:
-    """(inner optimizer state_dict with OUR ``param_groups``, error-feedback buffer) from a peer's bytes. Raises
-    ValueError naming what does not fit ``params`` (shapes, non-finite values, missing entries)."""
+def _indexed(entries: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    """Entries 0..n-1 in order; empty unless they are exactly those."""
+    return [entries[j] for j in sorted(entries)] if sorted(entries) == list(range(len(entries))) else []
+
+
+def decode_state(blob: bytes, params: list[torch.Tensor], param_groups: list,
+                 control: bool = False) -> tuple[dict, list[torch.Tensor], list[torch.Tensor]]:
+    """(inner optimizer state_dict with OUR ``param_groups``, error-feedback buffer, SCAFFOLD's c_i) from a peer's
+    bytes; ``control``: the swarm trains with SCAFFOLD, so the state must hold a c_i (empty list without). Raises
+    ValueError naming what does not fit ``params`` (shapes, non-finite values, missing or unexpected entries)."""
     try:
         raw = safetensors.torch.load(bytes(blob))
     except Exception as e:  # any header or layout problem of untrusted bytes (safetensors validates both)
         raise ValueError(f"start state does not load: {type(e).__name__}: {str(e)[:120]}") from e
     state: dict = {}
-    error_at: dict = {}
+    flat: dict = {"error": {}, "control": {}}
+    allowed = (("opt", True), ("error", False)) + ((("control", False),) if control else ())
     for name, value in raw.items():
         kind, _, rest = name.partition(".")
         index, _, key = rest.partition(".")
-        if not index.isdigit() or (kind, bool(key)) not in (("opt", True), ("error", False)):
+        if not index.isdigit() or (kind, bool(key)) not in allowed:
             raise ValueError(f"start state: unexpected entry {name[:80]!r}")
         if kind == "opt":
             state.setdefault(int(index), {})[key] = value
         else:
-            error_at[int(index)] = value
-    error = [error_at[j] for j in sorted(error_at)] if sorted(error_at) == list(range(len(error_at))) else []
+            flat[kind][int(index)] = value
+    error, c_i = _indexed(flat["error"]), _indexed(flat["control"])
     audit_shapes = [tuple(p.shape) for p in params]
     if [tuple(getattr(e, "shape", ())) for e in error] != audit_shapes:
         raise ValueError("start state: the error-feedback buffer does not fit the model")
+    if control and [tuple(c.shape) for c in c_i] != audit_shapes:
+        raise ValueError("start state: the SCAFFOLD control variate c_i does not fit the model")
     per_param = {}
     for i, p in enumerate(params):
         entry = state.get(i, {}) if isinstance(state, dict) else {}
@@ -154,8 +170,10 @@ def decode_state(blob: bytes, params: list[torch.Tensor], param_groups: list) ->
         per_param[i] = {k: v.float() if isinstance(v, torch.Tensor) and k != "step" else v for k, v in entry.items()}
     if not all(torch.isfinite(e).all() for e in error):
         raise ValueError("start state: the error-feedback buffer holds NaN or Inf")
+    if not all(torch.isfinite(c).all() for c in c_i):
+        raise ValueError("start state: the SCAFFOLD control variate c_i holds NaN or Inf")
     return {"state": {i: v for i, v in per_param.items() if v}, "param_groups": copy.deepcopy(param_groups)}, \
-        [e.float() for e in error]
+        [e.float() for e in error], [c.float() for c in c_i]
 
 
 def data_lie(cfg, peer: str, r: int, meta, meta_next) -> str:
@@ -178,7 +196,7 @@ def data_lie(cfg, peer: str, r: int, meta, meta_next) -> str:
 
 
 class Audits:
-    """One node's audits. ``state``: daemon.replica_state.ReplicaState (whole model, sparse, DiLoCo);
+    """One node's audits. ``state``: daemon.replica_state.ReplicaState (whole model, sparse, DiLoCo or SCAFFOLD);
     ``server``: a ContributionServer of its own namespace for start states; ``me``: our peer_id; ``spill``: where
     the kept start states and thetas live (files mapped read-only, peers/spill.py: the page cache holds them, not
     the node's memory)."""
@@ -190,6 +208,7 @@ class Audits:
         self.thresholds = audit.Thresholds()
         self._commits: dict[int, dict] = {}  # round -> our commitment (gather fields)
         self._thetas: dict[int, list] = {}   # round -> theta at its start (views of a spilled file)
+        self._controls: dict[int, list] = {}  # round -> SCAFFOLD's c at its start (likewise; none without)
         self._rounds: dict[int, RoundRecord] = {}
         self._judged: set = set()  # (accused, round) checked here
         self._seen: dict[str, int] = {}  # peer_id -> the first round we saw it contribute (probation, ``rate_of``)
@@ -218,18 +237,23 @@ class Audits:
             return
         st = self.state
         optimizer_state = st.inner.inner_optimizer.state_dict()  # references: written to the file now, not copied
-        blob = self.spill.keep_path(lambda path: write_state(path, optimizer_state, st.compressor.error))
+        c_i = st.control.c_i if st.control is not None else []
+        blob = self.spill.keep_path(lambda path: write_state(path, optimizer_state, st.compressor.error, c_i))
         self.server.offer(f"state/{r}", blob)
+        shapes = [tuple(t.shape) for t in st.outer.global_params]
         theta = self.spill.keep(lambda f: write_tensors(f, st.outer.global_params))
+        control = self.spill.keep(lambda f: write_tensors(f, st.control.c)) if st.control is not None else None
         # hashed beside the inner steps: the digest is only needed when the round's metadata is gathered
         digest = self._hasher.submit(lambda: hashlib.sha256(blob).hexdigest())
         with self._lock:
             self._commits[r] = dict(state_sha256=digest, state_bytes=len(blob),
                                     data_position=st.shard.position, shard_key=st.shard.shard_key)
-            self._thetas[r] = read_tensors(theta, [tuple(t.shape) for t in st.outer.global_params])
+            self._thetas[r] = read_tensors(theta, shapes)
+            self._controls[r] = read_tensors(control, shapes) if control is not None else []
             for old in [k for k in self._commits if k <= r - KEEP_ROUNDS]:
                 self._commits.pop(old)
                 self._thetas.pop(old, None)
+                self._controls.pop(old, None)
 
     def withdraw(self, r: int) -> None:
         """Round r's commitment no longer describes the round: a re-sync that kept the round's progress moved it
@@ -240,6 +264,7 @@ class Audits:
         with self._lock:
             self._commits.pop(r, None)
             self._thetas.pop(r, None)
+            self._controls.pop(r, None)
 
     def gather_fields(self, r: int) -> dict:
         """Round r's commitment for the gathered metadata (empty: none made); waits for its digest if it is still
@@ -262,7 +287,7 @@ class Audits:
             theta = self._thetas.get(r)
             if theta is not None:
                 self._rounds[r] = RoundRecord(theta, dict(result.gathered), dict(result.contributions),
-                                              dict(result.inputs))
+                                              dict(result.inputs), self._controls.get(r, []))
             for old in [k for k in self._rounds if k <= r - KEEP_ROUNDS]:
                 self._rounds.pop(old)
             for key in [k for k in self._replays if k[1] <= r - KEEP_ROUNDS]:
@@ -412,21 +437,26 @@ class Audits:
             state = self._committed_state(peer, r, meta, inner, groups)
             if isinstance(state[0], AuditOutcome):
                 return state
-            opt, e_start = state
+            opt, e_start, c_start = state
             shard = self.workload.shard(ASSIGNED_SEED if self.cfg.assigned_data else self.cfg.seed, meta.shard_key)
             batches = [shard.batch_at(meta.data_position + i) for i in range(self.cfg.inner_steps)]
-            delta, opt_rec = audit.recompute(inner, rec.theta, opt, batches, (r - 1) * self.cfg.inner_steps)
+            control = self._control_link(r, rec, c_start)
+            delta, opt_rec = audit.recompute(inner, rec.theta, opt, batches, (r - 1) * self.cfg.inner_steps,
+                                             control.correction() if control is not None else None)
         else:
-            e_start, delta, opt_rec = self._load_replay(replay, inner, groups)
+            e_start, delta, opt_rec, c_start = self._load_replay(replay, inner, groups)
+            control = self._control_link(r, rec, c_start)
         e_next = opt_next = None
         if nxt is not None:
             state = self._committed_state(peer, r + 1, meta_next, inner, groups)
             if isinstance(state[0], AuditOutcome):
                 return state
-            opt_next, e_next = state
+            opt_next, e_next, c_next = state
+            if control is not None:
+                control = dataclasses.replace(control, next=c_next)
         try:
             report = audit.full_audit(payload, e_start, e_next, delta, opt_next, opt_rec, self.cfg.sparse_config(),
-                                      self.thresholds)
+                                      self.thresholds, control)
         except ContributionError as e:
             return AuditOutcome.LIED, f"its contribution does not decode: {e}"
         stats = ", ".join([f"{k} {v:.3g}" for k, v in report.stats.items()] + [report.detail] * bool(report.detail))
@@ -435,28 +465,39 @@ class Audits:
         if nxt is None:  # the contribution holds up so far: the other links once round r + 1 is kept
             kept = self.spill.keep_path(lambda path: safetensors.torch.save_file(
                 {**{f"e.{i}": t.contiguous() for i, t in enumerate(e_start)},
-                 **{f"d.{i}": t.contiguous() for i, t in enumerate(delta)}, **state_tensors(opt_rec, [])}, str(path)))
+                 **{f"d.{i}": t.contiguous() for i, t in enumerate(delta)},
+                 **{f"c.{i}": t.contiguous() for i, t in enumerate(c_start)}, **state_tensors(opt_rec, [])}, str(path)))
             with self._lock:
                 self._replays[(peer, r)] = kept
             return AuditOutcome.PENDING, stats
         return AuditOutcome.HONEST, stats
 
+    def _control_link(self, r: int, rec: RoundRecord, c_start: Sequence[torch.Tensor]) -> Optional[audit.ControlLink]:
+        """SCAFFOLD's part of the audit of round r (None for DiLoCo): our c at the round's start, the contributor's
+        committed c_i, the round's lr_sum, and the factors an outer step may scale c_i by (1 and the quiet
+        restart's)."""
+        if self.state.control is None:
+            return None
+        return audit.ControlLink(rec.control, c_start, None, self.state.lr_sum(r),
+                                 (1.0, self.state.control.quiet.factor))
+
     def _committed_state(self, peer: str, r: int, meta, inner, groups) -> tuple:
         """``peer``'s committed start state of round r, fetched and checked against its digest and length, then
-        decoded for ``inner``: (optimizer state, error feedback), or (UNAVAILABLE / LIED, why)."""
+        decoded for ``inner``: (optimizer state, error feedback, c_i: empty without SCAFFOLD), or
+        (UNAVAILABLE / LIED, why)."""
         got, failed = self.server.fetch({peer: (meta.state_sha256, meta.state_bytes)}, f"state/{r}",
                                         self.cfg.averaging_timeout)
         if peer not in got:
             return AuditOutcome.UNAVAILABLE, f"state/{r}: {failed.get(peer, 'not served')}"
         try:
-            return decode_state(got[peer], inner.params, groups)
+            return decode_state(got[peer], inner.params, groups, control=self.state.control is not None)
         except ValueError as e:
             return AuditOutcome.LIED, str(e)
 
     @staticmethod
-    def _load_replay(kept, inner, groups) -> tuple[list, list, dict]:
+    def _load_replay(kept, inner, groups) -> tuple[list, list, dict, list]:
         """A replay kept by ``audit``'s first stage (our own file): (e_r, the recomputed delta, the recomputed
-        optimizer state)."""
+        optimizer state, the committed c_i: empty without SCAFFOLD)."""
         raw = safetensors.torch.load(bytes(kept))
         state: dict = {}
         for name, value in raw.items():
@@ -465,7 +506,7 @@ class Audits:
                 state.setdefault(int(index), {})[key] = value
         n = len(inner.params)
         return [raw[f"e.{i}"] for i in range(n)], [raw[f"d.{i}"] for i in range(n)], \
-            {"state": state, "param_groups": groups}
+            {"state": state, "param_groups": groups}, [raw[f"c.{i}"] for i in range(n) if f"c.{i}" in raw]
 
     def _auditor(self):
         if self._inner is None:

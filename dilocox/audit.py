@@ -14,7 +14,12 @@ S_r and the next round's committed e_{r+1} and s_H, recomputes Δ_r, and checks 
 * **contribution**: Decode(Encode(β e_r + Δ_r)) against Decode(c_r);
 * **error feedback**: the claimed Δ_r = e_{r+1} - β e_r + Decode(c_r) against the recomputed Δ_r, unless e_{r+1}
   is e_r bit for bit (round r was not applied there) or zero (the contributor re-synced by download);
-* **optimizer**: the committed s_H against the recomputed one.
+* **optimizer**: the committed s_H against the recomputed one;
+* **control variate** (SCAFFOLD only: the start state also holds the contributor's c_i, and the inner steps are
+  replayed with its correction c - c_i, c the swarm's control variate at the round's start, which every member
+  holds): the committed c_i of round r + 1 against option II's update s (c_i - c + Δ_r / lr_sum)
+  (dilocox/scaffold.py), for s = 1 or the quiet restart's factor, unless it is zero (a restart at zero, or a
+  re-sync by download).
 
 A liar that sends a c_r other than its honest one must either fail the contribution link, or commit an
 e_r (or s_0) made up to fit, which breaks the error-feedback (or optimizer) link of round r-1. Each
@@ -42,6 +47,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from dilocox.scaffold import apply_correction_step
 from dilocox.sparse.codec import SparseCodec
 from dilocox.sparse.wire import SparseConfig, decode
 
@@ -166,17 +172,50 @@ def cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
 
 
 def recompute(inner, theta: Sequence[torch.Tensor], optimizer_state: dict, batches: Sequence[tuple],
-              first_step: int) -> tuple[list[torch.Tensor], dict]:
+              first_step: int, correction: Optional[Sequence[torch.Tensor]] = None) -> tuple[list[torch.Tensor], dict]:
     """Replay inner steps on ``inner`` (a dilocox.diloco.InnerLoop of the contributor's architecture and
     InnerConfig): load θ and a copy of ``optimizer_state`` (an inner_optimizer ``state_dict``), run one
-    inner_step per (inputs, targets) in ``batches`` at global steps ``first_step``, ``first_step + 1``, ...
-    Returns (Δ = θ - x, fp32 tensors of θ's shapes; the optimizer's state_dict after the last step)."""
+    inner_step per (inputs, targets) in ``batches`` at global steps ``first_step``, ``first_step + 1``, ...;
+    ``correction``: SCAFFOLD's c - c_i (θ's shapes), stepped after each optimizer step as the contributor's node
+    does (``apply_correction_step``). Returns (Δ = θ - x, fp32 tensors of θ's shapes; the optimizer's state_dict
+    after the last step)."""
     inner.load_params(theta)
     inner.inner_optimizer.load_state_dict(copy.deepcopy(optimizer_state))  # load_state_dict may alias tensors
+    after = None
+    if correction is not None:
+        def after(lr: float) -> None:
+            apply_correction_step(inner.params, list(correction), lr)
     for i, (x, y) in enumerate(batches):
-        inner.inner_step(x, y, global_step=first_step + i)
+        inner.inner_step(x, y, global_step=first_step + i, after_step=after)
     delta = [t.detach().float() - p.detach().float() for t, p in zip(theta, inner.params)]
     return delta, copy.deepcopy(inner.inner_optimizer.state_dict())
+
+
+@dataclass(frozen=True)
+class ControlLink:
+    """SCAFFOLD's part of an audit (dilocox/scaffold.py, option II). ``c``: the swarm's control variate at the
+    round's start (every member holds the same); ``start`` / ``next``: the contributor's committed c_i of rounds r
+    and r + 1 (``next`` None: not checked yet); ``lr_sum``: the sum of round r's inner learning rates (option II's
+    K eta_l); ``scales``: the factors an outer step may scale c_i by after the update (1, and a quiet restart's
+    factor). Lists of θ's shapes, fp32."""
+
+    c: Sequence[torch.Tensor]
+    start: Sequence[torch.Tensor]
+    next: Optional[Sequence[torch.Tensor]]
+    lr_sum: float
+    scales: tuple = (1.0,)
+
+    def correction(self) -> list[torch.Tensor]:
+        """c - c_i: what the round's inner steps were corrected by."""
+        return [c - ci for c, ci in zip(self.c, self.start)]
+
+    def error(self, delta: Sequence[torch.Tensor]) -> tuple[float, str]:
+        """(relative error of the committed next c_i against option II's update with the recomputed ``delta``, the
+        form it took). Zero is the honest form of a restart at zero or a re-sync by download."""
+        if all(not bool(n.any()) for n in self.next):
+            return 0.0, "c_i reset"
+        update = [ci - c + d / self.lr_sum for ci, c, d in zip(self.start, self.c, delta)]
+        return min(relative_error(self.next, [s * u for u in update]) for s in self.scales if s > 0), ""
 
 
 def _optimizer_tensors(state: dict) -> list[torch.Tensor]:
@@ -192,11 +231,13 @@ def _optimizer_tensors(state: dict) -> list[torch.Tensor]:
 
 def full_audit(payload: bytes, error_start: Sequence[torch.Tensor], error_next: Optional[Sequence[torch.Tensor]],
                delta: Sequence[torch.Tensor], optimizer_next: Optional[dict], recomputed_optimizer: Optional[dict],
-               cfg: SparseConfig, thresholds: Thresholds = Thresholds()) -> AuditReport:
+               cfg: SparseConfig, thresholds: Thresholds = Thresholds(),
+               control: Optional[ControlLink] = None) -> AuditReport:
     """The RECOMPUTE check of one contribution. ``payload``: the contribution c_r as gathered; ``error_start``
     and ``error_next``: the committed e_r and e_{r+1} (None: that link is not checked); ``delta``: the
     recomputed Δ_r (``recompute``); ``optimizer_next`` / ``recomputed_optimizer``: the committed and the
-    recomputed inner optimizer state after the round (None: not checked). The error-feedback link has three
+    recomputed inner optimizer state after the round (None: not checked); ``control``: SCAFFOLD's c_i link (None:
+    DiLoCo; its ``next`` None: not checked). The error-feedback link has three
     honest forms, told apart by the bits: e_{r+1} = e_r (the round was not applied there: skipped), e_{r+1} = 0 (the
     contributor re-synced by download, which resets the buffer) or the codec's update (``detail`` says which).
     Raises ContributionError if the payload does not decode (a malformed contribution is rejected before any
@@ -219,6 +260,9 @@ def full_audit(payload: bytes, error_start: Sequence[torch.Tensor], error_next: 
     if optimizer_next is not None and recomputed_optimizer is not None:
         stats["optimizer_error"] = relative_error(_optimizer_tensors(optimizer_next),
                                                   _optimizer_tensors(recomputed_optimizer))
+    if control is not None and control.next is not None:
+        stats["control_variate_error"], form = control.error(delta)
+        detail = ", ".join(x for x in (detail, form) if x)
     lied = any(not (v <= thresholds.max_link_error) for v in stats.values())  # NaN counts as a lie
     return AuditReport(AuditCheck.RECOMPUTE, AuditVerdict.LIED if lied else AuditVerdict.HONEST, stats, detail)
 

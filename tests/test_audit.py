@@ -4,6 +4,7 @@ full recomputation passes an honest contribution recomputed under other float se
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from dilocox.audit import AuditVerdict
 from dilocox.data import Corpus, ReplicaShard
 from dilocox.diloco import InnerConfig, InnerLoop
 from dilocox.model import ModelSpec
+from dilocox.scaffold import ControlVariates
 from dilocox.sparse import SparseCodec, SparseConfig, decode
 from dilocox.stages import build_stage
 
@@ -188,3 +190,60 @@ def test_a_round_the_contributor_did_not_apply_or_a_reset_is_honest(setting):
     other = [e * 0.5 for e in s["start"][1]]
     assert audit.full_audit(s["payload"], s["start"][1], other, delta, s["opt_after"], opt, SPARSE).verdict \
         == AuditVerdict.LIED
+
+
+@pytest.fixture(scope="module")
+def scaffold(setting):
+    """An honest SCAFFOLD round from the same start: c (the swarm's) and the contributor's c_i in the units of
+    AdamW's update direction (dilocox/scaffold.py), the inner steps corrected by c - c_i, and c_i's option-II update
+    as the node computes it (``ControlVariates.client_update``)."""
+    s = setting
+    gen = torch.Generator().manual_seed(5)
+    control = ControlVariates(s["theta"])
+    control.c = [0.5 * torch.randn(t.shape, generator=gen) for t in s["theta"]]
+    control.c_i = [0.5 * torch.randn(t.shape, generator=gen) for t in s["theta"]]
+    c, c_start = [t.clone() for t in control.c], [t.clone() for t in control.c_i]
+    contributor = InnerLoop(build_stage(ModelSpec.resolve("tiny"), 0, 0, 1), s["auditor"].config.__class__(
+        **{**s["auditor"].config.__dict__, "precision": "fp32"}))
+    delta, opt_after = audit.recompute(contributor, s["theta"], s["start"][0], s["batches"], H, control.correction())
+    lr_sum = sum(contributor.config.lr_at(H + i) for i in range(H))
+    control.client_update(delta, H, lr_sum)
+    codec = SparseCodec(s["shapes"], SPARSE)
+    codec.load_state_dict({"error": s["start"][1]})
+    payload, e_next = codec.prepare(delta)
+    link = audit.ControlLink(c, c_start, [t.clone() for t in control.c_i], lr_sum, (1.0, 0.5))
+    return dict(delta=delta, payload=payload, e_next=_shaped(e_next, delta), opt_after=opt_after, link=link)
+
+
+def _scaffold_audit(s, sc, payload, link, correction=None):
+    correction = link.correction() if correction is None else correction
+    delta, opt = audit.recompute(s["auditor"], s["theta"], s["start"][0], s["batches"], H, correction)
+    return audit.full_audit(payload, s["start"][1], sc["e_next"], delta, sc["opt_after"], opt, SPARSE, control=link)
+
+
+def test_an_honest_scaffold_round_recomputed_in_bf16_passes_every_link_with_its_correction(setting, scaffold):
+    s, sc = setting, scaffold
+    report = _scaffold_audit(s, sc, sc["payload"], sc["link"])
+    assert report.verdict == AuditVerdict.HONEST, report.stats
+    assert report.stats["control_variate_error"] < 0.05 and report.stats["contribution_error"] < 0.2
+    # the correction matters: replayed without it (as DiLoCo), the same contribution does not fit
+    plain = _scaffold_audit(s, sc, sc["payload"], sc["link"], [torch.zeros_like(t) for t in s["theta"]])
+    assert plain.verdict == AuditVerdict.LIED and plain.stats["contribution_error"] > 0.5, plain.stats
+    # a restart at zero and a quiet restart's shrink are honest forms of the next c_i
+    zero = dataclasses.replace(sc["link"], next=[torch.zeros_like(t) for t in s["theta"]])
+    assert _scaffold_audit(s, sc, sc["payload"], zero).verdict == AuditVerdict.HONEST
+    half = dataclasses.replace(sc["link"], next=[0.5 * t for t in sc["link"].next])
+    assert _scaffold_audit(s, sc, sc["payload"], half).verdict == AuditVerdict.HONEST
+
+
+def test_a_made_up_control_variate_fails_its_link(setting, scaffold):
+    """BadSFL's attacker (arXiv 2411.16167) tampers with its c_i: a committed next c_i other than option II's update
+    fails the control-variate link; a start c_i other than the one the round was corrected with fails the
+    contribution link (the replay steps with the committed one)."""
+    s, sc = setting, scaffold
+    crafted = dataclasses.replace(sc["link"], next=[2.0 * t + 0.3 for t in sc["link"].next])
+    report = _scaffold_audit(s, sc, sc["payload"], crafted)
+    assert report.verdict == AuditVerdict.LIED and report.stats["control_variate_error"] > 0.5, report.stats
+    other_start = dataclasses.replace(sc["link"], start=[-t for t in sc["link"].start])
+    report = _scaffold_audit(s, sc, sc["payload"], other_start)
+    assert report.verdict == AuditVerdict.LIED and report.stats["contribution_error"] > 0.5, report.stats

@@ -104,8 +104,19 @@ def test_a_start_state_is_checked_before_use():
     opt.step()
     groups = opt.state_dict()["param_groups"]
     good = encode_state(opt.state_dict(), [torch.ones(3, 2), torch.ones(4)])
-    state, error = decode_state(good, params, groups)
-    assert set(state["state"]) == {0, 1} and [tuple(e.shape) for e in error] == [(3, 2), (4,)]
+    state, error, c_i = decode_state(good, params, groups)
+    assert set(state["state"]) == {0, 1} and [tuple(e.shape) for e in error] == [(3, 2), (4,)] and c_i == []
+    # SCAFFOLD's start state holds the contributor's c_i, checked like the rest; a DiLoCo swarm refuses one
+    with_c = encode_state(opt.state_dict(), [torch.ones(3, 2), torch.ones(4)], [torch.full((3, 2), 2.0), torch.ones(4)])
+    _, _, c_i = decode_state(with_c, params, groups, control=True)
+    assert [float(c.sum()) for c in c_i] == [12.0, 4.0]
+    with pytest.raises(ValueError, match=r"unexpected entry 'control\."):
+        decode_state(with_c, params, groups)
+    with pytest.raises(ValueError, match="control variate c_i does not fit"):
+        decode_state(good, params, groups, control=True)
+    with pytest.raises(ValueError, match="control variate c_i holds NaN"):
+        decode_state(encode_state(opt.state_dict(), [torch.ones(3, 2), torch.ones(4)],
+                                  [torch.ones(3, 2), torch.full((4,), float("inf"))]), params, groups, control=True)
     with pytest.raises(ValueError, match="does not load"):
         decode_state(b"not a state", params, groups)
     with pytest.raises(ValueError, match="error-feedback buffer does not fit"):
@@ -157,7 +168,7 @@ def test_kept_start_states_and_thetas_live_in_files_not_in_the_nodes_memory(tmp_
     theta = [torch.randn(5), torch.randn(2, 3)]
     offered = {}
     state = SimpleNamespace(inner=SimpleNamespace(inner_optimizer=opt),
-                            compressor=SimpleNamespace(error=[torch.ones(5), torch.ones(2, 3)]),
+                            compressor=SimpleNamespace(error=[torch.ones(5), torch.ones(2, 3)]), control=None,
                             shard=SimpleNamespace(position=0, shard_key=7), outer=SimpleNamespace(global_params=theta))
     a = Audits(SimpleNamespace(audit_rate=1.0, authority=None, averaging_timeout=1.0), state=state, workload=None,
                server=SimpleNamespace(offer=offered.__setitem__), me="me", spill=Spill(tmp_path / "served"))
@@ -263,7 +274,7 @@ def test_a_round_that_a_re_sync_moved_onto_another_theta_withdraws_its_commitmen
     offered = {}
     state = SimpleNamespace(inner=SimpleNamespace(inner_optimizer=torch.optim.SGD([torch.zeros(3, requires_grad=True)],
                                                                                      lr=0.1)),
-                            compressor=SimpleNamespace(error=[torch.ones(3)]),
+                            compressor=SimpleNamespace(error=[torch.ones(3)]), control=None,
                             shard=SimpleNamespace(position=40, shard_key=7),
                             outer=SimpleNamespace(global_params=[torch.zeros(3)]))
     a = Audits(SimpleNamespace(audit_rate=1.0, authority=None, averaging_timeout=1.0), state=state, workload=None,
