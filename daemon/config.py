@@ -171,8 +171,9 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
 
     @classmethod
     def _auditable(cls, data: dict) -> bool:
-        """Whether the raw settings ``data`` describe rounds that can be recomputed: synchronous sparse DiLoCo rounds
-        of whole models on a real workload (the fields left out take their defaults)."""
+        """Whether the raw settings ``data`` describe rounds audited by default: synchronous sparse DiLoCo rounds of
+        whole models on a real workload (the fields left out take their defaults). SCAFFOLD's rounds can be audited
+        too, with an explicit ``audit_rate`` (docs/security.md, Audits, says why not by default)."""
         def get(name):
             value = data.get(name)
             return cls.model_fields[name].default if value is None else value
@@ -233,10 +234,10 @@ class NodeConfig(TrainingSection, SecuritySection, ModelSection, ControlSection,
                              "stage 0/1, outer_algorithm=diloco, no audit_rate): an overlapped round's proxy "
                              "and an audit need a member's contribution before the round's index set exists")
         if self.audit_rate and (self.compression != "sparse" or self.overlap != "none" or self.stage != "0/1"
-                                or self.outer_algorithm != "diloco" or self.workload):
-            raise ValueError("audit_rate needs synchronous sparse rounds of whole models trained with DiLoCo on a real "
-                             "workload (compression=sparse, overlap=none, stage 0/1, outer_algorithm=diloco, no "
-                             "workload): only those contributions can be recomputed (docs/security.md, Audits)")
+                                or self.workload):
+            raise ValueError("audit_rate needs synchronous sparse rounds of whole models on a real workload "
+                             "(compression=sparse, overlap=none, stage 0/1, no workload): only those contributions "
+                             "can be recomputed (docs/security.md, Audits)")
         if self.local_epochs is not None and ("inner_steps" in self.model_fields_set or self.workload):
             raise ValueError("local_epochs sets H from the data: give it or inner_steps, not both, and not with an "
                              "emulated workload (it has no data)")

@@ -159,8 +159,8 @@ class SecuritySection(Section):
         None, ge=0, le=1, description="probability that a group-mate's round is recomputed by a member drawn to audit "
         "it, who accuses it if it lied (dilocox/audit.py; each member spends about this many rounds of compute a round "
         "on audits; 0.49 catches 2 colluding liars of 5 within 10 rounds with probability 0.99; 0: off; default: "
-        f"{DEFAULT_AUDIT_RATE} where rounds can be recomputed (synchronous sparse DiLoCo rounds of whole models on a "
-        "real workload), else off)")
+        f"{DEFAULT_AUDIT_RATE} for synchronous sparse DiLoCo rounds of whole models on a real workload, else off; "
+        "SCAFFOLD's such rounds are audited only when set)")
     audit_probation: int = Field(5, ge=0, description="with audits: a peer's first rounds seen contributing are "
                                  "audited at rate 1 (a newcomer that lies is caught in its first rounds), later ones "
                                  "at audit_rate")
