@@ -314,7 +314,7 @@ class Node:
         sign = SignPolicy(cfg.robust_lr, cfg.robust_lr_agreement, cfg.robust_lr_when, cfg.robust_lr_outsized) \
             if cfg.robust_lr != "off" else None
         screen = Screen(float(cfg.inner_steps), cfg.aggregation, cfg.norm_bound, self.exclusions.admitted, sign,
-                        cfg.drop_outsized)
+                        cfg.drop_outsized, committed=bool(cfg.audit_rate))
         averager, me = self.averagers[sizes[0]], self.progress.peer_id
         if cfg.compression == "shared":
             return ReduceScatterTransport(averager, self.contributions, me, screen,

@@ -116,7 +116,7 @@ class Screened(NamedTuple):
 
 
 def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: float, payload_bytes: int,
-                    admitted: Optional[Callable[[str], Optional[str]]] = None) -> Screened:
+                    admitted: Optional[Callable[[str], Optional[str]]] = None, committed: bool = False) -> Screened:
     """The rules every member applies to the group's gathered metadata before any download.
 
     ``gathered``: peer_id -> the dict it sent (untrusted); ``payload_bytes``: the codec's largest valid
@@ -124,8 +124,10 @@ def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: f
     peer neither votes nor contributes). Dropped: malformed metadata; a member the group's exclusion vote leaves out
     of this round (dilocox/exclusion.py: a strict majority of the members with valid metadata voted against it); a
     start other than the group's canonical start digest among members at outer step ``round_index - 1``
-    (dilocox.consensus.canonical_digest), including any other outer step; a weight above ``max_weight``. Pure: every
-    member that sees the same gathered data drops the same peers."""
+    (dilocox.consensus.canonical_digest), including any other outer step; a weight above ``max_weight``; with
+    ``committed`` (an audited swarm), a contribution without a start-state commitment (``state_sha256``), which no
+    audit could check (docs/security.md, Audits). Pure: every member that sees the same gathered data drops the same
+    peers."""
     metas: Dict[str, Optional[RoundGather]] = {}
     announced: Dict[str, Tuple[Optional[str], int]] = {}
     dropped: Dict[str, str] = {}
@@ -162,6 +164,8 @@ def screen_gathered(gathered: Dict[str, object], round_index: int, max_weight: f
             dropped[peer] = f"started from other parameters (outer step {m.outer_step}, digest {m.start_digest})"
         elif not m.weight <= max_weight:
             dropped[peer] = f"weight {m.weight} exceeds the round's {max_weight:g} inner steps"
+        elif committed and not m.state_sha256:
+            dropped[peer] = "no start-state commitment in an audited swarm: its round could not be audited"
     return Screened(metas, announced, dropped, excluded)
 
 
@@ -236,7 +240,8 @@ class AllGatherTransport:
         rnd = rnd.result() if isinstance(rnd, Future) else rnd
         payload = mine["payload"]
         metas, announced, dropped, excluded = screen_gathered(res.gathered, round_index, max_weight,
-                                                              rnd.codec.payload_bytes(), admitted or server.admitted)
+                                                              rnd.codec.payload_bytes(), admitted or server.admitted,
+                                                              screen.committed)
         wanted = {p: announced[p] for p in announced if p != me and p not in dropped}
         # clients (no inbound connections) never dial clients: a reachable member relays between them
         clients = frozenset(p for p, m in metas.items() if m is not None and m.client_mode)

@@ -68,7 +68,8 @@ class Screen:
     aggregation rule and the norm bound applied before it (dilocox/robust.py); ``admitted(peer_id)``: None if
     that member may contribute, else why not (None: the contribution server's admission alone); ``sign``: the
     robust learning rate on the rule's aggregate (dilocox/sign_agreement.py; None: off); ``drop_outsized``: F > 1
-    leaves out a contribution the norm bound scales by less than 1/F (0: off; dilocox/sparse/aggregate.py)."""
+    leaves out a contribution the norm bound scales by less than 1/F (0: off; dilocox/sparse/aggregate.py);
+    ``committed``: the swarm audits its rounds, so a contribution without a start-state commitment is left out."""
 
     max_weight: float
     rule: str = "mean"
@@ -76,6 +77,7 @@ class Screen:
     admitted: Optional[Callable[[str], Optional[str]]] = None
     sign: Optional[SignPolicy] = None
     drop_outsized: float = 0.0
+    committed: bool = False
 
 
 @dataclass(frozen=True)

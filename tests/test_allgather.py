@@ -50,6 +50,16 @@ def test_screen_keeps_the_canonical_group_and_names_each_drop():
     assert announced == {"p1": (None, 116)} and not dropped
 
 
+def test_an_audited_swarm_leaves_out_a_contribution_without_a_start_state_commitment():
+    """A member that commits no start state could never be audited (daemon/audits.py skips it): where the swarm
+    audits, its contribution is left out alike on every member; elsewhere the field is not required."""
+    committed = dict(meta(), state_sha256="ab" * 32, state_bytes=10)
+    gathered = {"p1": committed, "p2": committed, "p3": meta()}
+    _, announced, dropped, _ = screen_gathered(gathered, 5, 20.0, 100, committed=True)
+    assert set(dropped) == {"p3"} and "no start-state commitment" in dropped["p3"]
+    assert not screen_gathered(gathered, 5, 20.0, 100).dropped
+
+
 def test_screen_is_the_same_for_every_member_whatever_the_order():
     gathered = {f"p{i}": meta(start="a" if i < 3 else "b") for i in range(6)}  # a 3:3 tie
     first = screen_gathered(gathered, 5, 20.0, 100)[2]

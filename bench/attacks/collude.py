@@ -6,6 +6,7 @@ The colluders share through a directory (the bench's side channel: ``REDTEAM_COL
 others', and crafts from the pool G (m x d, flattened fp32; mu its mean, sigma its coordinate-wise spread):
 
 * ``InnerProductHalf`` / ``InnerProductTwice``: -eps mu with eps 0.5 / 2 (IPM: Xie et al., arXiv 1903.03936);
+  ``InnerProductHalfUncommitted``: the same without a start-state commitment (no audit could check it);
 * ``LittleIsEnough``: mu - z sigma, z = Phi^-1((n - s) / n), s = floor(n/2 + 1) - m for a group of n
   (ALIE: Baruch et al., arXiv 1902.06156);
 * ``MinMax`` / ``MinSum``: mu + gamma p with p = -sigma / ||sigma||, gamma the largest that keeps the update's largest
@@ -128,3 +129,13 @@ class MinSum(MinMax):
 
     def bound(self, pool: torch.Tensor) -> float:
         return float((torch.cdist(pool, pool) ** 2).sum(1).max())
+
+
+class InnerProductHalfUncommitted(InnerProductHalf):
+    """``ipm-0.5`` that commits no start state, so that no audit could check it: where the swarm audits, every member
+    leaves its contributions out (peers/allgather.py ``screen_gathered``)."""
+
+    name = "ipm-shared-0.5-uncommitted"
+
+    def gather(self, fields: dict, round_index: int) -> dict:
+        return {**fields, "state_sha256": "", "state_bytes": 0}

@@ -48,6 +48,7 @@ ATTACKS = {
     "chosen-data": "bench.attacks.chosen:ChosenData",
     "ipm-0.5": "bench.attacks.collude:InnerProductHalf",
     "ipm-2": "bench.attacks.collude:InnerProductTwice",
+    "ipm-0.5-uncommitted": "bench.attacks.collude:InnerProductHalfUncommitted",
     "alie": "bench.attacks.collude:LittleIsEnough",
     "min-max": "bench.attacks.collude:MinMax",
     "min-sum": "bench.attacks.collude:MinSum",
