@@ -77,7 +77,8 @@ SETTINGS = ["fedavg+badsfl", "scaffold", "scaffold+blackbox", "scaffold+neurotox
 KEY = ["scaffold", "scaffold+blackbox", "scaffold+badsfl", "scaffold+badsfl/default"]
 # the published defenses the paper compares against (defenses.py): not in the default runs; when named by
 # --settings they run on every seed (make bench-badsfl-paper-defenses)
-COMPARED = [f"scaffold{a}/{d}" for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "")]
+COMPARED = [f"scaffold{a}/{d}" for d in ("flame", "dp-prune", "sparsefed")
+            for a in ("+badsfl", "+blackbox", "+neurotoxin", "")]
 # the daemon's whole SCAFFOLD default, alone and with the robust learning rate (run.py), against every attack
 COMPARED += [f"scaffold{a}/{d}" for d in ("daemon", "daemon-rlr", "daemon-mask", "daemon-rlr-gated",
                                                       "daemon-rlr2-gated", "daemon-drop4", "daemon-drop4-rlr-gated")

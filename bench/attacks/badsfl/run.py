@@ -123,9 +123,10 @@ SETTINGS = [
       for tail, extra in (("", {}), ("-rlr-gated", dict(sign_rule="flip", min_agreement=0.35, sign_when="outsized",
                                                          c_outsized=4.0)))
       for a in ("blackbox", "neurotoxin")],
-    # the published defenses the BadSFL paper compares against (defenses.py), with the paper's dc channel
+    # the published defenses the BadSFL paper compares against (defenses.py), with the paper's dc channel, against
+    # BadSFL and the baselines
     *[Setting(f"scaffold{a}/{d}", attack=a[1:] or "none", defense=d)
-      for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "")],
+      for d in ("flame", "dp-prune", "sparsefed") for a in ("+badsfl", "+blackbox", "+neurotoxin", "")],
 ]
 BY_NAME = {s.name: s for s in SETTINGS}
 QUICK = dict(clients=6, per_round=3, rounds=6, attack_start=2, attack_stop=4, inner_steps=2, batch_size=16,
