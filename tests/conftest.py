@@ -6,6 +6,11 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# The test process holds gRPC clients and forks nodes with a preexec_fn (tests/harness/localswarm.py): gRPC's
+# pre-fork handler can wait forever for its own threads (seen once: make test-swarm hung in fork for 17 min). The
+# children exec at once and the daemon turns fork support off too (daemon/cli.py).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 pytest_plugins = ["tests.fixtures"]  # fixtures several test modules share (state)
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

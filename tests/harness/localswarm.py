@@ -21,6 +21,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+# before grpc is imported: a benchmark that holds gRPC clients and forks nodes must not run gRPC's pre-fork handler,
+# which can wait forever for its own threads (tests/conftest.py says the same for tests)
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import grpc
 from dilocox.proto.dilocox.v1 import node_pb2, node_pb2_grpc
 
